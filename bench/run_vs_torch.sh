@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Strata vs PyTorch training-step throughput, side by side in one invocation: the mlp
+# (784-1024-1024-10, batch 128) and the cnn (batch 64), SGD momentum 0.9, one process and one
+# thread each, the same environment for both. Runs alternate (Strata first on odd repetitions,
+# torch first on even ones) so drifting machine load hits both sides alike; each run reports the
+# median of its timed windows and the table shows the median over repetitions.
+#
+#   cmake -S . -B build-bench -DSTRATA_CUDA=OFF && cmake --build build-bench --target bench_train_step
+#   bash bench/run_vs_torch.sh                 # REPS=5 STEPS=20 WINDOWS=7 WARMUP=20 by default
+#   STRATA_BENCH_BIN=build/bench_train_step REPS=9 bash bench/run_vs_torch.sh
+#
+# Environment for BOTH sides: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are unset (the dev/CI
+# environment pins OPENBLAS_CORETYPE=Haswell, which halves OpenBLAS SGEMM speed on AVX-512
+# machines; tests keep it, benchmarks do not), and OMP/OpenBLAS/MKL use one thread.
+# Optional: a second torch in bench/.venv (any version) adds a column.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+REPS="${REPS:-5}"
+STEPS="${STEPS:-20}"
+WINDOWS="${WINDOWS:-7}"
+WARMUP="${WARMUP:-20}"
+PYTHON="${PYTHON:-/usr/bin/python3}"
+VENV_PYTHON="$here/.venv/bin/python"
+
+bin="${STRATA_BENCH_BIN:-}"
+if [[ -z "$bin" ]]; then
+  for cand in "$root"/build-bench/bench_train_step "$root"/build/bench_train_step "$root"/build*/bench_train_step \
+              "$root"/build*/bench/bench_train_step; do
+    if [[ -x "$cand" ]]; then bin="$cand"; break; fi
+  done
+fi
+if [[ -z "$bin" || ! -x "$bin" ]]; then
+  echo "run_vs_torch.sh: bench_train_step not found; build it (see the top of this script) or set STRATA_BENCH_BIN" >&2
+  exit 1
+fi
+
+# The one environment both sides run in.
+run_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+common=(--warmup "$WARMUP" --steps "$STEPS" --windows "$WINDOWS" --threads 1)
+
+# Prints the samples/s of one run (its RESULT line), or exits with the run's output on failure.
+samples_per_s() {
+  local out
+  if ! out="$("${run_env[@]}" "$@" 2>&1)"; then
+    echo "run_vs_torch.sh: failed: $*" >&2
+    echo "$out" >&2
+    exit 1
+  fi
+  sed -n 's/^RESULT .*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out"
+}
+
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+
+torch_version="$("${run_env[@]}" "$PYTHON" -c 'import torch; print(torch.__version__)')"
+venv_version=""
+if [[ -x "$VENV_PYTHON" ]] && "$VENV_PYTHON" -c 'import torch' 2>/dev/null; then
+  venv_version="$("${run_env[@]}" "$VENV_PYTHON" -c 'import torch; print(torch.__version__)')"
+fi
+cpu="$(lscpu | sed -n 's/^Model name: *//p' | head -1)"
+
+echo "Strata vs PyTorch, one process, one thread each: $REPS alternating repetitions x ($WARMUP warm-up steps, median of $WINDOWS windows of $STEPS steps)"
+echo "strata: $bin"
+echo "torch:  $torch_version ($PYTHON)${venv_version:+; torch $venv_version ($VENV_PYTHON)}"
+echo "cpu:    $cpu, $(nproc) cores; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+
+rows=()
+for config in "mlp 128" "cnn 64"; do
+  read -r model batch <<<"$config"
+  s_runs=() t_runs=() v_runs=()
+  for ((r = 1; r <= REPS; ++r)); do
+    strata_cmd=("$bin" --model "$model" --batch "$batch" "${common[@]}")
+    torch_cmd=("$PYTHON" "$here/torch_train_step.py" --model "$model" --batch "$batch" "${common[@]}")
+    if ((r % 2)); then
+      s=$(samples_per_s "${strata_cmd[@]}"); t=$(samples_per_s "${torch_cmd[@]}")
+    else
+      t=$(samples_per_s "${torch_cmd[@]}"); s=$(samples_per_s "${strata_cmd[@]}")
+    fi
+    s_runs+=("$s"); t_runs+=("$t")
+    line="  $model b$batch rep $r: strata $s  torch $t"
+    if [[ -n "$venv_version" ]]; then
+      v=$(samples_per_s "$VENV_PYTHON" "$here/torch_train_step.py" --model "$model" --batch "$batch" "${common[@]}")
+      v_runs+=("$v"); line+="  torch-$venv_version $v"
+    fi
+    echo "$line"
+  done
+  s_med=$(median "${s_runs[@]}"); t_med=$(median "${t_runs[@]}")
+  row=$(awk -v m="$model" -v b="$batch" -v s="$s_med" -v t="$t_med" -v tv="$torch_version" \
+    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.2fx | %s |", m, b, s, t, s / t, tv}')
+  if [[ -n "$venv_version" ]]; then
+    v_med=$(median "${v_runs[@]}")
+    row+=$(awk -v s="$s_med" -v v="$v_med" -v tv="$venv_version" 'BEGIN {printf " %.0f | %.2fx (%s) |", v, s / v, tv}')
+  fi
+  rows+=("$row")
+done
+
+echo
+header="| model | batch | Strata samples/s | torch samples/s | Strata / torch | torch |"
+rule="|---|---:|---:|---:|---:|---|"
+if [[ -n "$venv_version" ]]; then
+  header+=" torch (venv) samples/s | Strata / venv torch |"
+  rule+="---:|---:|"
+fi
+echo "$header"
+echo "$rule"
+printf '%s\n' "${rows[@]}"
+echo
+echo "cpu: $cpu; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Strata needs (build, tests, data) if any are missing.
+# Idempotent: does nothing when everything is present. Run as root (or with sudo).
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libopenmpi-dev openmpi-bin
+  libhdf5-dev hdf5-tools
+  libboost-program-options-dev
+  libopenblas-dev
+  libgtest-dev
+  zlib1g-dev
+  python3 python3-numpy python3-h5py python3-torch
+  dataset-fashion-mnist
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -1,0 +1,35 @@
+#include "core/log.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+
+namespace strata::log {
+
+namespace {
+std::atomic<int> g_level{static_cast<int>(Level::Info)};
+std::atomic<bool> g_all_ranks{false};
+std::mutex g_mutex;
+}  // namespace
+
+void set_level(Level level) { g_level = static_cast<int>(level); }
+void set_all_ranks(bool all) { g_all_ranks = all; }
+
+bool enabled(Level level) {
+  if (static_cast<int>(level) < g_level) return false;
+  // Warnings and errors from any rank matter; progress only from rank 0.
+  return process_rank() == 0 || g_all_ranks || level >= Level::Warn;
+}
+
+void write(Level level, const std::string& line) {
+  std::lock_guard lock(g_mutex);
+  FILE* out = level >= Level::Warn ? stderr : stdout;
+  const char* tag = level == Level::Warn ? "warning: " : level == Level::Error ? "error: " : "";
+  if (g_all_ranks || process_rank() != 0)
+    std::fprintf(out, "[rank %d] %s%s\n", process_rank(), tag, line.c_str());
+  else
+    std::fprintf(out, "%s%s\n", tag, line.c_str());
+  std::fflush(out);
+}
+
+}  // namespace strata::log

@@ -1,0 +1,31 @@
+// Rank-aware logging: by default only rank 0 prints; `set_log_all_ranks(true)` prefixes every
+// line with its rank and lets all ranks print.
+#pragma once
+
+#include <string>
+
+#include "core/error.hpp"
+
+namespace strata::log {
+
+enum class Level { Debug = 0, Info = 1, Warn = 2, Error = 3 };
+
+void set_level(Level level);
+void set_all_ranks(bool all);
+bool enabled(Level level);
+void write(Level level, const std::string& line);
+
+template <class... Args>
+void info(const Args&... args) {
+  if (enabled(Level::Info)) write(Level::Info, detail::cat(args...));
+}
+template <class... Args>
+void warn(const Args&... args) {
+  if (enabled(Level::Warn)) write(Level::Warn, detail::cat(args...));
+}
+template <class... Args>
+void debug(const Args&... args) {
+  if (enabled(Level::Debug)) write(Level::Debug, detail::cat(args...));
+}
+
+}  // namespace strata::log

@@ -1,0 +1,494 @@
+// The ops' front door: checks every argument (shapes, dtypes, one device), then dispatches on
+// the device to ops::cpu or ops::cuda. This file is the only place that branches on device.
+#include "core/ops.hpp"
+
+#include <omp.h>
+
+#include <climits>
+#include <initializer_list>
+
+#include "core/ops/cpu/cpu_ops.hpp"
+#if STRATA_WITH_CUDA
+#include "core/ops/cuda/cuda_ops.hpp"
+#endif
+
+namespace strata::ops {
+
+namespace {
+
+Error not_on_cuda(const char* op, Device device) {
+  return Error(ErrorKind::Internal,
+               detail::cat("ops::", op, " is not implemented on CUDA yet (tensors on ", device.str(), ")"),
+               __FILE__, __LINE__);
+}
+
+// CPU kernels for every op; CUDA for those that have one (the rest throw until they do).
+#if STRATA_WITH_CUDA
+#define STRATA_CUDA_OP(device, op, ...) cuda::op(__VA_ARGS__)
+#else
+#define STRATA_CUDA_OP(device, op, ...) throw not_on_cuda(#op, device)
+#endif
+#define DISPATCH(device, op, ...) \
+  ((device).is_cpu() ? cpu::op(__VA_ARGS__) : STRATA_CUDA_OP(device, op, __VA_ARGS__))
+#define DISPATCH_CPU_ONLY(device, op, ...) ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
+
+void check_defined(const Tensor& t, const char* name) { STRATA_CHECK(t.defined(), name, " is undefined"); }
+
+void check_f32(const Tensor& t, const char* name) {
+  check_defined(t, name);
+  STRATA_CHECK(t.dtype() == DType::F32, name, " must be f32, got ", t.str());
+}
+
+void check_shape(const Tensor& t, const Shape& shape, const char* name) {
+  check_defined(t, name);
+  STRATA_CHECK(t.shape() == shape, name, " must have shape ", shape_str(shape), ", got ", t.str());
+}
+
+// f32 with the same number of elements as `like`.
+void check_f32_like(const Tensor& t, const Tensor& like, const char* name) {
+  check_f32(t, name);
+  STRATA_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, expected ", like.numel(), " (",
+               t.str(), " vs ", like.str(), ")");
+}
+
+// The device all defined tensors share.
+Device common_device(std::initializer_list<const Tensor*> tensors) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if (first == nullptr) {
+      first = t;
+    } else {
+      STRATA_CHECK(t->device() == first->device(), "tensors on different devices: ", first->device().str(),
+                   " and ", t->device().str());
+    }
+  }
+  return first ? first->device() : Device::cpu();
+}
+
+bool is_float_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+void check_blas_size(int64_t n, const char* what) {
+  STRATA_CHECK(n >= 0 && n <= INT_MAX, what, " ", n, " exceeds the BLAS integer range");
+}
+
+// Optional per-channel / per-feature vector: undefined or f32 with n elements.
+void check_optional_vec(const Tensor& t, int64_t n, const char* name) {
+  if (t.defined()) check_shape(t, Shape{n}, name);
+  if (t.defined()) check_f32(t, name);
+}
+
+}  // namespace
+
+void set_num_threads(int threads) {
+  STRATA_CHECK(threads >= 1, "thread count must be positive, got ", threads);
+  cpu::set_num_threads(threads);
+}
+
+int num_threads() { return omp_get_max_threads(); }
+
+// ---- copies and simple element-wise --------------------------------------------------------
+
+void fill(const Tensor& x, float value) {
+  check_f32(x, "x");
+  DISPATCH(x.device(), fill, x, value);
+}
+
+void cast(const Tensor& x, const Tensor& y) {
+  check_defined(x, "x");
+  check_defined(y, "y");
+  STRATA_CHECK(x.numel() == y.numel(), "cast from ", x.str(), " to ", y.str(), ": element counts differ");
+  STRATA_CHECK(x.dtype() == y.dtype() || (is_float_type(x.dtype()) && is_float_type(y.dtype())), "cast from ",
+               dtype_name(x.dtype()), " to ", dtype_name(y.dtype()), " is not supported");
+  DISPATCH_CPU_ONLY(common_device({&x, &y}), cast, x, y);
+}
+
+void axpy(float alpha, const Tensor& x, const Tensor& y) {
+  check_f32(y, "y");
+  check_f32_like(x, y, "x");
+  DISPATCH(common_device({&x, &y}), axpy, alpha, x, y);
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& y) {
+  check_f32(y, "y");
+  check_f32_like(a, y, "a");
+  check_f32_like(b, y, "b");
+  DISPATCH(common_device({&a, &b, &y}), add, a, b, y);
+}
+
+void scale(const Tensor& x, float alpha) {
+  check_f32(x, "x");
+  DISPATCH(x.device(), scale, x, alpha);
+}
+
+void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
+                  const std::vector<float>& std) {
+  check_defined(x, "x");
+  STRATA_CHECK(x.dtype() == DType::U8, "x must be u8, got ", x.str());
+  check_f32_like(y, x, "y");
+  STRATA_CHECK(x.ndim() >= 2, "x must be (N, C, ...), got ", x.str());
+  STRATA_CHECK(!mean.empty() && mean.size() == std.size(), "mean and std must have the same non-zero length, got ",
+               mean.size(), " and ", std.size());
+  STRATA_CHECK(mean.size() == 1 || static_cast<int64_t>(mean.size()) == x.dim(1), "mean/std hold ", mean.size(),
+               " values for ", x.dim(1), " channels of ", x.str());
+  DISPATCH_CPU_ONLY(common_device({&x, &y}), normalize_u8, x, y, in_scale, mean, std);
+}
+
+// ---- activations -----------------------------------------------------------------------------
+
+void relu_forward(const Tensor& x, const Tensor& y) {
+  check_f32(x, "x");
+  check_f32_like(y, x, "y");
+  DISPATCH(common_device({&x, &y}), relu_forward, x, y);
+}
+
+void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
+  check_f32(y, "y");
+  check_f32_like(dy, y, "dy");
+  check_f32_like(dx, y, "dx");
+  DISPATCH(common_device({&y, &dy, &dx}), relu_backward, y, dy, dx);
+}
+
+void gelu_forward(const Tensor& x, const Tensor& y) {
+  check_f32(x, "x");
+  check_f32_like(y, x, "y");
+  DISPATCH(common_device({&x, &y}), gelu_forward, x, y);
+}
+
+void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  check_f32(x, "x");
+  check_f32_like(dy, x, "dy");
+  check_f32_like(dx, x, "dx");
+  DISPATCH(common_device({&x, &dy, &dx}), gelu_backward, x, dy, dx);
+}
+
+namespace {
+void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
+  check_f32(x, "x");
+  check_f32_like(y, x, "y");
+  STRATA_CHECK(x.ndim() >= 1, "dropout input must have a sample dimension, got ", x.str());
+  STRATA_CHECK(p >= 0.0f && p <= 1.0f, "dropout probability must be in [0, 1], got ", p);
+  STRATA_CHECK(key.first_sample >= 0, "first_sample must be >= 0, got ", key.first_sample);
+}
+}  // namespace
+
+void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
+  check_dropout(x, y, p, key);
+  DISPATCH(common_device({&x, &y}), dropout_forward, x, y, p, key);
+}
+
+void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key) {
+  check_dropout(dy, dx, p, key);
+  DISPATCH(common_device({&dy, &dx}), dropout_backward, dy, dx, p, key);
+}
+
+// ---- dense -----------------------------------------------------------------------------------
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {
+  check_f32(a, "a");
+  check_f32(b, "b");
+  check_f32(c, "c");
+  STRATA_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-D tensors, got ", a.str(), ", ",
+               b.str(), ", ", c.str());
+  const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
+  const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
+  STRATA_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes do not match: op(a) ", m, "x", k,
+               ", op(b) ", kb, "x", n, ", c ", c.str());
+  for (int64_t d : {m, n, k}) check_blas_size(d, "gemm dimension");
+  STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
+  DISPATCH_CPU_ONLY(common_device({&a, &b, &c}), gemm, a, trans_a, b, trans_b, c, alpha, beta);
+}
+
+namespace {
+// y (..., F) and a bias-like vector (F).
+void check_rows_and_vec(const Tensor& y, const Tensor& v, const char* y_name, const char* v_name) {
+  check_f32(y, y_name);
+  check_f32(v, v_name);
+  STRATA_CHECK(v.ndim() == 1 && y.ndim() >= 1 && y.dim(-1) == v.dim(0), v_name, " ", v.str(),
+               " does not match the last dimension of ", y_name, " ", y.str());
+}
+}  // namespace
+
+void add_bias(const Tensor& y, const Tensor& bias) {
+  check_rows_and_vec(y, bias, "y", "bias");
+  DISPATCH_CPU_ONLY(common_device({&y, &bias}), add_bias, y, bias);
+}
+
+void bias_grad(const Tensor& dy, const Tensor& db) {
+  check_rows_and_vec(dy, db, "dy", "db");
+  DISPATCH_CPU_ONLY(common_device({&dy, &db}), bias_grad, dy, db);
+}
+
+// ---- convolution -----------------------------------------------------------------------------
+
+namespace {
+void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g,
+                const char* y_name) {
+  STRATA_CHECK(g.in_channels > 0 && g.out_channels > 0 && g.kernel_h > 0 && g.kernel_w > 0 && g.stride > 0 &&
+                   g.padding >= 0,
+               "bad conv geometry: channels ", g.in_channels, "->", g.out_channels, ", kernel ", g.kernel_h, "x",
+               g.kernel_w, ", stride ", g.stride, ", padding ", g.padding);
+  STRATA_CHECK(g.out_h() > 0 && g.out_w() > 0, "conv output would be empty for input ", g.in_h, "x", g.in_w);
+  check_f32(x, "x");
+  STRATA_CHECK(x.ndim() == 4, "conv input must be (N, C, H, W), got ", x.str());
+  const int64_t n = x.dim(0);
+  check_shape(x, Shape{n, g.in_channels, g.in_h, g.in_w}, "x");
+  check_f32(w, "w");
+  check_shape(w, Shape{g.out_channels, g.in_channels, g.kernel_h, g.kernel_w}, "w");
+  check_optional_vec(bias, g.out_channels, "bias");
+  check_f32(y, y_name);
+  check_shape(y, Shape{n, g.out_channels, g.out_h(), g.out_w()}, y_name);
+  check_blas_size(g.in_channels * g.kernel_h * g.kernel_w, "conv C*KH*KW");
+  check_blas_size(n * g.out_h() * g.out_w(), "conv N*OH*OW");
+}
+}  // namespace
+
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                    const Conv2dGeometry& g) {
+  check_conv(x, w, bias, y, g, "y");
+  DISPATCH_CPU_ONLY(common_device({&x, &w, &bias, &y}), conv2d_forward, x, w, bias, y, g);
+}
+
+void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
+                     const Tensor& db, const Conv2dGeometry& g) {
+  check_conv(x, w, db, dy, g, "dy");
+  if (dx.defined()) {
+    check_f32(dx, "dx");
+    check_shape(dx, x.shape(), "dx");
+  }
+  if (dw.defined()) {
+    check_f32(dw, "dw");
+    check_shape(dw, w.shape(), "dw");
+  }
+  DISPATCH_CPU_ONLY(common_device({&x, &w, &dy, &dx, &dw, &db}), conv2d_backward, x, w, dy, dx, dw, db, g);
+}
+
+// ---- pooling ---------------------------------------------------------------------------------
+
+namespace {
+// x (N, C, H, W) and y (N, C, OH, OW) for geometry g.
+void check_pool(const Tensor& x, const Tensor& y, const Pool2dGeometry& g, const char* x_name,
+                const char* y_name) {
+  STRATA_CHECK(g.kernel > 0 && g.stride > 0 && g.padding >= 0 && 2 * g.padding <= g.kernel,
+               "bad pool geometry: kernel ", g.kernel, ", stride ", g.stride, ", padding ", g.padding,
+               " (padding must be at most half the kernel)");
+  STRATA_CHECK(g.out_h() > 0 && g.out_w() > 0, "pool output would be empty for input ", g.in_h, "x", g.in_w);
+  check_f32(x, x_name);
+  STRATA_CHECK(x.ndim() == 4, x_name, " must be (N, C, H, W), got ", x.str());
+  check_shape(x, Shape{x.dim(0), x.dim(1), g.in_h, g.in_w}, x_name);
+  check_f32(y, y_name);
+  check_shape(y, Shape{x.dim(0), x.dim(1), g.out_h(), g.out_w()}, y_name);
+}
+
+void check_argmax(const Tensor& argmax, const Tensor& y) {
+  check_defined(argmax, "argmax");
+  STRATA_CHECK(argmax.dtype() == DType::I32 && argmax.shape() == y.shape(), "argmax must be i32 shaped like ",
+               y.str(), ", got ", argmax.str());
+}
+}  // namespace
+
+void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
+  check_pool(x, y, g, "x", "y");
+  check_argmax(argmax, y);
+  DISPATCH_CPU_ONLY(common_device({&x, &y, &argmax}), max_pool2d_forward, x, y, argmax, g);
+}
+
+void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g) {
+  check_pool(dx, dy, g, "dx", "dy");
+  check_argmax(argmax, dy);
+  DISPATCH_CPU_ONLY(common_device({&dy, &argmax, &dx}), max_pool2d_backward, dy, argmax, dx, g);
+}
+
+void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
+  check_pool(x, y, g, "x", "y");
+  DISPATCH_CPU_ONLY(common_device({&x, &y}), avg_pool2d_forward, x, y, g);
+}
+
+void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
+  check_pool(dx, dy, g, "dx", "dy");
+  DISPATCH_CPU_ONLY(common_device({&dy, &dx}), avg_pool2d_backward, dy, dx, g);
+}
+
+namespace {
+void check_global_pool(const Tensor& x, const Tensor& y, const char* x_name, const char* y_name) {
+  check_f32(x, x_name);
+  check_f32(y, y_name);
+  STRATA_CHECK(x.ndim() == 4, x_name, " must be (N, C, H, W), got ", x.str());
+  check_shape(y, Shape{x.dim(0), x.dim(1)}, y_name);
+}
+}  // namespace
+
+void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
+  check_global_pool(x, y, "x", "y");
+  DISPATCH_CPU_ONLY(common_device({&x, &y}), global_avg_pool_forward, x, y);
+}
+
+void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
+  check_global_pool(dx, dy, "dx", "dy");
+  DISPATCH_CPU_ONLY(common_device({&dy, &dx}), global_avg_pool_backward, dy, dx);
+}
+
+// ---- normalisation ---------------------------------------------------------------------------
+
+namespace {
+// x (N, C, ...) with y shaped like x; returns C.
+int64_t check_bn_input(const Tensor& x, const Tensor& y, const char* y_name) {
+  check_f32(x, "x");
+  STRATA_CHECK(x.ndim() >= 2 && x.dim(0) > 0, "batch norm input must be (N, C, ...) with N > 0, got ", x.str());
+  check_f32(y, y_name);
+  check_shape(y, x.shape(), y_name);
+  return x.dim(1);
+}
+}  // namespace
+
+void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                              const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
+                              const Tensor& running_var, float momentum, float eps) {
+  const int64_t c = check_bn_input(x, y, "y");
+  for (auto [t, name] : {std::pair{&gamma, "gamma"}, {&beta, "beta"}, {&save_mean, "save_mean"},
+                         {&save_invstd, "save_invstd"}, {&running_mean, "running_mean"},
+                         {&running_var, "running_var"}})
+    check_optional_vec(*t, c, name);
+  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
+                    batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
+                    momentum, eps);
+}
+
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps) {
+  const int64_t c = check_bn_input(x, y, "y");
+  check_optional_vec(gamma, c, "gamma");
+  check_optional_vec(beta, c, "beta");
+  check_defined(running_mean, "running_mean");
+  check_defined(running_var, "running_var");
+  check_optional_vec(running_mean, c, "running_mean");
+  check_optional_vec(running_var, c, "running_var");
+  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval, x,
+                    gamma, beta, running_mean, running_var, y, eps);
+}
+
+void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+  const int64_t c = check_bn_input(x, dy, "dy");
+  if (dx.defined()) check_bn_input(x, dx, "dx");
+  check_defined(save_mean, "save_mean");
+  check_defined(save_invstd, "save_invstd");
+  for (auto [t, name] : {std::pair{&gamma, "gamma"}, {&save_mean, "save_mean"}, {&save_invstd, "save_invstd"},
+                         {&dgamma, "dgamma"}, {&dbeta, "dbeta"}})
+    check_optional_vec(*t, c, name);
+  DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}),
+                    batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
+}
+
+namespace {
+// x (..., F) viewed as (M, F), y like x; returns F.
+int64_t check_ln_input(const Tensor& x, const Tensor& y, const char* y_name) {
+  check_f32(x, "x");
+  STRATA_CHECK(x.ndim() >= 1 && x.dim(-1) > 0, "layer norm input must be (..., F) with F > 0, got ", x.str());
+  check_f32(y, y_name);
+  check_shape(y, x.shape(), y_name);
+  return x.dim(-1);
+}
+
+// Per-row statistics: f32 with m elements (any shape), optional unless `required`.
+void check_row_stats(const Tensor& t, int64_t m, const char* name, bool required) {
+  if (!required && !t.defined()) return;
+  check_f32(t, name);
+  STRATA_CHECK(t.numel() == m, name, " must hold one value per row (", m, "), got ", t.str());
+}
+}  // namespace
+
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                        const Tensor& mean, const Tensor& rstd, float eps) {
+  const int64_t f = check_ln_input(x, y, "y"), m = x.numel() / f;
+  check_optional_vec(gamma, f, "gamma");
+  check_optional_vec(beta, f, "beta");
+  check_row_stats(mean, m, "mean", false);
+  check_row_stats(rstd, m, "rstd", false);
+  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &mean, &rstd}), layer_norm_forward, x, gamma, beta, y,
+                    mean, rstd, eps);
+}
+
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+  const int64_t f = check_ln_input(x, dy, "dy"), m = x.numel() / f;
+  if (dx.defined()) check_ln_input(x, dx, "dx");
+  check_row_stats(mean, m, "mean", true);
+  check_row_stats(rstd, m, "rstd", true);
+  check_optional_vec(gamma, f, "gamma");
+  check_optional_vec(dgamma, f, "dgamma");
+  check_optional_vec(dbeta, f, "dbeta");
+  DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}), layer_norm_backward, x,
+                    dy, gamma, mean, rstd, dx, dgamma, dbeta);
+}
+
+// ---- loss and metrics ------------------------------------------------------------------------
+
+namespace {
+// logits (N, K) and labels i32 (N).
+void check_logits_labels(const Tensor& logits, const Tensor& labels, const char* name) {
+  check_f32(logits, name);
+  STRATA_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, name, " must be (N, K) with K > 0, got ", logits.str());
+  check_defined(labels, "labels");
+  STRATA_CHECK(labels.dtype() == DType::I32 && labels.numel() == logits.dim(0), "labels must be i32 with ",
+               logits.dim(0), " elements, got ", labels.str());
+}
+}  // namespace
+
+double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
+  check_logits_labels(logits, labels, "logits");
+  check_f32(probs, "probs");
+  check_shape(probs, logits.shape(), "probs");
+  return DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels, probs);
+}
+
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
+  check_logits_labels(probs, labels, "probs");
+  check_f32(dlogits, "dlogits");
+  check_shape(dlogits, probs.shape(), "dlogits");
+  DISPATCH_CPU_ONLY(common_device({&probs, &labels, &dlogits}), softmax_xent_backward, probs, labels, dlogits,
+                    scale);
+}
+
+int64_t count_correct(const Tensor& logits, const Tensor& labels) {
+  check_logits_labels(logits, labels, "logits");
+  return DISPATCH_CPU_ONLY(common_device({&logits, &labels}), count_correct, logits, labels);
+}
+
+// ---- reductions and optimizer updates over flat buffers --------------------------------------
+
+double sum_squares(const Tensor& x) {
+  check_f32(x, "x");
+  return DISPATCH_CPU_ONLY(x.device(), sum_squares, x);
+}
+
+bool all_finite(const Tensor& x) {
+  check_f32(x, "x");
+  return DISPATCH_CPU_ONLY(x.device(), all_finite, x);
+}
+
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p) {
+  check_f32(param, "param");
+  check_f32_like(grad, param, "grad");
+  STRATA_CHECK(p.momentum >= 0.0f && p.lr >= 0.0f && p.weight_decay >= 0.0f, "bad SGD parameters: lr ", p.lr,
+               ", momentum ", p.momentum, ", weight_decay ", p.weight_decay);
+  STRATA_CHECK(!p.nesterov || (p.momentum > 0.0f && p.dampening == 0.0f),
+               "nesterov momentum requires momentum > 0 and dampening == 0");
+  if (p.momentum != 0.0f) check_f32_like(momentum_buf, param, "momentum_buf");
+  DISPATCH_CPU_ONLY(common_device({&param, &grad, &momentum_buf}), sgd_update, param, grad, momentum_buf, p);
+}
+
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                  const AdamWParams& p) {
+  check_f32(param, "param");
+  check_f32_like(grad, param, "grad");
+  check_f32_like(exp_avg, param, "exp_avg");
+  check_f32_like(exp_avg_sq, param, "exp_avg_sq");
+  STRATA_CHECK(p.step >= 1, "AdamW step is 1-based, got ", p.step);
+  STRATA_CHECK(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f && p.eps >= 0.0f,
+               "bad AdamW parameters: betas (", p.beta1, ", ", p.beta2, "), eps ", p.eps);
+  DISPATCH_CPU_ONLY(common_device({&param, &grad, &exp_avg, &exp_avg_sq}), adamw_update, param, grad, exp_avg,
+                    exp_avg_sq, p);
+}
+
+}  // namespace strata::ops

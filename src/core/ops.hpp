@@ -1,0 +1,153 @@
+// The ops: one function per kernel family. Each checks its arguments, then dispatches on the
+// tensors' device to ops/cpu/*.cpp or ops/cuda/*.cu. Layers call only these.
+//
+// Conventions
+// - Tensors are contiguous, row-major float32 unless stated; images are (N, C, H, W).
+// - Outputs are passed in, allocated by the caller with the right shape; they are overwritten.
+// - Parameter gradients (dw, db, dgamma, ...) are ACCUMULATED (+=) so that micro-batches add
+//   up in the flat gradient buffer; the caller zeroes it once per optimizer step.
+// - An undefined tensor (Tensor()) for an optional output means "not needed".
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.hpp"
+
+namespace strata::ops {
+
+// Threads for this rank's kernels (OpenBLAS and our own loops). Call once at start.
+void set_num_threads(int threads);
+int num_threads();
+
+// ---- copies and simple element-wise --------------------------------------------------------
+
+void fill(const Tensor& x, float value);
+// y = x, converting between any two of f32 / bf16 / f16 (and same-dtype copies of any dtype).
+void cast(const Tensor& x, const Tensor& y);
+// y = alpha * x + y
+void axpy(float alpha, const Tensor& x, const Tensor& y);
+// y = a + b
+void add(const Tensor& a, const Tensor& b, const Tensor& y);
+// x *= alpha
+void scale(const Tensor& x, float alpha);
+// u8 images to float: y = (x * in_scale - mean[c]) / std[c], c the channel of (N, C, ...)
+// layout; mean/std hold C or 1 values.
+void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
+                  const std::vector<float>& std);
+
+// ---- activations -----------------------------------------------------------------------------
+
+void relu_forward(const Tensor& x, const Tensor& y);
+// dx = dy where y > 0 (y is relu's output)
+void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx);
+// Exact GELU, x * Phi(x) (PyTorch's default, approximate='none').
+void gelu_forward(const Tensor& x, const Tensor& y);
+void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
+
+// Inverted dropout: y = x * keep / (1 - p). The keep decision for element j of sample s is
+// uniform(key, stream, (first_sample + s) * sample_numel + j) >= p, so it depends only on
+// (key, stream, global sample index), not on batch split or rank count.
+struct DropoutKey {
+  uint64_t key = 0;     // rng::derive_key(seed, kDropout) mixed with the layer's index
+  uint64_t stream = 0;  // the optimizer step
+  int64_t first_sample = 0;
+};
+void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key);
+void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key);
+
+// ---- dense -----------------------------------------------------------------------------------
+
+// c = alpha * op(a) @ op(b) + beta * c for 2-D row-major tensors, op = transpose if trans_*.
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha = 1.0f,
+          float beta = 0.0f);
+// y (N, F) += bias (F) broadcast over rows.
+void add_bias(const Tensor& y, const Tensor& bias);
+// db (F) += sum over rows of dy (N, F).
+void bias_grad(const Tensor& dy, const Tensor& db);
+
+// ---- convolution -----------------------------------------------------------------------------
+
+struct Conv2dGeometry {
+  int64_t in_channels = 0, out_channels = 0;
+  int64_t kernel_h = 0, kernel_w = 0;
+  int64_t stride = 1, padding = 0;
+  int64_t in_h = 0, in_w = 0;
+  int64_t out_h() const { return (in_h + 2 * padding - kernel_h) / stride + 1; }
+  int64_t out_w() const { return (in_w + 2 * padding - kernel_w) / stride + 1; }
+};
+// x (N, C, H, W), w (O, C, KH, KW), bias (O) or undefined, y (N, O, OH, OW).
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                    const Conv2dGeometry& g);
+// dx is overwritten (skipped if undefined); dw and db (if defined) accumulate.
+void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
+                     const Tensor& db, const Conv2dGeometry& g);
+
+// ---- pooling ---------------------------------------------------------------------------------
+
+struct Pool2dGeometry {
+  int64_t kernel = 2, stride = 2, padding = 0;
+  int64_t in_h = 0, in_w = 0;
+  int64_t out_h() const { return (in_h + 2 * padding - kernel) / stride + 1; }
+  int64_t out_w() const { return (in_w + 2 * padding - kernel) / stride + 1; }
+};
+// argmax (i32, shape of y) records the flat input index (within one H*W plane) of each max.
+void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g);
+void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g);
+// Average over the window, padding counted as zeros (PyTorch's count_include_pad=True).
+void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g);
+void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g);
+// (N, C, H, W) -> (N, C)
+void global_avg_pool_forward(const Tensor& x, const Tensor& y);
+void global_avg_pool_backward(const Tensor& dy, const Tensor& dx);
+
+// ---- normalisation ---------------------------------------------------------------------------
+
+// Training mode: per-channel batch statistics over (N, H, W). Saves mean and 1/sqrt(var + eps)
+// (C each) for backward; updates running stats as PyTorch does (unbiased variance, running =
+// (1 - momentum) * running + momentum * batch).
+void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                              const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
+                              const Tensor& running_var, float momentum, float eps);
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps);
+void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+// Over the last dimension of x viewed as (M, F); mean and rstd have M elements.
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                        const Tensor& mean, const Tensor& rstd, float eps);
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+
+// ---- loss and metrics ------------------------------------------------------------------------
+
+// logits (N, K), labels i32 (N). Writes softmax probabilities (N, K) and returns the SUM of
+// per-sample losses (the caller divides by the global batch).
+double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
+// dlogits = (probs - onehot(labels)) * scale
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
+// Number of rows whose argmax equals the label.
+int64_t count_correct(const Tensor& logits, const Tensor& labels);
+
+// ---- reductions and optimizer updates over flat buffers --------------------------------------
+
+// sum of x^2 in double precision.
+double sum_squares(const Tensor& x);
+// True when every element is finite.
+bool all_finite(const Tensor& x);
+
+struct SgdParams {
+  float lr = 0.01f, momentum = 0.0f, dampening = 0.0f, weight_decay = 0.0f;
+  bool nesterov = false;
+};
+// torch.optim.SGD semantics; momentum_buf is undefined when momentum == 0.
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p);
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+// torch.optim.AdamW semantics (decoupled weight decay).
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                  const AdamWParams& p);
+
+}  // namespace strata::ops

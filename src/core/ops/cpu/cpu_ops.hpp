@@ -1,0 +1,96 @@
+// The CPU kernels behind ops.hpp (internal). Arguments are already checked by ops.cpp: shapes,
+// dtypes and devices match, tensors are contiguous host memory. Same names as the public ops.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "core/ops.hpp"
+
+namespace strata::ops::cpu {
+
+// Below this many elements a loop stays on the calling thread: waking a team costs more.
+constexpr int64_t kParallelGrain = 1 << 15;
+
+// Applies f(i) for i in [0, n): the CPU launcher for the functors in ops/functors.hpp.
+// f is taken by value: a local copy cannot alias the output, so its pointers stay in
+// registers and the loop vectorises.
+template <class F>
+void parallel_for(int64_t n, const F f) {
+  if (n >= kParallelGrain && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
+// Runs f(r) for independent rows r in [0, rows) (planes, channels), each worth `row_work`
+// elements, in parallel when there is enough work in total.
+template <class F>
+void parallel_rows(int64_t rows, int64_t row_work, const F& f) {
+  if (rows > 1 && rows * row_work >= kParallelGrain && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) f(r);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) f(r);
+  }
+}
+
+// OpenBLAS and OpenMP thread counts.
+void set_num_threads(int threads);
+
+void fill(const Tensor& x, float value);
+void cast(const Tensor& x, const Tensor& y);
+void axpy(float alpha, const Tensor& x, const Tensor& y);
+void add(const Tensor& a, const Tensor& b, const Tensor& y);
+void scale(const Tensor& x, float alpha);
+void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
+                  const std::vector<float>& std);
+void relu_forward(const Tensor& x, const Tensor& y);
+void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx);
+void gelu_forward(const Tensor& x, const Tensor& y);
+void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
+void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key);
+void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key);
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
+void add_bias(const Tensor& y, const Tensor& bias);
+void bias_grad(const Tensor& dy, const Tensor& db);
+
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g);
+void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
+                     const Tensor& db, const Conv2dGeometry& g);
+
+void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g);
+void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g);
+void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g);
+void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g);
+void global_avg_pool_forward(const Tensor& x, const Tensor& y);
+void global_avg_pool_backward(const Tensor& dy, const Tensor& dx);
+
+void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                              const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
+                              const Tensor& running_var, float momentum, float eps);
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps);
+void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                         const Tensor& save_invstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                        const Tensor& mean, const Tensor& rstd, float eps);
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+
+double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
+int64_t count_correct(const Tensor& logits, const Tensor& labels);
+
+double sum_squares(const Tensor& x);
+bool all_finite(const Tensor& x);
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p);
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                  const AdamWParams& p);
+
+}  // namespace strata::ops::cpu

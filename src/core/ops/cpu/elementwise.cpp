@@ -1,0 +1,102 @@
+// CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for, plus casts
+// and u8 image normalisation.
+#include <cstring>
+
+#include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/functors.hpp"
+
+namespace strata::ops::cpu {
+
+void fill(const Tensor& x, float value) { parallel_for(x.numel(), fn::Fill{x.data<float>(), value}); }
+
+void axpy(float alpha, const Tensor& x, const Tensor& y) {
+  parallel_for(x.numel(), fn::Axpy{alpha, x.data<float>(), y.data<float>()});
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& y) {
+  parallel_for(y.numel(), fn::Add{a.data<float>(), b.data<float>(), y.data<float>()});
+}
+
+void scale(const Tensor& x, float alpha) { parallel_for(x.numel(), fn::Scale{x.data<float>(), alpha}); }
+
+void relu_forward(const Tensor& x, const Tensor& y) {
+  parallel_for(x.numel(), fn::ReluForward{x.data<float>(), y.data<float>()});
+}
+
+void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
+  parallel_for(y.numel(), fn::ReluBackward{y.data<float>(), dy.data<float>(), dx.data<float>()});
+}
+
+void gelu_forward(const Tensor& x, const Tensor& y) {
+  parallel_for(x.numel(), fn::GeluForward{x.data<float>(), y.data<float>()});
+}
+
+void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  parallel_for(x.numel(), fn::GeluBackward{x.data<float>(), dy.data<float>(), dx.data<float>()});
+}
+
+namespace {
+fn::Dropout dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
+  const int64_t sample_numel = x.ndim() > 0 && x.dim(0) > 0 ? x.numel() / x.dim(0) : x.numel();
+  return fn::Dropout{x.data<float>(), y.data<float>(), p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key.key,
+                     key.stream, static_cast<uint64_t>(key.first_sample * sample_numel)};
+}
+
+template <class In, class Out>
+void cast_as(const Tensor& x, const Tensor& y) {
+  parallel_for(x.numel(), fn::Cast<In, Out>{x.data<In>(), y.data<Out>()});
+}
+
+template <class In>
+void cast_from(const Tensor& x, const Tensor& y) {
+  switch (y.dtype()) {
+    case DType::F32: return cast_as<In, float>(x, y);
+    case DType::BF16: return cast_as<In, bf16>(x, y);
+    case DType::F16: return cast_as<In, f16>(x, y);
+    default: STRATA_THROW("cast to ", dtype_name(y.dtype()), " is not supported");
+  }
+}
+}  // namespace
+
+void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
+  parallel_for(x.numel(), dropout_functor(x, y, p, key));
+}
+
+// The same mask scales the incoming gradient.
+void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key) {
+  parallel_for(dy.numel(), dropout_functor(dy, dx, p, key));
+}
+
+void cast(const Tensor& x, const Tensor& y) {
+  if (x.dtype() == y.dtype()) {
+    if (x.numel() > 0 && x.raw() != y.raw()) std::memcpy(y.raw(), x.raw(), x.nbytes());
+    return;
+  }
+  switch (x.dtype()) {
+    case DType::F32: return cast_from<float>(x, y);
+    case DType::BF16: return cast_from<bf16>(x, y);
+    case DType::F16: return cast_from<f16>(x, y);
+    default: STRATA_THROW("cast from ", dtype_name(x.dtype()), " is not supported");
+  }
+}
+
+void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
+                  const std::vector<float>& std) {
+  // x (N, C, ...): channels repeat every `inner` elements, C of them per sample.
+  const int64_t channels = static_cast<int64_t>(mean.size());
+  const int64_t n = x.dim(0);
+  const int64_t inner = channels > 1 ? x.numel() / (n * channels) : (n > 0 ? x.numel() / n : 0);
+  const uint8_t* src = x.data<uint8_t>();
+  float* dst = y.data<float>();
+  const int64_t rows = n * channels;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c = r % channels;
+    // (x * in_scale - mean) / std == x * (in_scale / std) - mean / std
+    const float a = in_scale / std[static_cast<size_t>(c)], b = -mean[static_cast<size_t>(c)] / std[static_cast<size_t>(c)];
+    const uint8_t* s = src + r * inner;
+    float* d = dst + r * inner;
+    for (int64_t i = 0; i < inner; ++i) d[i] = static_cast<float>(s[i]) * a + b;
+  }
+}
+
+}  // namespace strata::ops::cpu

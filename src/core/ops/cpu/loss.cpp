@@ -1,0 +1,68 @@
+// CPU softmax cross-entropy (numerically stable, returns the SUM of per-sample losses) and
+// accuracy counting. Rows are samples, columns classes.
+#include <cmath>
+
+#include "core/ops/cpu/cpu_ops.hpp"
+
+namespace strata::ops::cpu {
+
+namespace {
+int32_t checked_label(const int32_t* labels, int64_t r, int64_t k) {
+  const int32_t l = labels[r];
+  STRATA_REQUIRE(l >= 0 && l < k, "label ", l, " of sample ", r, " is outside [0, ", k, ")");
+  return l;
+}
+}  // namespace
+
+double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
+  // logits, probs (N, K); labels (N)
+  const int64_t n = logits.dim(0), k = logits.dim(1);
+  const float* x = logits.data<float>();
+  const int32_t* lab = labels.data<int32_t>();
+  float* pr = probs.data<float>();
+  double total = 0.0;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* in = x + r * k;
+    float* out = pr + r * k;
+    float mx = in[0];
+    for (int64_t j = 1; j < k; ++j) mx = std::fmax(mx, in[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      out[j] = std::exp(in[j] - mx);
+      sum += out[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < k; ++j) out[j] *= inv;
+    // -log softmax[label] = log(sum) - (x[label] - max)
+    total += std::log(static_cast<double>(sum)) - (static_cast<double>(in[checked_label(lab, r, k)]) - mx);
+  }
+  return total;
+}
+
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
+  const int64_t n = probs.dim(0), k = probs.dim(1);
+  const float* pr = probs.data<float>();
+  const int32_t* lab = labels.data<int32_t>();
+  float* d = dlogits.data<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < k; ++j) d[r * k + j] = pr[r * k + j] * scale;
+    d[r * k + checked_label(lab, r, k)] -= scale;
+  }
+}
+
+int64_t count_correct(const Tensor& logits, const Tensor& labels) {
+  const int64_t n = logits.dim(0), k = logits.dim(1);
+  const float* x = logits.data<float>();
+  const int32_t* lab = labels.data<int32_t>();
+  int64_t correct = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* in = x + r * k;
+    int64_t best = 0;  // first maximum, as torch.argmax
+    for (int64_t j = 1; j < k; ++j)
+      if (in[j] > in[best]) best = j;
+    correct += best == lab[r];
+  }
+  return correct;
+}
+
+}  // namespace strata::ops::cpu

@@ -1,0 +1,159 @@
+// CPU pooling: max (with argmax for backward), average (padding counted as zeros) and global
+// average. Each (N, C) plane is independent; windows are clipped to the image.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/ops/cpu/cpu_ops.hpp"
+
+namespace strata::ops::cpu {
+
+namespace {
+// Input rows (or columns) [lo, hi) of output position o's window.
+inline void window(int64_t o, int64_t in, const Pool2dGeometry& g, int64_t& lo, int64_t& hi) {
+  const int64_t start = o * g.stride - g.padding;
+  lo = std::max<int64_t>(start, 0);
+  hi = std::min<int64_t>(start + g.kernel, in);
+}
+}  // namespace
+
+void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
+  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const int64_t planes = x.numel() / (h * w);
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  int32_t* ap = argmax.data<int32_t>();
+  const bool pool2x2 = g.kernel == 2 && g.stride == 2 && g.padding == 0;
+  parallel_rows(planes, h * w, [&](int64_t q) {
+    const float* in = xp + q * h * w;
+    float* out = yp + q * oh_n * ow_n;
+    int32_t* arg = ap + q * oh_n * ow_n;
+    if (pool2x2) {  // the common 2x2/2 pool: fixed window, no bounds to compute
+      for (int64_t oh = 0; oh < oh_n; ++oh) {
+        for (int64_t ow = 0; ow < ow_n; ++ow) {
+          const int64_t i0 = 2 * oh * w + 2 * ow;
+          float best = in[i0];
+          int64_t best_i = i0;
+          for (const int64_t i : {i0 + 1, i0 + w, i0 + w + 1}) {
+            const bool take = in[i] > best || in[i] != in[i];
+            best = take ? in[i] : best;
+            best_i = take ? i : best_i;
+          }
+          out[oh * ow_n + ow] = best;
+          arg[oh * ow_n + ow] = static_cast<int32_t>(best_i);
+        }
+      }
+      return;
+    }
+    for (int64_t oh = 0; oh < oh_n; ++oh) {
+      int64_t h0, h1;
+      window(oh, h, g, h0, h1);
+      for (int64_t ow = 0; ow < ow_n; ++ow) {
+        int64_t w0, w1;
+        window(ow, w, g, w0, w1);
+        float best = -std::numeric_limits<float>::infinity();
+        int64_t best_i = h0 * w + w0;
+        for (int64_t ih = h0; ih < h1; ++ih) {
+          for (int64_t iw = w0; iw < w1; ++iw) {
+            const float v = in[ih * w + iw];
+            const bool take = v > best || v != v;  // NaN propagates, as in PyTorch
+            best = take ? v : best;                // selects, not branches: maxima are random
+            best_i = take ? ih * w + iw : best_i;
+          }
+        }
+        out[oh * ow_n + ow] = best;
+        arg[oh * ow_n + ow] = static_cast<int32_t>(best_i);
+      }
+    }
+  });
+}
+
+void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g) {
+  const int64_t hw = g.in_h * g.in_w, ohw = g.out_h() * g.out_w();
+  const int64_t planes = dx.numel() / hw;
+  const float* gp = dy.data<float>();
+  const int32_t* ap = argmax.data<int32_t>();
+  float* dp = dx.data<float>();
+  parallel_rows(planes, hw, [&](int64_t q) {
+    float* d = dp + q * hw;
+    std::memset(d, 0, static_cast<size_t>(hw) * sizeof(float));
+    const float* gq = gp + q * ohw;
+    const int32_t* aq = ap + q * ohw;
+    for (int64_t i = 0; i < ohw; ++i) d[aq[i]] += gq[i];
+  });
+}
+
+void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
+  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const int64_t planes = x.numel() / (h * w);
+  const float inv = 1.0f / static_cast<float>(g.kernel * g.kernel);  // padding counts
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  parallel_rows(planes, h * w, [&](int64_t q) {
+    const float* in = xp + q * h * w;
+    float* out = yp + q * oh_n * ow_n;
+    for (int64_t oh = 0; oh < oh_n; ++oh) {
+      int64_t h0, h1;
+      window(oh, h, g, h0, h1);
+      for (int64_t ow = 0; ow < ow_n; ++ow) {
+        int64_t w0, w1;
+        window(ow, w, g, w0, w1);
+        float sum = 0.0f;
+        for (int64_t ih = h0; ih < h1; ++ih)
+          for (int64_t iw = w0; iw < w1; ++iw) sum += in[ih * w + iw];
+        out[oh * ow_n + ow] = sum * inv;
+      }
+    }
+  });
+}
+
+void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
+  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const int64_t planes = dx.numel() / (h * w);
+  const float inv = 1.0f / static_cast<float>(g.kernel * g.kernel);
+  const float* gp = dy.data<float>();
+  float* dp = dx.data<float>();
+  parallel_rows(planes, h * w, [&](int64_t q) {
+    float* d = dp + q * h * w;
+    std::memset(d, 0, static_cast<size_t>(h * w) * sizeof(float));
+    const float* gq = gp + q * oh_n * ow_n;
+    for (int64_t oh = 0; oh < oh_n; ++oh) {
+      int64_t h0, h1;
+      window(oh, h, g, h0, h1);
+      for (int64_t ow = 0; ow < ow_n; ++ow) {
+        int64_t w0, w1;
+        window(ow, w, g, w0, w1);
+        const float v = gq[oh * ow_n + ow] * inv;
+        for (int64_t ih = h0; ih < h1; ++ih)
+          for (int64_t iw = w0; iw < w1; ++iw) d[ih * w + iw] += v;
+      }
+    }
+  });
+}
+
+void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
+  // (N, C, H, W) -> (N, C)
+  const int64_t planes = y.numel(), hw = planes > 0 ? x.numel() / planes : 0;
+  const float* xp = x.data<float>();
+  float* yp = y.data<float>();
+  parallel_rows(planes, hw, [&](int64_t q) {
+    const float* in = xp + q * hw;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hw; ++i) sum += in[i];
+    yp[q] = sum / static_cast<float>(hw);
+  });
+}
+
+void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
+  const int64_t planes = dy.numel(), hw = planes > 0 ? dx.numel() / planes : 0;
+  const float* gp = dy.data<float>();
+  float* dp = dx.data<float>();
+  parallel_rows(planes, hw, [&](int64_t q) {
+    const float v = gp[q] / static_cast<float>(hw);
+    std::fill(dp + q * hw, dp + (q + 1) * hw, v);
+  });
+}
+
+}  // namespace strata::ops::cpu

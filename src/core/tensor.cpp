@@ -1,0 +1,118 @@
+#include "core/tensor.hpp"
+
+#include <cstring>
+#include <sstream>
+
+namespace strata {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "f32";
+    case DType::BF16: return "bf16";
+    case DType::F16: return "f16";
+    case DType::I32: return "i32";
+    case DType::U8: return "u8";
+  }
+  return "?";
+}
+
+std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    STRATA_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
+    n *= d;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+Storage::Storage(size_t bytes, Device device)
+    : data_(nullptr), bytes_(bytes), device_(device), allocator_(&allocator_for(device)) {
+  data_ = allocator_->allocate(bytes);
+}
+
+Storage::~Storage() { allocator_->deallocate(data_, bytes_); }
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor t = empty(std::move(shape), dtype, device);
+  t.fill_zero();
+  return t;
+}
+
+int64_t Tensor::dim(int i) const {
+  const int n = ndim();
+  if (i < 0) i += n;
+  STRATA_CHECK(i >= 0 && i < n, "dimension ", i, " out of range for ", str());
+  return shape_[static_cast<size_t>(i)];
+}
+
+void* Tensor::raw() const {
+  STRATA_CHECK(defined(), "access to an undefined tensor");
+  return static_cast<char*>(storage_->data()) + offset_;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  STRATA_CHECK(shape_numel(shape) == numel_, "cannot reshape ", str(), " to ", shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::slice(int64_t begin, int64_t end) const {
+  STRATA_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0], "slice [", begin, ", ",
+               end, ") out of range for ", str());
+  Shape s = shape_;
+  s[0] = end - begin;
+  return view(begin * (shape_[0] ? numel_ / shape_[0] : 0), std::move(s));
+}
+
+Tensor Tensor::view(int64_t offset, Shape shape) const {
+  const int64_t n = shape_numel(shape);
+  STRATA_CHECK(offset >= 0 && offset + n <= numel_, "view of ", n, " elements at ", offset,
+               " out of range for ", str());
+  Tensor t = *this;
+  t.offset_ = offset_ + static_cast<size_t>(offset) * dtype_size(dtype_);
+  t.shape_ = std::move(shape);
+  t.numel_ = n;
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device());
+  t.copy_from(*this);
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) const {
+  STRATA_CHECK(src.numel() == numel_ && src.dtype() == dtype_, "copy from ", src.str(), " into ", str());
+  STRATA_CHECK(device().is_cpu() && src.device().is_cpu(), "host copy between ", device().str(), " and ",
+               src.device().str(), " (device copies go through ops::copy)");
+  if (numel_ > 0) std::memmove(raw(), src.raw(), nbytes());
+}
+
+void Tensor::fill_zero() const {
+  STRATA_CHECK(device().is_cpu(), "fill_zero on ", device().str());
+  if (numel_ > 0) std::memset(raw(), 0, nbytes());
+}
+
+std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_str(shape_); }
+
+}  // namespace strata

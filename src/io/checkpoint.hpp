@@ -1,0 +1,82 @@
+// HDF5 checkpoints (layout in docs/formats.md): full tensors under stable names such as
+// "model/conv1/weight", each with a crc32 attribute, plus root attributes (format_version,
+// step, ...). Writes go to PATH.tmp and become PATH only on commit(), after an fsync, so a
+// crash never leaves a broken checkpoint at PATH.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "io/hdf5.hpp"
+
+namespace strata::io {
+
+constexpr int64_t kCheckpointFormatVersion = 1;
+
+class CheckpointWriter {
+ public:
+  // Creates `path + ".tmp"` (replacing a stale one) and writes format_version.
+  explicit CheckpointWriter(std::string path);
+  // Without commit(), removes the temporary file.
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Stores a host tensor (f32, i32 or u8) under `name`, creating intermediate groups, with a
+  // `crc32` attribute (zlib) of its raw bytes.
+  void write_tensor(const std::string& name, const Tensor& t);
+
+  // Root attributes; a second call with the same name replaces the value.
+  void set_attr(const std::string& name, int64_t value);
+  void set_attr(const std::string& name, double value);
+  void set_attr(const std::string& name, const std::string& value);
+  void set_attr(const std::string& name, const char* value) { set_attr(name, std::string(value)); }
+  template <std::integral T>
+  void set_attr(const std::string& name, T value) {  // any integer, without ambiguity
+    set_attr(name, static_cast<int64_t>(value));
+  }
+
+  // Flushes and closes the file, fsyncs it, renames it to `path` and fsyncs the directory.
+  void commit();
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, tmp_path_;
+  h5::File file_;
+  bool committed_ = false;
+};
+
+class CheckpointReader {
+ public:
+  // Input error (one line) when `path` is missing, unreadable or not a Strata checkpoint.
+  explicit CheckpointReader(std::string path);
+
+  const std::string& path() const { return path_; }
+  bool has(const std::string& name) const;
+  Shape shape(const std::string& name) const;
+  DType dtype(const std::string& name) const;
+  // Reads `name` into `out` (a host tensor of the stored shape and dtype); Input error naming
+  // expected and found on a shape mismatch, or when the data fails its crc32.
+  void read_tensor(const std::string& name, const Tensor& out) const;
+
+  bool has_attr(const std::string& name) const;
+  int64_t attr_int(const std::string& name) const;
+  double attr_double(const std::string& name) const;
+  std::string attr_string(const std::string& name) const;
+
+  // Every tensor under `group` (recursively), as full names like "model/conv1/weight", sorted.
+  std::vector<std::string> list_tensors(const std::string& group = "/") const;
+
+ private:
+  h5::DataSet open_tensor(const std::string& name) const;
+  void require_attr(const std::string& name) const;
+
+  std::string path_;
+  h5::File file_;
+};
+
+}  // namespace strata::io

@@ -1,0 +1,375 @@
+// Forward and backward of the basic layers; the math lives in the ops.
+#include "layers/basic.hpp"
+
+#include <cmath>
+
+#include "core/rng.hpp"
+
+namespace strata::layers {
+
+Shape batch_shape(int64_t batch, const Shape& sample) {
+  Shape s{batch};
+  s.insert(s.end(), sample.begin(), sample.end());
+  return s;
+}
+
+namespace {
+
+void require_image(const Layer& layer, const Shape& input, int64_t channels) {
+  STRATA_REQUIRE(input.size() == 3 && (channels < 0 || input[0] == channels), "layer ", layer.name(), " (",
+                 layer.describe(), ") expects an image input [", channels < 0 ? "C" : std::to_string(channels),
+                 ", H, W], found ", shape_str(input));
+}
+
+}  // namespace
+
+// ---- Linear ----------------------------------------------------------------------------------
+
+Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool bias)
+    : Layer(std::move(name)), in_(in_features), out_(out_features), has_bias_(bias) {}
+
+std::string Linear::describe() const { return detail::cat("linear(", in_, "->", out_, ")"); }
+
+Shape Linear::output_shape(const Shape& input) const {
+  STRATA_REQUIRE(input.size() == 1 && input[0] == in_, "layer ", name(), " (", describe(),
+                 ") expects input of shape [", in_, "], found ", shape_str(input));
+  return {out_};
+}
+
+std::vector<ParamSpec> Linear::param_specs() const {
+  std::vector<ParamSpec> specs{{"weight", {out_, in_}, Init::FanInUniform, in_}};
+  if (has_bias_) specs.push_back({"bias", {out_}, Init::FanInUniform, in_});
+  return specs;
+}
+
+void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  w_ = params[0];
+  dw_ = grads[0];
+  if (has_bias_) {
+    b_ = params[1];
+    db_ = grads[1];
+  }
+}
+
+Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  // x (B, in) @ W^T (in, out) -> y (B, out)
+  Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), x.device());
+  ops::gemm(x, false, w_, true, y);
+  if (has_bias_) ops::add_bias(y, b_);
+  if (info.mode == Mode::Train) ctx.saved = {x};
+  return y;
+}
+
+Tensor Linear::backward(const Tensor& dy, Context& ctx) {
+  const Tensor x = ctx.saved.at(0);
+  ops::gemm(dy, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
+  if (has_bias_) ops::bias_grad(dy, db_);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::gemm(dy, false, w_, false, dx);  // dx (B, in) = dy W
+  ctx.clear();
+  return dx;
+}
+
+// ---- Conv2d ----------------------------------------------------------------------------------
+
+Conv2d::Conv2d(std::string name, int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride,
+               int64_t padding, bool bias)
+    : Layer(std::move(name)),
+      in_(in_channels),
+      out_(out_channels),
+      kernel_(kernel),
+      stride_(stride),
+      padding_(padding),
+      has_bias_(bias) {}
+
+std::string Conv2d::describe() const {
+  return detail::cat("conv2d(", in_, "->", out_, ", k", kernel_, " s", stride_, " p", padding_, ")");
+}
+
+ops::Conv2dGeometry Conv2d::geometry(const Shape& batch_input) const {
+  ops::Conv2dGeometry g;
+  g.in_channels = in_;
+  g.out_channels = out_;
+  g.kernel_h = g.kernel_w = kernel_;
+  g.stride = stride_;
+  g.padding = padding_;
+  g.in_h = batch_input[2];
+  g.in_w = batch_input[3];
+  return g;
+}
+
+Shape Conv2d::output_shape(const Shape& input) const {
+  require_image(*this, input, in_);
+  const ops::Conv2dGeometry g = geometry({1, input[0], input[1], input[2]});
+  STRATA_REQUIRE(g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(), ") needs an input of at least ",
+                 kernel_, "x", kernel_, " after padding, found ", shape_str(input));
+  return {out_, g.out_h(), g.out_w()};
+}
+
+std::vector<ParamSpec> Conv2d::param_specs() const {
+  const int64_t fan_in = in_ * kernel_ * kernel_;
+  std::vector<ParamSpec> specs{{"weight", {out_, in_, kernel_, kernel_}, Init::FanInUniform, fan_in}};
+  if (has_bias_) specs.push_back({"bias", {out_}, Init::FanInUniform, fan_in});
+  return specs;
+}
+
+void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  w_ = params[0];
+  dw_ = grads[0];
+  if (has_bias_) {
+    b_ = params[1];
+    db_ = grads[1];
+  }
+}
+
+int64_t Conv2d::flops(const Shape& input) const {
+  const Shape out = output_shape(input);
+  return out[0] * out[1] * out[2] * in_ * kernel_ * kernel_;
+}
+
+Tensor Conv2d::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  const ops::Conv2dGeometry g = geometry(x.shape());
+  Tensor y = Tensor::empty({x.dim(0), out_, g.out_h(), g.out_w()}, x.dtype(), x.device());
+  ops::conv2d_forward(x, w_, b_, y, g);
+  if (info.mode == Mode::Train) ctx.saved = {x};
+  return y;
+}
+
+Tensor Conv2d::backward(const Tensor& dy, Context& ctx) {
+  const Tensor x = ctx.saved.at(0);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::conv2d_backward(x, w_, dy, dx, dw_, db_, geometry(x.shape()));
+  ctx.clear();
+  return dx;
+}
+
+// ---- pooling ---------------------------------------------------------------------------------
+
+Pool2d::Pool2d(std::string name, PoolKind kind, int64_t kernel, int64_t stride, int64_t padding)
+    : Layer(std::move(name)), kind_(kind), kernel_(kernel), stride_(stride), padding_(padding) {}
+
+std::string Pool2d::describe() const {
+  return detail::cat(kind_ == PoolKind::Max ? "max_pool2d" : "avg_pool2d", "(k", kernel_, " s", stride_, " p",
+                     padding_, ")");
+}
+
+ops::Pool2dGeometry Pool2d::geometry(const Shape& batch_input) const {
+  ops::Pool2dGeometry g;
+  g.kernel = kernel_;
+  g.stride = stride_;
+  g.padding = padding_;
+  g.in_h = batch_input[2];
+  g.in_w = batch_input[3];
+  return g;
+}
+
+Shape Pool2d::output_shape(const Shape& input) const {
+  require_image(*this, input, -1);
+  const ops::Pool2dGeometry g = geometry({1, input[0], input[1], input[2]});
+  STRATA_REQUIRE(g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(), ") needs an input of at least ",
+                 kernel_, "x", kernel_, ", found ", shape_str(input));
+  return {input[0], g.out_h(), g.out_w()};
+}
+
+Tensor Pool2d::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  const ops::Pool2dGeometry g = geometry(x.shape());
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1), g.out_h(), g.out_w()}, x.dtype(), x.device());
+  ctx.input_shape = x.shape();
+  if (kind_ == PoolKind::Max) {
+    Tensor argmax = Tensor::empty(y.shape(), DType::I32, x.device());
+    ops::max_pool2d_forward(x, y, argmax, g);
+    if (info.mode == Mode::Train) ctx.saved = {argmax};
+  } else {
+    ops::avg_pool2d_forward(x, y, g);
+  }
+  return y;
+}
+
+Tensor Pool2d::backward(const Tensor& dy, Context& ctx) {
+  const ops::Pool2dGeometry g = geometry(ctx.input_shape);
+  Tensor dx = Tensor::empty(ctx.input_shape, dy.dtype(), dy.device());
+  if (kind_ == PoolKind::Max)
+    ops::max_pool2d_backward(dy, ctx.saved.at(0), dx, g);
+  else
+    ops::avg_pool2d_backward(dy, dx, g);
+  ctx.clear();
+  return dx;
+}
+
+Shape GlobalAvgPool::output_shape(const Shape& input) const {
+  require_image(*this, input, -1);
+  return {input[0]};
+}
+
+Tensor GlobalAvgPool::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1)}, x.dtype(), x.device());
+  ops::global_avg_pool_forward(x, y);
+  ctx.input_shape = x.shape();
+  return y;
+}
+
+Tensor GlobalAvgPool::backward(const Tensor& dy, Context& ctx) {
+  Tensor dx = Tensor::empty(ctx.input_shape, dy.dtype(), dy.device());
+  ops::global_avg_pool_backward(dy, dx);
+  ctx.clear();
+  return dx;
+}
+
+// ---- activations, dropout, flatten -----------------------------------------------------------
+
+Tensor ActivationLayer::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (kind_ == Activation::ReLU) {
+    ops::relu_forward(x, y);
+    if (info.mode == Mode::Train) ctx.saved = {y};  // relu's backward needs only the output
+  } else {
+    ops::gelu_forward(x, y);
+    if (info.mode == Mode::Train) ctx.saved = {x};
+  }
+  return y;
+}
+
+Tensor ActivationLayer::backward(const Tensor& dy, Context& ctx) {
+  const Tensor saved = ctx.saved.at(0);
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
+  if (kind_ == Activation::ReLU)
+    ops::relu_backward(saved, dy, dx);
+  else
+    ops::gelu_backward(saved, dy, dx);
+  ctx.clear();
+  return dx;
+}
+
+Dropout::Dropout(std::string name, float p) : Layer(std::move(name)), p_(p) {
+  STRATA_REQUIRE(p >= 0.0f && p < 1.0f, "dropout probability must be in [0, 1), found ", p);
+}
+
+std::string Dropout::describe() const { return detail::cat("dropout(", p_, ")"); }
+
+ops::DropoutKey Dropout::key(const StepInfo& info) const {
+  ops::DropoutKey k;
+  k.key = rng::derive_key(rng::derive_key(info.seed, rng::kDropout), static_cast<uint64_t>(index()));
+  k.stream = static_cast<uint64_t>(info.step);
+  k.first_sample = info.first_sample;
+  return k;
+}
+
+Tensor Dropout::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  if (info.mode == Mode::Eval || p_ == 0.0f) return x;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::dropout_forward(x, y, p_, key(info));
+  ctx.info = info;  // backward regenerates the same mask from the key
+  return y;
+}
+
+Tensor Dropout::backward(const Tensor& dy, Context& ctx) {
+  if (p_ == 0.0f) return dy;
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
+  ops::dropout_backward(dy, dx, p_, key(ctx.info));
+  ctx.clear();
+  return dx;
+}
+
+Shape Flatten::output_shape(const Shape& input) const { return {shape_numel(input)}; }
+
+Tensor Flatten::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  ctx.input_shape = x.shape();
+  return x.reshape({x.dim(0), x.numel() / std::max<int64_t>(x.dim(0), 1)});
+}
+
+Tensor Flatten::backward(const Tensor& dy, Context& ctx) {
+  Tensor dx = dy.reshape(ctx.input_shape);
+  ctx.clear();
+  return dx;
+}
+
+// ---- normalisation ---------------------------------------------------------------------------
+
+BatchNorm2d::BatchNorm2d(std::string name, int64_t channels, float momentum, float eps)
+    : Layer(std::move(name)), channels_(channels), momentum_(momentum), eps_(eps) {}
+
+std::string BatchNorm2d::describe() const { return detail::cat("batch_norm2d(", channels_, ")"); }
+
+Shape BatchNorm2d::output_shape(const Shape& input) const {
+  require_image(*this, input, channels_);
+  return input;
+}
+
+std::vector<ParamSpec> BatchNorm2d::param_specs() const {
+  return {{"weight", {channels_}, Init::Ones},
+          {"bias", {channels_}, Init::Zeros},
+          {"running_mean", {channels_}, Init::Zeros, 0, false},
+          {"running_var", {channels_}, Init::Ones, 0, false}};
+}
+
+void BatchNorm2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  gamma_ = params[0];
+  beta_ = params[1];
+  running_mean_ = params[2];
+  running_var_ = params[3];
+  dgamma_ = grads[0];
+  dbeta_ = grads[1];
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (info.mode == Mode::Eval) {
+    ops::batch_norm_forward_eval(x, gamma_, beta_, running_mean_, running_var_, y, eps_);
+    return y;
+  }
+  Tensor mean = Tensor::empty({channels_}, DType::F32, x.device());
+  Tensor invstd = Tensor::empty({channels_}, DType::F32, x.device());
+  ops::batch_norm_forward_train(x, gamma_, beta_, y, mean, invstd, running_mean_, running_var_, momentum_, eps_);
+  ctx.saved = {x, mean, invstd};
+  return y;
+}
+
+Tensor BatchNorm2d::backward(const Tensor& dy, Context& ctx) {
+  const Tensor x = ctx.saved.at(0);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::batch_norm_backward(x, dy, gamma_, ctx.saved.at(1), ctx.saved.at(2), dx, dgamma_, dbeta_);
+  ctx.clear();
+  return dx;
+}
+
+LayerNorm::LayerNorm(std::string name, int64_t features, float eps)
+    : Layer(std::move(name)), features_(features), eps_(eps) {}
+
+std::string LayerNorm::describe() const { return detail::cat("layer_norm(", features_, ")"); }
+
+Shape LayerNorm::output_shape(const Shape& input) const {
+  STRATA_REQUIRE(!input.empty() && input.back() == features_, "layer ", name(), " (", describe(),
+                 ") expects the last dimension to be ", features_, ", found ", shape_str(input));
+  return input;
+}
+
+std::vector<ParamSpec> LayerNorm::param_specs() const {
+  return {{"weight", {features_}, Init::Ones}, {"bias", {features_}, Init::Zeros}};
+}
+
+void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  gamma_ = params[0];
+  beta_ = params[1];
+  dgamma_ = grads[0];
+  dbeta_ = grads[1];
+}
+
+Tensor LayerNorm::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  const int64_t rows = x.numel() / features_;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  Tensor mean = Tensor::empty({rows}, DType::F32, x.device());
+  Tensor rstd = Tensor::empty({rows}, DType::F32, x.device());
+  ops::layer_norm_forward(x, gamma_, beta_, y, mean, rstd, eps_);
+  if (info.mode == Mode::Train) ctx.saved = {x, mean, rstd};
+  return y;
+}
+
+Tensor LayerNorm::backward(const Tensor& dy, Context& ctx) {
+  const Tensor x = ctx.saved.at(0);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::layer_norm_backward(x, dy, gamma_, ctx.saved.at(1), ctx.saved.at(2), dx, dgamma_, dbeta_);
+  ctx.clear();
+  return dx;
+}
+
+}  // namespace strata::layers

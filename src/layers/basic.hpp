@@ -1,0 +1,148 @@
+// The layers: dense, convolution, pooling, activations, dropout, normalisation, flatten.
+// Each calls ops::… only; the ops dispatch to CPU or CUDA.
+#pragma once
+
+#include "core/ops.hpp"
+#include "layers/layer.hpp"
+
+namespace strata::layers {
+
+// y = x W^T + b; x (B, in), W (out, in) as in torch.nn.Linear.
+class Linear final : public Layer {
+ public:
+  Linear(std::string name, int64_t in_features, int64_t out_features, bool bias = true);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+  int64_t flops(const Shape& input) const override { return in_ * out_; }
+
+ private:
+  int64_t in_, out_;
+  bool has_bias_;
+  Tensor w_, b_, dw_, db_;
+};
+
+// 2-D convolution, weight (out, in, k, k) as in torch.nn.Conv2d.
+class Conv2d final : public Layer {
+ public:
+  Conv2d(std::string name, int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride = 1,
+         int64_t padding = 0, bool bias = true);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+  int64_t flops(const Shape& input) const override;
+
+ private:
+  ops::Conv2dGeometry geometry(const Shape& batch_input) const;
+  int64_t in_, out_, kernel_, stride_, padding_;
+  bool has_bias_;
+  Tensor w_, b_, dw_, db_;
+};
+
+enum class PoolKind { Max, Avg };
+
+class Pool2d final : public Layer {
+ public:
+  Pool2d(std::string name, PoolKind kind, int64_t kernel, int64_t stride, int64_t padding = 0);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+
+ private:
+  ops::Pool2dGeometry geometry(const Shape& batch_input) const;
+  PoolKind kind_;
+  int64_t kernel_, stride_, padding_;
+};
+
+// (B, C, H, W) -> (B, C)
+class GlobalAvgPool final : public Layer {
+ public:
+  using Layer::Layer;
+  std::string describe() const override { return "global_avg_pool"; }
+  Shape output_shape(const Shape& input) const override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+};
+
+enum class Activation { ReLU, GELU };
+
+class ActivationLayer final : public Layer {
+ public:
+  ActivationLayer(std::string name, Activation kind) : Layer(std::move(name)), kind_(kind) {}
+  std::string describe() const override { return kind_ == Activation::ReLU ? "relu" : "gelu"; }
+  Shape output_shape(const Shape& input) const override { return input; }
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+
+ private:
+  Activation kind_;
+};
+
+// Inverted dropout; the mask is a pure function of (seed, step, layer, global sample index),
+// so it is the same however the batch is split across ranks and micro-batches.
+class Dropout final : public Layer {
+ public:
+  Dropout(std::string name, float p);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override { return input; }
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+
+ private:
+  ops::DropoutKey key(const StepInfo& info) const;
+  float p_;
+};
+
+// (B, d1, d2, ...) -> (B, d1*d2*...)
+class Flatten final : public Layer {
+ public:
+  using Layer::Layer;
+  std::string describe() const override { return "flatten"; }
+  Shape output_shape(const Shape& input) const override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+};
+
+// Per-channel batch normalisation of (B, C, H, W). Statistics are local to the micro-batch
+// (as torch.nn.BatchNorm2d without SyncBatchNorm); running statistics are buffers.
+class BatchNorm2d final : public Layer {
+ public:
+  BatchNorm2d(std::string name, int64_t channels, float momentum = 0.1f, float eps = 1e-5f);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+
+ private:
+  int64_t channels_;
+  float momentum_, eps_;
+  Tensor gamma_, beta_, running_mean_, running_var_, dgamma_, dbeta_;
+};
+
+// Normalises over the last dimension, as torch.nn.LayerNorm(features).
+class LayerNorm final : public Layer {
+ public:
+  LayerNorm(std::string name, int64_t features, float eps = 1e-5f);
+  std::string describe() const override;
+  Shape output_shape(const Shape& input) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
+  Tensor backward(const Tensor& dy, Context& ctx) override;
+
+ private:
+  int64_t features_;
+  float eps_;
+  Tensor gamma_, beta_, dgamma_, dbeta_;
+};
+
+}  // namespace strata::layers

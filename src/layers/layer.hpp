@@ -1,0 +1,88 @@
+// The Layer contract: explicit forward and backward, no tape. What backward needs is saved in
+// a Context that the caller owns, one per micro-batch, so several micro-batches can be in
+// flight at once (pipeline schedules). Parameters are views into a stage's flat buffers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+
+namespace strata::layers {
+
+enum class Mode { Train, Eval };
+
+// What a forward pass needs besides its input: the mode and the keys of random streams.
+struct StepInfo {
+  Mode mode = Mode::Train;
+  uint64_t seed = 0;
+  int64_t step = 0;          // optimizer step: keys dropout masks
+  int64_t first_sample = 0;  // global index of this micro-batch's first sample
+};
+
+// One layer's saved state for one micro-batch.
+struct Context {
+  std::vector<Tensor> saved;
+  std::vector<Context> children;  // for composite layers
+  StepInfo info;
+  Shape input_shape;  // the batch input shape, for layers that only reshape or pool
+  void clear() {
+    saved.clear();
+    children.clear();
+  }
+};
+
+// How a parameter starts. FanInUniform is PyTorch's default for Linear and Conv weights and
+// biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+enum class Init { FanInUniform, Zeros, Ones };
+
+struct ParamSpec {
+  std::string name;  // relative to the layer: "weight", "conv1/weight"
+  Shape shape;
+  Init init = Init::Zeros;
+  int64_t fan_in = 0;
+  bool trainable = true;  // false for buffers (BatchNorm running statistics): saved, not optimised
+};
+
+class Layer {
+ public:
+  explicit Layer(std::string name) : name_(std::move(name)) {}
+  virtual ~Layer() = default;
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  // The layer's stable name in its model ("conv1"), used for checkpoints.
+  const std::string& name() const { return name_; }
+  // e.g. "conv2d(1->32, k3 s1 p1)"
+  virtual std::string describe() const = 0;
+  // Per-sample output shape for a per-sample input shape. Throws an Input error when the
+  // input does not fit (so a bad model/dataset pair is reported before training).
+  virtual Shape output_shape(const Shape& input) const = 0;
+  virtual std::vector<ParamSpec> param_specs() const { return {}; }
+  // Views into the flat buffers, in param_specs() order; grads[i] is undefined for buffers.
+  virtual void bind(std::span<const Tensor> params, std::span<const Tensor> grads) {}
+  // x: (B, input...) -> (B, output...).
+  virtual Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) = 0;
+  // Accumulates parameter gradients and returns dx. Consumes ctx.
+  virtual Tensor backward(const Tensor& dy, Context& ctx) = 0;
+  // Forward multiply-adds per sample, for partitioning and reports.
+  virtual int64_t flops(const Shape& input) const { return 0; }
+
+  // Position in the model; keys this layer's random streams.
+  int index() const { return index_; }
+  virtual void set_index(int index) { index_ = index; }
+
+ private:
+  std::string name_;
+  int index_ = 0;
+};
+
+using LayerPtr = std::unique_ptr<Layer>;
+
+// The batch shape (B, sample...) of a per-sample shape.
+Shape batch_shape(int64_t batch, const Shape& sample);
+
+}  // namespace strata::layers

@@ -1,0 +1,17 @@
+// Softmax cross-entropy on logits (B, K) and integer labels (B).
+#pragma once
+
+#include "layers/layer.hpp"
+
+namespace strata::layers {
+
+class SoftmaxCrossEntropy {
+ public:
+  // Returns the SUM of per-sample losses of this micro-batch; saves what backward needs.
+  double forward(const Tensor& logits, const Tensor& labels, Context& ctx) const;
+  // dlogits of the loss sum * scale; scale = 1 / global batch gives the mean over the batch
+  // however it is split into micro-batches and ranks.
+  Tensor backward(Context& ctx, float scale) const;
+};
+
+}  // namespace strata::layers

@@ -1,0 +1,232 @@
+// Model (shape inference, forward/backward over a range of layers), the model zoo and the
+// flat parameter store.
+#include "layers/model.hpp"
+
+#include <cmath>
+#include <sstream>
+
+#include "core/ops.hpp"
+#include "core/rng.hpp"
+#include "layers/basic.hpp"
+#include "layers/composite.hpp"
+
+namespace strata::layers {
+
+Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes)
+    : layers_(std::move(layers)), num_classes_(num_classes) {
+  shapes_.push_back(std::move(input_shape));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    layers_[i]->set_index(static_cast<int>(i));
+    shapes_.push_back(layers_[i]->output_shape(shapes_.back()));
+  }
+  STRATA_REQUIRE(shapes_.back() == Shape{num_classes}, "the model's output shape is ", shape_str(shapes_.back()),
+                 " but the dataset has ", num_classes, " classes");
+}
+
+std::string Model::summary() const {
+  std::ostringstream os;
+  int64_t total = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    int64_t params = 0;
+    for (const ParamSpec& s : layers_[i]->param_specs())
+      if (s.trainable) params += shape_numel(s.shape);
+    total += params;
+    os << "  " << i << "  " << layers_[i]->name() << "  " << layers_[i]->describe() << "  "
+       << shape_str(shapes_[i]) << " -> " << shape_str(shapes_[i + 1]) << "  params " << params << "\n";
+  }
+  os << "  total trainable parameters: " << total;
+  return os.str();
+}
+
+Tensor Model::forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo& info, size_t begin,
+                      size_t end) const {
+  end = std::min(end, layers_.size());
+  ctx.resize(layers_.size());
+  Tensor h = x;
+  for (size_t i = begin; i < end; ++i) h = layers_[i]->forward(h, ctx[i], info);
+  return h;
+}
+
+Tensor Model::backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin, size_t end) const {
+  end = std::min(end, layers_.size());
+  Tensor g = dy;
+  for (size_t i = end; i-- > begin;) g = layers_[i]->backward(g, ctx[i]);
+  return g;
+}
+
+// ---- zoo -------------------------------------------------------------------------------------
+
+namespace {
+
+// Appends layers while tracking the per-sample shape, so sizes come from the data.
+class Builder {
+ public:
+  explicit Builder(Shape input) : shape_(std::move(input)) {}
+  template <class L, class... Args>
+  void add(Args&&... args) {
+    layers_.push_back(std::make_unique<L>(std::forward<Args>(args)...));
+    shape_ = layers_.back()->output_shape(shape_);
+  }
+  void add(LayerPtr layer) {
+    layers_.push_back(std::move(layer));
+    shape_ = layers_.back()->output_shape(shape_);
+  }
+  const Shape& shape() const { return shape_; }
+  int64_t features() const { return shape_numel(shape_); }
+  std::vector<LayerPtr> take() { return std::move(layers_); }
+
+ private:
+  Shape shape_;
+  std::vector<LayerPtr> layers_;
+};
+
+std::string numbered(const char* base, size_t i) { return base + std::to_string(i); }
+
+Model build_mlp(const ModelSpec& spec, const Shape& input, int classes) {
+  Builder b(input);
+  b.add<Flatten>("flatten");
+  for (size_t i = 0; i < spec.hidden.size(); ++i) {
+    STRATA_REQUIRE(spec.hidden[i] > 0, "--hidden sizes must be positive, found ", spec.hidden[i]);
+    b.add<Linear>(numbered("fc", i + 1), b.features(), spec.hidden[i]);
+    b.add<ActivationLayer>(numbered("relu", i + 1), Activation::ReLU);
+    if (spec.dropout > 0) b.add<Dropout>(numbered("dropout", i + 1), spec.dropout);
+  }
+  b.add<Linear>(numbered("fc", spec.hidden.size() + 1), b.features(), classes);
+  return Model(b.take(), input, classes);
+}
+
+Model build_cnn(const ModelSpec& spec, const Shape& input, int classes) {
+  STRATA_REQUIRE(input.size() == 3, "model cnn expects image samples [C, H, W], found ", shape_str(input));
+  Builder b(input);
+  b.add<Conv2d>("conv1", input[0], 32, 3, 1, 1);
+  b.add<ActivationLayer>("relu1", Activation::ReLU);
+  b.add<Pool2d>("pool1", PoolKind::Max, 2, 2);
+  b.add<Conv2d>("conv2", 32, 64, 3, 1, 1);
+  b.add<ActivationLayer>("relu2", Activation::ReLU);
+  b.add<Pool2d>("pool2", PoolKind::Max, 2, 2);
+  b.add<Flatten>("flatten");
+  b.add<Linear>("fc1", b.features(), 128);
+  b.add<ActivationLayer>("relu3", Activation::ReLU);
+  if (spec.dropout > 0) b.add<Dropout>("dropout", spec.dropout);
+  b.add<Linear>("fc2", 128, classes);
+  return Model(b.take(), input, classes);
+}
+
+// CIFAR-style ResNet (He et al. 2016, section 4.2): 3 stages of n basic blocks, depth 6n+2.
+Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
+  STRATA_REQUIRE(input.size() == 3, "model resnet expects image samples [C, H, W], found ", shape_str(input));
+  STRATA_REQUIRE(spec.depth >= 8 && (spec.depth - 2) % 6 == 0, "--depth for resnet must be 6n+2 (8, 14, 20, 32, 56, ...), found ",
+                 spec.depth);
+  STRATA_REQUIRE(spec.width > 0, "--width must be positive, found ", spec.width);
+  const int blocks = (spec.depth - 2) / 6;
+  Builder b(input);
+  b.add<Conv2d>("conv1", input[0], spec.width, 3, 1, 1, false);
+  b.add<BatchNorm2d>("bn1", spec.width);
+  b.add<ActivationLayer>("relu1", Activation::ReLU);
+  int64_t channels = spec.width;
+  for (int stage = 0; stage < 3; ++stage) {
+    const int64_t out = static_cast<int64_t>(spec.width) << stage;
+    for (int i = 0; i < blocks; ++i) {
+      const int64_t stride = (stage > 0 && i == 0) ? 2 : 1;
+      b.add(ResidualBlock::basic(detail::cat("block", stage + 1, "_", i + 1), channels, out, stride));
+      channels = out;
+    }
+  }
+  b.add<GlobalAvgPool>("pool");
+  b.add<Linear>("fc", channels, classes);
+  return Model(b.take(), input, classes);
+}
+
+}  // namespace
+
+Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes) {
+  STRATA_REQUIRE(num_classes >= 2, "a classifier needs at least 2 classes, the dataset has ", num_classes);
+  if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
+  if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
+  if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
+  STRATA_THROW_INPUT("--model must be one of mlp, cnn, resnet; found '", spec.name, "'");
+}
+
+// ---- parameters ------------------------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // elements: 64 bytes of f32
+int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void initialise(const Tensor& t, const ParamSpec& spec, const std::string& name, uint64_t seed) {
+  float* p = t.data<float>();
+  const int64_t n = t.numel();
+  switch (spec.init) {
+    case Init::Zeros: std::fill(p, p + n, 0.0f); break;
+    case Init::Ones: std::fill(p, p + n, 1.0f); break;
+    case Init::FanInUniform: {
+      const float bound = 1.0f / std::sqrt(static_cast<float>(spec.fan_in));
+      const uint64_t key = rng::derive_key(seed, rng::kInit);
+      const uint64_t stream = fnv1a(name);
+      for (int64_t i = 0; i < n; ++i) p[i] = (2.0f * rng::uniform(key, stream, i) - 1.0f) * bound;
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end) {
+  end = std::min(end, model.size());
+  std::vector<ParamSpec> specs;
+  std::vector<size_t> per_layer;
+  int64_t trainable = 0, buffers = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const std::vector<ParamSpec> layer_specs = model.layer(i).param_specs();
+    per_layer.push_back(layer_specs.size());
+    for (const ParamSpec& s : layer_specs) {
+      ParamEntry e{model.layer(i).name() + "/" + s.name, s.shape, 0, s.trainable};
+      int64_t& cursor = s.trainable ? trainable : buffers;
+      e.offset = cursor;
+      cursor = align_up(cursor + shape_numel(s.shape));
+      entries_.push_back(std::move(e));
+      specs.push_back(s);
+    }
+  }
+  params_ = Tensor::zeros({trainable});
+  grads_ = Tensor::zeros({trainable});
+  buffers_ = Tensor::zeros({buffers});
+
+  std::vector<Tensor> values, grads;
+  for (size_t k = 0; k < entries_.size(); ++k) {
+    values.push_back(value(entries_[k]));
+    grads.push_back(entries_[k].trainable ? grad(entries_[k]) : Tensor());
+    initialise(values.back(), specs[k], entries_[k].name, seed);
+  }
+  size_t offset = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const size_t n = per_layer[i - begin];
+    model.layer(i).bind(std::span(values).subspan(offset, n), std::span(grads).subspan(offset, n));
+    offset += n;
+  }
+}
+
+Tensor ParameterStore::value(const ParamEntry& e) const {
+  return (e.trainable ? params_ : buffers_).view(e.offset, e.shape);
+}
+
+Tensor ParameterStore::grad(const ParamEntry& e) const {
+  STRATA_CHECK(e.trainable, e.name, " is a buffer and has no gradient");
+  return grads_.view(e.offset, e.shape);
+}
+
+int64_t ParameterStore::num_trainable() const {
+  int64_t n = 0;
+  for (const ParamEntry& e : entries_)
+    if (e.trainable) n += shape_numel(e.shape);
+  return n;
+}
+
+}  // namespace strata::layers

@@ -1,0 +1,76 @@
+// A model is a list of top-level layers with their shapes inferred from the dataset's sample
+// shape; a pipeline stage is a contiguous range of it. The zoo builds mlp, cnn and resnet.
+// ParameterStore lays out the parameters of a range of layers in one flat buffer, their
+// gradients in another and their non-trained buffers in a third, and binds layers to views.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "layers/layer.hpp"
+
+namespace strata::layers {
+
+struct ModelSpec {
+  std::string name = "cnn";               // mlp | cnn | resnet
+  std::vector<int64_t> hidden{1024, 1024};  // mlp hidden sizes
+  int depth = 20;                          // resnet: 6n + 2
+  int width = 16;                          // resnet: channels of the first stage
+  float dropout = 0.0f;                    // mlp/cnn: after each hidden activation
+};
+
+class Model {
+ public:
+  Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes);
+
+  size_t size() const { return layers_.size(); }
+  Layer& layer(size_t i) const { return *layers_[i]; }
+  const Shape& input_shape() const { return shapes_.front(); }
+  // Per-sample input shape of layer i; shape(size()) is the output shape.
+  const Shape& shape(size_t i) const { return shapes_[i]; }
+  int num_classes() const { return num_classes_; }
+  std::string summary() const;
+
+  // Forward through layers [begin, end) with one context per layer (resized as needed).
+  Tensor forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo& info, size_t begin = 0,
+                 size_t end = SIZE_MAX) const;
+  // Backward through layers [begin, end) in reverse; returns the gradient of the input.
+  Tensor backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin = 0, size_t end = SIZE_MAX) const;
+
+ private:
+  std::vector<LayerPtr> layers_;
+  std::vector<Shape> shapes_;
+  int num_classes_;
+};
+
+Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes);
+
+struct ParamEntry {
+  std::string name;  // stable path "conv1/weight", "block2/main/conv1/weight"
+  Shape shape;
+  int64_t offset = 0;  // elements, in params() or buffers() depending on trainable
+  bool trainable = true;
+};
+
+class ParameterStore {
+ public:
+  // Lays out and binds the parameters of layers [begin, end) of the model. Offsets are
+  // aligned to 16 elements (64 bytes). Values are initialised from (seed, name), so they do
+  // not depend on how the model is cut into stages.
+  ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX);
+
+  const Tensor& params() const { return params_; }    // flat, trainable
+  const Tensor& grads() const { return grads_; }      // flat, same layout as params()
+  const Tensor& buffers() const { return buffers_; }  // flat, non-trainable state
+  const std::vector<ParamEntry>& entries() const { return entries_; }
+  // The view of an entry's values (in params() or buffers()).
+  Tensor value(const ParamEntry& e) const;
+  Tensor grad(const ParamEntry& e) const;
+  int64_t num_trainable() const;  // without alignment padding
+
+ private:
+  Tensor params_, grads_, buffers_;
+  std::vector<ParamEntry> entries_;
+};
+
+}  // namespace strata::layers

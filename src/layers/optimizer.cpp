@@ -1,0 +1,69 @@
+#include "layers/optimizer.hpp"
+
+#include <cmath>
+#include <numbers>
+
+namespace strata::layers {
+
+Optimizer::Optimizer(const OptimizerConfig& config, int64_t numel, Device device) : config_(config) {
+  if (config.name == "sgd") {
+    if (config.momentum != 0.0f) state_a_ = Tensor::zeros({numel}, DType::F32, device);
+  } else if (config.name == "adamw") {
+    state_a_ = Tensor::zeros({numel}, DType::F32, device);
+    state_b_ = Tensor::zeros({numel}, DType::F32, device);
+  } else {
+    STRATA_THROW_INPUT("--optimizer must be sgd or adamw, found '", config.name, "'");
+  }
+}
+
+void Optimizer::step(const Tensor& params, const Tensor& grads, float lr) {
+  ++steps_;
+  if (config_.name == "sgd") {
+    ops::SgdParams p;
+    p.lr = lr;
+    p.momentum = config_.momentum;
+    p.weight_decay = config_.weight_decay;
+    p.nesterov = config_.nesterov;
+    ops::sgd_update(params, grads, state_a_, p);
+  } else {
+    ops::AdamWParams p;
+    p.lr = lr;
+    p.beta1 = config_.beta1;
+    p.beta2 = config_.beta2;
+    p.eps = config_.eps;
+    p.weight_decay = config_.weight_decay;
+    p.step = steps_;
+    ops::adamw_update(params, grads, state_a_, state_b_, p);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {
+  if (config_.name == "adamw") return {{"exp_avg", state_a_}, {"exp_avg_sq", state_b_}};
+  if (state_a_.defined()) return {{"momentum", state_a_}};
+  return {};
+}
+
+float learning_rate(const LrScheduleConfig& c, int64_t step) {
+  if (step < c.warmup_steps) return c.lr * static_cast<float>(step + 1) / static_cast<float>(c.warmup_steps);
+  const int64_t s = step - c.warmup_steps;
+  if (c.kind == "constant") return c.lr;
+  if (c.kind == "step") {
+    if (c.step_size <= 0) return c.lr;
+    return c.lr * std::pow(c.gamma, static_cast<float>(s / c.step_size));
+  }
+  if (c.kind == "cosine") {
+    const int64_t span = std::max<int64_t>(c.total_steps - c.warmup_steps, 1);
+    const double t = std::min<double>(static_cast<double>(s) / static_cast<double>(span), 1.0);
+    return static_cast<float>(c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(std::numbers::pi * t)));
+  }
+  STRATA_THROW_INPUT("--lr-schedule must be constant, step or cosine, found '", c.kind, "'");
+}
+
+double clip_by_global_norm(const Tensor& grads, double sum_squares, float max_norm) {
+  const double norm = std::sqrt(sum_squares);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) ops::scale(grads, static_cast<float>(coef));
+  return norm;
+}
+
+}  // namespace strata::layers

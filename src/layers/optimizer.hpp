@@ -1,0 +1,55 @@
+// Optimizers over flat buffers (a stage's whole gradient buffer, or a ZeRO shard of it),
+// learning-rate schedules, and global-norm gradient clipping.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/ops.hpp"
+
+namespace strata::layers {
+
+struct OptimizerConfig {
+  std::string name = "sgd";  // sgd | adamw
+  float momentum = 0.9f;     // sgd
+  bool nesterov = false;     // sgd
+  float weight_decay = 0.0f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // adamw
+};
+
+class Optimizer {
+ public:
+  // State for `numel` elements on `device`, zero-initialised.
+  Optimizer(const OptimizerConfig& config, int64_t numel, Device device = Device::cpu());
+  // One update of params from grads (both `numel` elements) at learning rate lr.
+  void step(const Tensor& params, const Tensor& grads, float lr);
+  int64_t steps_taken() const { return steps_; }
+  // Named state tensors, for checkpoints: "momentum", or "exp_avg" and "exp_avg_sq".
+  std::vector<std::pair<std::string, Tensor>> state() const;
+
+ private:
+  OptimizerConfig config_;
+  int64_t steps_ = 0;
+  Tensor state_a_, state_b_;
+};
+
+struct LrScheduleConfig {
+  std::string kind = "constant";  // constant | step | cosine
+  float lr = 0.01f;
+  int64_t warmup_steps = 0;  // linear warm-up from lr/warmup to lr, for every kind
+  int64_t total_steps = 0;   // cosine: decays to min_lr at this step
+  int64_t step_size = 0;     // step: multiply by gamma every step_size steps
+  float gamma = 0.1f;
+  float min_lr = 0.0f;
+};
+
+// The learning rate at optimizer step `step` (0-based).
+float learning_rate(const LrScheduleConfig& c, int64_t step);
+
+// Scales grads so that their global L2 norm is at most max_norm (torch's clip_grad_norm_,
+// coefficient max_norm / (norm + 1e-6)). `sum_squares` is the (possibly all-reduced) sum of
+// squares of all gradients. Returns the norm before clipping.
+double clip_by_global_norm(const Tensor& grads, double sum_squares, float max_norm);
+
+}  // namespace strata::layers

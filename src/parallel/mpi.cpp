@@ -1,0 +1,86 @@
+#include "parallel/mpi.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+namespace strata::parallel {
+
+std::string mpi_error_string(const char* call, int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return detail::cat(call, " failed: ", std::string(text, static_cast<size_t>(length)));
+}
+
+MpiRuntime::MpiRuntime(int& argc, char**& argv) {
+  int provided = 0;
+  MPI_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
+  // Errors come back as codes and become strata::Error instead of aborting silently.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+  set_process_rank(rank_);
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
+  MPI_CHECK(MPI_Comm_size(node, &local_size_));
+  MPI_Comm_free(&node);
+}
+
+MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
+
+int MpiRuntime::default_threads() const {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / local_size_);
+}
+
+std::string format_error(const std::exception& e) {
+  if (const auto* se = dynamic_cast<const Error*>(&e); se && se->kind() == ErrorKind::Input)
+    return "error: " + se->message();
+  return detail::cat("error on rank ", process_rank(), ": ", e.what());
+}
+
+int run_collectively(MPI_Comm comm, const std::function<void()>& phase) {
+  int code = kExitOk;
+  std::string message;
+  try {
+    phase();
+  } catch (const Error& e) {
+    code = e.kind() == ErrorKind::Input ? kExitBadInput : kExitFailure;
+    message = format_error(e);
+  } catch (const std::exception& e) {
+    code = kExitFailure;
+    message = format_error(e);
+  }
+  int size = 1;
+  MPI_Comm_size(comm, &size);
+  // The lowest failing rank reports; everyone agrees on its exit code.
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  const int mine = code != kExitOk ? rank : size;
+  int lowest = size;
+  MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm);
+  if (lowest == size) return kExitOk;
+  int agreed = code;
+  MPI_Bcast(&agreed, 1, MPI_INT, lowest, comm);
+  if (rank == lowest) {
+    std::fprintf(stderr, "%s\n", message.c_str());
+    std::fflush(stderr);
+  }
+  return agreed;
+}
+
+void abort_world(const std::string& message, int code) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size == 1) _exit(code);  // nothing to tear down; avoid MPI_Abort's banner
+  MPI_Abort(MPI_COMM_WORLD, code);
+  _exit(code);
+}
+
+}  // namespace strata::parallel

@@ -1,0 +1,61 @@
+// The MPI runtime: initialisation and finalisation (RAII), the world and node-local ranks,
+// the default thread count per rank, and how errors end the job on every rank.
+#pragma once
+
+#include <mpi.h>
+
+#include <functional>
+#include <string>
+
+#include "core/error.hpp"
+
+#define MPI_CHECK(expr)                                                              \
+  do {                                                                               \
+    const int strata_mpi_rc_ = (expr);                                               \
+    if (strata_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                  \
+      throw ::strata::Error(::strata::ErrorKind::Internal,                           \
+                            ::strata::parallel::mpi_error_string(#expr, strata_mpi_rc_), \
+                            __FILE__, __LINE__);                                     \
+  } while (0)
+
+namespace strata::parallel {
+
+std::string mpi_error_string(const char* call, int code);
+
+// Exit codes of every Strata program, the same on every rank.
+enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2 };
+
+class MpiRuntime {
+ public:
+  // MPI_Init_thread with MPI_THREAD_FUNNELED: only the main thread calls MPI.
+  MpiRuntime(int& argc, char**& argv);
+  ~MpiRuntime();
+  MpiRuntime(const MpiRuntime&) = delete;
+  MpiRuntime& operator=(const MpiRuntime&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Rank and count of ranks on this node (MPI_COMM_TYPE_SHARED).
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  // Cores on this node divided among its ranks (at least 1).
+  int default_threads() const;
+
+ private:
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+};
+
+// Runs a phase that every rank runs identically (setup: config, data, model, checkpoint).
+// If it throws on any rank, all ranks learn it through one all-reduce; the lowest failing
+// rank prints its one-line message and every rank returns the exit code (2 for bad input, 1
+// otherwise). Returns kExitOk when the phase succeeded everywhere.
+int run_collectively(MPI_Comm comm, const std::function<void()>& phase);
+
+// Reports an error raised where the other ranks may be inside a collective, then ends the
+// whole job: the message names the rank and MPI_Abort stops every process.
+[[noreturn]] void abort_world(const std::string& message, int code);
+
+// Prints an error the way users see it: one line, "error: ..." for input errors.
+std::string format_error(const std::exception& e);
+
+}  // namespace strata::parallel

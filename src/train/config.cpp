@@ -1,0 +1,148 @@
+// Options, their defaults and their checks. Option names are stable: later features add
+// options, they never rename these.
+#include "train/config.hpp"
+
+#include <boost/program_options.hpp>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace po = boost::program_options;
+
+namespace strata::train {
+
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag) {
+  std::vector<int64_t> values;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    STRATA_REQUIRE(used == item.size() && !item.empty() && v > 0, flag,
+                   " expects a comma-separated list of positive integers (e.g. 1024,1024), found '", text, "'");
+    values.push_back(v);
+  }
+  STRATA_REQUIRE(!values.empty(), flag, " expects at least one size, found '", text, "'");
+  return values;
+}
+
+namespace {
+
+std::string any_to_string(const boost::any& v) {
+  if (const auto* s = boost::any_cast<std::string>(&v)) return *s;
+  if (const auto* i = boost::any_cast<int64_t>(&v)) return std::to_string(*i);
+  if (const auto* i = boost::any_cast<int>(&v)) return std::to_string(*i);
+  if (const auto* u = boost::any_cast<uint64_t>(&v)) return std::to_string(*u);
+  if (const auto* b = boost::any_cast<bool>(&v)) return *b ? "true" : "false";
+  if (const auto* f = boost::any_cast<float>(&v)) {
+    std::ostringstream os;
+    os << *f;
+    return os.str();
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help) {
+  Config c;
+  std::string hidden = "1024,1024", config_file;
+  po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help and exit")
+    ("config", po::value(&config_file), "INI file of options (keys are option names); command-line flags override it")
+    ("model", po::value(&c.model.name)->default_value("cnn"), "mlp | cnn | resnet")
+    ("hidden", po::value(&hidden)->default_value("1024,1024"), "mlp hidden sizes, comma-separated")
+    ("depth", po::value(&c.model.depth)->default_value(20), "resnet depth, 6n+2")
+    ("width", po::value(&c.model.width)->default_value(16), "resnet channels of the first stage")
+    ("dropout", po::value(&c.model.dropout)->default_value(0.0f), "dropout after hidden activations (mlp, cnn)")
+    ("data", po::value(&c.data), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
+    ("val-data", po::value(&c.val_data), "evaluation data, same forms as --data")
+    ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps)")
+    ("steps", po::value(&c.steps)->default_value(0), "optimizer steps from the start (0: use --epochs)")
+    ("global-batch", po::value(&c.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
+    ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: the global batch); gradients accumulate over global/micro steps")
+    ("optimizer", po::value(&c.optimizer.name)->default_value("sgd"), "sgd | adamw")
+    ("lr", po::value(&c.schedule.lr)->default_value(0.05f), "peak learning rate")
+    ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f), "sgd momentum")
+    ("nesterov", po::value(&c.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
+    ("weight-decay", po::value(&c.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
+    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9f), "adamw beta1")
+    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999f), "adamw beta2")
+    ("eps", po::value(&c.optimizer.eps)->default_value(1e-8f), "adamw epsilon")
+    ("lr-schedule", po::value(&c.schedule.kind)->default_value("constant"), "constant | step | cosine")
+    ("warmup-steps", po::value(&c.schedule.warmup_steps)->default_value(0), "linear warm-up steps")
+    ("lr-step-size", po::value(&c.schedule.step_size)->default_value(0), "step schedule: steps between decays")
+    ("lr-gamma", po::value(&c.schedule.gamma)->default_value(0.1f), "step schedule: decay factor")
+    ("min-lr", po::value(&c.schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
+    ("clip-grad", po::value(&c.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
+    ("seed", po::value(&c.seed)->default_value(0), "seed of initialisation, shuffling and dropout")
+    ("shuffle", po::value(&c.shuffle)->default_value(true), "shuffle the training data every epoch")
+    ("threads", po::value(&c.threads)->default_value(0), "threads per rank (0: cores / ranks on the node)")
+    ("checkpoint-dir", po::value(&c.checkpoint_dir), "write HDF5 checkpoints here")
+    ("save-every", po::value(&c.save_every)->default_value(0), "checkpoint every N steps (0: only at the end)")
+    ("eval-every", po::value(&c.eval_every)->default_value(0), "evaluate on --val-data every N steps (0: only at the end)")
+    ("log-every", po::value(&c.log_every)->default_value(100), "progress line every N steps")
+    ("metrics", po::value(&c.metrics), "append one JSON object per logged step to this file")
+    ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
+    ("eval-only", po::bool_switch(&c.eval_only), "evaluate --init-from on --val-data (or --data) and exit")
+    ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead");
+  // clang-format on
+
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+    if (vm.count("help")) {
+      if (print_help) std::cout << desc << "\n";
+      return std::nullopt;
+    }
+    if (vm.count("config")) {
+      const std::string path = vm["config"].as<std::string>();
+      std::ifstream in(path);
+      STRATA_REQUIRE(in.good(), "--config: cannot read '", path, "'");
+      po::store(po::parse_config_file(in, desc), vm);  // earlier (command-line) values win
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    STRATA_THROW_INPUT(e.what(), " (see --help)");
+  }
+
+  c.model.hidden = parse_int_list(hidden, "--hidden");
+  STRATA_REQUIRE(c.global_batch > 0, "--global-batch must be positive, found ", c.global_batch);
+  STRATA_REQUIRE(c.micro_batch >= 0, "--micro-batch must be positive, found ", c.micro_batch);
+  STRATA_REQUIRE(c.epochs >= 0 && c.steps >= 0, "--epochs and --steps must not be negative");
+  STRATA_REQUIRE(c.schedule.lr > 0, "--lr must be positive, found ", c.schedule.lr);
+  STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
+  STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
+  STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);
+  STRATA_REQUIRE(c.prefetch >= 1, "--prefetch must be at least 1, found ", c.prefetch);
+  STRATA_REQUIRE(c.save_every >= 0 && c.eval_every >= 0, "--save-every and --eval-every must not be negative");
+  STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
+                 c.optimizer.name, "'");
+  STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
+                 "--lr-schedule must be constant, step or cosine, found '", c.schedule.kind, "'");
+  STRATA_REQUIRE(c.schedule.kind != "step" || c.schedule.step_size > 0,
+                 "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
+  STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
+  if (c.eval_only) {
+    STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
+    STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");
+  } else {
+    STRATA_REQUIRE(!c.data.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
+    STRATA_REQUIRE(c.epochs > 0 || c.steps > 0, "give --epochs or --steps (how long to train)");
+  }
+
+  for (const auto& [name, value] : vm)
+    if (name != "help") c.effective.emplace_back(name, any_to_string(value.value()));
+  return c;
+}
+
+}  // namespace strata::train

@@ -1,0 +1,46 @@
+// The train program's configuration: Boost.Program_options over the command line and an INI
+// file (--config); command-line values override the file's.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+
+namespace strata::train {
+
+struct Config {
+  layers::ModelSpec model;
+  std::string data, val_data;
+  int64_t epochs = 0;  // 0: not set
+  int64_t steps = 0;   // 0: not set
+  int64_t global_batch = 64;
+  int64_t micro_batch = 0;  // 0: global batch / data-parallel ranks
+  layers::OptimizerConfig optimizer;
+  layers::LrScheduleConfig schedule;
+  float clip_grad = 0.0f;  // 0: off
+  uint64_t seed = 0;
+  bool shuffle = true;
+  int threads = 0;  // 0: cores / ranks on the node
+  std::string checkpoint_dir;
+  int64_t save_every = 0, eval_every = 0, log_every = 100;
+  std::string metrics;
+  std::string init_from;
+  bool eval_only = false;
+  int prefetch = 2;
+
+  // "key = value" lines of every option, for the start-of-run printout.
+  std::vector<std::pair<std::string, std::string>> effective;
+};
+
+// Parses argv (and the --config file). Returns nullopt after printing --help. Throws an
+// Input error with one line for unknown options, bad values and inconsistent settings.
+std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help);
+
+// Parses "1024,1024" into sizes; throws an Input error naming the flag otherwise.
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag);
+
+}  // namespace strata::train

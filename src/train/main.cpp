@@ -1,0 +1,49 @@
+// train: the Strata training program. `mpirun -np N train --config FILE [flags]`.
+// Setup errors are agreed on by all ranks and reported once (exit 2 for bad input); an error
+// during training is reported by the rank that hit it and ends the whole job.
+#include <memory>
+#include <optional>
+
+#include "core/log.hpp"
+#include "core/ops.hpp"
+#include "parallel/mpi.hpp"
+#include "train/config.hpp"
+#include "train/trainer.hpp"
+
+using namespace strata;
+
+int main(int argc, char** argv) {
+  parallel::MpiRuntime mpi(argc, argv);
+  std::optional<train::Config> config;
+  std::unique_ptr<train::Trainer> trainer;
+
+  const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
+    config = train::parse_config(argc, argv, mpi.rank() == 0);
+    if (!config) return;  // --help
+    const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
+    ops::set_num_threads(threads);
+    std::string effective = "configuration:";
+    for (const auto& [key, value] : config->effective) effective += "\n  " + key + " = " + value;
+    log::info(effective, "\n  (", mpi.size(), " rank(s), ", threads, " thread(s) per rank)");
+    trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
+  });
+  if (setup != parallel::kExitOk || !config) return setup;
+
+  try {
+    if (!config->eval_only) trainer->train();
+    if (const io::Dataset* data = trainer->eval_data()) {
+      const train::EvalResult r = trainer->evaluate(*data);
+      char line[160];
+      std::snprintf(line, sizeof line, "%s: loss %.4f  accuracy %.2f%%  (%lld samples)",
+                    config->eval_only ? "evaluation" : "final test", r.loss, 100.0 * r.accuracy,
+                    static_cast<long long>(r.samples));
+      log::info(line);
+    }
+  } catch (const Error& e) {
+    parallel::abort_world(parallel::format_error(e),
+                          e.kind() == ErrorKind::Input ? parallel::kExitBadInput : parallel::kExitFailure);
+  } catch (const std::exception& e) {
+    parallel::abort_world(parallel::format_error(e), parallel::kExitFailure);
+  }
+  return parallel::kExitOk;
+}

@@ -1,0 +1,56 @@
+// The training loop: data-parallel over the MPI world (pp = 1 for now), micro-batch
+// gradient accumulation, optimizer and schedule, evaluation, metrics and checkpoints.
+#pragma once
+
+#include <memory>
+
+#include "io/dataset.hpp"
+#include "io/loader.hpp"
+#include "io/sampler.hpp"
+#include "layers/loss.hpp"
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+#include "parallel/mpi.hpp"
+#include "train/config.hpp"
+
+namespace strata::train {
+
+struct EvalResult {
+  double loss = 0;  // mean over samples
+  double accuracy = 0;
+  int64_t samples = 0;
+};
+
+class Trainer {
+ public:
+  // Setup: opens the data, builds the model and its parameters, checks batch sizes, loads
+  // --init-from. Every bad input is found here, before the first step.
+  Trainer(const Config& config, MPI_Comm world);
+
+  void train();
+  EvalResult evaluate(const io::Dataset& data);
+  // The dataset evaluated at the end and by --eval-only.
+  const io::Dataset* eval_data() const;
+  void save_checkpoint(int64_t step, int64_t epoch);
+
+ private:
+  // One optimizer step over this rank's slice of the global batch; returns the global
+  // batch's summed loss.
+  double train_step(const io::Batch& batch, int64_t step);
+  void all_reduce_sum(double* values, int count) const;
+  void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double eta_s) const;
+
+  Config config_;
+  MPI_Comm world_;
+  int rank_ = 0, dp_ = 1;
+  std::unique_ptr<io::Dataset> train_data_, val_data_;
+  std::unique_ptr<io::EpochSampler> sampler_;
+  std::unique_ptr<layers::Model> model_;
+  std::unique_ptr<layers::ParameterStore> store_;
+  std::unique_ptr<layers::Optimizer> optimizer_;
+  layers::SoftmaxCrossEntropy loss_;
+  int64_t local_batch_ = 0, micro_batch_ = 0, total_steps_ = 0, start_step_ = 0;
+  std::vector<layers::Context> contexts_;
+};
+
+}  // namespace strata::train

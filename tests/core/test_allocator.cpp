@@ -1,0 +1,55 @@
+// The host caching allocator: size classes, cache reuse and its statistics.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "core/allocator.hpp"
+
+using namespace strata;
+
+TEST(HostCachingAllocator, SizeClassesBoundWaste) {
+  for (size_t bytes : {1ul, 63ul, 64ul, 65ul, 1000ul, 4096ul, 100000ul, (1ul << 20) + 1, 123456789ul}) {
+    const size_t c = HostCachingAllocator::size_class(bytes);
+    EXPECT_GE(c, bytes);
+    EXPECT_EQ(c % 64, 0u);
+    EXPECT_LE(c, std::max<size_t>(64, bytes + bytes / 8 + 64)) << bytes;
+    EXPECT_EQ(HostCachingAllocator::size_class(c), c);  // classes are fixed points
+  }
+}
+
+TEST(HostCachingAllocator, SecondAllocationOfSameSizeIsACacheHit) {
+  HostCachingAllocator a;  // a private instance: stats are not shared with other tests
+  void* p = a.allocate(10000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  AllocatorStats s = a.stats();
+  EXPECT_EQ(s.system_allocs, 1u);
+  EXPECT_EQ(s.cache_hits, 0u);
+  EXPECT_EQ(s.bytes_in_use, HostCachingAllocator::size_class(10000));
+  a.deallocate(p, 10000);
+  s = a.stats();
+  EXPECT_EQ(s.bytes_in_use, 0u);
+  EXPECT_EQ(s.bytes_cached, HostCachingAllocator::size_class(10000));
+
+  void* q = a.allocate(9990);  // same size class
+  EXPECT_EQ(q, p);
+  s = a.stats();
+  EXPECT_EQ(s.system_allocs, 1u);
+  EXPECT_EQ(s.cache_hits, 1u);
+  EXPECT_EQ(s.bytes_cached, 0u);
+
+  void* r = a.allocate(10000);  // the cached block is taken: a new one
+  EXPECT_NE(r, q);
+  EXPECT_EQ(a.stats().system_allocs, 2u);
+  EXPECT_EQ(a.stats().peak_in_use, 2 * HostCachingAllocator::size_class(10000));
+  a.deallocate(q, 9990);
+  a.deallocate(r, 10000);
+  a.release_cached();
+  EXPECT_EQ(a.stats().bytes_cached, 0u);
+  EXPECT_EQ(a.stats().bytes_in_use, 0u);
+}
+
+TEST(HostCachingAllocator, AllocatorForCpu) {
+  EXPECT_EQ(&allocator_for(Device::cpu()), &host_allocator());
+  EXPECT_TRUE(allocator_for(Device::cpu()).device().is_cpu());
+}

@@ -1,0 +1,65 @@
+"""strata-data end to end: synthetic data is written, readable with h5py and learnable; inspect
+describes it; bad input exits 2 with one line on stderr. Usage: check_cli.py STRATA_DATA WORKDIR"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+
+exe, work = sys.argv[1], sys.argv[2]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+
+
+def run(*args, rc=0):
+    p = subprocess.run([exe, *args], capture_output=True, text=True)
+    assert p.returncode == rc, f"{args}: exit {p.returncode}, expected {rc}\n{p.stdout}{p.stderr}"
+    return p
+
+
+prefix = os.path.join(work, "syn/s")
+run("synthetic", "--out", prefix, "--samples", "600", "--shape", "2,4,4", "--classes", "3", "--shards", "3", "--seed", "5")
+files = sorted(glob.glob(prefix + "-*-of-00003.h5"))
+assert len(files) == 3, files
+x = np.concatenate([h5py.File(p, "r")["inputs"][...] for p in files]).astype(np.float64)
+y = np.concatenate([h5py.File(p, "r")["labels"][...] for p in files])
+assert x.shape == (600, 2, 4, 4) and set(np.unique(y)) == {0, 1, 2}
+# Learnable: nearest class mean (fit on the first half) classifies the second half well.
+flat = x.reshape(600, -1)
+means = np.stack([flat[:300][y[:300] == k].mean(0) for k in range(3)])
+pred = np.argmin(((flat[300:, None, :] - means[None]) ** 2).sum(-1), axis=1)
+acc = (pred == y[300:]).mean()
+assert acc > 0.9, acc
+# Deterministic from the seed.
+run("synthetic", "--out", os.path.join(work, "again/s"), "--samples", "600", "--shape", "2,4,4", "--classes", "3",
+    "--shards", "3", "--seed", "5")
+for a, b in zip(files, sorted(glob.glob(os.path.join(work, "again/s-*.h5")))):
+    assert np.array_equal(h5py.File(a, "r")["inputs"][...], h5py.File(b, "r")["inputs"][...])
+run("synthetic", "--out", os.path.join(work, "f/feat"), "--samples", "10", "--shape", "6", "--classes", "2",
+    "--dtype", "f32")
+assert h5py.File(os.path.join(work, "f/feat.h5"), "r")["inputs"].dtype == np.float32
+
+out = run("inspect", os.path.join(work, "syn")).stdout
+assert "samples:       600" in out and "[2, 4, 4]" in out and "classes:       3" in out, out
+
+
+def bad(words, *args):
+    p = run(*args, rc=2)
+    err = p.stderr.strip()
+    assert "\n" not in err, f"not one line: {err!r}"
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+
+
+bad(["does not exist"], "inspect", os.path.join(work, "missing"))
+bad(["matches no files"], "inspect", os.path.join(work, "nothing-*.h5"))
+labels = "/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz"
+bad(["--images", "magic"], "convert-idx", "--images", labels, "--labels", labels, "--out", os.path.join(work, "x"))
+bad(["--images", "cannot open"], "convert-idx", "--images", "/nope.gz", "--labels", labels, "--out", work + "/x")
+bad(["classes"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4")
+bad(["--shape"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4,x", "--classes", "2")
+bad(["unknown command"], "frobnicate")
+print(f"ok: synthetic accuracy {acc:.3f}")

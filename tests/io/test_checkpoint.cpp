@@ -1,0 +1,136 @@
+// Checkpoints: round trip, atomic commit, crc32 corruption, one-line input errors. With
+// STRATA_CHECKPOINT_ORACLE=PATH set, CheckpointOracle.Write writes a known checkpoint there
+// for tests/io/py/check_checkpoint.py to read with h5py.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "io/checkpoint.hpp"
+#include "io_test_util.hpp"
+
+namespace strata::io {
+namespace {
+
+namespace fs = std::filesystem;
+
+Tensor arange(Shape shape, float start) {
+  Tensor t = Tensor::empty(std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = start + 0.5f * static_cast<float>(i);
+  return t;
+}
+
+// The checkpoint the oracle reads: keep in step with py/check_checkpoint.py.
+void write_known(const std::string& path) {
+  CheckpointWriter w(path);
+  w.write_tensor("model/conv1/weight", arange({2, 1, 3, 3}, -4.0f));
+  w.write_tensor("model/conv1/bias", arange({2}, 1.0f));
+  w.write_tensor("model/fc/weight", arange({3, 4}, 0.0f));
+  Tensor counts = Tensor::empty({5}, DType::I32);
+  for (int i = 0; i < 5; ++i) counts.data<int32_t>()[i] = i * i - 3;
+  w.write_tensor("state/counts", counts);
+  w.set_attr("step", 1234);
+  w.set_attr("lr", 0.05);
+  w.set_attr("model", "cnn");
+  w.commit();
+}
+
+TEST(Checkpoint, RoundTrip) {
+  test::TempDir dir;
+  write_known(dir / "c.h5");
+  CheckpointReader r(dir / "c.h5");
+  EXPECT_EQ(r.attr_int("format_version"), 1);
+  EXPECT_EQ(r.attr_int("step"), 1234);
+  EXPECT_DOUBLE_EQ(r.attr_double("lr"), 0.05);
+  EXPECT_EQ(r.attr_string("model"), "cnn");
+  EXPECT_TRUE(r.has("model/conv1/weight"));
+  EXPECT_FALSE(r.has("model/conv1"));  // a group, not a tensor
+  EXPECT_FALSE(r.has("model/conv2/weight"));
+  EXPECT_EQ(r.shape("model/conv1/weight"), (Shape{2, 1, 3, 3}));
+  EXPECT_EQ(r.list_tensors(),
+            (std::vector<std::string>{"model/conv1/bias", "model/conv1/weight", "model/fc/weight", "state/counts"}));
+  EXPECT_EQ(r.list_tensors("model/conv1"), (std::vector<std::string>{"model/conv1/bias", "model/conv1/weight"}));
+  Tensor w = Tensor::empty({2, 1, 3, 3});
+  r.read_tensor("model/conv1/weight", w);
+  Tensor want = arange({2, 1, 3, 3}, -4.0f);
+  for (int64_t i = 0; i < w.numel(); ++i) EXPECT_EQ(w.data<float>()[i], want.data<float>()[i]);
+  Tensor counts = Tensor::empty({5}, DType::I32);
+  r.read_tensor("state/counts", counts);
+  EXPECT_EQ(counts.data<int32_t>()[4], 13);
+}
+
+TEST(Checkpoint, NothingAtPathUntilCommit) {
+  test::TempDir dir;
+  const std::string path = dir / "c.h5";
+  {
+    CheckpointWriter w(path);
+    w.write_tensor("model/a", arange({3}, 0.0f));
+    EXPECT_FALSE(fs::exists(path));
+    EXPECT_TRUE(fs::exists(path + ".tmp"));
+  }  // no commit: the temporary file is removed
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+
+  write_known(path);  // an earlier good checkpoint survives an abandoned rewrite
+  {
+    CheckpointWriter w(path);
+    w.write_tensor("model/a", arange({3}, 0.0f));
+  }
+  EXPECT_EQ(CheckpointReader(path).attr_int("step"), 1234);
+  {
+    CheckpointWriter w(path);
+    w.set_attr("step", 7);
+    w.commit();
+    EXPECT_FALSE(fs::exists(path + ".tmp"));
+  }
+  EXPECT_EQ(CheckpointReader(path).attr_int("step"), 7);
+}
+
+TEST(Checkpoint, DetectsCorruptData) {
+  test::TempDir dir;
+  const std::string path = dir / "c.h5";
+  {
+    CheckpointWriter w(path);
+    w.write_tensor("model/w", arange({256}, 1.0f));
+    w.commit();
+  }
+  {  // flip one value in place through HDF5, leaving the crc32 attribute as it was
+    h5::File f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    h5::DataSet ds(H5Dopen2(f, "model/w", H5P_DEFAULT));
+    Tensor t = arange({256}, 1.0f);
+    t.data<float>()[100] += 1.0f;
+    ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), 0);
+  }
+  Tensor out = Tensor::empty({256});
+  test::expect_input_error([&] { CheckpointReader(path).read_tensor("model/w", out); },
+                           {"c.h5", "model/w", "corrupt", "crc32"});
+}
+
+TEST(Checkpoint, InputErrors) {
+  test::TempDir dir;
+  test::expect_input_error([&] { CheckpointReader r(dir / "none.h5"); }, {"none.h5", "does not exist"});
+  std::ofstream(dir / "text.h5") << "hello\n";
+  test::expect_input_error([&] { CheckpointReader r(dir / "text.h5"); }, {"text.h5", "not an HDF5 file"});
+  std::vector<uint8_t> x(4);
+  test::write_raw(dir / "other.h5", "inputs", H5T_STD_U8LE, H5T_NATIVE_UINT8, {4}, x.data());
+  test::expect_input_error([&] { CheckpointReader r(dir / "other.h5"); },
+                           {"other.h5", "not a Strata checkpoint", "format_version"});
+  write_known(dir / "c.h5");
+  CheckpointReader r(dir / "c.h5");
+  Tensor wrong = Tensor::empty({2, 1, 5, 5});
+  test::expect_input_error([&] { r.read_tensor("model/conv1/weight", wrong); },
+                           {"model/conv1/weight", "[2, 1, 3, 3]", "expects [2, 1, 5, 5]"});
+  test::expect_input_error([&] { r.read_tensor("model/nope", wrong); }, {"c.h5", "no tensor 'model/nope'"});
+  test::expect_input_error([&] { r.attr_int("epoch"); }, {"c.h5", "no attribute 'epoch'"});
+}
+
+TEST(CheckpointOracle, Write) {
+  const char* path = std::getenv("STRATA_CHECKPOINT_ORACLE");
+  if (!path) GTEST_SKIP() << "STRATA_CHECKPOINT_ORACLE not set";
+  fs::create_directories(fs::path(path).parent_path());
+  write_known(path);
+}
+
+}  // namespace
+}  // namespace strata::io
