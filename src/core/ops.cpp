@@ -28,9 +28,9 @@ Error not_on_cuda(const char* op, Device device) {
 #else
 #define STRATA_CUDA_OP(device, op, ...) throw not_on_cuda(#op, device)
 #endif
-#define DISPATCH(device, op, ...) \
+#define STRATA_DISPATCH(device, op, ...) \
   ((device).is_cpu() ? cpu::op(__VA_ARGS__) : STRATA_CUDA_OP(device, op, __VA_ARGS__))
-#define DISPATCH_CPU_ONLY(device, op, ...) ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
+#define STRATA_DISPATCH_CPU_ONLY(device, op, ...) ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
 
 void check_defined(const Tensor& t, const char* name) { STRATA_CHECK(t.defined(), name, " is undefined"); }
 
@@ -91,7 +91,7 @@ int num_threads() { return omp_get_max_threads(); }
 
 void fill(const Tensor& x, float value) {
   check_f32(x, "x");
-  DISPATCH(x.device(), fill, x, value);
+  STRATA_DISPATCH(x.device(), fill, x, value);
 }
 
 void cast(const Tensor& x, const Tensor& y) {
@@ -100,25 +100,25 @@ void cast(const Tensor& x, const Tensor& y) {
   STRATA_CHECK(x.numel() == y.numel(), "cast from ", x.str(), " to ", y.str(), ": element counts differ");
   STRATA_CHECK(x.dtype() == y.dtype() || (is_float_type(x.dtype()) && is_float_type(y.dtype())), "cast from ",
                dtype_name(x.dtype()), " to ", dtype_name(y.dtype()), " is not supported");
-  DISPATCH_CPU_ONLY(common_device({&x, &y}), cast, x, y);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), cast, x, y);
 }
 
 void axpy(float alpha, const Tensor& x, const Tensor& y) {
   check_f32(y, "y");
   check_f32_like(x, y, "x");
-  DISPATCH(common_device({&x, &y}), axpy, alpha, x, y);
+  STRATA_DISPATCH(common_device({&x, &y}), axpy, alpha, x, y);
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& y) {
   check_f32(y, "y");
   check_f32_like(a, y, "a");
   check_f32_like(b, y, "b");
-  DISPATCH(common_device({&a, &b, &y}), add, a, b, y);
+  STRATA_DISPATCH(common_device({&a, &b, &y}), add, a, b, y);
 }
 
 void scale(const Tensor& x, float alpha) {
   check_f32(x, "x");
-  DISPATCH(x.device(), scale, x, alpha);
+  STRATA_DISPATCH(x.device(), scale, x, alpha);
 }
 
 void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
@@ -131,7 +131,7 @@ void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::v
                mean.size(), " and ", std.size());
   STRATA_CHECK(mean.size() == 1 || static_cast<int64_t>(mean.size()) == x.dim(1), "mean/std hold ", mean.size(),
                " values for ", x.dim(1), " channels of ", x.str());
-  DISPATCH_CPU_ONLY(common_device({&x, &y}), normalize_u8, x, y, in_scale, mean, std);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), normalize_u8, x, y, in_scale, mean, std);
 }
 
 // ---- activations -----------------------------------------------------------------------------
@@ -139,27 +139,27 @@ void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::v
 void relu_forward(const Tensor& x, const Tensor& y) {
   check_f32(x, "x");
   check_f32_like(y, x, "y");
-  DISPATCH(common_device({&x, &y}), relu_forward, x, y);
+  STRATA_DISPATCH(common_device({&x, &y}), relu_forward, x, y);
 }
 
 void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   check_f32(y, "y");
   check_f32_like(dy, y, "dy");
   check_f32_like(dx, y, "dx");
-  DISPATCH(common_device({&y, &dy, &dx}), relu_backward, y, dy, dx);
+  STRATA_DISPATCH(common_device({&y, &dy, &dx}), relu_backward, y, dy, dx);
 }
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
   check_f32(x, "x");
   check_f32_like(y, x, "y");
-  DISPATCH(common_device({&x, &y}), gelu_forward, x, y);
+  STRATA_DISPATCH(common_device({&x, &y}), gelu_forward, x, y);
 }
 
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   check_f32(x, "x");
   check_f32_like(dy, x, "dy");
   check_f32_like(dx, x, "dx");
-  DISPATCH(common_device({&x, &dy, &dx}), gelu_backward, x, dy, dx);
+  STRATA_DISPATCH(common_device({&x, &dy, &dx}), gelu_backward, x, dy, dx);
 }
 
 namespace {
@@ -174,12 +174,12 @@ void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& 
 
 void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   check_dropout(x, y, p, key);
-  DISPATCH(common_device({&x, &y}), dropout_forward, x, y, p, key);
+  STRATA_DISPATCH(common_device({&x, &y}), dropout_forward, x, y, p, key);
 }
 
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key) {
   check_dropout(dy, dx, p, key);
-  DISPATCH(common_device({&dy, &dx}), dropout_backward, dy, dx, p, key);
+  STRATA_DISPATCH(common_device({&dy, &dx}), dropout_backward, dy, dx, p, key);
 }
 
 // ---- dense -----------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
                ", op(b) ", kb, "x", n, ", c ", c.str());
   for (int64_t d : {m, n, k}) check_blas_size(d, "gemm dimension");
   STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
-  DISPATCH_CPU_ONLY(common_device({&a, &b, &c}), gemm, a, trans_a, b, trans_b, c, alpha, beta);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&a, &b, &c}), gemm, a, trans_a, b, trans_b, c, alpha, beta);
 }
 
 namespace {
@@ -211,12 +211,12 @@ void check_rows_and_vec(const Tensor& y, const Tensor& v, const char* y_name, co
 
 void add_bias(const Tensor& y, const Tensor& bias) {
   check_rows_and_vec(y, bias, "y", "bias");
-  DISPATCH_CPU_ONLY(common_device({&y, &bias}), add_bias, y, bias);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&y, &bias}), add_bias, y, bias);
 }
 
 void bias_grad(const Tensor& dy, const Tensor& db) {
   check_rows_and_vec(dy, db, "dy", "db");
-  DISPATCH_CPU_ONLY(common_device({&dy, &db}), bias_grad, dy, db);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &db}), bias_grad, dy, db);
 }
 
 // ---- convolution -----------------------------------------------------------------------------
@@ -246,7 +246,7 @@ void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tens
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
                     const Conv2dGeometry& g) {
   check_conv(x, w, bias, y, g, "y");
-  DISPATCH_CPU_ONLY(common_device({&x, &w, &bias, &y}), conv2d_forward, x, w, bias, y, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &w, &bias, &y}), conv2d_forward, x, w, bias, y, g);
 }
 
 void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
@@ -260,7 +260,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
     check_f32(dw, "dw");
     check_shape(dw, w.shape(), "dw");
   }
-  DISPATCH_CPU_ONLY(common_device({&x, &w, &dy, &dx, &dw, &db}), conv2d_backward, x, w, dy, dx, dw, db, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &w, &dy, &dx, &dw, &db}), conv2d_backward, x, w, dy, dx, dw, db, g);
 }
 
 // ---- pooling ---------------------------------------------------------------------------------
@@ -290,23 +290,23 @@ void check_argmax(const Tensor& argmax, const Tensor& y) {
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
   check_pool(x, y, g, "x", "y");
   check_argmax(argmax, y);
-  DISPATCH_CPU_ONLY(common_device({&x, &y, &argmax}), max_pool2d_forward, x, y, argmax, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y, &argmax}), max_pool2d_forward, x, y, argmax, g);
 }
 
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g) {
   check_pool(dx, dy, g, "dx", "dy");
   check_argmax(argmax, dy);
-  DISPATCH_CPU_ONLY(common_device({&dy, &argmax, &dx}), max_pool2d_backward, dy, argmax, dx, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &argmax, &dx}), max_pool2d_backward, dy, argmax, dx, g);
 }
 
 void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
   check_pool(x, y, g, "x", "y");
-  DISPATCH_CPU_ONLY(common_device({&x, &y}), avg_pool2d_forward, x, y, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), avg_pool2d_forward, x, y, g);
 }
 
 void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
   check_pool(dx, dy, g, "dx", "dy");
-  DISPATCH_CPU_ONLY(common_device({&dy, &dx}), avg_pool2d_backward, dy, dx, g);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &dx}), avg_pool2d_backward, dy, dx, g);
 }
 
 namespace {
@@ -320,12 +320,12 @@ void check_global_pool(const Tensor& x, const Tensor& y, const char* x_name, con
 
 void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
   check_global_pool(x, y, "x", "y");
-  DISPATCH_CPU_ONLY(common_device({&x, &y}), global_avg_pool_forward, x, y);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), global_avg_pool_forward, x, y);
 }
 
 void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
   check_global_pool(dx, dy, "dx", "dy");
-  DISPATCH_CPU_ONLY(common_device({&dy, &dx}), global_avg_pool_backward, dy, dx);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &dx}), global_avg_pool_backward, dy, dx);
 }
 
 // ---- normalisation ---------------------------------------------------------------------------
@@ -349,7 +349,7 @@ void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor
                          {&save_invstd, "save_invstd"}, {&running_mean, "running_mean"},
                          {&running_var, "running_var"}})
     check_optional_vec(*t, c, name);
-  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
                     batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
                     momentum, eps);
 }
@@ -363,7 +363,7 @@ void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor&
   check_defined(running_var, "running_var");
   check_optional_vec(running_mean, c, "running_mean");
   check_optional_vec(running_var, c, "running_var");
-  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval, x,
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval, x,
                     gamma, beta, running_mean, running_var, y, eps);
 }
 
@@ -376,7 +376,7 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   for (auto [t, name] : {std::pair{&gamma, "gamma"}, {&save_mean, "save_mean"}, {&save_invstd, "save_invstd"},
                          {&dgamma, "dgamma"}, {&dbeta, "dbeta"}})
     check_optional_vec(*t, c, name);
-  DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}),
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}),
                     batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
 }
 
@@ -405,7 +405,7 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
   check_optional_vec(beta, f, "beta");
   check_row_stats(mean, m, "mean", false);
   check_row_stats(rstd, m, "rstd", false);
-  DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &mean, &rstd}), layer_norm_forward, x, gamma, beta, y,
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &mean, &rstd}), layer_norm_forward, x, gamma, beta, y,
                     mean, rstd, eps);
 }
 
@@ -418,7 +418,7 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   check_optional_vec(gamma, f, "gamma");
   check_optional_vec(dgamma, f, "dgamma");
   check_optional_vec(dbeta, f, "dbeta");
-  DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}), layer_norm_backward, x,
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}), layer_norm_backward, x,
                     dy, gamma, mean, rstd, dx, dgamma, dbeta);
 }
 
@@ -439,32 +439,32 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   check_logits_labels(logits, labels, "logits");
   check_f32(probs, "probs");
   check_shape(probs, logits.shape(), "probs");
-  return DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels, probs);
+  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels, probs);
 }
 
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
   check_logits_labels(probs, labels, "probs");
   check_f32(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
-  DISPATCH_CPU_ONLY(common_device({&probs, &labels, &dlogits}), softmax_xent_backward, probs, labels, dlogits,
+  STRATA_DISPATCH_CPU_ONLY(common_device({&probs, &labels, &dlogits}), softmax_xent_backward, probs, labels, dlogits,
                     scale);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   check_logits_labels(logits, labels, "logits");
-  return DISPATCH_CPU_ONLY(common_device({&logits, &labels}), count_correct, logits, labels);
+  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels}), count_correct, logits, labels);
 }
 
 // ---- reductions and optimizer updates over flat buffers --------------------------------------
 
 double sum_squares(const Tensor& x) {
   check_f32(x, "x");
-  return DISPATCH_CPU_ONLY(x.device(), sum_squares, x);
+  return STRATA_DISPATCH_CPU_ONLY(x.device(), sum_squares, x);
 }
 
 bool all_finite(const Tensor& x) {
   check_f32(x, "x");
-  return DISPATCH_CPU_ONLY(x.device(), all_finite, x);
+  return STRATA_DISPATCH_CPU_ONLY(x.device(), all_finite, x);
 }
 
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p) {
@@ -475,7 +475,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   STRATA_CHECK(!p.nesterov || (p.momentum > 0.0f && p.dampening == 0.0f),
                "nesterov momentum requires momentum > 0 and dampening == 0");
   if (p.momentum != 0.0f) check_f32_like(momentum_buf, param, "momentum_buf");
-  DISPATCH_CPU_ONLY(common_device({&param, &grad, &momentum_buf}), sgd_update, param, grad, momentum_buf, p);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&param, &grad, &momentum_buf}), sgd_update, param, grad, momentum_buf, p);
 }
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
@@ -487,7 +487,7 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   STRATA_CHECK(p.step >= 1, "AdamW step is 1-based, got ", p.step);
   STRATA_CHECK(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f && p.eps >= 0.0f,
                "bad AdamW parameters: betas (", p.beta1, ", ", p.beta2, "), eps ", p.eps);
-  DISPATCH_CPU_ONLY(common_device({&param, &grad, &exp_avg, &exp_avg_sq}), adamw_update, param, grad, exp_avg,
+  STRATA_DISPATCH_CPU_ONLY(common_device({&param, &grad, &exp_avg, &exp_avg_sq}), adamw_update, param, grad, exp_avg,
                     exp_avg_sq, p);
 }
 

@@ -143,7 +143,8 @@ struct SgdParams {
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p);
 
 struct AdamWParams {
-  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;
+  float lr = 1e-3f, eps = 1e-8f, weight_decay = 1e-2f;
+  double beta1 = 0.9, beta2 = 0.999;  // double so that 1 - beta is exact, as in torch
   int64_t step = 1;  // 1-based, for bias correction
 };
 // torch.optim.AdamW semantics (decoupled weight decay).

@@ -101,8 +101,10 @@ ops::Conv2dGeometry Conv2d::geometry(const Shape& batch_input) const {
 Shape Conv2d::output_shape(const Shape& input) const {
   require_image(*this, input, in_);
   const ops::Conv2dGeometry g = geometry({1, input[0], input[1], input[2]});
-  STRATA_REQUIRE(g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(), ") needs an input of at least ",
-                 kernel_, "x", kernel_, " after padding, found ", shape_str(input));
+  // The window must fit the padded input: out_h() alone truncates a negative quotient to 0.
+  const bool fits = input[1] + 2 * padding_ >= kernel_ && input[2] + 2 * padding_ >= kernel_;
+  STRATA_REQUIRE(fits && g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(),
+                 ") needs an input of at least ", kernel_, "x", kernel_, " after padding, found ", shape_str(input));
   return {out_, g.out_h(), g.out_w()};
 }
 
@@ -166,8 +168,10 @@ ops::Pool2dGeometry Pool2d::geometry(const Shape& batch_input) const {
 Shape Pool2d::output_shape(const Shape& input) const {
   require_image(*this, input, -1);
   const ops::Pool2dGeometry g = geometry({1, input[0], input[1], input[2]});
-  STRATA_REQUIRE(g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(), ") needs an input of at least ",
-                 kernel_, "x", kernel_, ", found ", shape_str(input));
+  // The window must fit the padded input: out_h() alone truncates a negative quotient to 0.
+  const bool fits = input[1] + 2 * padding_ >= kernel_ && input[2] + 2 * padding_ >= kernel_;
+  STRATA_REQUIRE(fits && g.out_h() > 0 && g.out_w() > 0, "layer ", name(), " (", describe(),
+                 ") needs an input of at least ", kernel_, "x", kernel_, ", found ", shape_str(input));
   return {input[0], g.out_h(), g.out_w()};
 }
 

@@ -46,7 +46,7 @@ class Model {
 Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes);
 
 struct ParamEntry {
-  std::string name;  // stable path "conv1/weight", "block2/main/conv1/weight"
+  std::string name;  // stable path "conv1/weight", "block2_1/conv1/weight", "block2_1/shortcut/bn/bias"
   Shape shape;
   int64_t offset = 0;  // elements, in params() or buffers() depending on trainable
   bool trainable = true;

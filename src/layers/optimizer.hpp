@@ -15,7 +15,8 @@ struct OptimizerConfig {
   float momentum = 0.9f;     // sgd
   bool nesterov = false;     // sgd
   float weight_decay = 0.0f;
-  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // adamw
+  double beta1 = 0.9, beta2 = 0.999;  // adamw
+  float eps = 1e-8f;
 };
 
 class Optimizer {

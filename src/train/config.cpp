@@ -41,11 +41,8 @@ std::string any_to_string(const boost::any& v) {
   if (const auto* i = boost::any_cast<int>(&v)) return std::to_string(*i);
   if (const auto* u = boost::any_cast<uint64_t>(&v)) return std::to_string(*u);
   if (const auto* b = boost::any_cast<bool>(&v)) return *b ? "true" : "false";
-  if (const auto* f = boost::any_cast<float>(&v)) {
-    std::ostringstream os;
-    os << *f;
-    return os.str();
-  }
+  if (const auto* f = boost::any_cast<float>(&v)) return detail::cat(*f);
+  if (const auto* d = boost::any_cast<double>(&v)) return detail::cat(*d);
   return "?";
 }
 
@@ -75,8 +72,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f), "sgd momentum")
     ("nesterov", po::value(&c.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
     ("weight-decay", po::value(&c.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
-    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9f), "adamw beta1")
-    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999f), "adamw beta2")
+    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9), "adamw beta1")
+    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999), "adamw beta2")
     ("eps", po::value(&c.optimizer.eps)->default_value(1e-8f), "adamw epsilon")
     ("lr-schedule", po::value(&c.schedule.kind)->default_value("constant"), "constant | step | cosine")
     ("warmup-steps", po::value(&c.schedule.warmup_steps)->default_value(0), "linear warm-up steps")
@@ -131,6 +128,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                  "--lr-schedule must be constant, step or cosine, found '", c.schedule.kind, "'");
   STRATA_REQUIRE(c.schedule.kind != "step" || c.schedule.step_size > 0,
                  "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
+  STRATA_REQUIRE(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
+                 "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
+  STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
   if (c.eval_only) {
     STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");

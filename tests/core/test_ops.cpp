@@ -265,6 +265,9 @@ TEST(Ops, Conv2dStridePaddingNonSquare) {
   check_conv({1, 4, 3, 9, 8, 5, 5, 3, 2}, false);  // stride 3, pad 2, no bias
   check_conv({2, 5, 6, 4, 3, 1, 1, 1, 0}, true);  // 1x1: the pointwise path
   check_conv({2, 2, 3, 5, 7, 2, 2, 2, 0}, true);  // stride 2, no padding
+  check_conv({2, 3, 4, 6, 5, 3, 1, 1, 0}, true);  // 3x1: same width, shorter height
+  check_conv({1, 2, 3, 5, 6, 5, 5, 1, 2}, true);  // 5x5 pad 2 on an image barely larger than the kernel
+  check_conv({1, 2, 2, 2, 3, 3, 3, 1, 1}, true);  // 3x3 pad 1 on a 2x3 image: padding rows everywhere
 }
 
 TEST(Ops, Conv2dRejectsBadShapes) {

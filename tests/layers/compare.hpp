@@ -75,8 +75,8 @@ inline void expect_close(const std::string& what, const Tensor& actual, const Te
     }
     const double bound = tol.elem_rel * std::abs(static_cast<double>(b[i])) + tol.elem_abs_scale * ref_inf;
     if (d > bound && ++bad <= 5)
-      ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs reference " << b[i] << " (|diff| " << d
-                    << " > " << bound << ")";
+      ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs reference " << b[i] << " (|diff| " << d << " > "
+                    << bound << ")";
   }
   EXPECT_EQ(bad, 0) << what << ": elements out of tolerance";
 }

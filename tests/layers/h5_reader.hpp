@@ -143,12 +143,14 @@ class H5Group {
       H5free_memory(s);
       return out;
     }
+    // Fixed length (h5py writes numpy bytes NULLPAD): read into n + 1 bytes, null-terminated.
     const size_t n = H5Tget_size(type.get());
-    std::string out(n, '\0');
+    std::string out(n + 1, '\0');
     H5Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(mem.get(), n);
+    H5Tset_size(mem.get(), n + 1);
+    H5Tset_strpad(mem.get(), H5T_STR_NULLTERM);
     if (H5Aread(a.get(), mem.get(), out.data()) < 0) throw std::runtime_error("cannot read attribute " + name);
-    out.resize(out.find('\0') == std::string::npos ? n : out.find('\0'));
+    out.resize(std::min(n, out.find('\0')));
     return out;
   }
 

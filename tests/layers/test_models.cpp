@@ -11,6 +11,8 @@
 #include <random>
 #include <set>
 
+#include "core/ops.hpp"
+#include "layers/basic.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
 
@@ -78,8 +80,8 @@ void expect_runs(const Model& m, int64_t batch) {
 // ---- shape inference -------------------------------------------------------------------------
 
 TEST(ModelShapes, MlpFollowsTheSampleShapeAndClasses) {
-  for (const auto& [input, classes] : std::vector<std::pair<Shape, int>>{
-           {{1, 8, 8}, 7}, {{3, 5, 7}, 3}, {{20}, 4}, {{1, 28, 28}, 10}}) {
+  for (const auto& [input, classes] :
+       std::vector<std::pair<Shape, int>>{{{1, 8, 8}, 7}, {{3, 5, 7}, 3}, {{20}, 4}, {{1, 28, 28}, 10}}) {
     SCOPED_TRACE(shape_str(input));
     const Model m = build_model(mlp({32, 16}), input, classes);
     EXPECT_EQ(m.size(), 6u);  // flatten, (fc, relu) x 2, fc
@@ -101,8 +103,8 @@ TEST(ModelShapes, MlpWithDropoutAddsOneDropoutPerHiddenLayer) {
 }
 
 TEST(ModelShapes, CnnFollowsTheImageSizeAndClasses) {
-  for (const auto& [input, classes] : std::vector<std::pair<Shape, int>>{
-           {{1, 28, 28}, 10}, {{3, 32, 32}, 100}, {{2, 12, 20}, 5}, {{1, 13, 9}, 2}}) {
+  for (const auto& [input, classes] :
+       std::vector<std::pair<Shape, int>>{{{1, 28, 28}, 10}, {{3, 32, 32}, 100}, {{2, 12, 20}, 5}, {{1, 13, 9}, 2}}) {
     SCOPED_TRACE(shape_str(input));
     const Model m = build_model(spec_of("cnn"), input, classes);
     const size_t flatten = find_layer(m, "flatten");
@@ -128,7 +130,7 @@ TEST(ModelShapes, ResnetStagesHalveTheImageAndDoubleTheWidth) {
     SCOPED_TRACE(shape_str(c.input) + " depth " + std::to_string(c.depth));
     const Model m = build_model(resnet(c.depth, c.width), c.input, c.classes);
     const int n = (c.depth - 2) / 6;
-    EXPECT_EQ(m.size(), static_cast<size_t>(3 + 3 * n + 2));  // conv, bn, relu, blocks, pool, fc
+    EXPECT_EQ(m.size(), static_cast<size_t>(3 + 3 * n + 2));    // conv, bn, relu, blocks, pool, fc
     auto down = [](int64_t s) { return (s + 2 - 3) / 2 + 1; };  // 3x3 conv, stride 2, padding 1
     const int64_t h2 = down(c.input[1]), w2 = down(c.input[2]);
     EXPECT_EQ(m.shape(find_layer(m, "block1_1")), (Shape{c.width, c.input[1], c.input[2]}));
@@ -142,7 +144,9 @@ TEST(ModelShapes, ResnetStagesHalveTheImageAndDoubleTheWidth) {
     EXPECT_NE(find_entry(store, "block2_1/shortcut/conv/weight"), nullptr);
     EXPECT_NE(find_entry(store, "block3_1/shortcut/bn/running_var"), nullptr);
     EXPECT_EQ(find_entry(store, "block1_1/shortcut/conv/weight"), nullptr);
-    if (n > 1) EXPECT_EQ(find_entry(store, "block2_2/shortcut/conv/weight"), nullptr);
+    if (n > 1) {
+      EXPECT_EQ(find_entry(store, "block2_2/shortcut/conv/weight"), nullptr);
+    }
     expect_runs(m, 2);
   }
 }
@@ -157,7 +161,8 @@ void expect_input_error(F f, std::initializer_list<std::string> words) {
     ADD_FAILURE() << "expected an Input error";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
-    for (const std::string& w : words) EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' not in: " << e.message();
+    for (const std::string& w : words)
+      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' not in: " << e.message();
     EXPECT_EQ(e.message().find('\n'), std::string::npos) << "one line: " << e.message();
   }
 }
@@ -187,6 +192,14 @@ TEST(ModelErrors, MlpHiddenSizeZeroOrNegative) {
 TEST(ModelErrors, CnnImageTooSmall) {
   // 3x3 -> pool 1x1 -> the second pooling has nothing to pool.
   expect_input_error([] { build_model(spec_of("cnn"), {1, 3, 3}, 10); }, {"pool2"});
+}
+
+TEST(ModelErrors, WindowLargerThanThePaddedInput) {
+  // (in + 2p - k) / s + 1 truncates a negative quotient to 0, which would give a 1x1 output.
+  expect_input_error([] { Conv2d("c", 1, 1, 3, 2, 0).output_shape({1, 2, 2}); }, {"3x3"});
+  expect_input_error([] { Pool2d("p", PoolKind::Max, 2, 2).output_shape({1, 1, 5}); }, {"2x2"});
+  EXPECT_EQ(Pool2d("p", PoolKind::Max, 2, 2).output_shape({1, 2, 5}), (Shape{1, 1, 2}));
+  EXPECT_EQ(Conv2d("c", 1, 1, 3, 2, 1).output_shape({1, 1, 1}), (Shape{1, 1, 1}));
 }
 
 TEST(ModelErrors, FewerThanTwoClassesAndUnknownModel) {
@@ -272,8 +285,8 @@ TEST(ParameterLayout, NamesAreStableAcrossBuilds) {
   const ParameterStore s(m, 1);
   std::vector<std::string> names;
   for (const ParamEntry& e : s.entries()) names.push_back(e.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"fc1/weight", "fc1/bias", "fc2/weight", "fc2/bias", "fc3/weight",
-                                             "fc3/bias"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"fc1/weight", "fc1/bias", "fc2/weight", "fc2/bias", "fc3/weight", "fc3/bias"}));
 }
 
 TEST(ParameterLayout, InitialisationFollowsSpecs) {
@@ -291,7 +304,10 @@ TEST(ParameterLayout, InitialisationFollowsSpecs) {
     } else {
       // U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in * k * k (or the fc's input).
       const Shape& s = e.shape;
-      const int64_t fan_in = leaf == "weight" ? shape_numel(s) / s[0] : shape_numel(find_entry(store, e.name.substr(0, e.name.rfind('/')) + "/weight")->shape) / s[0];
+      const int64_t fan_in =
+          leaf == "weight"
+              ? shape_numel(s) / s[0]
+              : shape_numel(find_entry(store, e.name.substr(0, e.name.rfind('/')) + "/weight")->shape) / s[0];
       const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
       double lo = 1, hi = -1;
       for (int64_t i = 0; i < v.numel(); ++i) {

@@ -36,19 +36,32 @@ const H5File& ref_file() {
 
 // The cases this test knows how to build; the file must hold exactly these.
 const std::vector<std::string> kLayerCases = {
-    "linear_bias",        "linear_nobias",
-    "conv_k3_s1_p0",      "conv_k3_s1_p1",
-    "conv_k3_s2_p1",      "conv_k3_s2_p0_nobias",
-    "conv_k1_s1_p0",      "conv_k1_s2_p0_nobias",
-    "maxpool_k2_s2",      "maxpool_k3_s2_p1",
-    "maxpool_k3_s1",      "avgpool_k2_s2",
-    "avgpool_k3_s2_p1",   "avgpool_k3_s1_p1",
-    "global_avg_pool",    "relu",
-    "gelu",               "dropout",
-    "flatten",            "batchnorm_train",
-    "batchnorm_eval",     "layernorm_2d",
-    "layernorm_3d",       "residual_identity",
-    "residual_projection", "softmax_xent",
+    "linear_bias",
+    "linear_nobias",
+    "conv_k3_s1_p0",
+    "conv_k3_s1_p1",
+    "conv_k3_s2_p1",
+    "conv_k3_s2_p0_nobias",
+    "conv_k1_s1_p0",
+    "conv_k1_s2_p0_nobias",
+    "maxpool_k2_s2",
+    "maxpool_k3_s2_p1",
+    "maxpool_k3_s1",
+    "avgpool_k2_s2",
+    "avgpool_k3_s2_p1",
+    "avgpool_k3_s1_p1",
+    "global_avg_pool",
+    "relu",
+    "gelu",
+    "dropout",
+    "flatten",
+    "batchnorm_train",
+    "batchnorm_eval",
+    "layernorm_2d",
+    "layernorm_3d",
+    "residual_identity",
+    "residual_projection",
+    "softmax_xent",
 };
 const std::vector<std::string> kModelCases = {"mlp", "cnn", "resnet8"};
 
@@ -59,9 +72,8 @@ LayerPtr make_layer(const H5Group& c) {
     return std::make_unique<Linear>("linear", c.int_attr("in_features"), c.int_attr("out_features"),
                                     c.int_attr("bias") != 0);
   if (kind == "conv2d")
-    return std::make_unique<Conv2d>("conv", c.int_attr("in_channels"), c.int_attr("out_channels"),
-                                    c.int_attr("kernel"), c.int_attr("stride"), c.int_attr("padding"),
-                                    c.int_attr("bias") != 0);
+    return std::make_unique<Conv2d>("conv", c.int_attr("in_channels"), c.int_attr("out_channels"), c.int_attr("kernel"),
+                                    c.int_attr("stride"), c.int_attr("padding"), c.int_attr("bias") != 0);
   if (kind == "pool2d")
     return std::make_unique<Pool2d>("pool", c.str_attr("pool") == "max" ? PoolKind::Max : PoolKind::Avg,
                                     c.int_attr("kernel"), c.int_attr("stride"), c.int_attr("padding"));
@@ -157,8 +169,7 @@ TEST_P(LayerParity, ForwardBackwardMatchTorch) {
   for (size_t k = 0; k < bound.specs.size(); ++k)
     if (bound.specs[k].trainable) {
       const std::string n = bound.specs[k].name;
-      expect_close(name + "/grad_" + n, bound.grads[k], c.group("grads").tensor(n).reshape(bound.specs[k].shape),
-                   kTol);
+      expect_close(name + "/grad_" + n, bound.grads[k], c.group("grads").tensor(n).reshape(bound.specs[k].shape), kTol);
     }
 }
 

@@ -96,6 +96,15 @@ struct Dropout {
   }
 };
 
+// The dropout functor for x viewed as (samples, ...): element j of sample s has global index
+// (first_sample + s) * sample_numel + j, whatever the batch split.
+inline Dropout make_dropout(const float* x, float* y, int64_t numel, int64_t samples, float p, uint64_t key,
+                            uint64_t stream, int64_t first_sample) {
+  const int64_t sample_numel = samples > 0 ? numel / samples : numel;
+  return Dropout{x, y, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key, stream,
+                 static_cast<uint64_t>(first_sample * sample_numel)};
+}
+
 // torch.optim.SGD for one element. The momentum buffer starts at zero, so the first step
 // gives buf = (1 - dampening) * d_p: torch's first-step clone(d_p) exactly when dampening == 0
 // (torch also ignores dampening on that first step; with dampening > 0 they differ there).
@@ -124,13 +133,14 @@ struct AdamWStep {
   float* v;
   float decay;      // 1 - lr * weight_decay
   float beta1, beta2;
+  float one_minus_beta1, one_minus_beta2;  // computed in double: 1 - 0.999f is not 0.001f
   float step_size;  // lr / (1 - beta1^t)
   float bc2_sqrt;   // sqrt(1 - beta2^t)
   float eps;
   STRATA_HD void operator()(int64_t i) const {
     const float gi = g[i];
-    const float mi = m[i] * beta1 + (1.0f - beta1) * gi;
-    const float vi = v[i] * beta2 + (1.0f - beta2) * gi * gi;
+    const float mi = m[i] * beta1 + one_minus_beta1 * gi;
+    const float vi = v[i] * beta2 + one_minus_beta2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
     const float denom = sqrtf(vi) / bc2_sqrt + eps;

@@ -25,6 +25,35 @@ inline void valid_range(int64_t in, int64_t out, int64_t stride, int64_t pad, in
   lo = std::min(lo, hi);
 }
 
+// Stride 1 and OW == W: column row (kh, kw) of a plane is the plane shifted by
+// off = (kh - p) * W + (kw - p), except rows that fall into the vertical padding and columns
+// outside [lo, hi) (horizontal padding, where the shift wraps into the neighbouring row).
+// That turns OH short copies into one long one plus a fix-up of the border columns.
+template <bool kToCol>
+void unfold_same_width(float* plane, float* crow, const Conv2dGeometry& g, int64_t kh, int64_t kw, int64_t lo,
+                       int64_t hi) {
+  const int64_t h = g.in_h, w = g.in_w, p = g.padding, oh_n = g.out_h(), ohw = oh_n * w;
+  const int64_t off = (kh - p) * w + (kw - p);
+  const int64_t oh_lo = std::clamp<int64_t>(p - kh, 0, oh_n), oh_hi = std::clamp<int64_t>(h + p - kh, oh_lo, oh_n);
+  // Shifted indices must stay inside the plane; what the clip drops is border columns anyway.
+  const int64_t i0 = std::max(oh_lo * w, -off), i1 = std::max(i0, std::min(oh_hi * w, h * w - off));
+  auto zero_borders = [&] {
+    for (int64_t oh = oh_lo; oh < oh_hi; ++oh) {
+      for (int64_t ow = 0; ow < lo; ++ow) crow[oh * w + ow] = 0.0f;
+      for (int64_t ow = hi; ow < w; ++ow) crow[oh * w + ow] = 0.0f;
+    }
+  };
+  if constexpr (kToCol) {
+    std::fill(crow, crow + i0, 0.0f);
+    std::memcpy(crow + i0, plane + i0 + off, static_cast<size_t>(i1 - i0) * sizeof(float));
+    std::fill(crow + i1, crow + ohw, 0.0f);
+    zero_borders();
+  } else {
+    zero_borders();  // crow is scratch (dcol): padding positions must not be added
+    for (int64_t i = i0; i < i1; ++i) plane[i + off] += crow[i];
+  }
+}
+
 // kToCol: col (C*KH*KW rows of length ld, this sample's columns at offset 0) = unfold(x).
 // Otherwise col2im: x (C, H, W) += fold(col). One routine so the index math exists once.
 template <bool kToCol>
@@ -37,6 +66,10 @@ void unfold(float* x, float* col, int64_t ld, const Conv2dGeometry& g) {
     valid_range(w, ow_n, s, p, kw, lo, hi);
     float* plane = x + c * h * w;
     float* crow = col + r * ld;
+    if (s == 1 && ow_n == w) {  // "same" width (3x3 pad 1, ...): one long shifted copy per row
+      unfold_same_width<kToCol>(plane, crow, g, kh, kw, lo, hi);
+      continue;
+    }
     for (int64_t oh = 0; oh < oh_n; ++oh) {
       float* dst = crow + oh * ow_n;  // (OW) slice of the column row
       const int64_t ih = oh * s - p + kh;
@@ -121,19 +154,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   const ConvPlan pl = plan(x, g);
   const int64_t o = g.out_channels;
   const float* dyp = dy.data<float>();
-  if (db.defined()) {  // db (O) += sum over (N, OH, OW) of dy
-    float* dbp = db.data<float>();
-    for (int64_t n = 0; n < pl.n; ++n) {
-      for (int64_t c = 0; c < o; ++c) {
-        const float* r = dyp + n * pl.y_numel + c * pl.ohw;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < pl.ohw; ++i) acc += r[i];
-        dbp[c] += acc;
-      }
-    }
-  }
-  if (!dw.defined() && !dx.defined()) return;
+  if (!dw.defined() && !dx.defined() && !db.defined()) return;
   const float* xp = x.data<float>();
   const float* wp = w.data<float>();
   Tensor col = pl.pointwise ? Tensor() : Tensor::empty({pl.kkc, pl.ohw});
@@ -141,6 +162,16 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   const int ohw = static_cast<int>(pl.ohw), kkc = static_cast<int>(pl.kkc);
   for (int64_t n = 0; n < pl.n; ++n) {
     const float* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
+    if (db.defined()) {  // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
+      float* dbp = db.data<float>();
+      for (int64_t c = 0; c < o; ++c) {
+        const float* r = dyn + c * pl.ohw;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < pl.ohw; ++i) acc += r[i];
+        dbp[c] += acc;
+      }
+    }
     if (dw.defined()) {  // dW (O, kkc) += dY_n (O, OH*OW) @ col_n^T
       const float* cols = columns(pl, xp, n, scratch, g);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(o), kkc, ohw, 1.0f, dyn, ohw, cols, ohw,

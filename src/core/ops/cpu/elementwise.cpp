@@ -37,9 +37,8 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
 
 namespace {
 fn::Dropout dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
-  const int64_t sample_numel = x.ndim() > 0 && x.dim(0) > 0 ? x.numel() / x.dim(0) : x.numel();
-  return fn::Dropout{x.data<float>(), y.data<float>(), p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key.key,
-                     key.stream, static_cast<uint64_t>(key.first_sample * sample_numel)};
+  return fn::make_dropout(x.data<float>(), y.data<float>(), x.numel(), x.dim(0), p, key.key, key.stream,
+                          key.first_sample);
 }
 
 template <class In, class Out>

@@ -41,11 +41,13 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
                   const AdamWParams& p) {
   // Bias corrections in double, as torch computes them in Python.
   const double t = static_cast<double>(p.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), t);
+  const double bc1 = 1.0 - std::pow(p.beta1, t);
+  const double bc2 = 1.0 - std::pow(p.beta2, t);
   parallel_for(param.numel(),
                fn::AdamWStep{param.data<float>(), grad.data<float>(), exp_avg.data<float>(),
-                             exp_avg_sq.data<float>(), 1.0f - p.lr * p.weight_decay, p.beta1, p.beta2,
+                             exp_avg_sq.data<float>(), 1.0f - p.lr * p.weight_decay, static_cast<float>(p.beta1),
+                             static_cast<float>(p.beta2), static_cast<float>(1.0 - p.beta1),
+                             static_cast<float>(1.0 - p.beta2),
                              static_cast<float>(p.lr / bc1), static_cast<float>(std::sqrt(bc2)), p.eps});
 }
 
