@@ -3,7 +3,8 @@
 # (784-1024-1024-10, batch 128) and the cnn (batch 64), SGD momentum 0.9, one process and one
 # thread each, the same environment for both. Runs alternate (Strata first on odd repetitions,
 # torch first on even ones) so drifting machine load hits both sides alike; each run reports the
-# median of its timed windows and the table shows the median over repetitions.
+# median of its timed windows and the table shows the median over repetitions, the ratio of the
+# medians and the median of the per-repetition (back-to-back) ratios.
 #
 #   cmake -S . -B build-bench -DSTRATA_CUDA=OFF && cmake --build build-bench --target bench_train_step
 #   bash bench/run_vs_torch.sh                 # REPS=5 STEPS=20 WINDOWS=7 WARMUP=20 by default
@@ -69,7 +70,7 @@ echo
 rows=()
 for config in "mlp 128" "cnn 64"; do
   read -r model batch <<<"$config"
-  s_runs=() t_runs=() v_runs=()
+  s_runs=() t_runs=() v_runs=() ratios=()
   for ((r = 1; r <= REPS; ++r)); do
     strata_cmd=("$bin" --model "$model" --batch "$batch" "${common[@]}")
     torch_cmd=("$PYTHON" "$here/torch_train_step.py" --model "$model" --batch "$batch" "${common[@]}")
@@ -78,7 +79,7 @@ for config in "mlp 128" "cnn 64"; do
     else
       t=$(samples_per_s "${torch_cmd[@]}"); s=$(samples_per_s "${strata_cmd[@]}")
     fi
-    s_runs+=("$s"); t_runs+=("$t")
+    s_runs+=("$s"); t_runs+=("$t"); ratios+=("$(awk -v s="$s" -v t="$t" 'BEGIN {print s / t}')")
     line="  $model b$batch rep $r: strata $s  torch $t"
     if [[ -n "$venv_version" ]]; then
       v=$(samples_per_s "$VENV_PYTHON" "$here/torch_train_step.py" --model "$model" --batch "$batch" "${common[@]}")
@@ -86,9 +87,9 @@ for config in "mlp 128" "cnn 64"; do
     fi
     echo "$line"
   done
-  s_med=$(median "${s_runs[@]}"); t_med=$(median "${t_runs[@]}")
-  row=$(awk -v m="$model" -v b="$batch" -v s="$s_med" -v t="$t_med" -v tv="$torch_version" \
-    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.2fx | %s |", m, b, s, t, s / t, tv}')
+  s_med=$(median "${s_runs[@]}"); t_med=$(median "${t_runs[@]}"); r_med=$(median "${ratios[@]}")
+  row=$(awk -v m="$model" -v b="$batch" -v s="$s_med" -v t="$t_med" -v r="$r_med" -v tv="$torch_version" \
+    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.2fx | %.2fx | %s |", m, b, s, t, s / t, r, tv}')
   if [[ -n "$venv_version" ]]; then
     v_med=$(median "${v_runs[@]}")
     row+=$(awk -v s="$s_med" -v v="$v_med" -v tv="$venv_version" 'BEGIN {printf " %.0f | %.2fx (%s) |", v, s / v, tv}')
@@ -97,8 +98,8 @@ for config in "mlp 128" "cnn 64"; do
 done
 
 echo
-header="| model | batch | Strata samples/s | torch samples/s | Strata / torch | torch |"
-rule="|---|---:|---:|---:|---:|---|"
+header="| model | batch | Strata samples/s | torch samples/s | Strata / torch | paired ratio | torch |"
+rule="|---|---:|---:|---:|---:|---:|---|"
 if [[ -n "$venv_version" ]]; then
   header+=" torch (venv) samples/s | Strata / venv torch |"
   rule+="---:|---:|"
@@ -107,4 +108,10 @@ echo "$header"
 echo "$rule"
 printf '%s\n' "${rows[@]}"
 echo
+echo "Strata / torch = ratio of the medians; paired ratio = median over repetitions of the ratio of the two"
+echo "back-to-back runs (less sensitive to load that drifts during the benchmark)."
 echo "cpu: $cpu; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+load1=$(cut -d' ' -f1 /proc/loadavg)
+if awk -v l="$load1" 'BEGIN {exit !(l > 1.5)}'; then
+  echo "warning: the machine was busy (load $load1 on $(nproc) cores, of which ~1 is this benchmark); rerun when it is idle for numbers worth quoting"
+fi

@@ -87,11 +87,14 @@ def main():
 
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        # Grouped by input shape, so conv1/conv2 and pool1/pool2 get separate rows.
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(a.profile_steps):
                 step()
         print(f"\nper-op breakdown ({a.profile_steps} profiled steps; divide totals by that for per-step)")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30,
+                                                                  max_name_column_width=40,
+                                                                  max_shapes_column_width=60))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ packages=(
   libopenblas-dev
   libgtest-dev
   zlib1g-dev
+  clang-format
   python3 python3-numpy python3-h5py python3-torch
   dataset-fashion-mnist
 )

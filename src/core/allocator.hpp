@@ -23,8 +23,8 @@ class Allocator {
 };
 
 struct AllocatorStats {
-  size_t bytes_in_use = 0;    // handed out and not yet returned
-  size_t bytes_cached = 0;    // held in free lists
+  size_t bytes_in_use = 0;  // handed out and not yet returned
+  size_t bytes_cached = 0;  // held in free lists
   size_t peak_in_use = 0;
   uint64_t system_allocs = 0;  // blocks obtained from the system
   uint64_t cache_hits = 0;     // allocations served from a free list

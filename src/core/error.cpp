@@ -7,8 +7,7 @@ namespace strata {
 namespace {
 std::atomic<int> g_rank{0};
 
-std::string format_what(ErrorKind kind, const std::string& message, const char* file, int line,
-                        int rank) {
+std::string format_what(ErrorKind kind, const std::string& message, const char* file, int line, int rank) {
   if (kind == ErrorKind::Input) return message;
   return detail::cat(file, ":", line, " [rank ", rank, "] ", message);
 }

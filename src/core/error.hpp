@@ -46,20 +46,18 @@ std::string cat(const Args&... args) {
 }  // namespace strata
 
 // An internal invariant: failing means a bug or a failed system call.
-#define STRATA_CHECK(cond, ...)                                                             \
-  do {                                                                                      \
-    if (!(cond)) [[unlikely]]                                                               \
-      throw ::strata::Error(::strata::ErrorKind::Internal,                                  \
-                            ::strata::detail::cat("check failed (" #cond "): ", __VA_ARGS__), \
-                            __FILE__, __LINE__);                                            \
+#define STRATA_CHECK(cond, ...)                                                                                    \
+  do {                                                                                                             \
+    if (!(cond)) [[unlikely]]                                                                                      \
+      throw ::strata::Error(::strata::ErrorKind::Internal,                                                         \
+                            ::strata::detail::cat("check failed (" #cond "): ", __VA_ARGS__), __FILE__, __LINE__); \
   } while (0)
 
 // A condition on user input; the message says what was expected and what was found.
-#define STRATA_REQUIRE(cond, ...)                                                                  \
-  do {                                                                                             \
-    if (!(cond)) [[unlikely]]                                                                      \
-      throw ::strata::Error(::strata::ErrorKind::Input, ::strata::detail::cat(__VA_ARGS__), __FILE__, \
-                            __LINE__);                                                             \
+#define STRATA_REQUIRE(cond, ...)                                                                                \
+  do {                                                                                                           \
+    if (!(cond)) [[unlikely]]                                                                                    \
+      throw ::strata::Error(::strata::ErrorKind::Input, ::strata::detail::cat(__VA_ARGS__), __FILE__, __LINE__); \
   } while (0)
 
 #define STRATA_THROW_INPUT(...) \

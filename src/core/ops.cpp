@@ -18,8 +18,8 @@ namespace {
 
 Error not_on_cuda(const char* op, Device device) {
   return Error(ErrorKind::Internal,
-               detail::cat("ops::", op, " is not implemented on CUDA yet (tensors on ", device.str(), ")"),
-               __FILE__, __LINE__);
+               detail::cat("ops::", op, " is not implemented on CUDA yet (tensors on ", device.str(), ")"), __FILE__,
+               __LINE__);
 }
 
 // CPU kernels for every op; CUDA for those that have one (the rest throw until they do).
@@ -30,7 +30,8 @@ Error not_on_cuda(const char* op, Device device) {
 #endif
 #define STRATA_DISPATCH(device, op, ...) \
   ((device).is_cpu() ? cpu::op(__VA_ARGS__) : STRATA_CUDA_OP(device, op, __VA_ARGS__))
-#define STRATA_DISPATCH_CPU_ONLY(device, op, ...) ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
+#define STRATA_DISPATCH_CPU_ONLY(device, op, ...) \
+  ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
 
 void check_defined(const Tensor& t, const char* name) { STRATA_CHECK(t.defined(), name, " is undefined"); }
 
@@ -47,8 +48,8 @@ void check_shape(const Tensor& t, const Shape& shape, const char* name) {
 // f32 with the same number of elements as `like`.
 void check_f32_like(const Tensor& t, const Tensor& like, const char* name) {
   check_f32(t, name);
-  STRATA_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, expected ", like.numel(), " (",
-               t.str(), " vs ", like.str(), ")");
+  STRATA_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, expected ", like.numel(), " (", t.str(),
+               " vs ", like.str(), ")");
 }
 
 // The device all defined tensors share.
@@ -59,8 +60,8 @@ Device common_device(std::initializer_list<const Tensor*> tensors) {
     if (first == nullptr) {
       first = t;
     } else {
-      STRATA_CHECK(t->device() == first->device(), "tensors on different devices: ", first->device().str(),
-                   " and ", t->device().str());
+      STRATA_CHECK(t->device() == first->device(), "tensors on different devices: ", first->device().str(), " and ",
+                   t->device().str());
     }
   }
   return first ? first->device() : Device::cpu();
@@ -188,12 +189,12 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   check_f32(a, "a");
   check_f32(b, "b");
   check_f32(c, "c");
-  STRATA_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-D tensors, got ", a.str(), ", ",
-               b.str(), ", ", c.str());
+  STRATA_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-D tensors, got ", a.str(), ", ", b.str(),
+               ", ", c.str());
   const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
   const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
-  STRATA_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes do not match: op(a) ", m, "x", k,
-               ", op(b) ", kb, "x", n, ", c ", c.str());
+  STRATA_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes do not match: op(a) ", m, "x", k, ", op(b) ", kb,
+               "x", n, ", c ", c.str());
   for (int64_t d : {m, n, k}) check_blas_size(d, "gemm dimension");
   STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
   STRATA_DISPATCH_CPU_ONLY(common_device({&a, &b, &c}), gemm, a, trans_a, b, trans_b, c, alpha, beta);
@@ -224,10 +225,10 @@ void bias_grad(const Tensor& dy, const Tensor& db) {
 namespace {
 void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g,
                 const char* y_name) {
-  STRATA_CHECK(g.in_channels > 0 && g.out_channels > 0 && g.kernel_h > 0 && g.kernel_w > 0 && g.stride > 0 &&
-                   g.padding >= 0,
-               "bad conv geometry: channels ", g.in_channels, "->", g.out_channels, ", kernel ", g.kernel_h, "x",
-               g.kernel_w, ", stride ", g.stride, ", padding ", g.padding);
+  STRATA_CHECK(
+      g.in_channels > 0 && g.out_channels > 0 && g.kernel_h > 0 && g.kernel_w > 0 && g.stride > 0 && g.padding >= 0,
+      "bad conv geometry: channels ", g.in_channels, "->", g.out_channels, ", kernel ", g.kernel_h, "x", g.kernel_w,
+      ", stride ", g.stride, ", padding ", g.padding);
   STRATA_CHECK(g.out_h() > 0 && g.out_w() > 0, "conv output would be empty for input ", g.in_h, "x", g.in_w);
   check_f32(x, "x");
   STRATA_CHECK(x.ndim() == 4, "conv input must be (N, C, H, W), got ", x.str());
@@ -243,8 +244,7 @@ void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tens
 }
 }  // namespace
 
-void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
-                    const Conv2dGeometry& g) {
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g) {
   check_conv(x, w, bias, y, g, "y");
   STRATA_DISPATCH_CPU_ONLY(common_device({&x, &w, &bias, &y}), conv2d_forward, x, w, bias, y, g);
 }
@@ -267,8 +267,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
 
 namespace {
 // x (N, C, H, W) and y (N, C, OH, OW) for geometry g.
-void check_pool(const Tensor& x, const Tensor& y, const Pool2dGeometry& g, const char* x_name,
-                const char* y_name) {
+void check_pool(const Tensor& x, const Tensor& y, const Pool2dGeometry& g, const char* x_name, const char* y_name) {
   STRATA_CHECK(g.kernel > 0 && g.stride > 0 && g.padding >= 0 && 2 * g.padding <= g.kernel,
                "bad pool geometry: kernel ", g.kernel, ", stride ", g.stride, ", padding ", g.padding,
                " (padding must be at most half the kernel)");
@@ -282,8 +281,8 @@ void check_pool(const Tensor& x, const Tensor& y, const Pool2dGeometry& g, const
 
 void check_argmax(const Tensor& argmax, const Tensor& y) {
   check_defined(argmax, "argmax");
-  STRATA_CHECK(argmax.dtype() == DType::I32 && argmax.shape() == y.shape(), "argmax must be i32 shaped like ",
-               y.str(), ", got ", argmax.str());
+  STRATA_CHECK(argmax.dtype() == DType::I32 && argmax.shape() == y.shape(), "argmax must be i32 shaped like ", y.str(),
+               ", got ", argmax.str());
 }
 }  // namespace
 
@@ -345,17 +344,20 @@ void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor
                               const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
                               const Tensor& running_var, float momentum, float eps) {
   const int64_t c = check_bn_input(x, y, "y");
-  for (auto [t, name] : {std::pair{&gamma, "gamma"}, {&beta, "beta"}, {&save_mean, "save_mean"},
-                         {&save_invstd, "save_invstd"}, {&running_mean, "running_mean"},
+  for (auto [t, name] : {std::pair{&gamma, "gamma"},
+                         {&beta, "beta"},
+                         {&save_mean, "save_mean"},
+                         {&save_invstd, "save_invstd"},
+                         {&running_mean, "running_mean"},
                          {&running_var, "running_var"}})
     check_optional_vec(*t, c, name);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
-                    batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
-                    momentum, eps);
+  STRATA_DISPATCH_CPU_ONLY(
+      common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
+      batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var, momentum, eps);
 }
 
-void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps) {
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& running_mean,
+                             const Tensor& running_var, const Tensor& y, float eps) {
   const int64_t c = check_bn_input(x, y, "y");
   check_optional_vec(gamma, c, "gamma");
   check_optional_vec(beta, c, "beta");
@@ -363,8 +365,8 @@ void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor&
   check_defined(running_var, "running_var");
   check_optional_vec(running_mean, c, "running_mean");
   check_optional_vec(running_var, c, "running_var");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval, x,
-                    gamma, beta, running_mean, running_var, y, eps);
+  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval,
+                           x, gamma, beta, running_mean, running_var, y, eps);
 }
 
 void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
@@ -373,11 +375,14 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   if (dx.defined()) check_bn_input(x, dx, "dx");
   check_defined(save_mean, "save_mean");
   check_defined(save_invstd, "save_invstd");
-  for (auto [t, name] : {std::pair{&gamma, "gamma"}, {&save_mean, "save_mean"}, {&save_invstd, "save_invstd"},
-                         {&dgamma, "dgamma"}, {&dbeta, "dbeta"}})
+  for (auto [t, name] : {std::pair{&gamma, "gamma"},
+                         {&save_mean, "save_mean"},
+                         {&save_invstd, "save_invstd"},
+                         {&dgamma, "dgamma"},
+                         {&dbeta, "dbeta"}})
     check_optional_vec(*t, c, name);
   STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}),
-                    batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
+                           batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
 }
 
 namespace {
@@ -398,19 +403,19 @@ void check_row_stats(const Tensor& t, int64_t m, const char* name, bool required
 }
 }  // namespace
 
-void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
-                        const Tensor& mean, const Tensor& rstd, float eps) {
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y, const Tensor& mean,
+                        const Tensor& rstd, float eps) {
   const int64_t f = check_ln_input(x, y, "y"), m = x.numel() / f;
   check_optional_vec(gamma, f, "gamma");
   check_optional_vec(beta, f, "beta");
   check_row_stats(mean, m, "mean", false);
   check_row_stats(rstd, m, "rstd", false);
   STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &mean, &rstd}), layer_norm_forward, x, gamma, beta, y,
-                    mean, rstd, eps);
+                           mean, rstd, eps);
 }
 
-void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
-                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
+                         const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
   const int64_t f = check_ln_input(x, dy, "dy"), m = x.numel() / f;
   if (dx.defined()) check_ln_input(x, dx, "dx");
   check_row_stats(mean, m, "mean", true);
@@ -419,7 +424,7 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   check_optional_vec(dgamma, f, "dgamma");
   check_optional_vec(dbeta, f, "dbeta");
   STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}), layer_norm_backward, x,
-                    dy, gamma, mean, rstd, dx, dgamma, dbeta);
+                           dy, gamma, mean, rstd, dx, dgamma, dbeta);
 }
 
 // ---- loss and metrics ------------------------------------------------------------------------
@@ -439,7 +444,8 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   check_logits_labels(logits, labels, "logits");
   check_f32(probs, "probs");
   check_shape(probs, logits.shape(), "probs");
-  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels, probs);
+  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels,
+                                  probs);
 }
 
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
@@ -447,7 +453,7 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
   check_f32(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
   STRATA_DISPATCH_CPU_ONLY(common_device({&probs, &labels, &dlogits}), softmax_xent_backward, probs, labels, dlogits,
-                    scale);
+                           scale);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
@@ -488,7 +494,7 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   STRATA_CHECK(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f && p.eps >= 0.0f,
                "bad AdamW parameters: betas (", p.beta1, ", ", p.beta2, "), eps ", p.eps);
   STRATA_DISPATCH_CPU_ONLY(common_device({&param, &grad, &exp_avg, &exp_avg_sq}), adamw_update, param, grad, exp_avg,
-                    exp_avg_sq, p);
+                           exp_avg_sq, p);
 }
 
 }  // namespace strata::ops

@@ -76,8 +76,7 @@ struct Conv2dGeometry {
   int64_t out_w() const { return (in_w + 2 * padding - kernel_w) / stride + 1; }
 };
 // x (N, C, H, W), w (O, C, KH, KW), bias (O) or undefined, y (N, O, OH, OW).
-void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
-                    const Conv2dGeometry& g);
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g);
 // dx is overwritten (skipped if undefined); dw and db (if defined) accumulate.
 void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                      const Tensor& db, const Conv2dGeometry& g);
@@ -108,15 +107,15 @@ void global_avg_pool_backward(const Tensor& dy, const Tensor& dx);
 void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
                               const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
                               const Tensor& running_var, float momentum, float eps);
-void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps);
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& running_mean,
+                             const Tensor& running_var, const Tensor& y, float eps);
 void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                          const Tensor& save_invstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 // Over the last dimension of x viewed as (M, F); mean and rstd have M elements.
-void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
-                        const Tensor& mean, const Tensor& rstd, float eps);
-void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
-                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y, const Tensor& mean,
+                        const Tensor& rstd, float eps);
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
+                         const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 
 // ---- loss and metrics ------------------------------------------------------------------------
 
@@ -145,7 +144,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
 struct AdamWParams {
   float lr = 1e-3f, eps = 1e-8f, weight_decay = 1e-2f;
   double beta1 = 0.9, beta2 = 0.999;  // double so that 1 - beta is exact, as in torch
-  int64_t step = 1;  // 1-based, for bias correction
+  int64_t step = 1;                   // 1-based, for bias correction
 };
 // torch.optim.AdamW semantics (decoupled weight decay).
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,

@@ -11,8 +11,7 @@ namespace strata::rng {
 
 struct Philox {
   // Four 32-bit outputs for the 128-bit counter (c0..c3) under the 64-bit key.
-  STRATA_HD static void generate(uint64_t key, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                 uint32_t out[4]) {
+  STRATA_HD static void generate(uint64_t key, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t out[4]) {
     uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
     for (int round = 0; round < 10; ++round) {
       const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
@@ -47,16 +46,16 @@ STRATA_HD inline float to_unit_float(uint32_t x) { return static_cast<float>(x >
 // The i-th uniform value of stream (key, stream): a pure function of its arguments.
 STRATA_HD inline float uniform(uint64_t key, uint64_t stream, uint64_t i) {
   uint32_t out[4];
-  Philox::generate(key, static_cast<uint32_t>(i >> 2), static_cast<uint32_t>(i >> 34),
-                   static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32), out);
+  Philox::generate(key, static_cast<uint32_t>(i >> 2), static_cast<uint32_t>(i >> 34), static_cast<uint32_t>(stream),
+                   static_cast<uint32_t>(stream >> 32), out);
   return to_unit_float(out[i & 3]);
 }
 
 // The i-th 64-bit random integer of stream (key, stream).
 STRATA_HD inline uint64_t bits64(uint64_t key, uint64_t stream, uint64_t i) {
   uint32_t out[4];
-  Philox::generate(key, static_cast<uint32_t>(i >> 1), static_cast<uint32_t>(i >> 33),
-                   static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32), out);
+  Philox::generate(key, static_cast<uint32_t>(i >> 1), static_cast<uint32_t>(i >> 33), static_cast<uint32_t>(stream),
+                   static_cast<uint32_t>(stream >> 32), out);
   const int h = static_cast<int>(i & 1) * 2;
   return (static_cast<uint64_t>(out[h]) << 32) | out[h + 1];
 }

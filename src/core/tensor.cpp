@@ -7,11 +7,16 @@ namespace strata {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::F16: return "f16";
-    case DType::I32: return "i32";
-    case DType::U8: return "u8";
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "f16";
+    case DType::I32:
+      return "i32";
+    case DType::U8:
+      return "u8";
   }
   return "?";
 }
@@ -77,8 +82,8 @@ Tensor Tensor::reshape(Shape shape) const {
 }
 
 Tensor Tensor::slice(int64_t begin, int64_t end) const {
-  STRATA_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0], "slice [", begin, ", ",
-               end, ") out of range for ", str());
+  STRATA_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0], "slice [", begin, ", ", end,
+               ") out of range for ", str());
   Shape s = shape_;
   s[0] = end - begin;
   return view(begin * (shape_[0] ? numel_ / shape_[0] : 0), std::move(s));
@@ -86,8 +91,8 @@ Tensor Tensor::slice(int64_t begin, int64_t end) const {
 
 Tensor Tensor::view(int64_t offset, Shape shape) const {
   const int64_t n = shape_numel(shape);
-  STRATA_CHECK(offset >= 0 && offset + n <= numel_, "view of ", n, " elements at ", offset,
-               " out of range for ", str());
+  STRATA_CHECK(offset >= 0 && offset + n <= numel_, "view of ", n, " elements at ", offset, " out of range for ",
+               str());
   Tensor t = *this;
   t.offset_ = offset_ + static_cast<size_t>(offset) * dtype_size(dtype_);
   t.shape_ = std::move(shape);

@@ -47,10 +47,14 @@ Tensor Model::forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo
   return h;
 }
 
-Tensor Model::backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin, size_t end) const {
+Tensor Model::backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin, size_t end,
+                       const std::function<void(size_t)>& after_layer) const {
   end = std::min(end, layers_.size());
   Tensor g = dy;
-  for (size_t i = end; i-- > begin;) g = layers_[i]->backward(g, ctx[i]);
+  for (size_t i = end; i-- > begin;) {
+    g = layers_[i]->backward(g, ctx[i]);
+    if (after_layer) after_layer(i);
+  }
   return g;
 }
 
@@ -187,7 +191,7 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
     const std::vector<ParamSpec> layer_specs = model.layer(i).param_specs();
     per_layer.push_back(layer_specs.size());
     for (const ParamSpec& s : layer_specs) {
-      ParamEntry e{model.layer(i).name() + "/" + s.name, s.shape, 0, s.trainable};
+      ParamEntry e{model.layer(i).name() + "/" + s.name, s.shape, 0, s.trainable, i};
       int64_t& cursor = s.trainable ? trainable : buffers;
       e.offset = cursor;
       cursor = align_up(cursor + shape_numel(s.shape));

@@ -4,6 +4,7 @@
 // gradients in another and their non-trained buffers in a third, and binds layers to views.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,10 @@ class Model {
   Tensor forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo& info, size_t begin = 0,
                  size_t end = SIZE_MAX) const;
   // Backward through layers [begin, end) in reverse; returns the gradient of the input.
-  Tensor backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin = 0, size_t end = SIZE_MAX) const;
+  // after_layer(i), if given, runs as soon as layer i has written its gradients (gradient
+  // sync starts buckets from it).
+  Tensor backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin = 0, size_t end = SIZE_MAX,
+                  const std::function<void(size_t)>& after_layer = {}) const;
 
  private:
   std::vector<LayerPtr> layers_;
@@ -50,6 +54,7 @@ struct ParamEntry {
   Shape shape;
   int64_t offset = 0;  // elements, in params() or buffers() depending on trainable
   bool trainable = true;
+  size_t layer = 0;  // index of the top-level layer that owns it
 };
 
 class ParameterStore {

@@ -9,13 +9,12 @@
 
 #include "core/error.hpp"
 
-#define MPI_CHECK(expr)                                                              \
-  do {                                                                               \
-    const int strata_mpi_rc_ = (expr);                                               \
-    if (strata_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                  \
-      throw ::strata::Error(::strata::ErrorKind::Internal,                           \
-                            ::strata::parallel::mpi_error_string(#expr, strata_mpi_rc_), \
-                            __FILE__, __LINE__);                                     \
+#define MPI_CHECK(expr)                                                                                       \
+  do {                                                                                                        \
+    const int strata_mpi_rc_ = (expr);                                                                        \
+    if (strata_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                                           \
+      throw ::strata::Error(::strata::ErrorKind::Internal,                                                    \
+                            ::strata::parallel::mpi_error_string(#expr, strata_mpi_rc_), __FILE__, __LINE__); \
   } while (0)
 
 namespace strata::parallel {

@@ -91,7 +91,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("metrics", po::value(&c.metrics), "append one JSON object per logged step to this file")
     ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
     ("eval-only", po::bool_switch(&c.eval_only), "evaluate --init-from on --val-data (or --data) and exit")
-    ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead");
+    ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
+    ("log-all-ranks", po::bool_switch(&c.log_all_ranks), "every rank prints, prefixed with its rank (default: rank 0 only)")
+    ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
+    ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step ...")
+    ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank");
   // clang-format on
 
   po::variables_map vm;

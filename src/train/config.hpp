@@ -31,6 +31,11 @@ struct Config {
   std::string init_from;
   bool eval_only = false;
   int prefetch = 2;
+  bool log_all_ranks = false;
+  float bucket_mb = 25;  // gradient all-reduce bucket size
+  // Testing aids: rank debug_fail_rank throws during step debug_fail_step.
+  int64_t debug_fail_step = -1;
+  int debug_fail_rank = -1;
 
   // "key = value" lines of every option, for the start-of-run printout.
   std::vector<std::pair<std::string, std::string>> effective;

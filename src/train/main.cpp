@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
+    log::set_all_ranks(config->log_all_ranks);
     const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
     ops::set_num_threads(threads);
     std::string effective = "configuration:";

@@ -20,7 +20,8 @@ std::string format_duration(double seconds) {
   const int64_t s = static_cast<int64_t>(std::max(0.0, seconds));
   char buf[32];
   if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s / 60 % 60));
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
   else
     std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
   return buf;
@@ -34,9 +35,11 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 
 }  // namespace
 
-Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config), world_(world) {
-  MPI_CHECK(MPI_Comm_rank(world_, &rank_));
-  MPI_CHECK(MPI_Comm_size(world_, &dp_));
+Trainer::Trainer(const Config& config, MPI_Comm world)
+    : config_(config), grid_(std::make_unique<parallel::ProcessGrid>(world, 1)) {
+  rank_ = grid_->world().rank();
+  dp_ = grid_->dp_size();
+  replica_ = grid_->replica();
 
   if (!config_.data.empty()) train_data_ = std::make_unique<io::Dataset>(io::Dataset::open(config_.data, "--data"));
   if (!config_.val_data.empty())
@@ -54,20 +57,24 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config), world_
   model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, info.num_classes));
   store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed);
   optimizer_ = std::make_unique<layers::Optimizer>(config_.optimizer, store_->params().numel());
+  STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
+  sync_ = std::make_unique<parallel::GradientSync>(grid_->dp(), *store_,
+                                                   static_cast<int64_t>(config_.bucket_mb * (1 << 20)));
 
   // Batch arithmetic: global = micro * accumulation * dp.
-  STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch,
-                 " must be divisible by the ", dp_, " data-parallel ranks");
+  STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
+                 dp_, " data-parallel ranks");
   local_batch_ = config_.global_batch / dp_;
   micro_batch_ = config_.micro_batch > 0 ? config_.micro_batch : local_batch_;
-  STRATA_REQUIRE(local_batch_ % micro_batch_ == 0, "--global-batch ", config_.global_batch, " must equal --micro-batch (",
-                 micro_batch_, ") x accumulation steps x ", dp_, " ranks; ", local_batch_, " samples per rank is not a multiple of ",
-                 micro_batch_);
+  STRATA_REQUIRE(local_batch_ % micro_batch_ == 0, "--global-batch ", config_.global_batch,
+                 " must equal --micro-batch (", micro_batch_, ") x accumulation steps x ", dp_, " ranks; ",
+                 local_batch_, " samples per rank is not a multiple of ", micro_batch_);
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
                    " samples, fewer than one --global-batch of ", config_.global_batch);
-    sampler_ = std::make_unique<io::EpochSampler>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
+    sampler_ =
+        std::make_unique<io::EpochSampler>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
     const int64_t per_epoch = sampler_->steps_per_epoch();
     total_steps_ = config_.steps > 0 ? config_.steps : config_.epochs * per_epoch;
     if (config_.steps > 0 && config_.epochs > 0) total_steps_ = std::min(config_.steps, config_.epochs * per_epoch);
@@ -83,6 +90,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config), world_
       reader.read_tensor(name, store_->value(e));
     }
   }
+  sync_->broadcast_parameters();  // every replica starts from replica 0's values
   if (!config_.checkpoint_dir.empty() && rank_ == 0) {
     std::error_code ec;
     fs::create_directories(config_.checkpoint_dir, ec);
@@ -92,22 +100,29 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config), world_
   log::info("model ", config_.model.name, " on ", dp_, " rank(s), input ", shape_str(info.sample_shape), ", ",
             info.num_classes, " classes\n", model_->summary());
   if (train_data_)
-    log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(),
-              " steps per epoch of ", config_.global_batch, " (", local_batch_ / micro_batch_,
-              " micro-batch(es) of ", micro_batch_, " per rank); training ", total_steps_, " steps");
+    log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
+              config_.global_batch, " (", local_batch_ / micro_batch_, " micro-batch(es) of ", micro_batch_,
+              " per rank); training ", total_steps_, " steps");
 }
 
 const io::Dataset* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
-void Trainer::all_reduce_sum(double* values, int count) const {
-  if (dp_ > 1) MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, world_));
+void Trainer::sum_over_replicas(std::vector<double>& values) const {
+  if (dp_ == 1) return;
+  const Tensor t = Tensor::empty({static_cast<int64_t>(values.size())});
+  std::copy(values.begin(), values.end(), t.data<float>());
+  grid_->dp().all_reduce(t, parallel::ReduceOp::Sum);
+  std::copy(t.data<float>(), t.data<float>() + t.numel(), values.begin());
 }
 
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
   store_->grads().fill_zero();
   double loss_sum = 0;
+  // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
+  // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
   const float scale = 1.0f / static_cast<float>(config_.global_batch);
-  for (int64_t m = 0; m < local_batch_ / micro_batch_; ++m) {
+  const int64_t micro_batches = local_batch_ / micro_batch_;
+  for (int64_t m = 0; m < micro_batches; ++m) {
     const int64_t begin = m * micro_batch_;
     const Tensor x = batch.x.slice(begin, begin + micro_batch_);
     const Tensor y = batch.y.slice(begin, begin + micro_batch_);
@@ -115,23 +130,31 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
     const Tensor logits = model_->forward(x, contexts_, info);
     layers::Context loss_ctx;
     loss_sum += loss_.forward(logits, y, loss_ctx);
-    model_->backward(loss_.backward(loss_ctx, scale), contexts_);
+    const Tensor dlogits = loss_.backward(loss_ctx, scale);
+    if (m + 1 < micro_batches) {
+      model_->backward(dlogits, contexts_);  // accumulate locally; sync only after the last
+    } else {
+      sync_->begin();
+      model_->backward(dlogits, contexts_, 0, SIZE_MAX, [this](size_t layer) { sync_->layer_done(layer); });
+      sync_->finish();
+    }
   }
+  if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
+    STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
   const Tensor& grads = store_->grads();
-  if (dp_ > 1)
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, grads.data<float>(), static_cast<int>(grads.numel()), MPI_FLOAT, MPI_SUM, world_));
   if (config_.clip_grad > 0) layers::clip_by_global_norm(grads, ops::sum_squares(grads), config_.clip_grad);
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
-  all_reduce_sum(&loss_sum, 1);
-  return loss_sum;
+  std::vector<double> loss{loss_sum};
+  sum_over_replicas(loss);
+  return loss[0];
 }
 
 void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s,
                            double eta_s) const {
   char line[256];
   std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %.0f samples/s  eta %s",
-                static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch),
-                loss, lr, samples_per_s, format_duration(eta_s).c_str());
+                static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch), loss,
+                lr, samples_per_s, format_duration(eta_s).c_str());
   log::info(line);
   if (!config_.metrics.empty() && rank_ == 0) {
     std::ofstream out(config_.metrics, std::ios::app);
@@ -147,7 +170,7 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
 void Trainer::train() {
   using clock = std::chrono::steady_clock;
   const int64_t per_epoch = sampler_->steps_per_epoch();
-  io::Loader loader(*train_data_, *sampler_, rank_ * local_batch_, local_batch_, config_.prefetch);
+  io::Loader loader(*train_data_, *sampler_, replica_ * local_batch_, local_batch_, config_.prefetch);
   loader.start(start_step_ / per_epoch, start_step_ % per_epoch);
 
   double window_loss = 0;
@@ -174,7 +197,8 @@ void Trainer::train() {
       const EvalResult r = evaluate(*val_data_);
       log::info("eval at step ", done, ": loss ", r.loss, "  accuracy ", 100.0 * r.accuracy, "%");
     }
-    if (config_.save_every > 0 && done % config_.save_every == 0 && done != total_steps_ && !config_.checkpoint_dir.empty())
+    if (config_.save_every > 0 && done % config_.save_every == 0 && done != total_steps_ &&
+        !config_.checkpoint_dir.empty())
       save_checkpoint(done, done / per_epoch);
   }
   if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_, total_steps_ / per_epoch);
@@ -184,10 +208,10 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   // Every sample is evaluated exactly once: rank r takes a contiguous slice of the dataset and
   // the sums are reduced, so the metric is the single-rank one.
   const int64_t n = data.size();
-  const int64_t begin = n * rank_ / dp_, end = n * (rank_ + 1) / dp_;
+  const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
   const int64_t chunk = std::max<int64_t>(micro_batch_, 256);
   const Shape sample = data.info().sample_shape;
-  double sums[2] = {0, 0};  // loss, correct
+  std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
   for (int64_t b = begin; b < end; b += chunk) {
     const int64_t count = std::min(chunk, end - b);
@@ -199,7 +223,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
     sums[0] += loss_.forward(logits, y, loss_ctx);
     sums[1] += static_cast<double>(ops::count_correct(logits, y));
   }
-  all_reduce_sum(sums, 2);
+  sum_over_replicas(sums);
   return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n), n};
 }
 

@@ -1,5 +1,6 @@
-// The training loop: data-parallel over the MPI world (pp = 1 for now), micro-batch
-// gradient accumulation, optimizer and schedule, evaluation, metrics and checkpoints.
+// The training loop: data-parallel over the MPI world (pp = 1 for now) with bucketed gradient
+// all-reduce overlapped with backward, micro-batch gradient accumulation, optimizer and
+// schedule, evaluation, metrics and checkpoints.
 #pragma once
 
 #include <memory>
@@ -10,7 +11,9 @@
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "parallel/gradient_sync.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/process_grid.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -37,17 +40,19 @@ class Trainer {
   // One optimizer step over this rank's slice of the global batch; returns the global
   // batch's summed loss.
   double train_step(const io::Batch& batch, int64_t step);
-  void all_reduce_sum(double* values, int count) const;
+  // Sums values over the data-parallel replicas (metrics).
+  void sum_over_replicas(std::vector<double>& values) const;
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double eta_s) const;
 
   Config config_;
-  MPI_Comm world_;
-  int rank_ = 0, dp_ = 1;
+  std::unique_ptr<parallel::ProcessGrid> grid_;
+  int rank_ = 0, dp_ = 1, replica_ = 0;
   std::unique_ptr<io::Dataset> train_data_, val_data_;
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
   std::unique_ptr<layers::ParameterStore> store_;
   std::unique_ptr<layers::Optimizer> optimizer_;
+  std::unique_ptr<parallel::GradientSync> sync_;
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, total_steps_ = 0, start_step_ = 0;
   std::vector<layers::Context> contexts_;

@@ -47,10 +47,26 @@ uint16_t bf16_oracle(float f) {
   return (lo & 1) ? hi : lo;
 }
 std::vector<float> interesting_floats() {
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.99f, 65520.0f, 65536.0f, 1e-8f, 2.9802322e-8f,
-                          5.9604645e-8f, 6.1035156e-5f, 6.097555e-5f, 3.0e38f, 3.4028235e38f, 1.0f + 1.0f / 2048,
-                          1.0f + 3.0f / 2048, std::numeric_limits<float>::infinity(),
-                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min()};
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          65504.0f,
+                          65519.99f,
+                          65520.0f,
+                          65536.0f,
+                          1e-8f,
+                          2.9802322e-8f,
+                          5.9604645e-8f,
+                          6.1035156e-5f,
+                          6.097555e-5f,
+                          3.0e38f,
+                          3.4028235e38f,
+                          1.0f + 1.0f / 2048,
+                          1.0f + 3.0f / 2048,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::denorm_min()};
   // Every half-way point and its neighbours between consecutive f16 values over the whole range.
   for (uint32_t h = 0; h < 0x7c00u; h += 7) {
     const float a = f16{static_cast<uint16_t>(h)}.to_float(), b = f16{static_cast<uint16_t>(h + 1)}.to_float();

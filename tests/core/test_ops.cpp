@@ -35,8 +35,8 @@ void expect_close(const Tensor& got, const std::vector<double>& want, double rto
   for (double w : want) scale = std::max(scale, std::fabs(w));
   const float* g = got.data<float>();
   for (size_t i = 0; i < want.size(); ++i)
-    ASSERT_LE(std::fabs(g[i] - want[i]), rtol * (std::fabs(want[i]) + scale)) << "element " << i << " got "
-                                                                                 << g[i] << " want " << want[i];
+    ASSERT_LE(std::fabs(g[i] - want[i]), rtol * (std::fabs(want[i]) + scale))
+        << "element " << i << " got " << g[i] << " want " << want[i];
 }
 
 Tensor labels_of(std::vector<int32_t> v) {
@@ -190,8 +190,7 @@ TEST(Ops, GemmAllTransposes) {
       expect_close(c, want);
     }
   }
-  EXPECT_THROW(ops::gemm(rand_tensor({2, 3}, 1), false, rand_tensor({2, 3}, 1), false, Tensor::empty({2, 3})),
-               Error);
+  EXPECT_THROW(ops::gemm(rand_tensor({2, 3}, 1), false, rand_tensor({2, 3}, 1), false, Tensor::empty({2, 3})), Error);
 }
 
 TEST(Ops, BiasAddAndGradAccumulate) {
@@ -260,22 +259,21 @@ void check_conv(const ConvCase& k, bool with_bias) {
 }  // namespace
 
 TEST(Ops, Conv2dStridePaddingNonSquare) {
-  check_conv({2, 3, 4, 7, 5, 3, 2, 2, 1}, true);  // non-square image and kernel, stride 2, pad 1
-  check_conv({3, 2, 5, 6, 6, 3, 3, 1, 1}, true);  // the CNN's 3x3/1 pad 1
+  check_conv({2, 3, 4, 7, 5, 3, 2, 2, 1}, true);   // non-square image and kernel, stride 2, pad 1
+  check_conv({3, 2, 5, 6, 6, 3, 3, 1, 1}, true);   // the CNN's 3x3/1 pad 1
   check_conv({1, 4, 3, 9, 8, 5, 5, 3, 2}, false);  // stride 3, pad 2, no bias
-  check_conv({2, 5, 6, 4, 3, 1, 1, 1, 0}, true);  // 1x1: the pointwise path
-  check_conv({2, 2, 3, 5, 7, 2, 2, 2, 0}, true);  // stride 2, no padding
-  check_conv({2, 3, 4, 6, 5, 3, 1, 1, 0}, true);  // 3x1: same width, shorter height
-  check_conv({1, 2, 3, 5, 6, 5, 5, 1, 2}, true);  // 5x5 pad 2 on an image barely larger than the kernel
-  check_conv({1, 2, 2, 2, 3, 3, 3, 1, 1}, true);  // 3x3 pad 1 on a 2x3 image: padding rows everywhere
+  check_conv({2, 5, 6, 4, 3, 1, 1, 1, 0}, true);   // 1x1: the pointwise path
+  check_conv({2, 2, 3, 5, 7, 2, 2, 2, 0}, true);   // stride 2, no padding
+  check_conv({2, 3, 4, 6, 5, 3, 1, 1, 0}, true);   // 3x1: same width, shorter height
+  check_conv({1, 2, 3, 5, 6, 5, 5, 1, 2}, true);   // 5x5 pad 2 on an image barely larger than the kernel
+  check_conv({1, 2, 2, 2, 3, 3, 3, 1, 1}, true);   // 3x3 pad 1 on a 2x3 image: padding rows everywhere
 }
 
 TEST(Ops, Conv2dRejectsBadShapes) {
   ops::Conv2dGeometry g{3, 4, 3, 3, 1, 1, 8, 8};
   Tensor x = Tensor::empty({2, 3, 8, 8}), w = Tensor::empty({4, 3, 3, 3});
   EXPECT_THROW(ops::conv2d_forward(x, w, Tensor(), Tensor::empty({2, 4, 7, 8}), g), Error);
-  EXPECT_THROW(ops::conv2d_forward(x, Tensor::empty({4, 2, 3, 3}), Tensor(), Tensor::empty({2, 4, 8, 8}), g),
-               Error);
+  EXPECT_THROW(ops::conv2d_forward(x, Tensor::empty({4, 2, 3, 3}), Tensor(), Tensor::empty({2, 4, 8, 8}), g), Error);
   EXPECT_THROW(ops::conv2d_forward(x, w, Tensor::empty({5}), Tensor::empty({2, 4, 8, 8}), g), Error);
 }
 
@@ -336,7 +334,8 @@ TEST(Ops, Pool2d) {
 }
 
 TEST(Ops, MaxPoolPropagatesNan) {
-  Tensor x = Tensor::zeros({1, 1, 2, 2}), y = Tensor::empty({1, 1, 1, 1}), arg = Tensor::empty({1, 1, 1, 1}, DType::I32);
+  Tensor x = Tensor::zeros({1, 1, 2, 2}), y = Tensor::empty({1, 1, 1, 1}),
+         arg = Tensor::empty({1, 1, 1, 1}, DType::I32);
   x.data<float>()[2] = std::nanf("");
   x.data<float>()[3] = 5.0f;
   ops::max_pool2d_forward(x, y, arg, {2, 2, 0, 2, 2});

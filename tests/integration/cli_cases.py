@@ -183,6 +183,126 @@ def case_train_two_ranks(args):
     assert re.search(r"final test: loss [0-9.]+\s+accuracy [0-9.]+%\s+\(512 samples\)", out), out
 
 
+def train_ranks(args, ranks, flags, timeout=600):
+    """Runs train on `ranks` ranks (mpirun even for 1, as users do) and returns its stdout."""
+    cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", args.train] + flags
+    rc, out, err = run(args, cmd, timeout=timeout)
+    assert rc == 0, f"{' '.join(cmd)}\nrc={rc}\n{out}\n{err}"
+    return out
+
+
+def read_model(path):
+    with h5py.File(path, "r") as f:
+        tensors = {}
+        f["model"].visititems(lambda name, obj: tensors.update({name: obj[...]}) if isinstance(obj, h5py.Dataset) else None)
+        return tensors
+
+
+def assert_same_model(a, b, what, rtol=1e-5, only_trainable=False):
+    """Every /model tensor equal within rtol, norm-wise relative (||a-b|| / ||b||)."""
+    skip = ("running_mean", "running_var") if only_trainable else ()
+    names = [n for n in a if not n.endswith(skip)]
+    assert names and set(names) <= set(b), (what, sorted(a), sorted(b))
+    worst = 0.0
+    for n in names:
+        diff = np.linalg.norm(a[n].astype(np.float64) - b[n]) / max(np.linalg.norm(b[n].astype(np.float64)), 1e-30)
+        worst = max(worst, diff)
+        assert diff <= rtol, f"{what}: {n} differs by {diff:.3g} (relative), tolerance {rtol}"
+    print(f"{what}: {len(names)} tensors, worst relative difference {worst:.3g}")
+
+
+def equivalence_runs(args, model_flags, layouts, steps=50, global_batch=32):
+    """Trains the same model under each (ranks, micro_batch) layout; returns their /model tensors."""
+    data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)
+    models = {}
+    for ranks, micro in layouts:
+        ck = os.path.join(args.workdir, f"ck-{'-'.join(model_flags).replace('/', '_')}-{ranks}-{micro}")
+        train_ranks(args, ranks, model_flags + ["--data", data, "--steps", str(steps), "--global-batch",
+                                                str(global_batch), "--micro-batch", str(micro), "--lr", "0.05",
+                                                "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25",
+                                                "--bucket-mb", "0.01"])
+        models[(ranks, micro)] = read_model(os.path.join(ck, f"step-{steps:08d}.h5"))
+    return models
+
+
+def case_ddp_equivalence(args):
+    """N data-parallel ranks == 1 rank, and 4 accumulated micro-batches == one batch, for the
+    MLP (with dropout: masks are keyed by global sample index) and the CNN, after 50 steps."""
+    for model in (["--model", "mlp", "--hidden", "64,32", "--dropout", "0.1"], ["--model", "cnn"]):
+        runs = equivalence_runs(args, model, [(1, 32), (2, 16), (4, 8), (1, 8), (2, 4)])
+        reference = runs[(1, 32)]
+        for layout, tensors in runs.items():
+            if layout != (1, 32):
+                assert_same_model(tensors, reference, f"{model[1]} ranks={layout[0]} micro-batch={layout[1]} vs 1 rank")
+
+
+def case_ddp_batchnorm(args):
+    """BatchNorm statistics are local to each micro-batch on each rank (as torch.nn.BatchNorm2d
+    under DDP without SyncBatchNorm). What this proves: 2 ranks x micro-batch 8 train exactly
+    like 1 rank accumulating 2 micro-batches of 8 (same normalisation groups), so only the
+    grouping of samples into normalisation batches differs from a 1 x 16 run, not the sync.
+    Running statistics are per replica (the checkpoint holds replica 0's), so only trainable
+    tensors are compared."""
+    runs = equivalence_runs(args, ["--model", "resnet", "--depth", "8", "--width", "4"], [(1, 8), (2, 8)], steps=20,
+                            global_batch=16)
+    assert_same_model(runs[(2, 8)], runs[(1, 8)], "resnet-8 2 ranks x 8 vs 1 rank x 2 x 8", only_trainable=True)
+
+
+def case_rank_failure(args):
+    """A rank that throws mid-training ends every rank, non-zero, within 10 s, naming the rank."""
+    import time
+    data = write_dataset(os.path.join(args.workdir, "fail.h5"), n=4096, seed=5)
+    for ranks, failing in ((2, 1), (4, 2)):
+        cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", args.train, "--model", "mlp", "--hidden", "64",
+               "--data", data, "--steps", "100000", "--global-batch", "16", "--debug-fail-step", "20",
+               "--debug-fail-rank", str(failing)]
+        start = time.monotonic()
+        rc, out, err = run(args, cmd, timeout=60)
+        elapsed = time.monotonic() - start
+        assert rc != 0, f"exit code 0 after an injected failure\n{out}\n{err}"
+        assert elapsed < 10.0 + 3.0, f"took {elapsed:.1f} s to end the job"  # 3 s: mpirun start-up
+        ours = [l for l in err.splitlines() if "injected failure" in l]
+        assert len(ours) == 1 and f"rank {failing}" in ours[0], err
+        print(f"{ranks} ranks: rank {failing} failed, job ended in {elapsed:.1f} s with exit code {rc}: {ours[0]}")
+
+
+def fashion_mnist(args):
+    """Converts the Debian package's Fashion-MNIST once into the work tree (as the main job does)."""
+    out = os.path.join(os.path.dirname(args.workdir), "fashion-mnist")
+    idx = "/usr/share/datasets/fashion-mnist"
+    if not os.path.exists(os.path.join(out, "test.h5")):
+        os.makedirs(os.path.join(out, "train"), exist_ok=True)
+        for split, prefix, shards in (("train", "train/train", 4), ("t10k", "test", 1)):
+            rc, o, e = run(args, [args.data_tool, "convert-idx", "--images", f"{idx}/{split}-images-idx3-ubyte.gz",
+                                  "--labels", f"{idx}/{split}-labels-idx1-ubyte.gz", "--out",
+                                  os.path.join(out, prefix), "--shards", str(shards)])
+            assert rc == 0, e
+    return os.path.join(out, "train"), os.path.join(out, "test.h5")
+
+
+def train_fashion_mnist(args, config, minimum):
+    """The main job's configuration on 2 ranks must reach `minimum` percent test accuracy."""
+    train, test = fashion_mnist(args)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rc, out, err = run(args, [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train, "--config",
+                              os.path.join(repo, "jobs", "configs", config), "--data", train, "--val-data", test,
+                              "--checkpoint-dir", os.path.join(args.workdir, "ck"), "--metrics",
+                              os.path.join(args.workdir, "metrics.jsonl")], timeout=1500)
+    assert rc == 0, f"rc={rc}\n{out}\n{err}"
+    m = re.search(r"final test: loss ([0-9.]+)\s+accuracy ([0-9.]+)%\s+\(10000 samples\)", out)
+    assert m, out
+    print(f"{config}: test accuracy {m.group(2)}% (required >= {minimum}%)")
+    assert float(m.group(2)) >= minimum, out
+
+
+def case_fashion_mnist_cnn(args):
+    train_fashion_mnist(args, "fashion-mnist.ini", 89.0)
+
+
+def case_fashion_mnist_mlp(args):
+    train_fashion_mnist(args, "fashion-mnist-mlp.ini", 85.0)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
@@ -190,6 +310,7 @@ if __name__ == "__main__":
     p.add_argument("case", choices=sorted(CASES))
     p.add_argument("--train", required=True)
     p.add_argument("--mpirun", default="mpirun")
+    p.add_argument("--data-tool", default="strata-data")
     p.add_argument("--workdir", required=True)
     a = p.parse_args()
     a.workdir = os.path.join(a.workdir, a.case)

@@ -101,8 +101,8 @@ struct Dropout {
 inline Dropout make_dropout(const float* x, float* y, int64_t numel, int64_t samples, float p, uint64_t key,
                             uint64_t stream, int64_t first_sample) {
   const int64_t sample_numel = samples > 0 ? numel / samples : numel;
-  return Dropout{x, y, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key, stream,
-                 static_cast<uint64_t>(first_sample * sample_numel)};
+  return Dropout{
+      x, y, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key, stream, static_cast<uint64_t>(first_sample * sample_numel)};
 }
 
 // torch.optim.SGD for one element. The momentum buffer starts at zero, so the first step
@@ -131,11 +131,11 @@ struct AdamWStep {
   const float* g;
   float* m;
   float* v;
-  float decay;      // 1 - lr * weight_decay
+  float decay;  // 1 - lr * weight_decay
   float beta1, beta2;
   float one_minus_beta1, one_minus_beta2;  // computed in double: 1 - 0.999f is not 0.001f
-  float step_size;  // lr / (1 - beta1^t)
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float step_size;                         // lr / (1 - beta1^t)
+  float bc2_sqrt;                          // sqrt(1 - beta2^t)
   float eps;
   STRATA_HD void operator()(int64_t i) const {
     const float gi = g[i];
@@ -151,11 +151,17 @@ struct AdamWStep {
 // Float conversion to and from the storage types.
 template <class T>
 STRATA_HD inline float to_f32(T v) {
-  if constexpr (std::is_same_v<T, float>) return v; else return v.to_float();
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return v.to_float();
 }
 template <class T>
 STRATA_HD inline T from_f32(float v) {
-  if constexpr (std::is_same_v<T, float>) return v; else return T::from_float(v);
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return T::from_float(v);
 }
 
 template <class In, class Out>

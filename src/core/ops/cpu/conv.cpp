@@ -16,8 +16,7 @@ namespace {
 
 // First and one-past-last output column whose input column ow*stride - pad + k lies in
 // [0, in): outside it the image is padding.
-inline void valid_range(int64_t in, int64_t out, int64_t stride, int64_t pad, int64_t k, int64_t& lo,
-                        int64_t& hi) {
+inline void valid_range(int64_t in, int64_t out, int64_t stride, int64_t pad, int64_t k, int64_t& lo, int64_t& hi) {
   const int64_t off = k - pad;  // input index = o * stride + off
   lo = off >= 0 ? 0 : (-off + stride - 1) / stride;
   hi = in - off <= 0 ? 0 : (in - off - 1) / stride + 1;
@@ -138,8 +137,8 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
     const float* cols = columns(pl, xp, n, col.defined() ? col.data<float>() : nullptr, g);
     float* yn = yp + n * pl.y_numel;  // (O, OH*OW) = W (O, kkc) @ col (kkc, OH*OW)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(o), static_cast<int>(pl.ohw),
-                static_cast<int>(pl.kkc), 1.0f, wp, static_cast<int>(pl.kkc), cols, static_cast<int>(pl.ohw), 0.0f,
-                yn, static_cast<int>(pl.ohw));
+                static_cast<int>(pl.kkc), 1.0f, wp, static_cast<int>(pl.kkc), cols, static_cast<int>(pl.ohw), 0.0f, yn,
+                static_cast<int>(pl.ohw));
     if (!bp) continue;
     for (int64_t c = 0; c < o; ++c) {
       float* row = yn + c * pl.ohw;
@@ -162,7 +161,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   const int ohw = static_cast<int>(pl.ohw), kkc = static_cast<int>(pl.kkc);
   for (int64_t n = 0; n < pl.n; ++n) {
     const float* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
-    if (db.defined()) {  // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
+    if (db.defined()) {                       // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
       float* dbp = db.data<float>();
       for (int64_t c = 0; c < o; ++c) {
         const float* r = dyn + c * pl.ohw;
@@ -180,8 +179,8 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
     if (dx.defined()) {  // dcol (kkc, OH*OW) = W^T @ dY_n, folded back into dx_n
       float* dxn = dx.data<float>() + n * pl.x_numel;
       float* dcol = pl.pointwise ? dxn : scratch;
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kkc, ohw, static_cast<int>(o), 1.0f, wp, kkc, dyn, ohw,
-                  0.0f, dcol, ohw);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kkc, ohw, static_cast<int>(o), 1.0f, wp, kkc, dyn, ohw, 0.0f,
+                  dcol, ohw);
       if (!pl.pointwise) {
         std::memset(dxn, 0, static_cast<size_t>(pl.x_numel) * sizeof(float));
         unfold<false>(dxn, dcol, pl.ohw, g);

@@ -49,10 +49,14 @@ void cast_as(const Tensor& x, const Tensor& y) {
 template <class In>
 void cast_from(const Tensor& x, const Tensor& y) {
   switch (y.dtype()) {
-    case DType::F32: return cast_as<In, float>(x, y);
-    case DType::BF16: return cast_as<In, bf16>(x, y);
-    case DType::F16: return cast_as<In, f16>(x, y);
-    default: STRATA_THROW("cast to ", dtype_name(y.dtype()), " is not supported");
+    case DType::F32:
+      return cast_as<In, float>(x, y);
+    case DType::BF16:
+      return cast_as<In, bf16>(x, y);
+    case DType::F16:
+      return cast_as<In, f16>(x, y);
+    default:
+      STRATA_THROW("cast to ", dtype_name(y.dtype()), " is not supported");
   }
 }
 }  // namespace
@@ -72,10 +76,14 @@ void cast(const Tensor& x, const Tensor& y) {
     return;
   }
   switch (x.dtype()) {
-    case DType::F32: return cast_from<float>(x, y);
-    case DType::BF16: return cast_from<bf16>(x, y);
-    case DType::F16: return cast_from<f16>(x, y);
-    default: STRATA_THROW("cast from ", dtype_name(x.dtype()), " is not supported");
+    case DType::F32:
+      return cast_from<float>(x, y);
+    case DType::BF16:
+      return cast_from<bf16>(x, y);
+    case DType::F16:
+      return cast_from<f16>(x, y);
+    default:
+      STRATA_THROW("cast from ", dtype_name(x.dtype()), " is not supported");
   }
 }
 
@@ -91,7 +99,8 @@ void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::v
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t c = r % channels;
     // (x * in_scale - mean) / std == x * (in_scale / std) - mean / std
-    const float a = in_scale / std[static_cast<size_t>(c)], b = -mean[static_cast<size_t>(c)] / std[static_cast<size_t>(c)];
+    const float a = in_scale / std[static_cast<size_t>(c)],
+                b = -mean[static_cast<size_t>(c)] / std[static_cast<size_t>(c)];
     const uint8_t* s = src + r * inner;
     float* d = dst + r * inner;
     for (int64_t i = 0; i < inner; ++i) d[i] = static_cast<float>(s[i]) * a + b;

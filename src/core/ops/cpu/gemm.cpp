@@ -15,9 +15,9 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   const int m = static_cast<int>(c.dim(0)), n = static_cast<int>(c.dim(1));
   const int k = static_cast<int>(trans_a ? a.dim(0) : a.dim(1));
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k,
-              alpha, a.data<float>(), static_cast<int>(a.dim(1)), b.data<float>(), static_cast<int>(b.dim(1)),
-              beta, c.data<float>(), n);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha,
+              a.data<float>(), static_cast<int>(a.dim(1)), b.data<float>(), static_cast<int>(b.dim(1)), beta,
+              c.data<float>(), n);
 }
 
 void add_bias(const Tensor& y, const Tensor& bias) {

@@ -66,8 +66,8 @@ void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor
   });
 }
 
-void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta,
-                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y, float eps) {
+void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& running_mean,
+                             const Tensor& running_var, const Tensor& y, float eps) {
   const ChannelView v(x);
   parallel_rows(v.c, v.count(), [&](int64_t ch) {
     const float invstd = 1.0f / std::sqrt(running_var.data<float>()[ch] + eps);
@@ -109,8 +109,8 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   });
 }
 
-void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
-                        const Tensor& mean, const Tensor& rstd, float eps) {
+void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y, const Tensor& mean,
+                        const Tensor& rstd, float eps) {
   // x (M, F): statistics per row.
   const int64_t f = x.dim(-1), m = f > 0 ? x.numel() / f : 0;
   const float* xp = x.data<float>();
@@ -135,8 +135,8 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
   });
 }
 
-void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
-                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
+                         const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
   const int64_t f = x.dim(-1), m = f > 0 ? x.numel() / f : 0;
   const float* xp = x.data<float>();
   const float* gp = dy.data<float>();

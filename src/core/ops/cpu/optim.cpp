@@ -33,8 +33,8 @@ bool all_finite(const Tensor& x) {
 
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p) {
   float* buf = p.momentum != 0.0f ? momentum_buf.data<float>() : nullptr;
-  parallel_for(param.numel(), fn::SgdStep{param.data<float>(), grad.data<float>(), buf, p.lr, p.momentum,
-                                          p.dampening, p.weight_decay, p.nesterov});
+  parallel_for(param.numel(), fn::SgdStep{param.data<float>(), grad.data<float>(), buf, p.lr, p.momentum, p.dampening,
+                                          p.weight_decay, p.nesterov});
 }
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
@@ -44,10 +44,9 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   const double bc1 = 1.0 - std::pow(p.beta1, t);
   const double bc2 = 1.0 - std::pow(p.beta2, t);
   parallel_for(param.numel(),
-               fn::AdamWStep{param.data<float>(), grad.data<float>(), exp_avg.data<float>(),
-                             exp_avg_sq.data<float>(), 1.0f - p.lr * p.weight_decay, static_cast<float>(p.beta1),
-                             static_cast<float>(p.beta2), static_cast<float>(1.0 - p.beta1),
-                             static_cast<float>(1.0 - p.beta2),
+               fn::AdamWStep{param.data<float>(), grad.data<float>(), exp_avg.data<float>(), exp_avg_sq.data<float>(),
+                             1.0f - p.lr * p.weight_decay, static_cast<float>(p.beta1), static_cast<float>(p.beta2),
+                             static_cast<float>(1.0 - p.beta1), static_cast<float>(1.0 - p.beta2),
                              static_cast<float>(p.lr / bc1), static_cast<float>(std::sqrt(bc2)), p.eps});
 }
 

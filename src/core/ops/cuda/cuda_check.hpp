@@ -8,20 +8,20 @@
 
 #include "core/error.hpp"
 
-#define CUDA_CHECK(expr)                                                                        \
-  do {                                                                                          \
-    const cudaError_t strata_err_ = (expr);                                                     \
-    if (strata_err_ != cudaSuccess) [[unlikely]]                                                \
-      STRATA_THROW("CUDA error ", cudaGetErrorName(strata_err_), " (", cudaGetErrorString(strata_err_), \
-                   ") in ", #expr);                                                             \
+#define CUDA_CHECK(expr)                                                                                         \
+  do {                                                                                                           \
+    const cudaError_t strata_err_ = (expr);                                                                      \
+    if (strata_err_ != cudaSuccess) [[unlikely]]                                                                 \
+      STRATA_THROW("CUDA error ", cudaGetErrorName(strata_err_), " (", cudaGetErrorString(strata_err_), ") in ", \
+                   #expr);                                                                                       \
   } while (0)
 
-#define CUDA_CHECK_NOTHROW(expr)                                                                \
-  do {                                                                                          \
-    const cudaError_t strata_err_ = (expr);                                                     \
-    if (strata_err_ != cudaSuccess)                                                             \
-      std::fprintf(stderr, "%s:%d [rank %d] CUDA error %s in %s (ignored in a destructor)\n", __FILE__, \
-                   __LINE__, ::strata::process_rank(), cudaGetErrorName(strata_err_), #expr);   \
+#define CUDA_CHECK_NOTHROW(expr)                                                                                  \
+  do {                                                                                                            \
+    const cudaError_t strata_err_ = (expr);                                                                       \
+    if (strata_err_ != cudaSuccess)                                                                               \
+      std::fprintf(stderr, "%s:%d [rank %d] CUDA error %s in %s (ignored in a destructor)\n", __FILE__, __LINE__, \
+                   ::strata::process_rank(), cudaGetErrorName(strata_err_), #expr);                               \
   } while (0)
 
 namespace strata::ops::cuda {

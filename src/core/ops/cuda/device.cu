@@ -91,8 +91,8 @@ Allocator& allocator_for(Device device) {
     for (int i = 0; i < ops::cuda::device_count(); ++i) v->push_back(new CudaCachingAllocator(i));
     return v;
   }();
-  STRATA_REQUIRE(device.index >= 0 && device.index < static_cast<int>(allocators->size()), "device ",
-                 device.str(), " requested, but this machine has ", allocators->size(), " CUDA device(s)");
+  STRATA_REQUIRE(device.index >= 0 && device.index < static_cast<int>(allocators->size()), "device ", device.str(),
+                 " requested, but this machine has ", allocators->size(), " CUDA device(s)");
   return *(*allocators)[static_cast<size_t>(device.index)];
 }
 

@@ -1,0 +1,58 @@
+// Communicator: the collectives and point-to-point messages Strata needs, each with an async
+// form that returns a handle to wait on, so gradient sync can overlap backward. Transports:
+// MPI over host memory (mpi_communicator.hpp) and, with the GPU issue, NCCL over device
+// memory. Operations on one communicator complete in the order they were started.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/tensor.hpp"
+
+namespace strata::parallel {
+
+enum class ReduceOp { Sum, Avg };  // Avg = Sum / size(), float dtypes only
+
+// A started operation. wait() blocks until it is complete (and rethrows its error);
+// test() returns whether it is complete without blocking (and may make progress).
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  virtual bool test() = 0;
+};
+using WorkPtr = std::unique_ptr<Work>;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  // e.g. "world", "dp", "pp": names scope errors and benchmark rows.
+  virtual const std::string& name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // In place over t (f32, bf16, f16: reduced in f32 precision per pair; i32, u8: Sum only).
+  virtual WorkPtr all_reduce_async(const Tensor& t, ReduceOp op) = 0;
+  // in: size() * n elements; out: n elements = reduction over ranks of chunk rank() of in.
+  virtual WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) = 0;
+  // in: n elements; out: size() * n elements, chunk r from rank r.
+  virtual WorkPtr all_gather_async(const Tensor& in, const Tensor& out) = 0;
+  virtual WorkPtr broadcast_async(const Tensor& t, int root) = 0;
+  // Point-to-point; a send matches the receive with the same (peer, tag), in order.
+  virtual WorkPtr send_async(const Tensor& t, int peer, int tag) = 0;
+  virtual WorkPtr recv_async(const Tensor& t, int peer, int tag) = 0;
+  virtual WorkPtr barrier_async() = 0;
+  // Lets started operations advance (for transports that progress only inside calls).
+  virtual void progress() {}
+
+  // Blocking forms.
+  void all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, op)->wait(); }
+  void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) { reduce_scatter_async(in, out, op)->wait(); }
+  void all_gather(const Tensor& in, const Tensor& out) { all_gather_async(in, out)->wait(); }
+  void broadcast(const Tensor& t, int root) { broadcast_async(t, root)->wait(); }
+  void send(const Tensor& t, int peer, int tag) { send_async(t, peer, tag)->wait(); }
+  void recv(const Tensor& t, int peer, int tag) { recv_async(t, peer, tag)->wait(); }
+  void barrier() { barrier_async()->wait(); }
+};
+
+}  // namespace strata::parallel

@@ -1,0 +1,62 @@
+// MpiCommunicator: the Communicator interface over MPI and host memory. Every collective is
+// an MPI non-blocking call on a private duplicate of the given communicator; the returned
+// Work wraps its MPI_Request. Open MPI's non-blocking collectives advance only inside MPI
+// calls, so a trainer that overlaps gradient sync with backward calls progress() between
+// layers (measured against a communication thread: see mpi_communicator.cpp).
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "parallel/communicator.hpp"
+
+namespace strata::parallel {
+
+struct MpiOpState;  // one started operation: its request, buffers and completion step (in the .cpp)
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Duplicates `comm` (MPI_Comm_dup, collective over `comm`), so Strata's messages never
+  // match anyone else's; errors on the duplicate come back as codes (MPI_ERRORS_RETURN).
+  MpiCommunicator(MPI_Comm comm, std::string name);
+  // Waits for operations still in flight, then frees the duplicate; never throws.
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  const std::string& name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  // The private duplicate (for code that needs a raw MPI call on the same group).
+  MPI_Comm comm() const { return comm_; }
+
+  WorkPtr all_reduce_async(const Tensor& t, ReduceOp op) override;
+  WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) override;
+  // `in` may be chunk rank() of `out` (gathers in place).
+  WorkPtr all_gather_async(const Tensor& in, const Tensor& out) override;
+  WorkPtr broadcast_async(const Tensor& t, int root) override;
+  WorkPtr send_async(const Tensor& t, int peer, int tag) override;
+  WorkPtr recv_async(const Tensor& t, int peer, int tag) override;
+  WorkPtr barrier_async() override;
+  // MPI_Testsome over this communicator's outstanding requests: drives libnbc's schedules
+  // and the shared-memory transport one step further. Cheap (~1 µs) when nothing is ready.
+  void progress() override;
+
+  // Operations started and not yet seen complete (for tests and diagnostics).
+  int in_flight() const;
+
+ private:
+  WorkPtr track(std::shared_ptr<MpiOpState> state);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  std::string name_;
+  int rank_ = 0;
+  int size_ = 1;
+  // Started operations; progress() tests them, completed ones are dropped on the next start.
+  std::vector<std::shared_ptr<MpiOpState>> pending_;
+};
+
+}  // namespace strata::parallel

@@ -1,0 +1,377 @@
+// MpiCommunicator under real MPI (2 and 4 ranks): every collective, blocking and async, at odd
+// sizes and for every dtype, against a serial reference computed locally from each rank's
+// known contribution. Integer-valued contributions make the sums exact in every dtype, so
+// those checks are equalities; one test adds arbitrary values in bf16/f16 with a tolerance.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "parallel/mpi_communicator.hpp"
+
+namespace strata::parallel {
+namespace {
+
+const DType kAllTypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32, DType::U8};
+const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+const int64_t kSizes[] = {0, 1, 3, 1000003};
+
+// Rank r's element i: a small integer (exact in bf16, sums of 4 fit in u8), signed when the
+// dtype is.
+double contribution(DType t, int rank, int64_t i) {
+  const double v = static_cast<double>((i * 7 + rank * 5) % 17);
+  return t == DType::U8 ? v : v - 8.0;
+}
+
+double get(const Tensor& t, int64_t i) {
+  switch (t.dtype()) {
+    case DType::F32:
+      return t.data<float>()[i];
+    case DType::BF16:
+      return t.data<bf16>()[i].to_float();
+    case DType::F16:
+      return t.data<f16>()[i].to_float();
+    case DType::I32:
+      return t.data<int32_t>()[i];
+    case DType::U8:
+      return t.data<uint8_t>()[i];
+  }
+  return 0;
+}
+
+void set(const Tensor& t, int64_t i, double v) {
+  switch (t.dtype()) {
+    case DType::F32:
+      t.data<float>()[i] = static_cast<float>(v);
+      break;
+    case DType::BF16:
+      t.data<bf16>()[i] = bf16::from_float(static_cast<float>(v));
+      break;
+    case DType::F16:
+      t.data<f16>()[i] = f16::from_float(static_cast<float>(v));
+      break;
+    case DType::I32:
+      t.data<int32_t>()[i] = static_cast<int32_t>(v);
+      break;
+    case DType::U8:
+      t.data<uint8_t>()[i] = static_cast<uint8_t>(v);
+      break;
+  }
+}
+
+// Elements i of t: contribution(rank, offset + i).
+Tensor filled(DType type, int64_t n, int rank, int64_t offset = 0) {
+  Tensor t = Tensor::empty({n}, type);
+  for (int64_t i = 0; i < n; ++i) set(t, i, contribution(type, rank, offset + i));
+  return t;
+}
+
+// Sum over ranks of contribution(r, offset + i).
+double reference_sum(DType type, int size, int64_t offset, int64_t i) {
+  double s = 0;
+  for (int r = 0; r < size; ++r) s += contribution(type, r, offset + i);
+  return s;
+}
+
+// Counts mismatches (a 1M-element failure must not print 1M lines); shows the first.
+template <class Expected>
+int64_t count_wrong(const Tensor& t, Expected expected) {
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double want = expected(i), got = get(t, i);
+    if (got != want) {
+      if (wrong == 0) ADD_FAILURE() << t.str() << "[" << i << "] = " << got << ", expected " << want;
+      ++wrong;
+    }
+  }
+  return wrong;
+}
+
+std::string label(DType t, int64_t n, bool async) {
+  return strata::detail::cat(dtype_name(t), " n=", n, async ? " async" : " blocking");
+}
+
+class Collectives : public testing::Test {
+ protected:
+  MpiCommunicator comm_{MPI_COMM_WORLD, "world"};
+  int rank_ = comm_.rank();
+  int size_ = comm_.size();
+};
+
+TEST_F(Collectives, Identity) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  EXPECT_EQ(comm_.rank(), rank);
+  EXPECT_EQ(comm_.size(), size);
+  EXPECT_EQ(comm_.name(), "world");
+  EXPECT_NE(comm_.comm(), MPI_COMM_WORLD);  // a private duplicate
+}
+
+TEST_F(Collectives, AllReduceSum) {
+  for (DType type : kAllTypes)
+    for (int64_t n : kSizes)
+      for (bool async : {false, true}) {
+        SCOPED_TRACE(label(type, n, async));
+        Tensor t = filled(type, n, rank_);
+        if (async) {
+          WorkPtr w = comm_.all_reduce_async(t, ReduceOp::Sum);
+          w->wait();
+        } else {
+          comm_.all_reduce(t, ReduceOp::Sum);
+        }
+        EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(type, size_, 0, i); }), 0);
+      }
+}
+
+TEST_F(Collectives, AllReduceAvg) {
+  // Sizes 2 and 4 are powers of two: the average of integers is exact in every float dtype.
+  for (DType type : kFloatTypes)
+    for (int64_t n : kSizes)
+      for (bool async : {false, true}) {
+        SCOPED_TRACE(label(type, n, async));
+        Tensor t = filled(type, n, rank_);
+        if (async)
+          comm_.all_reduce_async(t, ReduceOp::Avg)->wait();
+        else
+          comm_.all_reduce(t, ReduceOp::Avg);
+        EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(type, size_, 0, i) / size_; }), 0);
+      }
+}
+
+TEST_F(Collectives, AvgOfIntegersIsRefused) {
+  for (DType type : {DType::I32, DType::U8}) {
+    Tensor t = filled(type, 3, rank_);
+    EXPECT_THROW(comm_.all_reduce_async(t, ReduceOp::Avg), Error) << dtype_name(type);
+  }
+  comm_.barrier();  // nothing was started: the communicator is still in step on every rank
+}
+
+// bf16/f16 with arbitrary values: each pairwise step adds in f32 and rounds once, so the
+// result is within size * u * sum|x| of the exact sum (u = 2^-8 for bf16, 2^-11 for f16).
+TEST_F(Collectives, HalfPrecisionSumWithinTolerance) {
+  const int64_t n = 10007;
+  auto value = [](int rank, int64_t i) {
+    return std::sin(0.37 * static_cast<double>(i) + 1.3 * rank) * std::exp2(static_cast<double>(i % 9) - 4.0);
+  };
+  for (DType type : {DType::BF16, DType::F16}) {
+    SCOPED_TRACE(dtype_name(type));
+    const double u = type == DType::BF16 ? std::exp2(-8.0) : std::exp2(-11.0);
+    Tensor t = Tensor::empty({n}, type);
+    for (int64_t i = 0; i < n; ++i) set(t, i, value(rank_, i));
+    comm_.all_reduce(t, ReduceOp::Sum);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double exact = 0, magnitude = 0;
+      Tensor one = Tensor::empty({1}, type);
+      for (int r = 0; r < size_; ++r) {
+        set(one, 0, value(r, i));  // what rank r actually sent: its value rounded to the dtype
+        exact += get(one, 0);
+        magnitude += std::abs(get(one, 0));
+      }
+      if (std::abs(get(t, i) - exact) > size_ * u * magnitude + 1e-7) {
+        if (wrong++ == 0) ADD_FAILURE() << "[" << i << "] " << get(t, i) << " vs " << exact;
+      }
+    }
+    EXPECT_EQ(wrong, 0);
+  }
+}
+
+TEST_F(Collectives, ReduceScatterPlacesChunkOfRank) {
+  for (DType type : kAllTypes)
+    for (int64_t n : kSizes)
+      for (bool async : {false, true}) {
+        SCOPED_TRACE(label(type, n, async));
+        Tensor in = filled(type, n * size_, rank_);
+        Tensor out = Tensor::empty({n}, type);
+        if (async)
+          comm_.reduce_scatter_async(in, out, ReduceOp::Sum)->wait();
+        else
+          comm_.reduce_scatter(in, out, ReduceOp::Sum);
+        EXPECT_EQ(count_wrong(out, [&](int64_t i) { return reference_sum(type, size_, rank_ * n, i); }), 0);
+      }
+}
+
+TEST_F(Collectives, ReduceScatterAvg) {
+  for (DType type : kFloatTypes) {
+    SCOPED_TRACE(dtype_name(type));
+    const int64_t n = 1003;
+    Tensor in = filled(type, n * size_, rank_);
+    Tensor out = Tensor::empty({n}, type);
+    comm_.reduce_scatter(in, out, ReduceOp::Avg);
+    EXPECT_EQ(count_wrong(out, [&](int64_t i) { return reference_sum(type, size_, rank_ * n, i) / size_; }), 0);
+  }
+}
+
+TEST_F(Collectives, ReduceScatterChecksSizes) {
+  Tensor in = Tensor::empty({7});
+  Tensor out = Tensor::empty({3});
+  EXPECT_THROW(comm_.reduce_scatter_async(in, out, ReduceOp::Sum), Error);
+  EXPECT_THROW(comm_.reduce_scatter_async(in, in.view(0, {1}), ReduceOp::Sum), Error);
+}
+
+TEST_F(Collectives, AllGatherPlacesChunkFromEachRank) {
+  for (DType type : kAllTypes)
+    for (int64_t n : kSizes)
+      for (bool async : {false, true}) {
+        SCOPED_TRACE(label(type, n, async));
+        Tensor in = filled(type, n, rank_);
+        Tensor out = Tensor::empty({n * size_}, type);
+        if (async)
+          comm_.all_gather_async(in, out)->wait();
+        else
+          comm_.all_gather(in, out);
+        EXPECT_EQ(count_wrong(out,
+                              [&](int64_t i) {
+                                return contribution(type, static_cast<int>(i / std::max<int64_t>(n, 1)),
+                                                    i % std::max<int64_t>(n, 1));
+                              }),
+                  0);
+      }
+}
+
+TEST_F(Collectives, AllGatherInPlace) {
+  // ZeRO's shape: my shard is already chunk rank() of the full buffer.
+  for (DType type : kAllTypes) {
+    SCOPED_TRACE(dtype_name(type));
+    const int64_t n = 1001;
+    Tensor out = Tensor::zeros({n * size_}, type);
+    Tensor mine = out.view(rank_ * n, {n});
+    mine.copy_from(filled(type, n, rank_));
+    comm_.all_gather(mine, out);
+    EXPECT_EQ(count_wrong(out, [&](int64_t i) { return contribution(type, static_cast<int>(i / n), i % n); }), 0);
+  }
+}
+
+TEST_F(Collectives, BroadcastFromEveryRoot) {
+  for (DType type : kAllTypes)
+    for (int64_t n : kSizes)
+      for (int root = 0; root < size_; ++root)
+        for (bool async : {false, true}) {
+          SCOPED_TRACE(label(type, n, async) + " root " + std::to_string(root));
+          Tensor t = filled(type, n, rank_);
+          if (async)
+            comm_.broadcast_async(t, root)->wait();
+          else
+            comm_.broadcast(t, root);
+          EXPECT_EQ(count_wrong(t, [&](int64_t i) { return contribution(type, root, i); }), 0);
+        }
+}
+
+TEST_F(Collectives, SendRecvRingWithTagsOutOfOrder) {
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  for (DType type : kAllTypes) {
+    SCOPED_TRACE(dtype_name(type));
+    const int64_t sizes[] = {3, 1000003, 1, 0};  // tag k carries sizes[k] elements
+    std::vector<Tensor> out, in(4);
+    std::vector<WorkPtr> work;
+    // Receives posted in reverse tag order, before the sends: matching is by tag, not order.
+    for (int tag = 3; tag >= 0; --tag) {
+      in[tag] = Tensor::zeros({sizes[tag]}, type);
+      work.push_back(comm_.recv_async(in[tag], prev, tag));
+    }
+    for (int tag = 0; tag < 4; ++tag) {
+      out.push_back(filled(type, sizes[tag], rank_, 1000 * tag));
+      work.push_back(comm_.send_async(out.back(), next, tag));
+    }
+    for (auto& w : work) w->wait();
+    for (int tag = 0; tag < 4; ++tag)
+      EXPECT_EQ(count_wrong(in[tag], [&](int64_t i) { return contribution(type, prev, 1000 * tag + i); }), 0)
+          << "tag " << tag;
+  }
+}
+
+TEST_F(Collectives, SendRecvSameTagKeepsOrder) {
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  Tensor a = filled(DType::I32, 5, rank_, 0), b = filled(DType::I32, 5, rank_, 100);
+  Tensor ra = Tensor::empty({5}, DType::I32), rb = Tensor::empty({5}, DType::I32);
+  WorkPtr r1 = comm_.recv_async(ra, prev, 7);
+  WorkPtr r2 = comm_.recv_async(rb, prev, 7);
+  comm_.send(a, next, 7);
+  comm_.send(b, next, 7);
+  r2->wait();
+  r1->wait();
+  EXPECT_EQ(count_wrong(ra, [&](int64_t i) { return contribution(DType::I32, prev, i); }), 0);
+  EXPECT_EQ(count_wrong(rb, [&](int64_t i) { return contribution(DType::I32, prev, 100 + i); }), 0);
+}
+
+TEST_F(Collectives, BarrierWaitsForTheLastRank) {
+  using Clock = std::chrono::steady_clock;
+  const auto delay = std::chrono::milliseconds(100);
+  comm_.barrier();
+  const auto start = Clock::now();
+  if (rank_ == size_ - 1) std::this_thread::sleep_for(delay);
+  WorkPtr w = comm_.barrier_async();
+  while (!w->test()) comm_.progress();
+  const auto waited = Clock::now() - start;
+  EXPECT_GE(waited, delay / 2);  // every rank left the barrier only after the sleeper entered it
+}
+
+TEST_F(Collectives, ManyOverlappingAsyncOpsCompleteInOrder) {
+  // A backward pass's shape: many buckets started one after another, progress() between them,
+  // then waited in the order they were started.
+  struct Op {
+    Tensor t;
+    DType type;
+    WorkPtr work;
+  };
+  std::vector<Op> ops;
+  const int64_t sizes[] = {1, 3, 1000, 65537, 300001};
+  for (int k = 0; k < 20; ++k) {
+    const DType type = kAllTypes[k % 5];
+    Op op{filled(type, sizes[k % 5], rank_, k), type, nullptr};
+    op.work = comm_.all_reduce_async(op.t, ReduceOp::Sum);
+    comm_.progress();
+    ops.push_back(std::move(op));
+  }
+  Tensor gathered = Tensor::empty({3 * size_}, DType::I32);
+  WorkPtr gather = comm_.all_gather_async(filled(DType::I32, 3, rank_), gathered);
+  EXPECT_GT(comm_.in_flight(), 0);
+  for (int k = 0; k < 20; ++k) {
+    ops[k].work->wait();
+    EXPECT_EQ(count_wrong(ops[k].t, [&](int64_t i) { return reference_sum(ops[k].type, size_, k, i); }), 0)
+        << "op " << k;
+  }
+  gather->wait();
+  EXPECT_EQ(count_wrong(gathered, [&](int64_t i) { return contribution(DType::I32, static_cast<int>(i / 3), i % 3); }),
+            0);
+  comm_.progress();
+  EXPECT_EQ(comm_.in_flight(), 0);
+}
+
+TEST_F(Collectives, TestPollsUntilComplete) {
+  Tensor t = filled(DType::F32, 1000003, rank_);
+  WorkPtr w = comm_.all_reduce_async(t, ReduceOp::Avg);
+  while (!w->test()) comm_.progress();
+  EXPECT_TRUE(w->test());  // stays complete; Avg scaling applied once
+  w->wait();
+  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i) / size_; }), 0);
+}
+
+TEST_F(Collectives, DroppedHandleStillCompletes) {
+  Tensor t = filled(DType::F32, 100003, rank_);
+  comm_.all_reduce_async(t, ReduceOp::Sum);  // the handle's destructor waits
+  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
+}
+
+TEST_F(Collectives, SubCommunicatorFromSplit) {
+  // Even and odd world ranks: each half reduces among itself only.
+  MPI_Comm half;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, rank_ % 2, rank_, &half), MPI_SUCCESS);
+  {
+    MpiCommunicator sub(half, "half");
+    EXPECT_EQ(sub.size(), (size_ + 1 - rank_ % 2) / 2);
+    Tensor t = Tensor::empty({1}, DType::I32);
+    t.data<int32_t>()[0] = rank_;
+    sub.all_reduce(t, ReduceOp::Sum);
+    int want = 0;
+    for (int r = rank_ % 2; r < size_; r += 2) want += r;
+    EXPECT_EQ(t.data<int32_t>()[0], want);
+  }
+  MPI_Comm_free(&half);
+}
+
+}  // namespace
+}  // namespace strata::parallel
