@@ -107,12 +107,18 @@ struct Bench {
   Tensor x, y;
   float lr;
   int64_t step = 0;
+  size_t first_trainable = 0;  // the lowest layer with parameters: its dx is never needed
 
   Bench(const Options& o, const layers::ModelSpec& spec)
       : model(layers::build_model(spec, {1, 28, 28}, 10)),
         store(model, o.seed),
         optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
         lr(o.lr) {
+    for (const layers::ParamEntry& e : store.entries())
+      if (e.trainable) {
+        first_trainable = e.layer;
+        break;
+      }
     x = Tensor::empty({o.batch, 1, 28, 28});
     y = Tensor::empty({o.batch}, DType::I32);
     std::mt19937 gen(static_cast<uint32_t>(o.seed));
@@ -158,8 +164,11 @@ struct Bench {
     loss.forward(h, y, loss_ctx);
     Tensor g = loss.backward(loss_ctx, scale);
     loss_s += seconds_since(t);
-    for (size_t i = model.size(); i-- > 0;) {
+    // As Model::backward: the input's gradient is not needed, so the lowest layer with
+    // parameters skips dx and the layers below it are not run.
+    for (size_t i = model.size(); i-- > 0 && g.defined();) {
       t = clock_type::now();
+      ctx[i].input_grad = i > first_trainable;
       g = model.layer(i).backward(g, ctx[i]);
       bwd[i] += seconds_since(t);
     }

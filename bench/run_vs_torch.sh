@@ -11,8 +11,9 @@
 #   STRATA_BENCH_BIN=build/bench_train_step REPS=9 bash bench/run_vs_torch.sh
 #
 # Environment for BOTH sides: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are unset (the dev/CI
-# environment pins OPENBLAS_CORETYPE=Haswell, which halves OpenBLAS SGEMM speed on AVX-512
-# machines; tests keep it, benchmarks do not), and OMP/OpenBLAS/MKL use one thread.
+# environment pins OPENBLAS_CORETYPE=Haswell, which forces OpenBLAS's AVX2 kernels on AVX-512
+# machines, ~25% slower SGEMM here; tests keep it, benchmarks do not), and OMP/OpenBLAS/MKL use
+# one thread.
 # Optional: a second torch in bench/.venv (any version) adds a column.
 set -euo pipefail
 
@@ -49,7 +50,14 @@ samples_per_s() {
     echo "$out" >&2
     exit 1
   fi
-  sed -n 's/^RESULT .*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out"
+  local v
+  v=$(sed -n 's/^RESULT .*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out")
+  if [[ -z "$v" ]]; then
+    echo "run_vs_torch.sh: no RESULT line from: $*" >&2
+    echo "$out" >&2
+    exit 1
+  fi
+  echo "$v"
 }
 
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }

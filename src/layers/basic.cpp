@@ -64,8 +64,11 @@ Tensor Linear::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);
   ops::gemm(dy, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
   if (has_bias_) ops::bias_grad(dy, db_);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-  ops::gemm(dy, false, w_, false, dx);  // dx (B, in) = dy W
+  Tensor dx;
+  if (ctx.input_grad) {
+    dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+    ops::gemm(dy, false, w_, false, dx);  // dx (B, in) = dy W
+  }
   ctx.clear();
   return dx;
 }
@@ -139,7 +142,7 @@ Tensor Conv2d::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 
 Tensor Conv2d::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  const Tensor dx = ctx.input_grad ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
   ops::conv2d_backward(x, w_, dy, dx, dw_, db_, geometry(x.shape()));
   ctx.clear();
   return dx;

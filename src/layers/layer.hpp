@@ -29,6 +29,9 @@ struct Context {
   std::vector<Context> children;  // for composite layers
   StepInfo info;
   Shape input_shape;  // the batch input shape, for layers that only reshape or pool
+  // Set by the caller before backward: false when nobody needs dx (the model's input), so
+  // layers with parameters skip computing it and return an undefined tensor.
+  bool input_grad = true;
   void clear() {
     saved.clear();
     children.clear();
@@ -66,7 +69,8 @@ class Layer {
   virtual void bind(std::span<const Tensor> params, std::span<const Tensor> grads) {}
   // x: (B, input...) -> (B, output...).
   virtual Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) = 0;
-  // Accumulates parameter gradients and returns dx. Consumes ctx.
+  // Accumulates parameter gradients and returns dx (undefined if !ctx.input_grad and the layer
+  // skips it). Consumes ctx.
   virtual Tensor backward(const Tensor& dy, Context& ctx) = 0;
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }

@@ -2,6 +2,7 @@
 // flat parameter store.
 #include "layers/model.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -18,6 +19,8 @@ Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes)
   for (size_t i = 0; i < layers_.size(); ++i) {
     layers_[i]->set_index(static_cast<int>(i));
     shapes_.push_back(layers_[i]->output_shape(shapes_.back()));
+    const std::vector<ParamSpec> specs = layers_[i]->param_specs();
+    trainable_.push_back(std::any_of(specs.begin(), specs.end(), [](const ParamSpec& s) { return s.trainable; }));
   }
   STRATA_REQUIRE(shapes_.back() == Shape{num_classes}, "the model's output shape is ", shape_str(shapes_.back()),
                  " but the dataset has ", num_classes, " classes");
@@ -48,14 +51,23 @@ Tensor Model::forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo
 }
 
 Tensor Model::backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin, size_t end,
-                       const std::function<void(size_t)>& after_layer) const {
+                       const std::function<void(size_t)>& after_layer, bool input_grad) const {
   end = std::min(end, layers_.size());
+  // Without input_grad, nothing below the lowest layer with parameters needs a gradient.
+  size_t stop = begin;
+  if (!input_grad) {
+    stop = end;
+    for (size_t i = begin; i < end && stop == end; ++i)
+      if (trainable_[i]) stop = i;
+  }
   Tensor g = dy;
-  for (size_t i = end; i-- > begin;) {
+  for (size_t i = end; i-- > stop;) {
+    ctx[i].input_grad = input_grad || i > stop;
     g = layers_[i]->backward(g, ctx[i]);
     if (after_layer) after_layer(i);
   }
-  return g;
+  for (size_t i = begin; i < stop; ++i) ctx[i].clear();
+  return input_grad ? g : Tensor();
 }
 
 // ---- zoo -------------------------------------------------------------------------------------

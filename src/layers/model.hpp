@@ -35,15 +35,17 @@ class Model {
   // Forward through layers [begin, end) with one context per layer (resized as needed).
   Tensor forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo& info, size_t begin = 0,
                  size_t end = SIZE_MAX) const;
-  // Backward through layers [begin, end) in reverse; returns the gradient of the input.
-  // after_layer(i), if given, runs as soon as layer i has written its gradients (gradient
-  // sync starts buckets from it).
+  // Backward through layers [begin, end) in reverse. Returns the gradient of the input if
+  // input_grad (a pipeline stage that sends it on); otherwise stops after the lowest layer
+  // with parameters and returns an undefined tensor. after_layer(i), if given, runs as soon
+  // as layer i has written its gradients (gradient sync starts buckets from it).
   Tensor backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin = 0, size_t end = SIZE_MAX,
-                  const std::function<void(size_t)>& after_layer = {}) const;
+                  const std::function<void(size_t)>& after_layer = {}, bool input_grad = false) const;
 
  private:
   std::vector<LayerPtr> layers_;
   std::vector<Shape> shapes_;
+  std::vector<bool> trainable_;  // layer i has trainable parameters
   int num_classes_;
 };
 

@@ -136,7 +136,9 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
     } else {
       sync_->begin();
       model_->backward(dlogits, contexts_, 0, SIZE_MAX, [this](size_t layer) { sync_->layer_done(layer); });
-      sync_->finish();
+      const auto wait_start = std::chrono::steady_clock::now();
+      sync_->finish();  // what backward did not hide: exposed communication
+      exposed_comm_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
     }
   }
   if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
@@ -150,19 +152,21 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
 }
 
 void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s,
-                           double eta_s) const {
+                           double comm_fraction, double eta_s) const {
   char line[256];
-  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %.0f samples/s  eta %s",
+  std::snprintf(line, sizeof line,
+                "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %.0f samples/s  comm %.1f%%  eta %s",
                 static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch), loss,
-                lr, samples_per_s, format_duration(eta_s).c_str());
+                lr, samples_per_s, 100.0 * comm_fraction, format_duration(eta_s).c_str());
   log::info(line);
   if (!config_.metrics.empty() && rank_ == 0) {
     std::ofstream out(config_.metrics, std::ios::app);
     STRATA_CHECK(out.good(), "cannot append to --metrics file ", config_.metrics);
     char json[256];
     std::snprintf(json, sizeof json,
-                  "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f}\n",
-                  static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s);
+                  "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
+                  "\"exposed_comm_fraction\": %.4f}\n",
+                  static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s, comm_fraction);
     out << json;
   }
 }
@@ -188,7 +192,8 @@ void Trainer::train() {
       const double elapsed = std::chrono::duration<double>(clock::now() - run_start).count();
       const double eta = elapsed / static_cast<double>(done - start_step_) * static_cast<double>(total_steps_ - done);
       log_progress(done, step / per_epoch, window_loss / static_cast<double>(window_steps),
-                   layers::learning_rate(config_.schedule, step), rate, eta);
+                   layers::learning_rate(config_.schedule, step), rate, exposed_comm_s_ / std::max(seconds, 1e-9), eta);
+      exposed_comm_s_ = 0;
       window_loss = 0;
       window_steps = 0;
       window_start = clock::now();

@@ -42,7 +42,9 @@ class Trainer {
   double train_step(const io::Batch& batch, int64_t step);
   // Sums values over the data-parallel replicas (metrics).
   void sum_over_replicas(std::vector<double>& values) const;
-  void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double eta_s) const;
+  // comm_fraction: share of the window's time spent waiting for gradient buckets.
+  void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
+                    double eta_s) const;
 
   Config config_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
@@ -56,6 +58,7 @@ class Trainer {
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, total_steps_ = 0, start_step_ = 0;
   std::vector<layers::Context> contexts_;
+  double exposed_comm_s_ = 0;  // waiting for gradient buckets since the last progress line
 };
 
 }  // namespace strata::train

@@ -478,14 +478,14 @@ TEST(ModelRanges, StagesComposeToTheWholeModel) {
   std::vector<Context> c1, c2;
   StepInfo info;
   const Tensor y = m.forward(x, c1, info).clone();
-  const Tensor dx = m.backward(dy, c1).clone();
+  const Tensor dx = m.backward(dy, c1, 0, SIZE_MAX, {}, /*input_grad=*/true).clone();
   const Tensor g = store.grads().clone();
   store.grads().fill_zero();
   const size_t k = find_layer(m, "flatten");
   const Tensor h = m.forward(x, c2, info, 0, k);
   const Tensor y2 = m.forward(h, c2, info, k);
-  const Tensor dh = m.backward(dy, c2, k);
-  const Tensor dx2 = m.backward(dh, c2, 0, k);
+  const Tensor dh = m.backward(dy, c2, k, SIZE_MAX, {}, /*input_grad=*/true);
+  const Tensor dx2 = m.backward(dh, c2, 0, k, {}, /*input_grad=*/true);
   EXPECT_EQ(count_different(y, y2), 0);
   EXPECT_EQ(count_different(dx, dx2), 0);
   EXPECT_EQ(count_different(g, store.grads()), 0);

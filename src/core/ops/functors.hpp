@@ -108,22 +108,21 @@ inline Dropout make_dropout(const float* x, float* y, int64_t numel, int64_t sam
 // torch.optim.SGD for one element. The momentum buffer starts at zero, so the first step
 // gives buf = (1 - dampening) * d_p: torch's first-step clone(d_p) exactly when dampening == 0
 // (torch also ignores dampening on that first step; with dampening > 0 they differ there).
-struct SgdStep {
-  float* p;
-  const float* g;
-  float* buf;  // null when momentum == 0
+struct SgdScalars {
   float lr, momentum, dampening, weight_decay;
-  bool nesterov;
-  STRATA_HD void operator()(int64_t i) const {
-    float d = g[i] + weight_decay * p[i];
-    if (buf) {
-      const float b = momentum * buf[i] + (1.0f - dampening) * d;
-      buf[i] = b;
-      d = nesterov ? d + momentum * b : b;
-    }
-    p[i] -= lr * d;
-  }
 };
+// One element; `buf` is its momentum (untouched without momentum). The variants are template
+// parameters so that the loop has no per-element branch and vectorises.
+template <bool kMomentum, bool kNesterov>
+STRATA_HD inline void sgd_step(float& p, float g, float& buf, const SgdScalars& s) {
+  float d = g + s.weight_decay * p;
+  if constexpr (kMomentum) {
+    const float b = s.momentum * buf + (1.0f - s.dampening) * d;
+    buf = b;
+    d = kNesterov ? d + s.momentum * b : b;
+  }
+  p -= s.lr * d;
+}
 
 // torch.optim.AdamW for one element, in torch's order of operations.
 struct AdamWStep {
