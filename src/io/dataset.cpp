@@ -345,8 +345,9 @@ void Dataset::read(std::span<const int64_t> indices, const Tensor& x, const Tens
   const int64_t batch = static_cast<int64_t>(indices.size());
   Shape x_shape{batch};
   x_shape.insert(x_shape.end(), d.info.sample_shape.begin(), d.info.sample_shape.end());
-  STRATA_CHECK(x.dtype() == DType::F32 && x.shape() == x_shape && x.device().is_cpu(), "Dataset::read: x is ", x.str(),
-               ", expected f32", shape_str(x_shape), " on the host");
+  // An undefined x reads labels only (a pipeline's last stage needs no inputs).
+  STRATA_CHECK(!x.defined() || (x.dtype() == DType::F32 && x.shape() == x_shape && x.device().is_cpu()),
+               "Dataset::read: x is ", x.str(), ", expected f32", shape_str(x_shape), " on the host");
   STRATA_CHECK(y.dtype() == DType::I32 && y.shape() == Shape{batch} && y.device().is_cpu(), "Dataset::read: y is ",
                y.str(), ", expected i32[", batch, "] on the host");
   if (batch == 0) return;
@@ -356,6 +357,7 @@ void Dataset::read(std::span<const int64_t> indices, const Tensor& x, const Tens
     STRATA_CHECK(i >= 0 && i < d.info.num_samples, "sample index ", i, " outside [0, ", d.info.num_samples, ")");
     labels[b] = d.labels[static_cast<size_t>(i)];
   }
+  if (!x.defined()) return;
 
   std::lock_guard lock(d.mutex);
   if (d.batch_raw.shape() != x_shape) d.batch_raw = Tensor::empty(x_shape, d.info.input_dtype);

@@ -6,7 +6,8 @@
 
 namespace strata::io {
 
-Loader::Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth)
+Loader::Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth,
+               bool read_inputs)
     : dataset_(dataset),
       sampler_(sampler),
       slice_begin_(slice_begin),
@@ -21,7 +22,7 @@ Loader::Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slic
   x_shape.insert(x_shape.end(), dataset.info().sample_shape.begin(), dataset.info().sample_shape.end());
   slots_.resize(static_cast<size_t>(depth));
   for (Batch& b : slots_) {
-    b.x = Tensor::empty(x_shape, DType::F32);
+    if (read_inputs) b.x = Tensor::empty(x_shape, DType::F32);
     b.y = Tensor::empty({slice_size}, DType::I32);
   }
   thread_ = std::thread([this] { run(); });

@@ -29,7 +29,9 @@ class Loader {
   // Reads positions [slice_begin, slice_begin + slice_size) of each global batch. `depth`
   // buffers are allocated once: the one the caller holds plus depth - 1 being prefetched.
   // The dataset and sampler must outlive the loader.
-  Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2);
+  // read_inputs = false: batches carry labels only (x undefined), for stages that need no inputs.
+  Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
+         bool read_inputs = true);
   ~Loader();
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;

@@ -31,8 +31,8 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
 std::string Linear::describe() const { return detail::cat("linear(", in_, "->", out_, ")"); }
 
 Shape Linear::output_shape(const Shape& input) const {
-  STRATA_REQUIRE(input.size() == 1 && input[0] == in_, "layer ", name(), " (", describe(),
-                 ") expects input of shape [", in_, "], found ", shape_str(input));
+  STRATA_REQUIRE(input.size() == 1 && input[0] == in_, "layer ", name(), " (", describe(), ") expects input of shape [",
+                 in_, "], found ", shape_str(input));
   return {out_};
 }
 
@@ -154,8 +154,8 @@ Pool2d::Pool2d(std::string name, PoolKind kind, int64_t kernel, int64_t stride, 
     : Layer(std::move(name)), kind_(kind), kernel_(kernel), stride_(stride), padding_(padding) {}
 
 std::string Pool2d::describe() const {
-  return detail::cat(kind_ == PoolKind::Max ? "max_pool2d" : "avg_pool2d", "(k", kernel_, " s", stride_, " p",
-                     padding_, ")");
+  return detail::cat(kind_ == PoolKind::Max ? "max_pool2d" : "avg_pool2d", "(k", kernel_, " s", stride_, " p", padding_,
+                     ")");
 }
 
 ops::Pool2dGeometry Pool2d::geometry(const Shape& batch_input) const {

@@ -34,8 +34,8 @@ std::string Model::summary() const {
     for (const ParamSpec& s : layers_[i]->param_specs())
       if (s.trainable) params += shape_numel(s.shape);
     total += params;
-    os << "  " << i << "  " << layers_[i]->name() << "  " << layers_[i]->describe() << "  "
-       << shape_str(shapes_[i]) << " -> " << shape_str(shapes_[i + 1]) << "  params " << params << "\n";
+    os << "  " << i << "  " << layers_[i]->name() << "  " << layers_[i]->describe() << "  " << shape_str(shapes_[i])
+       << " -> " << shape_str(shapes_[i + 1]) << "  params " << params << "\n";
   }
   os << "  total trainable parameters: " << total;
   return os.str();
@@ -131,8 +131,8 @@ Model build_cnn(const ModelSpec& spec, const Shape& input, int classes) {
 // CIFAR-style ResNet (He et al. 2016, section 4.2): 3 stages of n basic blocks, depth 6n+2.
 Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
   STRATA_REQUIRE(input.size() == 3, "model resnet expects image samples [C, H, W], found ", shape_str(input));
-  STRATA_REQUIRE(spec.depth >= 8 && (spec.depth - 2) % 6 == 0, "--depth for resnet must be 6n+2 (8, 14, 20, 32, 56, ...), found ",
-                 spec.depth);
+  STRATA_REQUIRE(spec.depth >= 8 && (spec.depth - 2) % 6 == 0,
+                 "--depth for resnet must be 6n+2 (8, 14, 20, 32, 56, ...), found ", spec.depth);
   STRATA_REQUIRE(spec.width > 0, "--width must be positive, found ", spec.width);
   const int blocks = (spec.depth - 2) / 6;
   Builder b(input);
@@ -180,8 +180,12 @@ void initialise(const Tensor& t, const ParamSpec& spec, const std::string& name,
   float* p = t.data<float>();
   const int64_t n = t.numel();
   switch (spec.init) {
-    case Init::Zeros: std::fill(p, p + n, 0.0f); break;
-    case Init::Ones: std::fill(p, p + n, 1.0f); break;
+    case Init::Zeros:
+      std::fill(p, p + n, 0.0f);
+      break;
+    case Init::Ones:
+      std::fill(p, p + n, 1.0f);
+      break;
     case Init::FanInUniform: {
       const float bound = 1.0f / std::sqrt(static_cast<float>(spec.fan_in));
       const uint64_t key = rng::derive_key(seed, rng::kInit);
@@ -194,38 +198,39 @@ void initialise(const Tensor& t, const ParamSpec& spec, const std::string& name,
 
 }  // namespace
 
-ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end) {
+std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin, size_t end) {
   end = std::min(end, model.size());
-  std::vector<ParamSpec> specs;
-  std::vector<size_t> per_layer;
+  std::vector<ParamEntry> entries;
   int64_t trainable = 0, buffers = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const std::vector<ParamSpec> layer_specs = model.layer(i).param_specs();
-    per_layer.push_back(layer_specs.size());
-    for (const ParamSpec& s : layer_specs) {
-      ParamEntry e{model.layer(i).name() + "/" + s.name, s.shape, 0, s.trainable, i};
+  for (size_t i = begin; i < end; ++i)
+    for (const ParamSpec& s : model.layer(i).param_specs()) {
       int64_t& cursor = s.trainable ? trainable : buffers;
-      e.offset = cursor;
+      entries.push_back({model.layer(i).name() + "/" + s.name, s.shape, cursor, s.trainable, i});
       cursor = align_up(cursor + shape_numel(s.shape));
-      entries_.push_back(std::move(e));
-      specs.push_back(s);
     }
-  }
+  return entries;
+}
+
+ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end)
+    : entries_(layout(model, begin, end)) {
+  end = std::min(end, model.size());
+  int64_t trainable = 0, buffers = 0;
+  for (const ParamEntry& e : entries_)
+    (e.trainable ? trainable : buffers) = align_up(e.offset + shape_numel(e.shape));
   params_ = Tensor::zeros({trainable});
   grads_ = Tensor::zeros({trainable});
   buffers_ = Tensor::zeros({buffers});
 
-  std::vector<Tensor> values, grads;
-  for (size_t k = 0; k < entries_.size(); ++k) {
-    values.push_back(value(entries_[k]));
-    grads.push_back(entries_[k].trainable ? grad(entries_[k]) : Tensor());
-    initialise(values.back(), specs[k], entries_[k].name, seed);
-  }
-  size_t offset = 0;
+  size_t k = 0;  // entries_ follow the layers' param_specs() order
   for (size_t i = begin; i < end; ++i) {
-    const size_t n = per_layer[i - begin];
-    model.layer(i).bind(std::span(values).subspan(offset, n), std::span(grads).subspan(offset, n));
-    offset += n;
+    std::vector<Tensor> values, grads;
+    for (const ParamSpec& s : model.layer(i).param_specs()) {
+      const ParamEntry& e = entries_[k++];
+      values.push_back(value(e));
+      grads.push_back(e.trainable ? grad(e) : Tensor());
+      initialise(values.back(), s, e.name, seed);
+    }
+    model.layer(i).bind(values, grads);
   }
 }
 

@@ -13,11 +13,11 @@
 namespace strata::layers {
 
 struct ModelSpec {
-  std::string name = "cnn";               // mlp | cnn | resnet
+  std::string name = "cnn";                 // mlp | cnn | resnet
   std::vector<int64_t> hidden{1024, 1024};  // mlp hidden sizes
-  int depth = 20;                          // resnet: 6n + 2
-  int width = 16;                          // resnet: channels of the first stage
-  float dropout = 0.0f;                    // mlp/cnn: after each hidden activation
+  int depth = 20;                           // resnet: 6n + 2
+  int width = 16;                           // resnet: channels of the first stage
+  float dropout = 0.0f;                     // mlp/cnn: after each hidden activation
 };
 
 class Model {
@@ -65,6 +65,8 @@ class ParameterStore {
   // aligned to 16 elements (64 bytes). Values are initialised from (seed, name), so they do
   // not depend on how the model is cut into stages.
   ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX);
+  // The entries such a store would have, without allocating (e.g. to name another stage's).
+  static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
 
   const Tensor& params() const { return params_; }    // flat, trainable
   const Tensor& grads() const { return grads_; }      // flat, same layout as params()

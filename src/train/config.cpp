@@ -93,6 +93,10 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("eval-only", po::bool_switch(&c.eval_only), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
     ("log-all-ranks", po::bool_switch(&c.log_all_ranks), "every rank prints, prefixed with its rank (default: rank 0 only)")
+    ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp (dp = ranks / pp)")
+    ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
+    ("schedule", po::value(&c.schedule_kind)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
+    ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step ...")
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank");

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -36,10 +37,11 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 }  // namespace
 
 Trainer::Trainer(const Config& config, MPI_Comm world)
-    : config_(config), grid_(std::make_unique<parallel::ProcessGrid>(world, 1)) {
+    : config_(config), grid_(std::make_unique<parallel::ProcessGrid>(world, config.pp)) {
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
   replica_ = grid_->replica();
+  stage_ = grid_->stage();
 
   if (!config_.data.empty()) train_data_ = std::make_unique<io::Dataset>(io::Dataset::open(config_.data, "--data"));
   if (!config_.val_data.empty())
@@ -55,20 +57,41 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   }
 
   model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, info.num_classes));
-  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed);
+  stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
+  begin_ = stages_[static_cast<size_t>(stage_)].begin;
+  end_ = stages_[static_cast<size_t>(stage_)].end;
+  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_);
   optimizer_ = std::make_unique<layers::Optimizer>(config_.optimizer, store_->params().numel());
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   sync_ = std::make_unique<parallel::GradientSync>(grid_->dp(), *store_,
                                                    static_cast<int64_t>(config_.bucket_mb * (1 << 20)));
 
-  // Batch arithmetic: global = micro * accumulation * dp.
+  // Batch arithmetic: global = micro * micro-batches * dp.
   STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
                  dp_, " data-parallel ranks");
   local_batch_ = config_.global_batch / dp_;
   micro_batch_ = config_.micro_batch > 0 ? config_.micro_batch : local_batch_;
   STRATA_REQUIRE(local_batch_ % micro_batch_ == 0, "--global-batch ", config_.global_batch,
-                 " must equal --micro-batch (", micro_batch_, ") x accumulation steps x ", dp_, " ranks; ",
-                 local_batch_, " samples per rank is not a multiple of ", micro_batch_);
+                 " must equal --micro-batch (", micro_batch_, ") x micro-batches x ", dp_, " data-parallel ranks; ",
+                 local_batch_, " samples per replica is not a multiple of ", micro_batch_);
+  micro_batches_ = local_batch_ / micro_batch_;
+
+  // The schedule is generated and checked (matching messages, no deadlock) before any step.
+  const std::vector<parallel::StageProgram> programs = parallel::make_schedule(
+      parallel::parse_schedule_kind(config_.schedule_kind), grid_->pp_size(), static_cast<int>(micro_batches_));
+  parallel::check_schedule(programs);
+  program_ = programs[static_cast<size_t>(stage_)];
+  for (size_t k = 0; k < program_.size(); ++k)
+    if (program_[k].op == parallel::Op::Backward) last_backward_ = k;
+  const size_t m = static_cast<size_t>(micro_batches_);
+  contexts_.resize(m);
+  outputs_.resize(m);
+  input_grads_.resize(m);
+  // Shape inference sizes every receive buffer once.
+  for (size_t i = 0; i < m; ++i) {
+    if (!first_stage()) received_activations_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_))));
+    if (!last_stage()) received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_))));
+  }
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
@@ -97,57 +120,129 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", config_.checkpoint_dir, "': ", ec.message());
   }
 
-  log::info("model ", config_.model.name, " on ", dp_, " rank(s), input ", shape_str(info.sample_shape), ", ",
-            info.num_classes, " classes\n", model_->summary());
+  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", info.num_classes,
+            " classes\n", model_->summary());
+  print_plan();
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
-              config_.global_batch, " (", local_batch_ / micro_batch_, " micro-batch(es) of ", micro_batch_,
-              " per rank); training ", total_steps_, " steps");
+              config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_,
+              " per replica); training ", total_steps_, " steps");
+}
+
+void Trainer::print_plan() const {
+  const int pp = grid_->pp_size();
+  const int64_t state_per_param = config_.optimizer.name == "adamw" ? 2 : (config_.optimizer.momentum != 0 ? 1 : 0);
+  std::ostringstream os;
+  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
+     << micro_batches_ << " micro-batch(es) of " << micro_batch_ << "; bytes per rank:";
+  for (int s = 0; s < pp; ++s) {
+    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
+    int64_t trainable = 0, buffers = 0, activations = 0;
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end))
+      (e.trainable ? trainable : buffers) += shape_numel(e.shape);
+    for (size_t i = r.begin; i < r.end; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
+    os << "\n  stage " << s << ": layers " << r.begin << "-" << r.end - 1 << " (" << model_->layer(r.begin).name()
+       << " .. " << model_->layer(r.end - 1).name() << "), " << trainable << " parameters; params "
+       << 4 * (trainable + buffers) << ", grads " << 4 * trainable << ", optimizer " << 4 * state_per_param * trainable
+       << ", activations " << 4 * activations << " per micro-batch";
+  }
+  log::info(os.str());
 }
 
 const io::Dataset* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
-void Trainer::sum_over_replicas(std::vector<double>& values) const {
-  if (dp_ == 1) return;
+void Trainer::sum_over_world(std::vector<double>& values) {
+  if (grid_->world().size() == 1) return;
   const Tensor t = Tensor::empty({static_cast<int64_t>(values.size())});
   std::copy(values.begin(), values.end(), t.data<float>());
-  grid_->dp().all_reduce(t, parallel::ReduceOp::Sum);
+  grid_->world().all_reduce(t, parallel::ReduceOp::Sum);
   std::copy(t.data<float>(), t.data<float>() + t.numel(), values.begin());
 }
 
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
+  using clock = std::chrono::steady_clock;
+  const bool record = !config_.timeline.empty() && step + 1 == total_steps_;
+  if (record) grid_->world().barrier();  // a common origin for every stage's clock
+  const auto step_start = clock::now();
+  const auto seconds = [&] { return std::chrono::duration<double>(clock::now() - step_start).count(); };
+
   store_->grads().fill_zero();
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
   const float scale = 1.0f / static_cast<float>(config_.global_batch);
-  const int64_t micro_batches = local_batch_ / micro_batch_;
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    const int64_t begin = m * micro_batch_;
-    const Tensor x = batch.x.slice(begin, begin + micro_batch_);
-    const Tensor y = batch.y.slice(begin, begin + micro_batch_);
-    layers::StepInfo info{layers::Mode::Train, config_.seed, step, batch.first_sample + begin};
-    const Tensor logits = model_->forward(x, contexts_, info);
-    layers::Context loss_ctx;
-    loss_sum += loss_.forward(logits, y, loss_ctx);
-    const Tensor dlogits = loss_.backward(loss_ctx, scale);
-    if (m + 1 < micro_batches) {
-      model_->backward(dlogits, contexts_);  // accumulate locally; sync only after the last
-    } else {
-      sync_->begin();
-      model_->backward(dlogits, contexts_, 0, SIZE_MAX, [this](size_t layer) { sync_->layer_done(layer); });
-      const auto wait_start = std::chrono::steady_clock::now();
-      sync_->finish();  // what backward did not hide: exposed communication
-      exposed_comm_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  parallel::Communicator& pipe = grid_->pp();
+  int in_flight = 0;
+  for (size_t k = 0; k < program_.size(); ++k) {
+    const parallel::Action a = program_[k];
+    const size_t i = static_cast<size_t>(a.micro_batch);
+    const int64_t first = a.micro_batch * micro_batch_;
+    const double start = seconds();
+    switch (a.op) {
+      case parallel::Op::RecvActivation:
+        pipe.recv(received_activations_[i], stage_ - 1, parallel::message_tag(a.op, a.micro_batch));
+        break;
+      case parallel::Op::RecvGrad:
+        pipe.recv(received_grads_[i], stage_ + 1, parallel::message_tag(a.op, a.micro_batch));
+        break;
+      case parallel::Op::SendActivation:
+        sends_.push_back(pipe.send_async(outputs_[i], stage_ + 1, parallel::message_tag(a.op, a.micro_batch)));
+        break;
+      case parallel::Op::SendGrad:
+        sends_.push_back(pipe.send_async(input_grads_[i], stage_ - 1, parallel::message_tag(a.op, a.micro_batch)));
+        break;
+      case parallel::Op::Forward: {
+        const Tensor x = first_stage() ? batch.x.slice(first, first + micro_batch_) : received_activations_[i];
+        const layers::StepInfo info{layers::Mode::Train, config_.seed, step, batch.first_sample + first};
+        outputs_[i] = model_->forward(x, contexts_[i], info, begin_, end_);
+        if (last_stage()) {  // the loss, and its gradient to start this micro-batch's backward
+          layers::Context loss_ctx;
+          loss_sum += loss_.forward(outputs_[i], batch.y.slice(first, first + micro_batch_), loss_ctx);
+          outputs_[i] = loss_.backward(loss_ctx, scale);
+        }
+        peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
+        break;
+      }
+      case parallel::Op::Backward: {
+        const Tensor dy = last_stage() ? outputs_[i] : received_grads_[i];
+        if (k != last_backward_) {
+          input_grads_[i] = model_->backward(dy, contexts_[i], begin_, end_, {}, !first_stage());
+        } else {  // the step's last backward on this stage: its buckets overlap it
+          sync_->begin();
+          input_grads_[i] = model_->backward(
+              dy, contexts_[i], begin_, end_, [this](size_t layer) { sync_->layer_done(layer); }, !first_stage());
+          const auto wait_start = clock::now();
+          sync_->finish();  // what backward did not hide: exposed communication
+          exposed_comm_s_ += std::chrono::duration<double>(clock::now() - wait_start).count();
+        }
+        --in_flight;
+        break;
+      }
     }
+    if (record && (a.op == parallel::Op::Forward || a.op == parallel::Op::Backward))
+      timeline_.push_back({stage_, a.op, a.micro_batch, start, seconds()});
   }
+  for (parallel::WorkPtr& w : sends_) w->wait();
+  sends_.clear();
   if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
+
   const Tensor& grads = store_->grads();
-  if (config_.clip_grad > 0) layers::clip_by_global_norm(grads, ops::sum_squares(grads), config_.clip_grad);
+  if (config_.clip_grad > 0) {
+    // The global norm spans every stage; replicas hold identical (summed) gradients.
+    std::vector<double> squares{ops::sum_squares(grads)};
+    if (grid_->pp_size() > 1) {
+      const Tensor t = Tensor::empty({1});
+      t.data<float>()[0] = static_cast<float>(squares[0]);
+      pipe.all_reduce(t, parallel::ReduceOp::Sum);
+      squares[0] = t.data<float>()[0];
+    }
+    layers::clip_by_global_norm(grads, squares[0], config_.clip_grad);
+  }
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
-  std::vector<double> loss{loss_sum};
-  sum_over_replicas(loss);
+  if (record) write_timeline(timeline_);
+  std::vector<double> loss{loss_sum};  // non-zero on last stages only
+  sum_over_world(loss);
   return loss[0];
 }
 
@@ -174,7 +269,9 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
 void Trainer::train() {
   using clock = std::chrono::steady_clock;
   const int64_t per_epoch = sampler_->steps_per_epoch();
-  io::Loader loader(*train_data_, *sampler_, replica_ * local_batch_, local_batch_, config_.prefetch);
+  // Only the first stage reads inputs and only the last reads labels; middle stages read
+  // nothing but still follow the sampler (the loader of labels is cheap).
+  io::Loader loader(*train_data_, *sampler_, replica_ * local_batch_, local_batch_, config_.prefetch, first_stage());
   loader.start(start_step_ / per_epoch, start_step_ % per_epoch);
 
   double window_loss = 0;
@@ -207,41 +304,122 @@ void Trainer::train() {
       save_checkpoint(done, done / per_epoch);
   }
   if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_, total_steps_ / per_epoch);
+  // Peak micro-batches in flight per stage (activation memory), from replica 0 of each.
+  std::vector<double> peaks(static_cast<size_t>(grid_->pp_size()), 0.0);
+  if (replica_ == 0) peaks[static_cast<size_t>(stage_)] = peak_in_flight_;
+  sum_over_world(peaks);
+  std::ostringstream os;
+  for (double p : peaks) os << " " << p;
+  log::info("peak micro-batches in flight per stage:", os.str(), " (", config_.schedule_kind, ", ", micro_batches_,
+            " micro-batches)");
 }
 
 EvalResult Trainer::evaluate(const io::Dataset& data) {
-  // Every sample is evaluated exactly once: rank r takes a contiguous slice of the dataset and
-  // the sums are reduced, so the metric is the single-rank one.
+  // Every sample is evaluated exactly once: replica r takes a contiguous slice of the dataset,
+  // runs it forward through the pipeline, and the last stages' sums are reduced.
   const int64_t n = data.size();
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
   const int64_t chunk = std::max<int64_t>(micro_batch_, 256);
-  const Shape sample = data.info().sample_shape;
+  parallel::Communicator& pipe = grid_->pp();
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
   for (int64_t b = begin; b < end; b += chunk) {
     const int64_t count = std::min(chunk, end - b);
-    Tensor x = Tensor::empty(layers::batch_shape(count, sample));
-    Tensor y = Tensor::empty({count}, DType::I32);
-    io::read_range(data, b, b + count, x, y);
-    const Tensor logits = model_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
+    Tensor x = Tensor::empty(layers::batch_shape(count, model_->shape(begin_)));
+    Tensor y = last_stage() ? Tensor::empty({count}, DType::I32) : Tensor();
+    if (first_stage())
+      io::read_range(data, b, b + count, x, last_stage() ? y : Tensor::empty({count}, DType::I32));
+    else
+      pipe.recv(x, stage_ - 1, 0);
+    if (last_stage() && !first_stage()) io::read_range(data, b, b + count, Tensor(), y);
+    const Tensor out = model_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b}, begin_, end_);
+    if (!last_stage()) {
+      pipe.send(out, stage_ + 1, 0);
+      continue;
+    }
     layers::Context loss_ctx;
-    sums[0] += loss_.forward(logits, y, loss_ctx);
-    sums[1] += static_cast<double>(ops::count_correct(logits, y));
+    sums[0] += loss_.forward(out, y, loss_ctx);
+    sums[1] += static_cast<double>(ops::count_correct(out, y));
   }
-  sum_over_replicas(sums);
+  sum_over_world(sums);
   return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n), n};
 }
 
 void Trainer::save_checkpoint(int64_t step, int64_t epoch) {
-  if (rank_ != 0) return;  // pp = 1: rank 0 holds every parameter
+  // Rank 0 writes; replica 0 of every other stage sends its tensors one at a time, so no rank
+  // ever holds more than its own stage plus one tensor.
+  parallel::Communicator& world = grid_->world();
+  std::unique_ptr<io::CheckpointWriter> writer;
   const std::string path = checkpoint_path(config_.checkpoint_dir, step);
-  io::CheckpointWriter writer(path);
-  for (const layers::ParamEntry& e : store_->entries()) writer.write_tensor("model/" + e.name, store_->value(e));
-  writer.set_attr("step", step);
-  writer.set_attr("epoch", epoch);
-  writer.set_attr("model", config_.model.name);
-  writer.commit();
+  if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);
+  for (int s = 0; s < grid_->pp_size(); ++s) {
+    const int owner = grid_->rank_of(s, 0);
+    if (rank_ != 0 && rank_ != owner) continue;
+    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
+    int tag = 0;
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
+      if (rank_ == owner && owner == 0) {
+        writer->write_tensor("model/" + e.name, store_->value(e));
+      } else if (rank_ == owner) {
+        world.send(store_->value(e), 0, tag++);
+      } else {
+        const Tensor t = Tensor::empty(e.shape);
+        world.recv(t, owner, tag++);
+        writer->write_tensor("model/" + e.name, t);
+      }
+    }
+  }
+  if (!writer) return;
+  writer->set_attr("step", step);
+  writer->set_attr("epoch", epoch);
+  writer->set_attr("model", config_.model.name);
+  writer->commit();
   log::info("saved checkpoint ", path);
+}
+
+void Trainer::write_timeline(const std::vector<parallel::TimelineEvent>& mine) {
+  // Replica 0 of every stage sends its events (5 floats each) to rank 0, which renders them.
+  const int pp = grid_->pp_size();
+  if (replica_ != 0) return;
+  parallel::Communicator& pipe = grid_->pp();  // replica 0's pipeline: ranks 0 .. pp-1 by stage
+  const auto pack = [](const std::vector<parallel::TimelineEvent>& events) {
+    const Tensor t = Tensor::empty({static_cast<int64_t>(events.size()), 5});
+    float* p = t.data<float>();
+    for (const parallel::TimelineEvent& e : events) {
+      *p++ = static_cast<float>(e.stage);
+      *p++ = static_cast<float>(static_cast<int>(e.op));
+      *p++ = static_cast<float>(e.micro_batch);
+      *p++ = static_cast<float>(e.start_s);
+      *p++ = static_cast<float>(e.end_s);
+    }
+    return t;
+  };
+  if (stage_ != 0) {
+    const Tensor count = Tensor::empty({1}, DType::I32);
+    count.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
+    pipe.send(count, 0, 0);
+    pipe.send(pack(mine), 0, 1);
+    return;
+  }
+  std::vector<parallel::TimelineEvent> all = mine;
+  for (int s = 1; s < pp; ++s) {
+    const Tensor count = Tensor::empty({1}, DType::I32);
+    pipe.recv(count, s, 0);
+    const Tensor t = Tensor::empty({count.data<int32_t>()[0], 5});
+    pipe.recv(t, s, 1);
+    const float* p = t.data<float>();
+    for (int64_t k = 0; k < t.dim(0); ++k, p += 5)
+      all.push_back({static_cast<int>(p[0]), static_cast<parallel::Op>(static_cast<int>(p[1])), static_cast<int>(p[2]),
+                     p[3], p[4]});
+  }
+  std::ofstream(config_.timeline) << parallel::render_svg(all, pp);
+  std::ostringstream os;
+  os << "timeline of the last step (" << config_.schedule_kind << ", " << pp << " stages, " << micro_batches_
+     << " micro-batches) written to " << config_.timeline << "\n"
+     << parallel::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
+  for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
+  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1) << ")";
+  log::info(os.str());
 }
 
 }  // namespace strata::train

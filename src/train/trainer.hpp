@@ -1,6 +1,8 @@
-// The training loop: data-parallel over the MPI world (pp = 1 for now) with bucketed gradient
-// all-reduce overlapped with backward, micro-batch gradient accumulation, optimizer and
-// schedule, evaluation, metrics and checkpoints.
+// The training loop over a pp x dp process grid: this rank runs one pipeline stage (a range of
+// the model's layers) for one data-parallel replica. A step runs the stage's checked schedule
+// of micro-batch forwards, backwards and activation/gradient messages; the stage's gradient
+// buckets are all-reduced over its replicas during the step's last backward; then the
+// optimizer steps. Evaluation, metrics and checkpoints (gathered to rank 0) are here too.
 #pragma once
 
 #include <memory>
@@ -13,7 +15,9 @@
 #include "layers/optimizer.hpp"
 #include "parallel/gradient_sync.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/partition.hpp"
 #include "parallel/process_grid.hpp"
+#include "parallel/schedule.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -26,38 +30,56 @@ struct EvalResult {
 
 class Trainer {
  public:
-  // Setup: opens the data, builds the model and its parameters, checks batch sizes, loads
-  // --init-from. Every bad input is found here, before the first step.
+  // Setup: opens the data, builds the model, cuts it into stages, builds this stage's
+  // parameters, checks batch sizes and the schedule, loads --init-from. Every bad input is
+  // found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
   void train();
+  // Collective over the world: every rank calls it.
   EvalResult evaluate(const io::Dataset& data);
   // The dataset evaluated at the end and by --eval-only.
   const io::Dataset* eval_data() const;
+  // Collective: replica 0 of every stage sends its tensors to rank 0, which writes them.
   void save_checkpoint(int64_t step, int64_t epoch);
 
  private:
-  // One optimizer step over this rank's slice of the global batch; returns the global
-  // batch's summed loss.
+  bool first_stage() const { return stage_ == 0; }
+  bool last_stage() const { return stage_ == grid_->pp_size() - 1; }
+  // One optimizer step over this replica's slice of the global batch; returns the global
+  // batch's summed loss (on every rank).
   double train_step(const io::Batch& batch, int64_t step);
-  // Sums values over the data-parallel replicas (metrics).
-  void sum_over_replicas(std::vector<double>& values) const;
-  // comm_fraction: share of the window's time spent waiting for gradient buckets.
+  // Sums values over every rank of the world (stages that have no value contribute 0).
+  void sum_over_world(std::vector<double>& values);
+  void print_plan() const;
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
                     double eta_s) const;
+  void write_timeline(const std::vector<parallel::TimelineEvent>& mine);
 
   Config config_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
-  int rank_ = 0, dp_ = 1, replica_ = 0;
+  int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0;
   std::unique_ptr<io::Dataset> train_data_, val_data_;
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
+  std::vector<parallel::StageRange> stages_;
+  size_t begin_ = 0, end_ = 0;  // this stage's layers
   std::unique_ptr<layers::ParameterStore> store_;
   std::unique_ptr<layers::Optimizer> optimizer_;
   std::unique_ptr<parallel::GradientSync> sync_;
   layers::SoftmaxCrossEntropy loss_;
-  int64_t local_batch_ = 0, micro_batch_ = 0, total_steps_ = 0, start_step_ = 0;
-  std::vector<layers::Context> contexts_;
+  int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
+
+  // Pipeline state, sized once: one entry per micro-batch.
+  parallel::StageProgram program_;
+  size_t last_backward_ = 0;  // position of the step's last Backward in program_
+  std::vector<std::vector<layers::Context>> contexts_;
+  std::vector<Tensor> received_activations_, received_grads_;  // reused receive buffers
+  std::vector<Tensor> outputs_, input_grads_;                  // what this stage sends
+  std::vector<parallel::WorkPtr> sends_;
+  int peak_in_flight_ = 0;  // measured: micro-batches forwarded but not yet backwarded
+  std::vector<parallel::TimelineEvent> timeline_;
+
   double exposed_comm_s_ = 0;  // waiting for gradient buckets since the last progress line
 };
 

@@ -211,17 +211,21 @@ def assert_same_model(a, b, what, rtol=1e-5, only_trainable=False):
     print(f"{what}: {len(names)} tensors, worst relative difference {worst:.3g}")
 
 
-def equivalence_runs(args, model_flags, layouts, steps=50, global_batch=32):
-    """Trains the same model under each (ranks, micro_batch) layout; returns their /model tensors."""
+def equivalence_runs(args, model_flags, layouts, steps=50, global_batch=32, outputs=None):
+    """Trains the same model under each layout (ranks, micro_batch[, extra flags]); returns
+    their /model tensors by layout (and their stdout in `outputs` if given)."""
     data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)
     models = {}
-    for ranks, micro in layouts:
-        ck = os.path.join(args.workdir, f"ck-{'-'.join(model_flags).replace('/', '_')}-{ranks}-{micro}")
-        train_ranks(args, ranks, model_flags + ["--data", data, "--steps", str(steps), "--global-batch",
-                                                str(global_batch), "--micro-batch", str(micro), "--lr", "0.05",
-                                                "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25",
-                                                "--bucket-mb", "0.01"])
-        models[(ranks, micro)] = read_model(os.path.join(ck, f"step-{steps:08d}.h5"))
+    for layout in layouts:
+        ranks, micro, extra = (tuple(layout) + ((),))[:3]
+        name = "-".join(model_flags + [str(ranks), str(micro)] + list(extra)).replace("/", "_").replace(",", "_")
+        ck = os.path.join(args.workdir, "ck" + name)
+        out = train_ranks(args, ranks, model_flags + list(extra) + [
+            "--data", data, "--steps", str(steps), "--global-batch", str(global_batch), "--micro-batch", str(micro),
+            "--lr", "0.05", "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25", "--bucket-mb", "0.01"])
+        if outputs is not None:
+            outputs[layout] = out
+        models[layout] = read_model(os.path.join(ck, f"step-{steps:08d}.h5"))
     return models
 
 
@@ -246,6 +250,53 @@ def case_ddp_batchnorm(args):
     runs = equivalence_runs(args, ["--model", "resnet", "--depth", "8", "--width", "4"], [(1, 8), (2, 8)], steps=20,
                             global_batch=16)
     assert_same_model(runs[(2, 8)], runs[(1, 8)], "resnet-8 2 ranks x 8 vs 1 rank x 2 x 8", only_trainable=True)
+
+
+def case_pipeline_equivalence(args):
+    """p pipeline stages with m micro-batches == 1 stage accumulating m micro-batches, for both
+    schedules, on the MLP and the CNN: pp=2, pp=4 and pp=2 x dp=2 on 4 ranks, after 50 steps.
+    Checkpoints are gathered from every stage to rank 0, so this also checks the gathering."""
+    for model in (["--model", "mlp", "--hidden", "64,32,16", "--dropout", "0.1"], ["--model", "cnn"]):
+        layouts = [(1, 8)]
+        for schedule in ("gpipe", "1f1b"):
+            s = ("--schedule", schedule)
+            layouts += [(2, 8, ("--pp", "2") + s), (4, 8, ("--pp", "4") + s), (4, 4, ("--pp", "2") + s),
+                        (4, 8, ("--pp", "4", "--partition", "1,2,3") + s)]
+        runs = equivalence_runs(args, model, layouts)
+        for layout, tensors in runs.items():
+            if layout != (1, 8):
+                assert_same_model(tensors, runs[(1, 8)], f"{model[1]} {layout} vs 1 rank")
+
+
+def case_pipeline_memory(args):
+    """Peak micro-batches in flight per stage: GPipe holds all m, 1F1B at most P - s."""
+    m = 8
+    outputs = {}
+    equivalence_runs(args, ["--model", "mlp", "--hidden", "32,32,32"],
+                     [(4, 4, ("--pp", "4", "--schedule", k)) for k in ("gpipe", "1f1b")], steps=3, outputs=outputs)
+    for (ranks, micro, extra), out in outputs.items():
+        kind = extra[-1]
+        line = re.search(r"peak micro-batches in flight per stage: ([0-9. ]+)", out)
+        assert line, out
+        peaks = [int(float(v)) for v in line.group(1).split()]
+        expected = [m] * 4 if kind == "gpipe" else [min(m, 4 - s) for s in range(4)]
+        assert peaks == expected, f"{kind}: peaks {peaks}, expected {expected}"
+        print(f"{kind}: peak in flight per stage {peaks}")
+
+
+def case_pipeline_bad_inputs(args):
+    """Pipeline layouts that cannot work: one line each, exit 2 on every rank."""
+    data = write_dataset(os.path.join(args.workdir, "pp.h5"))
+    # mlp with one hidden layer has 4 layers: flatten, fc1, relu1, fc2.
+    base = ["--data", data, "--steps", "2", "--global-batch", "8", "--model", "mlp", "--hidden", "16"]
+    expect_bad_input(args, base + ["--pp", "3"], r"--pp 3 does not divide the 4 ranks", ranks=4)
+    expect_bad_input(args, base + ["--pp", "5"], r"--pp 5 needs at least 5 layers, but the model has 4", ranks=5)
+    expect_bad_input(args, base + ["--pp", "2", "--partition", "1,2"], r"--partition '1,2' makes 3 stages but --pp is 2",
+                     ranks=2)
+    expect_bad_input(args, base + ["--pp", "4", "--partition", "1,2,9"], r"cut points.*1\.\.3.*'9'", ranks=4)
+    expect_bad_input(args, base + ["--pp", "2", "--partition", "3,2"], r"increase", ranks=2)
+    expect_bad_input(args, base + ["--pp", "2", "--micro-batch", "3"], r"micro-batch \(3\)", ranks=2)
+    expect_bad_input(args, base + ["--pp", "2", "--schedule", "interleaved"], r"interleaved", ranks=2)
 
 
 def case_rank_failure(args):

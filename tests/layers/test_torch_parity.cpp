@@ -253,7 +253,7 @@ TEST_P(ModelParity, LogitsLossAndEveryGradientMatchTorch) {
   expect_close(GetParam() + "/loss", mean, c.tensor("loss"), kTol);
 
   const Tensor dx = model.backward(loss.backward(lctx, 1.0f / static_cast<float>(batch)), ctx, 0, SIZE_MAX, {},
-                                  /*input_grad=*/true);
+                                   /*input_grad=*/true);
   expect_close(GetParam() + "/grad_input", dx, c.tensor("grad_input"), kTol);
   for (const ParamEntry& e : store.entries()) {
     if (e.trainable)

@@ -1,0 +1,266 @@
+// bench_ddp_step: data-parallel training-step throughput and its time breakdown, on random
+// in-memory data, for the zoo's mlp and cnn. Each step is exactly train::Trainer::train_step
+// with one micro-batch: zero grads, forward, softmax cross-entropy (scaled by 1 / global
+// batch), backward with parallel::GradientSync (buckets start their all-reduce from the
+// after-layer hook, progress() between layers), GradientSync::finish (timed: the exposed
+// communication), SGD momentum 0.9, and the one-float all-reduce of the loss. The counterpart
+// of bench/torch_ddp_step.py; bench/run_ddp_vs_torch.sh runs the two side by side.
+//
+//   build/bench_ddp_step --model mlp --batch 128                       # 1 rank: the baseline
+//   mpirun -np 2 build/bench_ddp_step --model mlp --batch 128          # 2 ranks, batch per rank
+//
+// --batch is per rank (global batch = batch x ranks), as torch DDP's per-process batch.
+// Diagnostics: --no-sync skips gradient sync (ranks compute side by side, no communication:
+// what the machine allows without it); --no-overlap starts every bucket only after backward
+// (blocking all-reduce of the whole gradient at the end); --bucket-mb sets the bucket size.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/ops.hpp"
+#include "core/tensor.hpp"
+#include "layers/loss.hpp"
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+#include "parallel/gradient_sync.hpp"
+#include "parallel/mpi.hpp"
+#include "parallel/process_grid.hpp"
+
+namespace {
+
+using namespace strata;
+using clock_type = std::chrono::steady_clock;
+
+struct Options {
+  std::string model = "mlp";
+  int64_t batch = 128;  // per rank
+  int warmup = 20;
+  int steps = 20;
+  int windows = 7;
+  int threads = 1;
+  double bucket_mb = 25.0;
+  bool sync = true;
+  bool overlap = true;
+  float lr = 0.01f;
+  uint64_t seed = 1;
+};
+
+[[noreturn]] void usage(const char* msg) {
+  std::fprintf(stderr,
+               "%s\nusage: bench_ddp_step [--model mlp|cnn] [--batch N (per rank)] [--warmup N] [--steps N]\n"
+               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n",
+               msg);
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+      return argv[++i];
+    };
+    if (a == "--model") o.model = value();
+    else if (a == "--batch") o.batch = std::atoll(value().c_str());
+    else if (a == "--warmup") o.warmup = std::atoi(value().c_str());
+    else if (a == "--steps") o.steps = std::atoi(value().c_str());
+    else if (a == "--windows") o.windows = std::atoi(value().c_str());
+    else if (a == "--threads") o.threads = std::atoi(value().c_str());
+    else if (a == "--bucket-mb") o.bucket_mb = std::atof(value().c_str());
+    else if (a == "--no-sync") o.sync = false;
+    else if (a == "--no-overlap") o.overlap = false;
+    else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
+    else if (a == "-h" || a == "--help") usage("");
+    else usage(("unknown argument " + a).c_str());
+  }
+  if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0 || o.bucket_mb <= 0)
+    usage("batch, steps, windows, threads, bucket-mb must be > 0");
+  return o;
+}
+
+double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Seconds spent per step in each phase, summed over a window.
+struct Times {
+  double compute = 0;  // zero grads + forward + loss + backward (incl. bucket starts, progress)
+  double exposed = 0;  // GradientSync::finish: waiting for the buckets
+  double optim = 0;    // SGD step
+  double loss_ar = 0;  // the loss all-reduce (Trainer::sum_over_replicas)
+};
+
+struct Bench {
+  parallel::ProcessGrid& grid;
+  layers::Model model;
+  layers::ParameterStore store;
+  layers::Optimizer optimizer;
+  parallel::GradientSync sync;
+  layers::SoftmaxCrossEntropy loss;
+  std::vector<layers::Context> ctx;
+  Tensor x, y, loss_buf;
+  const Options& o;
+  int64_t step = 0;
+
+  Bench(const Options& opt, parallel::ProcessGrid& g, const layers::ModelSpec& spec)
+      : grid(g),
+        model(layers::build_model(spec, {1, 28, 28}, 10)),
+        store(model, opt.seed),
+        optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
+        sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20))),
+        o(opt) {
+    sync.broadcast_parameters();
+    x = Tensor::empty({o.batch, 1, 28, 28});
+    y = Tensor::empty({o.batch}, DType::I32);
+    loss_buf = Tensor::empty({1});
+    std::mt19937 gen(static_cast<uint32_t>(o.seed + 1000 * static_cast<uint64_t>(g.replica())));
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    std::uniform_int_distribution<int32_t> label(0, 9);
+    float* xp = x.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) xp[i] = u(gen);
+    int32_t* yp = y.data<int32_t>();
+    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = label(gen);
+  }
+
+  // Trainer::train_step with one micro-batch, with a clock around each phase.
+  double train_step(Times& t) {
+    const auto t0 = clock_type::now();
+    store.grads().fill_zero();
+    const int64_t global_batch = o.batch * grid.dp_size();
+    const float scale = 1.0f / static_cast<float>(global_batch);
+    layers::StepInfo info{layers::Mode::Train, o.seed, step, grid.replica() * o.batch};
+    const Tensor logits = model.forward(x, ctx, info);
+    layers::Context loss_ctx;
+    const double l = loss.forward(logits, y, loss_ctx);
+    const Tensor dlogits = loss.backward(loss_ctx, scale);
+    if (o.sync) {
+      sync.begin();
+      if (o.overlap)
+        model.backward(dlogits, ctx, 0, SIZE_MAX, [this](size_t layer) { sync.layer_done(layer); });
+      else
+        model.backward(dlogits, ctx);
+    } else {
+      model.backward(dlogits, ctx);
+    }
+    const auto t1 = clock_type::now();
+    if (o.sync) sync.finish();
+    const auto t2 = clock_type::now();
+    optimizer.step(store.params(), store.grads(), 0.01f);
+    const auto t3 = clock_type::now();
+    loss_buf.data<float>()[0] = static_cast<float>(l);
+    if (o.sync && grid.dp_size() > 1) grid.dp().all_reduce(loss_buf, parallel::ReduceOp::Sum);
+    const auto t4 = clock_type::now();
+    t.compute += std::chrono::duration<double>(t1 - t0).count();
+    t.exposed += std::chrono::duration<double>(t2 - t1).count();
+    t.optim += std::chrono::duration<double>(t3 - t2).count();
+    t.loss_ar += std::chrono::duration<double>(t4 - t3).count();
+    ++step;
+    return loss_buf.data<float>()[0] / static_cast<double>(global_batch);
+  }
+};
+
+double max_over(MPI_Comm comm, double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  parallel::MpiRuntime mpi(argc, argv);  // also picks the ring iallreduce, as train does
+  int code = 0;
+  try {
+    ops::set_num_threads(o.threads);
+    parallel::ProcessGrid grid(MPI_COMM_WORLD, 1);
+    const int ranks = grid.dp_size();
+    const bool root = grid.world().rank() == 0;
+    layers::ModelSpec spec;
+    spec.name = o.model;
+    if (o.model == "mlp") spec.hidden = {1024, 1024};
+    Bench b(o, grid, spec);
+    const auto& buckets = b.sync.buckets();
+    if (root) {
+      std::printf("strata bench_ddp_step: model %s, %d rank(s) x %d thread(s), batch %lld per rank (global %lld), "
+                  "%lld trainable parameters (%.2f MB of f32 gradients)\n",
+                  o.model.c_str(), ranks, ops::num_threads(), static_cast<long long>(o.batch),
+                  static_cast<long long>(o.batch * ranks), static_cast<long long>(b.store.num_trainable()),
+                  4e-6 * static_cast<double>(b.store.grads().numel()));
+      std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):", !o.sync ? "OFF (--no-sync)" : o.overlap ? "overlapped" : "after backward (--no-overlap)",
+                  o.bucket_mb, buckets.size());
+      for (const auto& bk : buckets)
+        std::printf(" [%.2f MB from layer %zu]", 4e-6 * static_cast<double>(bk.end - bk.begin), bk.first_layer);
+      const char* alg = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
+      std::printf("\niallreduce algorithm (OMPI_MCA_coll_libnbc_iallreduce_algorithm): %s\n", alg ? alg : "default");
+    }
+    Times warm;
+    double first_loss = 0, last_loss = 0;
+    for (int s = 0; s < o.warmup; ++s) {
+      const double l = b.train_step(warm);
+      if (s == 0) first_loss = l;
+    }
+    std::vector<double> rates, compute, exposed, optim, loss_ar, total, exposed_max;
+    for (int w = 0; w < o.windows; ++w) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      Times t;
+      const auto t0 = clock_type::now();
+      for (int s = 0; s < o.steps; ++s) last_loss = b.train_step(t);
+      const double sec = max_over(MPI_COMM_WORLD, since(t0));
+      rates.push_back(static_cast<double>(o.steps * o.batch * ranks) / sec);
+      const double k = 1e3 / o.steps;
+      compute.push_back(t.compute * k);
+      exposed.push_back(t.exposed * k);
+      exposed_max.push_back(max_over(MPI_COMM_WORLD, t.exposed) * k);
+      optim.push_back(t.optim * k);
+      loss_ar.push_back(t.loss_ar * k);
+      total.push_back(sec * k);
+    }
+    // Blocking all-reduce of each bucket alone, the machine otherwise idle: the communication
+    // a step has to hide.
+    double ar_alone = 0;
+    if (o.sync && ranks > 1) {
+      std::vector<double> ar;
+      for (int r = 0; r < 11; ++r) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const auto t0 = clock_type::now();
+        for (const auto& bk : buckets)
+          grid.dp().all_reduce(b.store.grads().view(bk.begin, {bk.end - bk.begin}), parallel::ReduceOp::Sum);
+        ar.push_back(max_over(MPI_COMM_WORLD, since(t0)) * 1e3);
+      }
+      ar_alone = median(ar);
+    }
+    if (root) {
+      const double med = median(rates);
+      std::printf("windows (global samples/s):");
+      for (double r : rates) std::printf(" %.1f", r);
+      std::printf("\nloss: first %.4f, last %.4f\n", first_loss, last_loss);
+      std::printf("per step, rank 0, median of windows (ms): compute %.3f  exposed comm %.3f (max over ranks %.3f)  "
+                  "optimizer %.3f  loss all-reduce %.3f  step %.3f\n",
+                  median(compute), median(exposed), median(exposed_max), median(optim), median(loss_ar),
+                  median(total));
+      if (ranks > 1 && o.sync) std::printf("all-reduce of all buckets alone (blocking, idle): %.3f ms\n", ar_alone);
+      std::printf("median %.1f samples/s, %.3f ms/step\n", med, 1e3 * static_cast<double>(o.batch * ranks) / med);
+      std::printf("RESULT impl=strata-ddp model=%s ranks=%d batch=%lld threads=%d samples_per_s=%.2f compute_ms=%.3f "
+                  "exposed_ms=%.3f optim_ms=%.3f loss_ar_ms=%.3f step_ms=%.3f exposed_frac=%.4f buckets=%zu "
+                  "bucket_mb=%g allreduce_alone_ms=%.3f\n",
+                  o.model.c_str(), ranks, static_cast<long long>(o.batch), o.threads, med, median(compute),
+                  median(exposed), median(optim), median(loss_ar), median(total),
+                  median(exposed) / std::max(median(total), 1e-9), buckets.size(), o.bucket_mb, ar_alone);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", parallel::format_error(e).c_str());
+    code = 1;
+  }
+  return code;
+}
