@@ -12,13 +12,18 @@
 // --batch is per rank (global batch = batch x ranks), as torch DDP's per-process batch.
 // Diagnostics: --no-sync skips gradient sync (ranks compute side by side, no communication:
 // what the machine allows without it); --no-overlap starts every bucket only after backward
-// (blocking all-reduce of the whole gradient at the end); --bucket-mb sets the bucket size.
+// (blocking all-reduce of the whole gradient at the end); --bucket-mb sets the bucket size;
+// --sharded-step (prototype, not what train does) replaces the all-reduce + SGD by a
+// reduce-scatter, SGD over this rank's half and an all-gather of the parameters (ZeRO-1):
+// its "exposed comm" is then the two blocking collectives; --sharded-p2p does the same with one
+// MPI_Sendrecv each way instead of libnbc's reduce-scatter / all-gather (2 ranks only).
 #include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -47,6 +52,8 @@ struct Options {
   double bucket_mb = 25.0;
   bool sync = true;
   bool overlap = true;
+  bool sharded = false;  // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
+  bool sharded_p2p = false;  // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
   float lr = 0.01f;
   uint64_t seed = 1;
 };
@@ -54,7 +61,7 @@ struct Options {
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "%s\nusage: bench_ddp_step [--model mlp|cnn] [--batch N (per rank)] [--warmup N] [--steps N]\n"
-               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n",
+               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n                      [--sharded-step | --sharded-p2p]\n",
                msg);
   std::exit(2);
 }
@@ -76,6 +83,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--bucket-mb") o.bucket_mb = std::atof(value().c_str());
     else if (a == "--no-sync") o.sync = false;
     else if (a == "--no-overlap") o.overlap = false;
+    else if (a == "--sharded-step") o.sharded = true;
+    else if (a == "--sharded-p2p") o.sharded = o.sharded_p2p = true;
     else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
     else if (a == "-h" || a == "--help") usage("");
     else usage(("unknown argument " + a).c_str());
@@ -111,6 +120,10 @@ struct Bench {
   std::vector<layers::Context> ctx;
   Tensor x, y, loss_buf;
   const Options& o;
+  // --sharded-step: this rank's chunk of the reduced gradients and an optimizer over it only.
+  int64_t chunk = 0;
+  Tensor grad_shard, recv_buf;
+  std::unique_ptr<layers::Optimizer> shard_opt;
   int64_t step = 0;
 
   Bench(const Options& opt, parallel::ProcessGrid& g, const layers::ModelSpec& spec)
@@ -121,6 +134,14 @@ struct Bench {
         sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20))),
         o(opt) {
     sync.broadcast_parameters();
+    if (o.sharded) {
+      STRATA_CHECK(store.grads().numel() % g.dp_size() == 0, "--sharded-step: gradient size not divisible by ranks");
+      chunk = store.grads().numel() / g.dp_size();
+      grad_shard = Tensor::empty({chunk});
+      recv_buf = Tensor::empty({chunk});
+      STRATA_CHECK(!o.sharded_p2p || g.dp_size() == 2, "--sharded-p2p needs exactly 2 ranks");
+      shard_opt = std::make_unique<layers::Optimizer>(layers::OptimizerConfig{"sgd", 0.9f}, chunk);
+    }
     x = Tensor::empty({o.batch, 1, 28, 28});
     y = Tensor::empty({o.batch}, DType::I32);
     loss_buf = Tensor::empty({1});
@@ -144,6 +165,46 @@ struct Bench {
     layers::Context loss_ctx;
     const double l = loss.forward(logits, y, loss_ctx);
     const Tensor dlogits = loss.backward(loss_ctx, scale);
+    if (o.sharded) {
+      // Prototype of a ZeRO-1 style step: the same bytes as an all-reduce (reduce-scatter +
+      // all-gather), but each rank runs the optimizer over its half of the parameters only.
+      model.backward(dlogits, ctx);
+      const auto t1 = clock_type::now();
+      const int64_t off = chunk * grid.replica();
+      const MPI_Comm comm = static_cast<parallel::MpiCommunicator&>(grid.dp()).comm();
+      const int other = 1 - grid.replica();
+      if (o.sharded_p2p) {
+        // 2 ranks: send the other rank's half of my gradients, receive its contribution to mine, add.
+        MPI_Sendrecv(store.grads().data<float>() + chunk * other, static_cast<int>(chunk), MPI_FLOAT, other, 1,
+                     recv_buf.data<float>(), static_cast<int>(chunk), MPI_FLOAT, other, 1, comm, MPI_STATUS_IGNORE);
+        const float* __restrict a = store.grads().data<float>() + off;
+        const float* __restrict b = recv_buf.data<float>();
+        float* __restrict d = grad_shard.data<float>();
+        for (int64_t i = 0; i < chunk; ++i) d[i] = a[i] + b[i];
+      } else {
+        grid.dp().reduce_scatter(store.grads(), grad_shard, parallel::ReduceOp::Sum);
+      }
+      const auto t2 = clock_type::now();
+      const Tensor my_params = store.params().view(off, {chunk});
+      shard_opt->step(my_params, grad_shard, 0.01f);
+      const auto t3 = clock_type::now();
+      if (o.sharded_p2p)
+        MPI_Sendrecv(store.params().data<float>() + off, static_cast<int>(chunk), MPI_FLOAT, other, 2,
+                     store.params().data<float>() + chunk * other, static_cast<int>(chunk), MPI_FLOAT, other, 2, comm,
+                     MPI_STATUS_IGNORE);
+      else
+        grid.dp().all_gather(my_params, store.params());
+      const auto t3b = clock_type::now();
+      loss_buf.data<float>()[0] = static_cast<float>(l);
+      grid.dp().all_reduce(loss_buf, parallel::ReduceOp::Sum);
+      const auto t4 = clock_type::now();
+      t.compute += std::chrono::duration<double>(t1 - t0).count();
+      t.exposed += std::chrono::duration<double>(t2 - t1).count() + std::chrono::duration<double>(t3b - t3).count();
+      t.optim += std::chrono::duration<double>(t3 - t2).count();
+      t.loss_ar += std::chrono::duration<double>(t4 - t3b).count();
+      ++step;
+      return loss_buf.data<float>()[0] / static_cast<double>(global_batch);
+    }
     if (o.sync) {
       sync.begin();
       if (o.overlap)
@@ -197,7 +258,7 @@ int main(int argc, char** argv) {
                   o.model.c_str(), ranks, ops::num_threads(), static_cast<long long>(o.batch),
                   static_cast<long long>(o.batch * ranks), static_cast<long long>(b.store.num_trainable()),
                   4e-6 * static_cast<double>(b.store.grads().numel()));
-      std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):", !o.sync ? "OFF (--no-sync)" : o.overlap ? "overlapped" : "after backward (--no-overlap)",
+      std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):", o.sharded ? "reduce-scatter + sharded SGD + all-gather (--sharded-step)" : !o.sync ? "OFF (--no-sync)" : o.overlap ? "overlapped" : "after backward (--no-overlap)",
                   o.bucket_mb, buckets.size());
       for (const auto& bk : buckets)
         std::printf(" [%.2f MB from layer %zu]", 4e-6 * static_cast<double>(bk.end - bk.begin), bk.first_layer);

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Measured pipeline bubble per stage against (P-1)/(m+P-1), from the executor's own timeline.
+
+Trains an MLP whose stages are balanced by construction (8 input features, so fc1 is nearly
+free and every stage holds one 1024x1024 layer), records the last step's timeline with
+--timeline, and reads per-stage idle fractions and event times back from the SVG. The
+point-to-point overhead per micro-batch is the gap between a stage's forward(i) ending and the
+next stage's forward(i) starting, where the next stage was waiting for it.
+
+  python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
+Run with OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (as bench/run_vs_torch.sh does).
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+
+EVENT = re.compile(r"<title>stage (\d+) ([FB])(\d+): ([0-9.e+-]+) - ([0-9.e+-]+) s</title>")
+
+
+def run_case(args, data, stages, m, kind, work):
+    hidden = ",".join(["1024"] * (stages + 1))
+    # layers: flatten, (fc_i, relu_i) x (stages+1), fc_out; stage 0 = fc1 + fc2, then one fc each
+    cuts = ",".join(str(5 + 2 * k) for k in range(stages - 1))
+    svg = os.path.join(work, f"tl-{kind}-{stages}-{m}.svg")
+    cmd = [args.mpirun, "-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
+           "--hidden", hidden, "--data", data, "--steps", str(args.steps), "--global-batch", str(m * args.micro_batch),
+           "--micro-batch", str(args.micro_batch), "--pp", str(stages), "--partition", cuts, "--schedule", kind,
+           "--threads", "1", "--log-every", "1000", "--timeline", svg]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    bubbles = [float(v) for v in re.search(r"bubble \(idle\) fraction per stage: ([0-9.e\- ]+?)\s+\(", out).group(1).split()]
+    events = {}
+    for s, op, i, a, b in EVENT.findall(open(svg).read()):
+        events[(int(s), op, int(i))] = (float(a), float(b))
+    gaps = []
+    for s in range(1, stages):
+        for i in range(m):
+            prev_end = events[(s - 1, "F", i)][1]
+            start = events[(s, "F", i)][0]
+            earlier = [e[1] for k, e in events.items() if k[0] == s and e[1] <= start and e != events[(s, "F", i)]]
+            if not earlier or max(earlier) < prev_end:  # stage s was idle, waiting for this message
+                gaps.append(start - prev_end)
+    step = max(e[1] for e in events.values()) - min(e[0] for e in events.values())
+    return bubbles, (statistics.median(gaps) if gaps else float("nan")), step
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--train", default="build/train")
+    p.add_argument("--data-tool", default="build/strata-data")
+    p.add_argument("--mpirun", default="mpirun")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=6)
+    a = p.parse_args()
+    work = tempfile.mkdtemp(prefix="strata-bubble-")
+    data = os.path.join(work, "features")
+    subprocess.run([a.data_tool, "synthetic", "--out", data, "--samples", "16384", "--shape", "8", "--classes", "10",
+                    "--dtype", "f32"], check=True, capture_output=True)
+    print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage")
+    print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per micro-batch | step |")
+    print("|---:|---:|---|---:|---|---:|---:|---:|")
+    for stages in a.stages:
+        for m in a.micro:
+            for kind in ("gpipe", "1f1b"):
+                bubbles, gap, step = run_case(a, data + ".h5", stages, m, kind, work)
+                formula = (stages - 1) / (m + stages - 1)
+                worst = max(abs(b - formula) for b in bubbles)
+                note = " (oversubscribed)" if stages > (os.cpu_count() or 1) else ""
+                print(f"| {stages}{note} | {m} | {kind} | {100 * formula:.1f}% | "
+                      f"{' '.join(f'{100 * b:.1f}%' for b in bubbles)} | {100 * worst:.1f} pt | "
+                      f"{1e6 * gap:.0f} µs | {1e3 * step:.1f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Strata DDP vs PyTorch DDP (gloo): data-parallel training-step throughput, side by side in one
+# invocation. For the mlp (784-1024-1024-10, batch 128 per rank) and the cnn (batch 64 per
+# rank), SGD momentum 0.9, one thread per process, the same environment for both sides, it runs
+#   strata 1 rank  (bench_ddp_step)            torch 1 process, no DDP (torch_ddp_step.py --nproc 1)
+#   strata 2 ranks (mpirun -np 2 bench_ddp_step) torch DDP gloo, 2 processes (--nproc 2)
+# alternating which side goes first, REPS times, and prints the medians: samples/s, scaling
+# efficiency (= 2-rank samples/s / (2 x 1-rank samples/s)), Strata DDP / torch DDP, and
+# Strata's step-time breakdown at 2 ranks (compute, exposed communication, optimizer).
+#
+#   cmake --build build --target bench_ddp_step
+#   bash bench/run_ddp_vs_torch.sh               # REPS=5 STEPS=20 WINDOWS=7 WARMUP=20 BUCKET_MB=25
+#   STRATA_DDP_BIN=build-lead/bench_ddp_step BUCKET_MB=2 bash bench/run_ddp_vs_torch.sh
+#
+# BUCKET_MB is Strata's --bucket-mb; torch keeps DDP's default bucket_cap_mb=25 unless
+# TORCH_BUCKET_MB is set. Environment for BOTH sides: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
+# unset (see run_vs_torch.sh), OMP/OpenBLAS/MKL one thread. MPI: --oversubscribe --bind-to none
+# (set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 when running as root).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+REPS="${REPS:-5}"
+STEPS="${STEPS:-20}"
+WINDOWS="${WINDOWS:-7}"
+WARMUP="${WARMUP:-20}"
+BUCKET_MB="${BUCKET_MB:-25}"
+TORCH_BUCKET_MB="${TORCH_BUCKET_MB:-25}"
+PYTHON="${PYTHON:-/usr/bin/python3}"
+MPIRUN="${MPIRUN:-mpirun}"
+MODELS="${MODELS:-mlp:128 cnn:64}"
+
+bin="${STRATA_DDP_BIN:-}"
+if [[ -z "$bin" ]]; then
+  for cand in "$root"/build-bench/bench_ddp_step "$root"/build/bench_ddp_step "$root"/build*/bench_ddp_step; do
+    if [[ -x "$cand" ]]; then bin="$cand"; break; fi
+  done
+fi
+if [[ -z "$bin" || ! -x "$bin" ]]; then
+  echo "run_ddp_vs_torch.sh: bench_ddp_step not found; build it or set STRATA_DDP_BIN" >&2
+  exit 1
+fi
+
+run_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+common=(--warmup "$WARMUP" --steps "$STEPS" --windows "$WINDOWS" --threads 1)
+mpi=("$MPIRUN" -np 2 --oversubscribe --bind-to none)
+
+# Prints the RESULT line of one run. torch's gloo rendezvous can (rarely) hang: every run has a
+# time limit and is retried once.
+result() {
+  local out attempt
+  for attempt in 1 2; do
+    if out="$(timeout 300 "${run_env[@]}" "$@" 2>&1)"; then
+      local line
+      line=$(grep '^RESULT ' <<<"$out" || true)
+      if [[ -n "$line" ]]; then echo "$line"; return; fi
+    fi
+    echo "run_ddp_vs_torch.sh: attempt $attempt failed: $*" >&2
+    echo "$out" | tail -5 >&2
+  done
+  exit 1
+}
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+
+torch_version="$("${run_env[@]}" "$PYTHON" -c 'import torch; print(torch.__version__)')"
+cpu="$(lscpu | sed -n 's/^Model name: *//p' | head -1)"
+echo "Strata DDP vs PyTorch DDP (gloo), 1 thread per process: $REPS alternating repetitions x ($WARMUP warm-up steps, median of $WINDOWS windows of $STEPS steps)"
+echo "strata: $bin (--bucket-mb $BUCKET_MB), $("$MPIRUN" --version 2>/dev/null | head -1)"
+echo "torch:  $torch_version ($PYTHON), DDP bucket_cap_mb $TORCH_BUCKET_MB"
+echo "cpu:    $cpu, $(nproc) cores; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+
+rows=() brows=()
+for config in $MODELS; do
+  model="${config%%:*}" batch="${config##*:}"
+  s1=() s2=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=()
+  buckets=""
+  for ((r = 1; r <= REPS; ++r)); do
+    strata_side() {
+      local a b
+      a=$(result "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
+      b=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
+      s1+=("$(field samples_per_s "$a")"); s2+=("$(field samples_per_s "$b")")
+      comp+=("$(field compute_ms "$b")"); expo+=("$(field exposed_ms "$b")"); opt+=("$(field optim_ms "$b")")
+      lar+=("$(field loss_ar_ms "$b")"); stp+=("$(field step_ms "$b")"); ar+=("$(field allreduce_alone_ms "$b")")
+      buckets="$(field buckets "$b")"
+    }
+    torch_side() {
+      local a b
+      a=$(result "$PYTHON" "$here/torch_ddp_step.py" --model "$model" --batch "$batch" --nproc 1 "${common[@]}")
+      b=$(result "$PYTHON" "$here/torch_ddp_step.py" --model "$model" --batch "$batch" --nproc 2 \
+          --bucket-mb "$TORCH_BUCKET_MB" "${common[@]}")
+      t1+=("$(field samples_per_s "$a")"); t2+=("$(field samples_per_s "$b")")
+    }
+    if ((r % 2)); then strata_side; torch_side; else torch_side; strata_side; fi
+    echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
+  done
+  S1=$(median "${s1[@]}"); S2=$(median "${s2[@]}"); T1=$(median "${t1[@]}"); T2=$(median "${t2[@]}")
+  C=$(median "${comp[@]}"); X=$(median "${expo[@]}"); O=$(median "${opt[@]}"); L=$(median "${lar[@]}")
+  P=$(median "${stp[@]}"); A=$(median "${ar[@]}")
+  rows+=("$(awk -v m="$model" -v b="$batch" -v s1="$S1" -v s2="$S2" -v t1="$T1" -v t2="$T2" -v x="$X" -v p="$P" \
+    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.0f%% | %.0f | %.0f | %.0f%% | %.2fx | %.1f%% |", m, b, s1, s2,
+            100 * s2 / (2 * s1), t1, t2, 100 * t2 / (2 * t1), s2 / t2, 100 * x / p}')")
+  brows+=("$(awk -v m="$model" -v b="$batch" -v c="$C" -v x="$X" -v o="$O" -v l="$L" -v p="$P" -v a="$A" \
+    -v nb="$buckets" -v bm="$BUCKET_MB" -v s1="$S1" \
+    'BEGIN {printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s x (--bucket-mb %s) |", m, b,
+            1e3 * b / s1, c, x, o, l, p, a, nb, bm}')")
+done
+
+echo
+echo "| model | batch per rank | Strata 1x1 samples/s | Strata 2x1 | Strata scaling | torch 1x1 | torch DDP 2x1 | torch scaling | Strata DDP / torch DDP | Strata exposed comm |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+printf '%s\n' "${rows[@]}"
+echo
+echo "Strata at 2 ranks, ms per step (rank 0, medians):"
+echo
+echo "| model | batch per rank | 1-rank step | compute (fwd+bwd) | exposed comm | optimizer | loss all-reduce | 2-rank step | all-reduce alone | buckets |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+printf '%s\n' "${brows[@]}"
+echo
+echo "scaling = 2x1 samples/s / (2 x 1x1 samples/s); exposed comm = time in GradientSync::finish / step time;"
+echo "all-reduce alone = blocking all-reduce of every bucket with nothing else running."
+echo "cpu: $cpu; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+load1=$(cut -d' ' -f1 /proc/loadavg)
+if awk -v l="$load1" 'BEGIN {exit !(l > 2.5)}'; then
+  echo "warning: the machine was busy (load $load1 on $(nproc) cores, of which ~2 are this benchmark); rerun when it is idle"
+fi
