@@ -52,7 +52,7 @@ struct Options {
   double bucket_mb = 25.0;
   bool sync = true;
   bool overlap = true;
-  bool sharded = false;  // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
+  bool sharded = false;      // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
   bool sharded_p2p = false;  // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
   float lr = 0.01f;
   uint64_t seed = 1;
@@ -61,7 +61,8 @@ struct Options {
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "%s\nusage: bench_ddp_step [--model mlp|cnn] [--batch N (per rank)] [--warmup N] [--steps N]\n"
-               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n                      [--sharded-step | --sharded-p2p]\n",
+               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n       "
+               "               [--sharded-step | --sharded-p2p]\n",
                msg);
   std::exit(2);
 }
@@ -74,20 +75,34 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value after " + a).c_str());
       return argv[++i];
     };
-    if (a == "--model") o.model = value();
-    else if (a == "--batch") o.batch = std::atoll(value().c_str());
-    else if (a == "--warmup") o.warmup = std::atoi(value().c_str());
-    else if (a == "--steps") o.steps = std::atoi(value().c_str());
-    else if (a == "--windows") o.windows = std::atoi(value().c_str());
-    else if (a == "--threads") o.threads = std::atoi(value().c_str());
-    else if (a == "--bucket-mb") o.bucket_mb = std::atof(value().c_str());
-    else if (a == "--no-sync") o.sync = false;
-    else if (a == "--no-overlap") o.overlap = false;
-    else if (a == "--sharded-step") o.sharded = true;
-    else if (a == "--sharded-p2p") o.sharded = o.sharded_p2p = true;
-    else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help") usage("");
-    else usage(("unknown argument " + a).c_str());
+    if (a == "--model")
+      o.model = value();
+    else if (a == "--batch")
+      o.batch = std::atoll(value().c_str());
+    else if (a == "--warmup")
+      o.warmup = std::atoi(value().c_str());
+    else if (a == "--steps")
+      o.steps = std::atoi(value().c_str());
+    else if (a == "--windows")
+      o.windows = std::atoi(value().c_str());
+    else if (a == "--threads")
+      o.threads = std::atoi(value().c_str());
+    else if (a == "--bucket-mb")
+      o.bucket_mb = std::atof(value().c_str());
+    else if (a == "--no-sync")
+      o.sync = false;
+    else if (a == "--no-overlap")
+      o.overlap = false;
+    else if (a == "--sharded-step")
+      o.sharded = true;
+    else if (a == "--sharded-p2p")
+      o.sharded = o.sharded_p2p = true;
+    else if (a == "--seed")
+      o.seed = std::strtoull(value().c_str(), nullptr, 10);
+    else if (a == "-h" || a == "--help")
+      usage("");
+    else
+      usage(("unknown argument " + a).c_str());
   }
   if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0 || o.bucket_mb <= 0)
     usage("batch, steps, windows, threads, bucket-mb must be > 0");
@@ -253,12 +268,17 @@ int main(int argc, char** argv) {
     Bench b(o, grid, spec);
     const auto& buckets = b.sync.buckets();
     if (root) {
-      std::printf("strata bench_ddp_step: model %s, %d rank(s) x %d thread(s), batch %lld per rank (global %lld), "
-                  "%lld trainable parameters (%.2f MB of f32 gradients)\n",
-                  o.model.c_str(), ranks, ops::num_threads(), static_cast<long long>(o.batch),
-                  static_cast<long long>(o.batch * ranks), static_cast<long long>(b.store.num_trainable()),
-                  4e-6 * static_cast<double>(b.store.grads().numel()));
-      std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):", o.sharded ? "reduce-scatter + sharded SGD + all-gather (--sharded-step)" : !o.sync ? "OFF (--no-sync)" : o.overlap ? "overlapped" : "after backward (--no-overlap)",
+      std::printf(
+          "strata bench_ddp_step: model %s, %d rank(s) x %d thread(s), batch %lld per rank (global %lld), "
+          "%lld trainable parameters (%.2f MB of f32 gradients)\n",
+          o.model.c_str(), ranks, ops::num_threads(), static_cast<long long>(o.batch),
+          static_cast<long long>(o.batch * ranks), static_cast<long long>(b.store.num_trainable()),
+          4e-6 * static_cast<double>(b.store.grads().numel()));
+      std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):",
+                  o.sharded   ? "reduce-scatter + sharded SGD + all-gather (--sharded-step)"
+                  : !o.sync   ? "OFF (--no-sync)"
+                  : o.overlap ? "overlapped"
+                              : "after backward (--no-overlap)",
                   o.bucket_mb, buckets.size());
       for (const auto& bk : buckets)
         std::printf(" [%.2f MB from layer %zu]", 4e-6 * static_cast<double>(bk.end - bk.begin), bk.first_layer);
@@ -306,18 +326,19 @@ int main(int argc, char** argv) {
       std::printf("windows (global samples/s):");
       for (double r : rates) std::printf(" %.1f", r);
       std::printf("\nloss: first %.4f, last %.4f\n", first_loss, last_loss);
-      std::printf("per step, rank 0, median of windows (ms): compute %.3f  exposed comm %.3f (max over ranks %.3f)  "
-                  "optimizer %.3f  loss all-reduce %.3f  step %.3f\n",
-                  median(compute), median(exposed), median(exposed_max), median(optim), median(loss_ar),
-                  median(total));
+      std::printf(
+          "per step, rank 0, median of windows (ms): compute %.3f  exposed comm %.3f (max over ranks %.3f)  "
+          "optimizer %.3f  loss all-reduce %.3f  step %.3f\n",
+          median(compute), median(exposed), median(exposed_max), median(optim), median(loss_ar), median(total));
       if (ranks > 1 && o.sync) std::printf("all-reduce of all buckets alone (blocking, idle): %.3f ms\n", ar_alone);
       std::printf("median %.1f samples/s, %.3f ms/step\n", med, 1e3 * static_cast<double>(o.batch * ranks) / med);
-      std::printf("RESULT impl=strata-ddp model=%s ranks=%d batch=%lld threads=%d samples_per_s=%.2f compute_ms=%.3f "
-                  "exposed_ms=%.3f optim_ms=%.3f loss_ar_ms=%.3f step_ms=%.3f exposed_frac=%.4f buckets=%zu "
-                  "bucket_mb=%g allreduce_alone_ms=%.3f\n",
-                  o.model.c_str(), ranks, static_cast<long long>(o.batch), o.threads, med, median(compute),
-                  median(exposed), median(optim), median(loss_ar), median(total),
-                  median(exposed) / std::max(median(total), 1e-9), buckets.size(), o.bucket_mb, ar_alone);
+      std::printf(
+          "RESULT impl=strata-ddp model=%s ranks=%d batch=%lld threads=%d samples_per_s=%.2f compute_ms=%.3f "
+          "exposed_ms=%.3f optim_ms=%.3f loss_ar_ms=%.3f step_ms=%.3f exposed_frac=%.4f buckets=%zu "
+          "bucket_mb=%g allreduce_alone_ms=%.3f\n",
+          o.model.c_str(), ranks, static_cast<long long>(o.batch), o.threads, med, median(compute), median(exposed),
+          median(optim), median(loss_ar), median(total), median(exposed) / std::max(median(total), 1e-9),
+          buckets.size(), o.bucket_mb, ar_alone);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", parallel::format_error(e).c_str());

@@ -30,9 +30,9 @@ struct Options {
   std::string model = "mlp";
   std::vector<int64_t> hidden{1024, 1024};
   int64_t batch = 128;
-  int warmup = 20;   // untimed steps first (caches, allocator free lists, OpenBLAS buffers)
-  int steps = 20;    // steps per timed window
-  int windows = 7;   // timed windows; the median window is reported
+  int warmup = 20;  // untimed steps first (caches, allocator free lists, OpenBLAS buffers)
+  int steps = 20;   // steps per timed window
+  int windows = 7;  // timed windows; the median window is reported
   int threads = 1;
   bool profile = false;
   int profile_steps = 20;
@@ -68,21 +68,35 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value after " + a).c_str());
       return argv[++i];
     };
-    if (a == "--model") o.model = value();
-    else if (a == "--hidden") o.hidden = parse_list(value());
-    else if (a == "--batch") o.batch = std::atoll(value().c_str());
-    else if (a == "--warmup") o.warmup = std::atoi(value().c_str());
-    else if (a == "--steps") o.steps = std::atoi(value().c_str());
-    else if (a == "--windows") o.windows = std::atoi(value().c_str());
-    else if (a == "--threads") o.threads = std::atoi(value().c_str());
-    else if (a == "--profile") o.profile = true;
-    else if (a == "--profile-steps") o.profile_steps = std::atoi(value().c_str());
-    else if (a == "--lr") o.lr = std::strtof(value().c_str(), nullptr);
-    else if (a == "--seed") o.seed = std::strtoull(value().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help") usage("");
-    else usage(("unknown argument " + a).c_str());
+    if (a == "--model")
+      o.model = value();
+    else if (a == "--hidden")
+      o.hidden = parse_list(value());
+    else if (a == "--batch")
+      o.batch = std::atoll(value().c_str());
+    else if (a == "--warmup")
+      o.warmup = std::atoi(value().c_str());
+    else if (a == "--steps")
+      o.steps = std::atoi(value().c_str());
+    else if (a == "--windows")
+      o.windows = std::atoi(value().c_str());
+    else if (a == "--threads")
+      o.threads = std::atoi(value().c_str());
+    else if (a == "--profile")
+      o.profile = true;
+    else if (a == "--profile-steps")
+      o.profile_steps = std::atoi(value().c_str());
+    else if (a == "--lr")
+      o.lr = std::strtof(value().c_str(), nullptr);
+    else if (a == "--seed")
+      o.seed = std::strtoull(value().c_str(), nullptr, 10);
+    else if (a == "-h" || a == "--help")
+      usage("");
+    else
+      usage(("unknown argument " + a).c_str());
   }
-  if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0) usage("batch, steps, windows, threads must be > 0");
+  if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0)
+    usage("batch, steps, windows, threads must be > 0");
   return o;
 }
 
@@ -234,11 +248,13 @@ int main(int argc, char** argv) {
     std::printf("windows (samples/s):");
     for (double r : rates) std::printf(" %.1f", r);
     const AllocatorStats after = host_allocator().stats();
-    std::printf("\nallocator during timed steps: %llu system allocations, %llu cache hits (%.1f per step), peak %.1f MiB in use",
-                static_cast<unsigned long long>(after.system_allocs - before.system_allocs),
-                static_cast<unsigned long long>(after.cache_hits - before.cache_hits),
-                static_cast<double>(after.cache_hits - before.cache_hits) / (o.windows * o.steps),
-                static_cast<double>(after.peak_in_use) / (1 << 20));
+    std::printf(
+        "\nallocator during timed steps: %llu system allocations, %llu cache hits (%.1f per step), peak %.1f MiB in "
+        "use",
+        static_cast<unsigned long long>(after.system_allocs - before.system_allocs),
+        static_cast<unsigned long long>(after.cache_hits - before.cache_hits),
+        static_cast<double>(after.cache_hits - before.cache_hits) / (o.windows * o.steps),
+        static_cast<double>(after.peak_in_use) / (1 << 20));
     std::printf("\nloss: first %.4f, last %.4f\n", first_loss, last_loss / static_cast<double>(o.batch));
     std::printf("median %.1f samples/s, %.3f ms/step\n", med, 1e3 * static_cast<double>(o.batch) / med);
     // One line for scripts.

@@ -48,8 +48,8 @@ class Dataset {
   bool in_memory() const;
 
   // Reads global sample `indices` (any order, duplicates allowed) into x: f32 (B, sample...)
-  // normalised (undefined x: labels only), and y: i32 (B). Serialised per object by an internal mutex; different objects
-  // read in parallel (HDF5 itself is the thread-safe build).
+  // normalised (undefined x: labels only), and y: i32 (B). Serialised per object by an internal mutex; different
+  // objects read in parallel (HDF5 itself is the thread-safe build).
   void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const;
 
  private:

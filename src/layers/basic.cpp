@@ -21,6 +21,17 @@ void require_image(const Layer& layer, const Shape& input, int64_t channels) {
                  ", H, W], found ", shape_str(input));
 }
 
+// Views for layers whose param_specs() are {weight, bias (optional)}.
+void bind_weight_and_bias(std::span<const Tensor> params, std::span<const Tensor> grads, bool has_bias, Tensor& w,
+                          Tensor& dw, Tensor& b, Tensor& db) {
+  w = params[0];
+  dw = grads[0];
+  if (has_bias) {
+    b = params[1];
+    db = grads[1];
+  }
+}
+
 }  // namespace
 
 // ---- Linear ----------------------------------------------------------------------------------
@@ -43,12 +54,7 @@ std::vector<ParamSpec> Linear::param_specs() const {
 }
 
 void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  w_ = params[0];
-  dw_ = grads[0];
-  if (has_bias_) {
-    b_ = params[1];
-    db_ = grads[1];
-  }
+  bind_weight_and_bias(params, grads, has_bias_, w_, dw_, b_, db_);
 }
 
 Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
@@ -119,12 +125,7 @@ std::vector<ParamSpec> Conv2d::param_specs() const {
 }
 
 void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  w_ = params[0];
-  dw_ = grads[0];
-  if (has_bias_) {
-    b_ = params[1];
-    db_ = grads[1];
-  }
+  bind_weight_and_bias(params, grads, has_bias_, w_, dw_, b_, db_);
 }
 
 int64_t Conv2d::flops(const Shape& input) const {

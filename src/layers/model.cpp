@@ -168,7 +168,7 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
 namespace {
 
 constexpr int64_t kAlign = 16;  // elements: 64 bytes of f32
-int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+int64_t align_up(int64_t n, int64_t multiple = kAlign) { return (n + multiple - 1) / multiple * multiple; }
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -211,14 +211,16 @@ std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin,
   return entries;
 }
 
-ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end)
+ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple)
     : entries_(layout(model, begin, end)) {
+  STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
+               " is not a positive multiple of ", kAlign);
   end = std::min(end, model.size());
   int64_t trainable = 0, buffers = 0;
-  for (const ParamEntry& e : entries_)
-    (e.trainable ? trainable : buffers) = align_up(e.offset + shape_numel(e.shape));
-  params_ = Tensor::zeros({trainable});
-  grads_ = Tensor::zeros({trainable});
+  for (const ParamEntry& e : entries_) (e.trainable ? trainable : buffers) = align_up(e.offset + shape_numel(e.shape));
+  used_numel_ = trainable;
+  params_ = Tensor::zeros({align_up(trainable, pad_multiple)});
+  grads_ = Tensor::zeros({align_up(trainable, pad_multiple)});
   buffers_ = Tensor::zeros({buffers});
 
   size_t k = 0;  // entries_ follow the layers' param_specs() order

@@ -63,8 +63,10 @@ class ParameterStore {
  public:
   // Lays out and binds the parameters of layers [begin, end) of the model. Offsets are
   // aligned to 16 elements (64 bytes). Values are initialised from (seed, name), so they do
-  // not depend on how the model is cut into stages.
-  ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX);
+  // not depend on how the model is cut into stages. params() and grads() are padded with
+  // zeros to a multiple of pad_multiple elements (a multiple of 16; ZeRO pads to dp equal
+  // shards); the padding is never bound to a layer.
+  ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16);
   // The entries such a store would have, without allocating (e.g. to name another stage's).
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
 
@@ -76,10 +78,13 @@ class ParameterStore {
   Tensor value(const ParamEntry& e) const;
   Tensor grad(const ParamEntry& e) const;
   int64_t num_trainable() const;  // without alignment padding
+  // Elements of params() the layout uses (aligned entries); the rest is pad_multiple padding.
+  int64_t used_numel() const { return used_numel_; }
 
  private:
   Tensor params_, grads_, buffers_;
   std::vector<ParamEntry> entries_;
+  int64_t used_numel_ = 0;
 };
 
 }  // namespace strata::layers

@@ -26,8 +26,9 @@
 //
 // The algorithm matters more than overlap here: libnbc's ring all-reduce
 // (OMPI_MCA_coll_libnbc_iallreduce_algorithm=1) takes the 25 MiB all-reduce from ~20 ms to
-// ~7.8 ms and is 1.4-3.8x faster from 4 KiB to 256 MiB on 2 ranks; with it, progress() still
-// helps a little (exposed 6.6 ms vs 7.5 ms without). Set it in the job's environment.
+// ~7.8 ms and is 1.4-3.8x faster from 4 KiB to 256 MiB on 2 ranks, so MpiRuntime selects it
+// unless the environment already chose. With ring, progress() hides less (4-10% at 4-25 MiB:
+// the ring's copies are the CPU work that cannot hide) but still more than a thread.
 #include "parallel/mpi_communicator.hpp"
 
 #include <algorithm>

@@ -61,10 +61,11 @@ std::vector<StageRange> partition_layers(const layers::Model& model, int stages,
     } catch (const std::exception&) {
       used = 0;
     }
-    STRATA_REQUIRE(used == item.size() && v > 0 && static_cast<size_t>(v) < n, "--partition cut points must be layer indices in 1..",
-                   n - 1, " (or 'balanced'), found '", item, "' in '", spec, "'");
-    STRATA_REQUIRE(cuts.empty() || static_cast<size_t>(v) > cuts.back(), "--partition cut points must increase, found '",
-                   spec, "'");
+    STRATA_REQUIRE(used == item.size() && v > 0 && static_cast<size_t>(v) < n,
+                   "--partition cut points must be layer indices in 1..", n - 1, " (or 'balanced'), found '", item,
+                   "' in '", spec, "'");
+    STRATA_REQUIRE(cuts.empty() || static_cast<size_t>(v) > cuts.back(),
+                   "--partition cut points must increase, found '", spec, "'");
     cuts.push_back(static_cast<size_t>(v));
   }
   STRATA_REQUIRE(cuts.size() + 1 == static_cast<size_t>(stages), "--partition '", spec, "' makes ", cuts.size() + 1,

@@ -32,11 +32,13 @@ struct Config {
   bool eval_only = false;
   int prefetch = 2;
   bool log_all_ranks = false;
-  float bucket_mb = 25;  // gradient all-reduce bucket size
-  int pp = 1;                         // pipeline stages; dp = world size / pp
+  float bucket_mb = 25;                // gradient all-reduce bucket size
+  int pp = 1;                          // pipeline stages; dp = world size / pp
   std::string partition = "balanced";  // or cut points "3,7"
   std::string schedule_kind = "1f1b";  // gpipe | 1f1b
   std::string timeline;                // SVG of the last step's pipeline timeline
+  int zero = 0;                        // ZeRO stage: 0 (off) or 1 (optimizer state sharded)
+  bool dry_run = false;                // print the per-rank memory table and exit before training
   // Testing aids: rank debug_fail_rank throws during step debug_fail_step.
   int64_t debug_fail_step = -1;
   int debug_fail_rank = -1;

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
     trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });
   if (setup != parallel::kExitOk || !config) return setup;
+  if (config->dry_run) return parallel::kExitOk;  // the plan with every rank's bytes is printed
 
   try {
     if (!config->eval_only) trainer->train();

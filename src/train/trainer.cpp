@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -60,8 +61,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   begin_ = stages_[static_cast<size_t>(stage_)].begin;
   end_ = stages_[static_cast<size_t>(stage_)].end;
-  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_);
-  optimizer_ = std::make_unique<layers::Optimizer>(config_.optimizer, store_->params().numel());
+  // ZeRO pads the flat buffers to dp equal shards so the parameter all-gather has equal chunks.
+  const int64_t pad = config_.zero > 0 ? parallel::shard_pad_multiple(dp_) : parallel::kShardAlign;
+  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad);
+  optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   sync_ = std::make_unique<parallel::GradientSync>(grid_->dp(), *store_,
                                                    static_cast<int64_t>(config_.bucket_mb * (1 << 20)));
@@ -89,7 +92,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   input_grads_.resize(m);
   // Shape inference sizes every receive buffer once.
   for (size_t i = 0; i < m; ++i) {
-    if (!first_stage()) received_activations_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_))));
+    if (!first_stage())
+      received_activations_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_))));
     if (!last_stage()) received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_))));
   }
 
@@ -114,7 +118,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     }
   }
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
-  if (!config_.checkpoint_dir.empty() && rank_ == 0) {
+  if (!config_.checkpoint_dir.empty() && rank_ == 0 && !config_.dry_run) {
     std::error_code ec;
     fs::create_directories(config_.checkpoint_dir, ec);
     STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", config_.checkpoint_dir, "': ", ec.message());
@@ -125,26 +129,46 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   print_plan();
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
-              config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_,
-              " per replica); training ", total_steps_, " steps");
+              config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_, " per replica); ",
+              config_.dry_run ? "--dry-run: not training" : detail::cat("training ", total_steps_, " steps"));
 }
 
-void Trainer::print_plan() const {
+void Trainer::print_plan() {
   const int pp = grid_->pp_size();
-  const int64_t state_per_param = config_.optimizer.name == "adamw" ? 2 : (config_.optimizer.momentum != 0 ? 1 : 0);
   std::ostringstream os;
   os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
-     << micro_batches_ << " micro-batch(es) of " << micro_batch_ << "; bytes per rank:";
+     << micro_batches_ << " micro-batch(es) of " << micro_batch_ << ", zero " << config_.zero << ", optimizer "
+     << config_.optimizer.name << ":";
   for (int s = 0; s < pp; ++s) {
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
-    int64_t trainable = 0, buffers = 0, activations = 0;
+    int64_t trainable = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end))
-      (e.trainable ? trainable : buffers) += shape_numel(e.shape);
-    for (size_t i = r.begin; i < r.end; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
+      if (e.trainable) trainable += shape_numel(e.shape);
     os << "\n  stage " << s << ": layers " << r.begin << "-" << r.end - 1 << " (" << model_->layer(r.begin).name()
-       << " .. " << model_->layer(r.end - 1).name() << "), " << trainable << " parameters; params "
-       << 4 * (trainable + buffers) << ", grads " << 4 * trainable << ", optimizer " << 4 * state_per_param * trainable
-       << ", activations " << 4 * activations << " per micro-batch";
+       << " .. " << model_->layer(r.end - 1).name() << "), " << trainable << " parameters";
+  }
+
+  // Each rank reports its own allocations; int64 rows travel as bytes (collectives carry no i64).
+  constexpr int64_t kColumns = 4;
+  int64_t activations = 0;
+  for (size_t i = begin_; i < end_; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
+  const int64_t mine[kColumns] = {static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()),
+                                  static_cast<int64_t>(store_->grads().nbytes()), optimizer_->state_bytes(),
+                                  activations * static_cast<int64_t>(sizeof(float))};
+  const int ranks = grid_->world().size();
+  const Tensor row = Tensor::empty({static_cast<int64_t>(sizeof mine)}, DType::U8);
+  const Tensor all = Tensor::empty({ranks * static_cast<int64_t>(sizeof mine)}, DType::U8);
+  std::memcpy(row.raw(), mine, sizeof mine);
+  if (ranks > 1)
+    grid_->world().all_gather(row, all);
+  else
+    std::memcpy(all.raw(), mine, sizeof mine);
+  const auto* rows = static_cast<const int64_t*>(all.raw());
+  os << "\n  bytes per rank (params include non-trained buffers; activations per micro-batch):";
+  for (int k = 0; k < ranks; ++k) {
+    const int64_t* v = rows + k * kColumns;
+    os << "\n  rank " << k << " (stage " << k / dp_ << ", replica " << k % dp_ << "): params " << v[0] << ", grads "
+       << v[1] << ", optimizer " << v[2] << ", activations " << v[3];
   }
   log::info(os.str());
 }
@@ -229,15 +253,15 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
 
   const Tensor& grads = store_->grads();
   if (config_.clip_grad > 0) {
-    // The global norm spans every stage; replicas hold identical (summed) gradients.
-    std::vector<double> squares{ops::sum_squares(grads)};
+    // The global norm spans every stage; within a stage the optimizer sums its dp shards.
+    std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
     if (grid_->pp_size() > 1) {
       const Tensor t = Tensor::empty({1});
       t.data<float>()[0] = static_cast<float>(squares[0]);
       pipe.all_reduce(t, parallel::ReduceOp::Sum);
       squares[0] = t.data<float>()[0];
     }
-    layers::clip_by_global_norm(grads, squares[0], config_.clip_grad);
+    layers::clip_by_global_norm(optimizer_->owned(grads), squares[0], config_.clip_grad);  // only what is stepped
   }
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   if (record) write_timeline(timeline_);
@@ -418,7 +442,8 @@ void Trainer::write_timeline(const std::vector<parallel::TimelineEvent>& mine) {
      << " micro-batches) written to " << config_.timeline << "\n"
      << parallel::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
   for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
-  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1) << ")";
+  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1)
+     << ")";
   log::info(os.str());
 }
 

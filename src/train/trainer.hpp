@@ -18,6 +18,7 @@
 #include "parallel/partition.hpp"
 #include "parallel/process_grid.hpp"
 #include "parallel/schedule.hpp"
+#include "parallel/zero.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -35,10 +36,11 @@ class Trainer {
   // found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
+  // Trains (nothing with --dry-run: setup has printed the memory table).
   void train();
   // Collective over the world: every rank calls it.
   EvalResult evaluate(const io::Dataset& data);
-  // The dataset evaluated at the end and by --eval-only.
+  // The dataset evaluated at the end and by --eval-only; none with --dry-run.
   const io::Dataset* eval_data() const;
   // Collective: replica 0 of every stage sends its tensors to rank 0, which writes them.
   void save_checkpoint(int64_t step, int64_t epoch);
@@ -51,7 +53,10 @@ class Trainer {
   double train_step(const io::Batch& batch, int64_t step);
   // Sums values over every rank of the world (stages that have no value contribute 0).
   void sum_over_world(std::vector<double>& values);
-  void print_plan() const;
+  // Rank 0 prints each stage's layers and, gathered from every rank, the bytes of its real
+  // allocations: parameters (+ buffers), gradients, optimizer state; activations per
+  // micro-batch from shape inference. Collective over the world.
+  void print_plan();
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
                     double eta_s) const;
   void write_timeline(const std::vector<parallel::TimelineEvent>& mine);
@@ -65,7 +70,7 @@ class Trainer {
   std::vector<parallel::StageRange> stages_;
   size_t begin_ = 0, end_ = 0;  // this stage's layers
   std::unique_ptr<layers::ParameterStore> store_;
-  std::unique_ptr<layers::Optimizer> optimizer_;
+  std::unique_ptr<parallel::ShardedOptimizer> optimizer_;  // the whole buffer with --zero 0
   std::unique_ptr<parallel::GradientSync> sync_;
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;

@@ -126,7 +126,7 @@ def case_help(args):
     for flag in ("--model", "--hidden", "--data", "--val-data", "--epochs", "--steps", "--global-batch", "--micro-batch",
                  "--optimizer", "--lr", "--momentum", "--weight-decay", "--lr-schedule", "--warmup-steps", "--clip-grad",
                  "--seed", "--shuffle", "--threads", "--checkpoint-dir", "--save-every", "--eval-every", "--log-every",
-                 "--metrics", "--init-from", "--eval-only", "--config"):
+                 "--metrics", "--init-from", "--eval-only", "--config", "--zero", "--dry-run"):
         assert flag in out, f"--help does not mention {flag}"
 
 
@@ -297,6 +297,74 @@ def case_pipeline_bad_inputs(args):
     expect_bad_input(args, base + ["--pp", "2", "--partition", "3,2"], r"increase", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--micro-batch", "3"], r"micro-batch \(3\)", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--schedule", "interleaved"], r"interleaved", ranks=2)
+
+
+ZERO_MLP = ["--model", "mlp", "--hidden", "64,32"]
+
+
+def case_zero_equivalence(args):
+    """ZeRO 1 (optimizer state sharded, parameters all-gathered) == ZeRO 0 after 50 steps, with
+    SGD-momentum and with AdamW + clipping (the norm is summed over shards), for dp = 2, dp = 4
+    and pp = 2 x dp = 2. dp = 4 splits the MLP's 6384 elements into 1600-element shards, so the
+    last rank's shard is shorter (1584)."""
+    for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"), ("--optimizer", "adamw", "--clip-grad", "1.0")):
+        for ranks, micro, grid in ((2, 16, ()), (4, 8, ()), (4, 8, ("--pp", "2"))):
+            layouts = [(ranks, micro, grid + optimizer + ("--zero", z)) for z in ("0", "1")]
+            runs = equivalence_runs(args, ZERO_MLP, layouts)
+            assert_same_model(runs[layouts[1]], runs[layouts[0]], f"zero 1 vs 0, {ranks} ranks {grid} {optimizer}")
+
+
+def dry_run_table(args, ranks, flags):
+    """Runs --dry-run and returns {rank: {params, grads, optimizer, activations}} in bytes."""
+    data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)
+    out = train_ranks(args, ranks, flags + ["--data", data, "--global-batch", "32", "--dry-run"], timeout=120)
+    assert not re.search(r"^step ", out, re.M), f"--dry-run trained:\n{out}"
+    rows = {}
+    for m in re.finditer(r"rank (\d+) \(stage \d+, replica \d+\): params (\d+), grads (\d+), optimizer (\d+), "
+                         r"activations (\d+)", out):
+        rows[int(m.group(1))] = dict(zip(("params", "grads", "optimizer", "activations"), map(int, m.groups()[1:])))
+    assert sorted(rows) == list(range(ranks)), out
+    return rows
+
+
+def case_zero_memory(args):
+    """--dry-run's per-rank table, from the real allocations: with ZeRO 1 each rank holds
+    optimizer state for S = align_up(ceil(N / dp), 16) elements (64-byte alignment), 4 bytes x
+    (1 for SGD-momentum, 2 for AdamW) each; the last rank may hold less (N - (dp-1) S).
+    Parameters and gradients stay whole, padded to dp x S elements."""
+    align = lambda n, m=16: (n + m - 1) // m * m
+    # The MLP's flat layout, computed here independently: 8x8 inputs, 64, 32, 4 classes;
+    # every tensor starts on a 16-element boundary.
+    sizes = [64 * 64, 64, 32 * 64, 32, 4 * 32, 4]
+    n = sum(align(s) for s in sizes)
+    for optimizer, per_element in (("sgd", 1), ("adamw", 2)):
+        for dp in (1, 2, 4):
+            flags = ZERO_MLP + ["--optimizer", optimizer]
+            base = dry_run_table(args, dp, flags + ["--zero", "0"])
+            rows = dry_run_table(args, dp, flags + ["--zero", "1"])
+            shard = align(-(-n // dp))
+            for r in range(dp):
+                assert base[r]["grads"] == 4 * n and base[r]["optimizer"] == 4 * per_element * n, (r, base[r])
+                owned = max(0, min(shard, n - r * shard))
+                assert owned == shard or r == dp - 1, (dp, r, owned)
+                expected = {"params": 4 * dp * shard, "grads": 4 * dp * shard, "optimizer": 4 * per_element * owned,
+                            "activations": base[r]["activations"]}
+                assert rows[r] == expected, f"{optimizer} dp={dp} rank {r}: {rows[r]}, expected {expected}"
+            print(f"{optimizer} dp={dp}: N={n} S={shard} optimizer bytes per rank "
+                  f"{[rows[r]['optimizer'] for r in range(dp)]} (zero 0: {base[0]['optimizer']}), "
+                  f"params/grads {rows[0]['params']}/{rows[0]['grads']} "
+                  f"(zero 0: {base[0]['params']}/{base[0]['grads']})")
+
+
+def case_zero_bad_inputs(args):
+    """ZeRO stages not built yet and unknown stages: one line each, exit 2 on every rank."""
+    data = write_dataset(os.path.join(args.workdir, "zero.h5"))
+    base = ["--data", data, "--steps", "2", "--global-batch", "8", "--model", "mlp", "--hidden", "16"]
+    for stage in ("2", "3"):
+        expect_bad_input(args, base + ["--zero", stage],
+                         rf"--zero {stage} is not implemented yet \(stages 0 and 1 are\)", ranks=2)
+    expect_bad_input(args, base + ["--zero", "7"], r"--zero must be 0 or 1, found 7", ranks=2)
+    expect_bad_input(args, base + ["--zero", "x"], r"zero.*x|x.*zero")
 
 
 def case_rank_failure(args):
