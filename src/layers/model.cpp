@@ -211,29 +211,37 @@ std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin,
   return entries;
 }
 
-ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple)
+ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
+                               bool allocate_grads)
     : entries_(layout(model, begin, end)) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
-  end = std::min(end, model.size());
   int64_t trainable = 0, buffers = 0;
   for (const ParamEntry& e : entries_) (e.trainable ? trainable : buffers) = align_up(e.offset + shape_numel(e.shape));
   used_numel_ = trainable;
   params_ = Tensor::zeros({align_up(trainable, pad_multiple)});
-  grads_ = Tensor::zeros({align_up(trainable, pad_multiple)});
+  if (allocate_grads) grads_ = Tensor::zeros({align_up(trainable, pad_multiple)});
   buffers_ = Tensor::zeros({buffers});
 
+  end = std::min(end, model.size());
   size_t k = 0;  // entries_ follow the layers' param_specs() order
   for (size_t i = begin; i < end; ++i) {
-    std::vector<Tensor> values, grads;
     for (const ParamSpec& s : model.layer(i).param_specs()) {
       const ParamEntry& e = entries_[k++];
-      values.push_back(value(e));
-      grads.push_back(e.trainable ? grad(e) : Tensor());
-      initialise(values.back(), s, e.name, seed);
+      initialise(value(e), s, e.name, seed);
     }
-    model.layer(i).bind(values, grads);
+    bind_grads(model, i, grads_, 0);
   }
+}
+
+void ParameterStore::bind_grads(const Model& model, size_t layer, const Tensor& grads, int64_t grads_begin) const {
+  std::vector<Tensor> values, layer_grads;
+  for (const ParamEntry& e : entries_) {
+    if (e.layer != layer) continue;
+    values.push_back(value(e));
+    layer_grads.push_back(e.trainable && grads.defined() ? grads.view(e.offset - grads_begin, e.shape) : Tensor());
+  }
+  model.layer(layer).bind(values, layer_grads);
 }
 
 Tensor ParameterStore::value(const ParamEntry& e) const {

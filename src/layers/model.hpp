@@ -65,8 +65,11 @@ class ParameterStore {
   // aligned to 16 elements (64 bytes). Values are initialised from (seed, name), so they do
   // not depend on how the model is cut into stages. params() and grads() are padded with
   // zeros to a multiple of pad_multiple elements (a multiple of 16; ZeRO pads to dp equal
-  // shards); the padding is never bound to a layer.
-  ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16);
+  // shards); the padding is never bound to a layer. Without allocate_grads (ZeRO stage 2,
+  // which keeps only a gradient shard) grads() stays undefined and layers are bound to
+  // undefined gradients until bind_grads() points them somewhere.
+  ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16,
+                 bool allocate_grads = true);
   // The entries such a store would have, without allocating (e.g. to name another stage's).
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
 
@@ -80,6 +83,9 @@ class ParameterStore {
   int64_t num_trainable() const;  // without alignment padding
   // Elements of params() the layout uses (aligned entries); the rest is pad_multiple padding.
   int64_t used_numel() const { return used_numel_; }
+  // (Re)binds layer `layer` of `model` (one this store holds) to its values and to gradient
+  // views into `grads`, whose element 0 stands for element `grads_begin` of the flat layout.
+  void bind_grads(const Model& model, size_t layer, const Tensor& grads, int64_t grads_begin) const;
 
  private:
   Tensor params_, grads_, buffers_;

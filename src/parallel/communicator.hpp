@@ -37,6 +37,9 @@ class Communicator {
   virtual WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) = 0;
   // in: n elements; out: size() * n elements, chunk r from rank r.
   virtual WorkPtr all_gather_async(const Tensor& in, const Tensor& out) = 0;
+  // Reduction over ranks of t into t on `root` (in place); on other ranks t is only sent and
+  // left unchanged. Same dtypes and ops as all_reduce.
+  virtual WorkPtr reduce_async(const Tensor& t, int root, ReduceOp op) = 0;
   virtual WorkPtr broadcast_async(const Tensor& t, int root) = 0;
   // Point-to-point; a send matches the receive with the same (peer, tag), in order.
   virtual WorkPtr send_async(const Tensor& t, int peer, int tag) = 0;
@@ -49,6 +52,7 @@ class Communicator {
   void all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, op)->wait(); }
   void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) { reduce_scatter_async(in, out, op)->wait(); }
   void all_gather(const Tensor& in, const Tensor& out) { all_gather_async(in, out)->wait(); }
+  void reduce(const Tensor& t, int root, ReduceOp op) { reduce_async(t, root, op)->wait(); }
   void broadcast(const Tensor& t, int root) { broadcast_async(t, root)->wait(); }
   void send(const Tensor& t, int peer, int tag) { send_async(t, peer, tag)->wait(); }
   void recv(const Tensor& t, int peer, int tag) { recv_async(t, peer, tag)->wait(); }

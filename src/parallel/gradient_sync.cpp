@@ -1,6 +1,10 @@
+// Bucketed gradient sync: all-reduce per bucket (ZeRO 0/1) or reduce to the shard owners
+// through two scratch slots (ZeRO 2).
 #include "parallel/gradient_sync.hpp"
 
 #include <algorithm>
+
+#include "core/ops.hpp"
 
 namespace strata::parallel {
 
@@ -19,7 +23,7 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
     else
       ranges.push_back({e.layer, e.offset, end});
   }
-  const int64_t total = store.grads().numel();
+  const int64_t total = store.params().numel();  // grads share the layout (and may not exist)
   const int64_t min_elements = std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
   std::vector<Bucket> buckets;
   int64_t end = total;  // the last bucket also covers the alignment padding at the end
@@ -38,32 +42,108 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
 GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes)
     : dp_(dp), store_(store), buckets_(make_buckets(store, bucket_bytes)) {}
 
+GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
+                           int64_t bucket_bytes, int64_t shard_size)
+    : GradientSync(dp, store, bucket_bytes) {
+  STRATA_CHECK(!store.grads().defined(), "ZeRO 2 keeps no full gradient buffer, but the store has one");
+  STRATA_CHECK(store.params().numel() == shard_size * dp.size(), "ZeRO 2 needs the store padded to ", dp.size(), " x ",
+               shard_size, " elements, it has ", store.params().numel());
+  model_ = &model;
+  shard_size_ = shard_size;
+  shard_grads_ = Tensor::zeros({shard_size});
+  int64_t largest = 0;
+  bucket_layers_.resize(buckets_.size());
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    largest = std::max(largest, buckets_[k].end - buckets_[k].begin);
+    for (const layers::ParamEntry& e : store.entries()) {
+      std::vector<size_t>& layers = bucket_layers_[k];
+      if (e.trainable && e.offset >= buckets_[k].begin && e.offset < buckets_[k].end &&
+          (layers.empty() || layers.back() != e.layer))
+        layers.push_back(e.layer);
+    }
+  }
+  for (Tensor& slot : slots_) slot = Tensor::zeros({largest});
+}
+
 void GradientSync::broadcast_parameters() {
   if (dp_.size() == 1) return;
   if (store_.params().numel() > 0) dp_.broadcast(store_.params(), 0);
   if (store_.buffers().numel() > 0) dp_.broadcast(store_.buffers(), 0);
 }
 
+int64_t GradientSync::allocated_bytes() const {
+  int64_t bytes = static_cast<int64_t>(shard_grads_.nbytes());
+  for (const Tensor& slot : slots_) bytes += static_cast<int64_t>(slot.nbytes());
+  return bytes;
+}
+
 void GradientSync::begin() {
   work_.clear();
   next_ = 0;
+  if (sharded()) bind_bucket(0);
+}
+
+void GradientSync::bind_bucket(size_t k) {
+  if (k >= buckets_.size()) return;
+  // The slot is free once the reductions of the bucket before last (which used it) are done.
+  std::vector<Piece>& previous = pending_[k % 2];
+  retire(previous, /*wait=*/true);
+  const Bucket& b = buckets_[k];
+  // Layers accumulate into their gradient views, so the slot starts at zero.
+  const Tensor slot = slots_[k % 2].view(0, {b.end - b.begin});
+  slot.fill_zero();
+  for (size_t layer : bucket_layers_[k]) store_.bind_grads(*model_, layer, slot, b.begin);
+}
+
+void GradientSync::start(size_t k) {
+  const Bucket& b = buckets_[k];
+  if (!sharded()) {
+    work_.push_back(dp_.all_reduce_async(store_.grads().view(b.begin, {b.end - b.begin}), ReduceOp::Sum));
+    return;
+  }
+  // One reduce per owner whose shard [o*S, (o+1)*S) overlaps the bucket; every replica starts
+  // them in the same order, as collectives on one communicator must be.
+  const Tensor slot = slots_[k % 2];
+  for (int o = 0; o < dp_.size(); ++o) {
+    const int64_t lo = std::max(b.begin, o * shard_size_), hi = std::min(b.end, (o + 1) * shard_size_);
+    if (lo >= hi) continue;
+    const Tensor piece = slot.view(lo - b.begin, {hi - lo});
+    Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor()};
+    if (o == dp_.rank()) p.into = shard_grads_.view(lo - o * shard_size_, {hi - lo});
+    pending_[k % 2].push_back(std::move(p));
+  }
+  // The next bucket's layers run next: point their gradients at the other slot now.
+  bind_bucket(k + 1);
+}
+
+void GradientSync::retire(std::vector<Piece>& pieces, bool wait) {
+  // A reduced piece is added to the owner's shard as soon as it is complete, once: the
+  // accumulator sums micro-batches, the slot is reused for the next bucket.
+  std::erase_if(pieces, [wait](Piece& p) {
+    if (wait)
+      p.work->wait();
+    else if (!p.work->test())
+      return false;
+    if (p.into.defined()) ops::axpy(1.0f, p.reduced, p.into);
+    return true;
+  });
 }
 
 void GradientSync::layer_done(size_t layer) {
-  if (dp_.size() == 1) return;
+  // ZeRO 2 goes through the slots even on one rank (a reduce to itself).
+  if (dp_.size() == 1 && !sharded()) return;
   // Backward runs from the last layer down, so buckets complete in order.
-  while (next_ < buckets_.size() && layer <= buckets_[next_].first_layer) {
-    const Bucket& b = buckets_[next_++];
-    work_.push_back(dp_.all_reduce_async(store_.grads().view(b.begin, {b.end - b.begin}), ReduceOp::Sum));
-  }
+  while (next_ < buckets_.size() && layer <= buckets_[next_].first_layer) start(next_++);
   dp_.progress();
+  for (std::vector<Piece>& pieces : pending_) retire(pieces, /*wait=*/false);
 }
 
 void GradientSync::finish() {
-  if (dp_.size() == 1) return;
+  if (dp_.size() == 1 && !sharded()) return;
   layer_done(0);  // anything not yet started (layers without parameters at the front)
   for (WorkPtr& w : work_) w->wait();
   work_.clear();
+  for (std::vector<Piece>& pieces : pending_) retire(pieces, /*wait=*/true);
 }
 
 }  // namespace strata::parallel

@@ -269,6 +269,24 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   return track(std::move(state));
 }
 
+WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
+  const int count = count_of(t);
+  STRATA_CHECK(root >= 0 && root < size_, "reduce root ", root, " outside ", name_, " of ", size_, " ranks");
+  auto state = std::make_shared<MpiOpState>();
+  state->what = "reduce on " + name_;
+  state->buffers = {t};
+  const MPI_Op mpi_op = mpi_sum(t.dtype(), op);
+  const bool is_root = rank_ == root;
+  // Only the root receives the result, so only it scales for Avg.
+  if (op == ReduceOp::Avg && is_root) state->finish = [t, f = 1.0f / static_cast<float>(size_)] { scale(t, f); };
+  // MPI_IN_PLACE is legal only on the root; elsewhere t is the send buffer and no receive
+  // buffer is used.
+  check_mpi(MPI_Ireduce(is_root ? MPI_IN_PLACE : t.raw(), is_root ? t.raw() : nullptr, count, mpi_type(t.dtype()),
+                        mpi_op, root, comm_, &state->request),
+            "MPI_Ireduce", state->what);
+  return track(std::move(state));
+}
+
 WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
   const int count = count_of(t);
   STRATA_CHECK(root >= 0 && root < size_, "broadcast root ", root, " outside ", name_, " of ", size_, " ranks");

@@ -37,6 +37,7 @@ class MpiCommunicator final : public Communicator {
   WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) override;
   // `in` may be chunk rank() of `out` (gathers in place).
   WorkPtr all_gather_async(const Tensor& in, const Tensor& out) override;
+  WorkPtr reduce_async(const Tensor& t, int root, ReduceOp op) override;
   WorkPtr broadcast_async(const Tensor& t, int root) override;
   WorkPtr send_async(const Tensor& t, int peer, int tag) override;
   WorkPtr recv_async(const Tensor& t, int peer, int tag) override;

@@ -1,4 +1,5 @@
-// ZeRO stage 1: sharded optimizer state, full gradients, all-gathered parameters.
+// ZeRO stages 1 and 2: sharded optimizer state (and, for 2, gradients: see gradient_sync),
+// all-gathered parameters.
 #include "parallel/zero.hpp"
 
 #include <algorithm>
@@ -22,7 +23,7 @@ Shard shard_of(int64_t used, int dp, int rank) {
 namespace {
 
 Shard whole_or_shard(int zero_stage, const Communicator& dp, const layers::ParameterStore& store) {
-  STRATA_REQUIRE(zero_stage == 0 || zero_stage == 1, "--zero ", zero_stage, " is not implemented");
+  STRATA_REQUIRE(zero_stage >= 0 && zero_stage <= 2, "--zero ", zero_stage, " is not implemented");
   if (zero_stage == 0) {
     const int64_t n = store.params().numel();
     return {n, 0, n};
@@ -44,8 +45,13 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, int ze
 
 Tensor ShardedOptimizer::owned(const Tensor& flat) const { return flat.view(shard_.begin, {shard_.numel()}); }
 
+Tensor ShardedOptimizer::owned_grads(const Tensor& grads) const {
+  // Stage 2's shard starts at this rank's first owned element.
+  return stage_ == 2 ? grads.view(0, {shard_.numel()}) : owned(grads);
+}
+
 double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
-  const double local = shard_.numel() > 0 ? ops::sum_squares(owned(grads)) : 0.0;
+  const double local = shard_.numel() > 0 ? ops::sum_squares(owned_grads(grads)) : 0.0;
   if (stage_ == 0 || dp_.size() == 1) return local;
   const Tensor t = Tensor::empty({1});
   t.data<float>()[0] = static_cast<float>(local);
@@ -54,9 +60,9 @@ double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
 }
 
 void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr) {
-  // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 will
-  // replace it by a reduce to the owning rank per bucket and keep only the owned shard.
-  if (shard_.numel() > 0) inner_.step(owned(params), owned(grads), lr);
+  // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 reduced
+  // each bucket to its owners, so grads is the owned shard alone.
+  if (shard_.numel() > 0) inner_.step(owned(params), owned_grads(grads), lr);
   if (stage_ == 0 || dp_.size() == 1) return;
   // Every chunk is S long (the store is padded), this rank's chunk is gathered in place.
   dp_.all_gather(params.view(dp_.rank() * shard_.size, {shard_.size}), params);

@@ -5,8 +5,9 @@
 // pads params and grads to dp*S elements so every all-gather chunk has the same size.
 //
 // Stage 0 is plain data parallelism: one shard is the whole buffer. Stage 1 shards the
-// optimizer state. Stages 2 (gradients reduce-scattered per bucket) and 3 (parameters
-// gathered around each layer) are to come and reuse Shard and the step/norm split below.
+// optimizer state. Stage 2 also shards the gradients: GradientSync reduces each bucket to the
+// owners and keeps only this rank's S-element gradient shard, which is what step() and
+// grad_sum_squares() then receive. Stage 3 (parameters gathered around each layer) is to come.
 #pragma once
 
 #include <cstdint>
@@ -33,9 +34,12 @@ Shard shard_of(int64_t used, int dp, int rank);
 
 class ShardedOptimizer {
  public:
-  // An optimizer for this rank's shard of `store` (zero_stage 1) or of all of it (0), over
-  // the data-parallel group `dp`. For stage 1 the store must be padded to dp * S
+  // An optimizer for this rank's shard of `store` (zero_stage 1, 2) or of all of it (0), over
+  // the data-parallel group `dp`. For stages 1 and 2 the store must be padded to dp * S
   // (shard_pad_multiple).
+  //
+  // `grads` below is the flat gradient buffer (stages 0, 1) or this rank's gradient shard of
+  // S elements (stage 2, GradientSync::shard_grads()).
   ShardedOptimizer(const layers::OptimizerConfig& config, int zero_stage, Communicator& dp,
                    const layers::ParameterStore& store);
 
@@ -43,8 +47,10 @@ class ShardedOptimizer {
   // each rank adds up its own shard and the shards are all-reduced over dp, so it stays right
   // once gradients are sharded (stage 2). The caller adds the other pipeline stages.
   double grad_sum_squares(const Tensor& grads);
-  // The view of a flat buffer (params or grads) that this rank updates.
+  // The view of the flat parameter buffer that this rank updates.
   Tensor owned(const Tensor& flat) const;
+  // The view of `grads` that this rank steps with (its owned range).
+  Tensor owned_grads(const Tensor& grads) const;
   // Updates the owned range of params from grads (already summed over replicas), then
   // all-gathers the updated shards in place so every replica holds all parameters.
   void step(const Tensor& params, const Tensor& grads, float lr);

@@ -63,11 +63,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   end_ = stages_[static_cast<size_t>(stage_)].end;
   // ZeRO pads the flat buffers to dp equal shards so the parameter all-gather has equal chunks.
   const int64_t pad = config_.zero > 0 ? parallel::shard_pad_multiple(dp_) : parallel::kShardAlign;
-  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad);
+  // ZeRO 2 never allocates the full gradient buffer: GradientSync holds the shard and slots.
+  const bool sharded_grads = config_.zero >= 2;
+  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad, !sharded_grads);
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
-  sync_ = std::make_unique<parallel::GradientSync>(grid_->dp(), *store_,
-                                                   static_cast<int64_t>(config_.bucket_mb * (1 << 20)));
+  const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));
+  sync_ = sharded_grads ? std::make_unique<parallel::GradientSync>(grid_->dp(), *model_, *store_, bucket_bytes,
+                                                                   optimizer_->shard().size)
+                        : std::make_unique<parallel::GradientSync>(grid_->dp(), *store_, bucket_bytes);
 
   // Batch arithmetic: global = micro * micro-batches * dp.
   STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
@@ -153,8 +157,8 @@ void Trainer::print_plan() {
   int64_t activations = 0;
   for (size_t i = begin_; i < end_; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
   const int64_t mine[kColumns] = {static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()),
-                                  static_cast<int64_t>(store_->grads().nbytes()), optimizer_->state_bytes(),
-                                  activations * static_cast<int64_t>(sizeof(float))};
+                                  static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes(),
+                                  optimizer_->state_bytes(), activations * static_cast<int64_t>(sizeof(float))};
   const int ranks = grid_->world().size();
   const Tensor row = Tensor::empty({static_cast<int64_t>(sizeof mine)}, DType::U8);
   const Tensor all = Tensor::empty({ranks * static_cast<int64_t>(sizeof mine)}, DType::U8);
@@ -190,7 +194,9 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const auto step_start = clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(clock::now() - step_start).count(); };
 
-  store_->grads().fill_zero();
+  // ZeRO 0/1: the flat gradient buffer; ZeRO 2: this rank's gradient shard.
+  const Tensor& grads = sync_->sharded() ? sync_->shard_grads() : store_->grads();
+  grads.fill_zero();
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
@@ -229,9 +235,11 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
       }
       case parallel::Op::Backward: {
         const Tensor dy = last_stage() ? outputs_[i] : received_grads_[i];
-        if (k != last_backward_) {
+        // ZeRO 2 syncs every backward: without a full gradient buffer there is nowhere to
+        // accumulate micro-batches locally, so each one's buckets go to their owners.
+        if (k != last_backward_ && !sync_->sharded()) {
           input_grads_[i] = model_->backward(dy, contexts_[i], begin_, end_, {}, !first_stage());
-        } else {  // the step's last backward on this stage: its buckets overlap it
+        } else {  // the step's last backward on this stage (any with ZeRO 2): buckets overlap it
           sync_->begin();
           input_grads_[i] = model_->backward(
               dy, contexts_[i], begin_, end_, [this](size_t layer) { sync_->layer_done(layer); }, !first_stage());
@@ -251,7 +259,6 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
 
-  const Tensor& grads = store_->grads();
   if (config_.clip_grad > 0) {
     // The global norm spans every stage; within a stage the optimizer sums its dp shards.
     std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
@@ -261,7 +268,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
       pipe.all_reduce(t, parallel::ReduceOp::Sum);
       squares[0] = t.data<float>()[0];
     }
-    layers::clip_by_global_norm(optimizer_->owned(grads), squares[0], config_.clip_grad);  // only what is stepped
+    layers::clip_by_global_norm(optimizer_->owned_grads(grads), squares[0], config_.clip_grad);  // only what is stepped
   }
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   if (record) write_timeline(timeline_);

@@ -303,15 +303,22 @@ ZERO_MLP = ["--model", "mlp", "--hidden", "64,32"]
 
 
 def case_zero_equivalence(args):
-    """ZeRO 1 (optimizer state sharded, parameters all-gathered) == ZeRO 0 after 50 steps, with
-    SGD-momentum and with AdamW + clipping (the norm is summed over shards), for dp = 2, dp = 4
-    and pp = 2 x dp = 2. dp = 4 splits the MLP's 6384 elements into 1600-element shards, so the
-    last rank's shard is shorter (1584)."""
+    """ZeRO 1 (optimizer state sharded, parameters all-gathered) and ZeRO 2 (gradients reduced
+    to their owners per bucket and micro-batch, only the own shard kept) == ZeRO 0 after 50
+    steps, with SGD-momentum and with AdamW + clipping (the norm is summed over shards), for
+    dp = 2, dp = 4 and pp = 2 x dp = 2, each also with gradient accumulation (micro-batch smaller
+    than the per-replica batch: ZeRO 2 reduces every micro-batch into the shard). dp = 4 splits
+    the MLP's 6384 elements into 1600-element shards, so the last rank's shard is shorter (1584);
+    --bucket-mb 0.01 cuts the MLP into buckets that straddle shard boundaries."""
     for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"), ("--optimizer", "adamw", "--clip-grad", "1.0")):
-        for ranks, micro, grid in ((2, 16, ()), (4, 8, ()), (4, 8, ("--pp", "2"))):
-            layouts = [(ranks, micro, grid + optimizer + ("--zero", z)) for z in ("0", "1")]
-            runs = equivalence_runs(args, ZERO_MLP, layouts)
-            assert_same_model(runs[layouts[1]], runs[layouts[0]], f"zero 1 vs 0, {ranks} ranks {grid} {optimizer}")
+        # The last three accumulate 4 micro-batches per replica (global batch 32).
+        for ranks, micro, grid, stages in ((2, 16, (), "012"), (4, 8, (), "012"), (4, 8, ("--pp", "2"), "012"),
+                                           (2, 4, (), "02"), (4, 2, (), "02"), (4, 4, ("--pp", "2"), "02")):
+            layouts = {z: (ranks, micro, grid + optimizer + ("--zero", z)) for z in stages}
+            runs = equivalence_runs(args, ZERO_MLP, list(layouts.values()))
+            for z in stages[1:]:
+                assert_same_model(runs[layouts[z]], runs[layouts["0"]],
+                                  f"zero {z} vs 0, {ranks} ranks micro-batch {micro} {grid} {optimizer}")
 
 
 def dry_run_table(args, ranks, flags):
@@ -327,43 +334,65 @@ def dry_run_table(args, ranks, flags):
     return rows
 
 
+def largest_bucket(layer_sizes, total, bucket_mb):
+    """Elements of the largest gradient bucket, as GradientSync cuts them: whole layers from the
+    last one backwards, closed once at least bucket_mb MiB; the last bucket (the first cut) also
+    covers the padding up to `total`, the first reaches down to element 0. layer_sizes: each
+    layer's aligned trainable elements, in forward order."""
+    starts = [sum(layer_sizes[:k]) for k in range(len(layer_sizes))]
+    minimum = max(int(bucket_mb * (1 << 20)) // 4, 1)
+    sizes, end = [], total
+    for k in reversed(range(len(layer_sizes))):
+        if end - starts[k] >= minimum or k == 0:
+            begin = 0 if k == 0 else starts[k]
+            sizes.append(end - begin)
+            end = begin
+    return max(sizes)
+
+
 def case_zero_memory(args):
-    """--dry-run's per-rank table, from the real allocations: with ZeRO 1 each rank holds
+    """--dry-run's per-rank table, from the real allocations: with ZeRO 1 and 2 each rank holds
     optimizer state for S = align_up(ceil(N / dp), 16) elements (64-byte alignment), 4 bytes x
     (1 for SGD-momentum, 2 for AdamW) each; the last rank may hold less (N - (dp-1) S).
-    Parameters and gradients stay whole, padded to dp x S elements."""
+    Parameters stay whole, padded to dp x S elements; so do gradients with ZeRO 1, while ZeRO 2
+    keeps a gradient shard of S elements plus two scratch slots of the largest bucket."""
     align = lambda n, m=16: (n + m - 1) // m * m
     # The MLP's flat layout, computed here independently: 8x8 inputs, 64, 32, 4 classes;
     # every tensor starts on a 16-element boundary.
     sizes = [64 * 64, 64, 32 * 64, 32, 4 * 32, 4]
+    layer_sizes = [align(sizes[0]) + align(sizes[1]), align(sizes[2]) + align(sizes[3]),
+                   align(sizes[4]) + align(sizes[5])]
     n = sum(align(s) for s in sizes)
+    bucket_mb = 0.005  # 1310 elements: buckets [0, 4160) and [4160, dp*S) - two, of different sizes
     for optimizer, per_element in (("sgd", 1), ("adamw", 2)):
         for dp in (1, 2, 4):
-            flags = ZERO_MLP + ["--optimizer", optimizer]
+            flags = ZERO_MLP + ["--optimizer", optimizer, "--bucket-mb", str(bucket_mb)]
             base = dry_run_table(args, dp, flags + ["--zero", "0"])
-            rows = dry_run_table(args, dp, flags + ["--zero", "1"])
             shard = align(-(-n // dp))
-            for r in range(dp):
-                assert base[r]["grads"] == 4 * n and base[r]["optimizer"] == 4 * per_element * n, (r, base[r])
-                owned = max(0, min(shard, n - r * shard))
-                assert owned == shard or r == dp - 1, (dp, r, owned)
-                expected = {"params": 4 * dp * shard, "grads": 4 * dp * shard, "optimizer": 4 * per_element * owned,
-                            "activations": base[r]["activations"]}
-                assert rows[r] == expected, f"{optimizer} dp={dp} rank {r}: {rows[r]}, expected {expected}"
-            print(f"{optimizer} dp={dp}: N={n} S={shard} optimizer bytes per rank "
-                  f"{[rows[r]['optimizer'] for r in range(dp)]} (zero 0: {base[0]['optimizer']}), "
-                  f"params/grads {rows[0]['params']}/{rows[0]['grads']} "
-                  f"(zero 0: {base[0]['params']}/{base[0]['grads']})")
+            bucket = largest_bucket(layer_sizes, dp * shard, bucket_mb)
+            for zero in (1, 2):
+                rows = dry_run_table(args, dp, flags + ["--zero", str(zero)])
+                for r in range(dp):
+                    assert base[r]["grads"] == 4 * n and base[r]["optimizer"] == 4 * per_element * n, (r, base[r])
+                    owned = max(0, min(shard, n - r * shard))
+                    assert owned == shard or r == dp - 1, (dp, r, owned)
+                    grads = 4 * dp * shard if zero == 1 else 4 * shard + 2 * 4 * bucket
+                    expected = {"params": 4 * dp * shard, "grads": grads, "optimizer": 4 * per_element * owned,
+                                "activations": base[r]["activations"]}
+                    assert rows[r] == expected, f"{optimizer} zero {zero} dp={dp} rank {r}: {rows[r]}, expected {expected}"
+                print(f"{optimizer} zero {zero} dp={dp}: N={n} S={shard} largest bucket {bucket}: optimizer bytes per "
+                      f"rank {[rows[r]['optimizer'] for r in range(dp)]} (zero 0: {base[0]['optimizer']}), "
+                      f"params/grads {rows[0]['params']}/{rows[0]['grads']} "
+                      f"(zero 0: {base[0]['params']}/{base[0]['grads']})")
 
 
 def case_zero_bad_inputs(args):
     """ZeRO stages not built yet and unknown stages: one line each, exit 2 on every rank."""
     data = write_dataset(os.path.join(args.workdir, "zero.h5"))
     base = ["--data", data, "--steps", "2", "--global-batch", "8", "--model", "mlp", "--hidden", "16"]
-    for stage in ("2", "3"):
-        expect_bad_input(args, base + ["--zero", stage],
-                         rf"--zero {stage} is not implemented yet \(stages 0 and 1 are\)", ranks=2)
-    expect_bad_input(args, base + ["--zero", "7"], r"--zero must be 0 or 1, found 7", ranks=2)
+    expect_bad_input(args, base + ["--zero", "3"], r"--zero 3 is not implemented yet \(stages 0, 1 and 2 are\)",
+                     ranks=2)
+    expect_bad_input(args, base + ["--zero", "7"], r"--zero must be 0, 1 or 2, found 7", ranks=2)
     expect_bad_input(args, base + ["--zero", "x"], r"zero.*x|x.*zero")
 
 

@@ -245,6 +245,49 @@ TEST_F(Collectives, AllGatherInPlace) {
   }
 }
 
+TEST_F(Collectives, ReduceToEveryRoot) {
+  // The root gets the sum in place; the others only send and keep their own values.
+  for (DType type : kAllTypes)
+    for (int64_t n : kSizes)
+      for (int root = 0; root < size_; ++root)
+        for (bool async : {false, true}) {
+          SCOPED_TRACE(label(type, n, async) + " root " + std::to_string(root));
+          Tensor t = filled(type, n, rank_);
+          if (async)
+            comm_.reduce_async(t, root, ReduceOp::Sum)->wait();
+          else
+            comm_.reduce(t, root, ReduceOp::Sum);
+          EXPECT_EQ(count_wrong(t,
+                                [&](int64_t i) {
+                                  return rank_ == root ? reference_sum(type, size_, 0, i)
+                                                       : contribution(type, rank_, i);
+                                }),
+                    0);
+        }
+}
+
+TEST_F(Collectives, ReduceAvgScalesOnlyTheRoot) {
+  for (DType type : kFloatTypes) {
+    SCOPED_TRACE(dtype_name(type));
+    const int64_t n = 1003;
+    Tensor t = filled(type, n, rank_);
+    comm_.reduce(t, size_ - 1, ReduceOp::Avg);
+    EXPECT_EQ(count_wrong(t,
+                          [&](int64_t i) {
+                            return rank_ == size_ - 1 ? reference_sum(type, size_, 0, i) / size_
+                                                      : contribution(type, rank_, i);
+                          }),
+              0);
+  }
+}
+
+TEST_F(Collectives, ReduceChecksRoot) {
+  Tensor t = Tensor::empty({3});
+  EXPECT_THROW(comm_.reduce_async(t, size_, ReduceOp::Sum), Error);
+  EXPECT_THROW(comm_.reduce_async(Tensor::empty({3}, DType::I32), 0, ReduceOp::Avg), Error);
+  comm_.barrier();  // nothing was started
+}
+
 TEST_F(Collectives, BroadcastFromEveryRoot) {
   for (DType type : kAllTypes)
     for (int64_t n : kSizes)
