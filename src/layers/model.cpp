@@ -211,41 +211,87 @@ std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin,
   return entries;
 }
 
+int64_t ParameterStore::layout_numel(const std::vector<ParamEntry>& entries) {
+  int64_t trainable = 0;
+  for (const ParamEntry& e : entries)
+    if (e.trainable) trainable = align_up(e.offset + shape_numel(e.shape));
+  return trainable;
+}
+
 ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
-                               bool allocate_grads)
-    : entries_(layout(model, begin, end)) {
+                               bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size)
+    : entries_(layout(model, begin, end)), first_layer_(begin) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
-  int64_t trainable = 0, buffers = 0;
-  for (const ParamEntry& e : entries_) (e.trainable ? trainable : buffers) = align_up(e.offset + shape_numel(e.shape));
-  used_numel_ = trainable;
-  params_ = Tensor::zeros({align_up(trainable, pad_multiple)});
-  if (allocate_grads) grads_ = Tensor::zeros({align_up(trainable, pad_multiple)});
+  int64_t buffers = 0;
+  for (const ParamEntry& e : entries_)
+    if (!e.trainable) buffers = align_up(e.offset + shape_numel(e.shape));
+  used_numel_ = layout_numel(entries_);
+  flat_numel_ = align_up(used_numel_, pad_multiple);
+  params_begin_ = allocate_params ? 0 : shard_begin;
+  sharded_params_ = !allocate_params;
+  params_ = Tensor::zeros({allocate_params ? flat_numel_ : shard_size});
+  if (allocate_grads) grads_ = Tensor::zeros({flat_numel_});
   buffers_ = Tensor::zeros({buffers});
 
   end = std::min(end, model.size());
+  bindings_.resize(end - begin);
   size_t k = 0;  // entries_ follow the layers' param_specs() order
   for (size_t i = begin; i < end; ++i) {
     for (const ParamSpec& s : model.layer(i).param_specs()) {
       const ParamEntry& e = entries_[k++];
-      initialise(value(e), s, e.name, seed);
+      // Each entry is drawn whole, so a shard holds exactly the unsharded values.
+      const Tensor full = Tensor::empty(e.shape);
+      initialise(full, s, e.name, seed);
+      set_value(e, full);
     }
-    bind_grads(model, i, grads_, 0);
+    bindings_[i - begin] = {allocate_params ? params_ : Tensor(), grads_, 0, 0};
+    bind(model, i);
   }
 }
 
 void ParameterStore::bind_grads(const Model& model, size_t layer, const Tensor& grads, int64_t grads_begin) const {
+  Binding& b = bindings_[layer - first_layer_];
+  b.grads = grads;
+  b.grads_begin = grads_begin;
+  bind(model, layer);
+}
+
+void ParameterStore::bind_params(const Model& model, size_t layer, const Tensor& params, int64_t params_begin) const {
+  Binding& b = bindings_[layer - first_layer_];
+  b.params = params;
+  b.params_begin = params_begin;
+  bind(model, layer);
+}
+
+void ParameterStore::bind(const Model& model, size_t layer) const {
+  const Binding& b = bindings_[layer - first_layer_];
   std::vector<Tensor> values, layer_grads;
   for (const ParamEntry& e : entries_) {
     if (e.layer != layer) continue;
-    values.push_back(value(e));
-    layer_grads.push_back(e.trainable && grads.defined() ? grads.view(e.offset - grads_begin, e.shape) : Tensor());
+    if (!e.trainable)
+      values.push_back(buffers_.view(e.offset, e.shape));
+    else
+      values.push_back(b.params.defined() ? b.params.view(e.offset - b.params_begin, e.shape) : Tensor());
+    layer_grads.push_back(e.trainable && b.grads.defined() ? b.grads.view(e.offset - b.grads_begin, e.shape)
+                                                           : Tensor());
   }
   model.layer(layer).bind(values, layer_grads);
 }
 
 Tensor ParameterStore::value(const ParamEntry& e) const {
+  STRATA_CHECK(!e.trainable || !sharded_params(), e.name, " is sharded: gather it (ZeRO 3)");
   return (e.trainable ? params_ : buffers_).view(e.offset, e.shape);
+}
+
+void ParameterStore::set_value(const ParamEntry& e, const Tensor& full) const {
+  if (!e.trainable || !sharded_params()) {
+    value(e).copy_from(full);
+    return;
+  }
+  const int64_t n = shape_numel(e.shape);
+  const int64_t lo = std::max(e.offset, params_begin_), hi = std::min(e.offset + n, params_begin_ + params_.numel());
+  if (lo < hi) params_.view(lo - params_begin_, {hi - lo}).copy_from(full.view(lo - e.offset, {hi - lo}));
 }
 
 Tensor ParameterStore::grad(const ParamEntry& e) const {

@@ -67,30 +67,58 @@ class ParameterStore {
   // zeros to a multiple of pad_multiple elements (a multiple of 16; ZeRO pads to dp equal
   // shards); the padding is never bound to a layer. Without allocate_grads (ZeRO stage 2,
   // which keeps only a gradient shard) grads() stays undefined and layers are bound to
-  // undefined gradients until bind_grads() points them somewhere.
+  // undefined gradients until bind_grads() points them somewhere. Without allocate_params
+  // (ZeRO stage 3) params() holds only the `shard_size` elements of the flat layout from
+  // `shard_begin` on (initialised exactly as the full buffer would be there) and layers are
+  // bound to undefined parameters until bind_params() points them at a gathered window.
   ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16,
-                 bool allocate_grads = true);
+                 bool allocate_grads = true, bool allocate_params = true, int64_t shard_begin = 0,
+                 int64_t shard_size = 0);
   // The entries such a store would have, without allocating (e.g. to name another stage's).
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
+  // Elements of the flat trainable layout of those entries (aligned, without pad_multiple).
+  static int64_t layout_numel(const std::vector<ParamEntry>& entries);
 
-  const Tensor& params() const { return params_; }    // flat, trainable
+  const Tensor& params() const { return params_; }    // flat, trainable (ZeRO 3: the shard)
   const Tensor& grads() const { return grads_; }      // flat, same layout as params()
   const Tensor& buffers() const { return buffers_; }  // flat, non-trainable state
   const std::vector<ParamEntry>& entries() const { return entries_; }
   // The view of an entry's values (in params() or buffers()).
+  // The view of an entry's values (in params() or buffers()); not for sharded parameters.
   Tensor value(const ParamEntry& e) const;
+  // Copies the full tensor `full` of entry e into the store: all of it, or with sharded
+  // parameters the part this rank's shard holds.
+  void set_value(const ParamEntry& e, const Tensor& full) const;
   Tensor grad(const ParamEntry& e) const;
   int64_t num_trainable() const;  // without alignment padding
   // Elements of params() the layout uses (aligned entries); the rest is pad_multiple padding.
   int64_t used_numel() const { return used_numel_; }
-  // (Re)binds layer `layer` of `model` (one this store holds) to its values and to gradient
-  // views into `grads`, whose element 0 stands for element `grads_begin` of the flat layout.
+  // The padded length of the flat layout (params().numel() unless the parameters are sharded).
+  int64_t flat_numel() const { return flat_numel_; }
+  bool sharded_params() const { return sharded_params_; }
+  // (Re)binds layer `layer` of `model` (one this store holds) to gradient views into `grads`,
+  // whose element 0 stands for element `grads_begin` of the flat layout; its parameters stay
+  // bound where they are.
   void bind_grads(const Model& model, size_t layer, const Tensor& grads, int64_t grads_begin) const;
+  // Likewise for its trainable parameters: views into `params`, element 0 = `params_begin`.
+  void bind_params(const Model& model, size_t layer, const Tensor& params, int64_t params_begin) const;
 
  private:
+  // Where a layer's trainable parameters and gradients are bound now (each element 0 stands
+  // for `*_begin` of the flat layout): the two are rebound independently (ZeRO 2 and 3).
+  struct Binding {
+    Tensor params, grads;
+    int64_t params_begin = 0, grads_begin = 0;
+  };
+  void bind(const Model& model, size_t layer) const;
+
   Tensor params_, grads_, buffers_;
   std::vector<ParamEntry> entries_;
-  int64_t used_numel_ = 0;
+  int64_t used_numel_ = 0, flat_numel_ = 0;
+  int64_t params_begin_ = 0;  // the flat element params() starts at
+  bool sharded_params_ = false;
+  size_t first_layer_ = 0;
+  mutable std::vector<Binding> bindings_;  // per layer from first_layer_
 };
 
 }  // namespace strata::layers

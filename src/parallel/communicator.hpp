@@ -47,6 +47,9 @@ class Communicator {
   virtual WorkPtr barrier_async() = 0;
   // Lets started operations advance (for transports that progress only inside calls).
   virtual void progress() {}
+  // Bytes this rank has sent on this communicator so far, by the convention of the transport
+  // (MpiCommunicator: what ring / direct algorithms send; see there); 0 if not counted.
+  virtual int64_t bytes_sent() const { return 0; }
 
   // Blocking forms.
   void all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, op)->wait(); }

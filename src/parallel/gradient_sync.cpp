@@ -23,7 +23,7 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
     else
       ranges.push_back({e.layer, e.offset, end});
   }
-  const int64_t total = store.params().numel();  // grads share the layout (and may not exist)
+  const int64_t total = store.flat_numel();  // grads and params may not exist in full (ZeRO 2, 3)
   const int64_t min_elements = std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
   std::vector<Bucket> buckets;
   int64_t end = total;  // the last bucket also covers the alignment padding at the end
@@ -39,15 +39,16 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
   return buckets;
 }
 
-GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes)
-    : dp_(dp), store_(store), buckets_(make_buckets(store, bucket_bytes)) {}
+GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
+                           int64_t owner_shard_size)
+    : dp_(dp), store_(store), buckets_(make_buckets(store, bucket_bytes)), shard_size_(owner_shard_size) {}
 
 GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
                            int64_t bucket_bytes, int64_t shard_size)
     : GradientSync(dp, store, bucket_bytes) {
   STRATA_CHECK(!store.grads().defined(), "ZeRO 2 keeps no full gradient buffer, but the store has one");
-  STRATA_CHECK(store.params().numel() == shard_size * dp.size(), "ZeRO 2 needs the store padded to ", dp.size(), " x ",
-               shard_size, " elements, it has ", store.params().numel());
+  STRATA_CHECK(store.flat_numel() == shard_size * dp.size(), "ZeRO 2 needs the store padded to ", dp.size(), " x ",
+               shard_size, " elements, it has ", store.flat_numel());
   model_ = &model;
   shard_size_ = shard_size;
   shard_grads_ = Tensor::zeros({shard_size});
@@ -67,7 +68,8 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
 
 void GradientSync::broadcast_parameters() {
   if (dp_.size() == 1) return;
-  if (store_.params().numel() > 0) dp_.broadcast(store_.params(), 0);
+  // ZeRO 3: each replica holds a different shard, initialised identically by construction.
+  if (!store_.sharded_params() && store_.params().numel() > 0) dp_.broadcast(store_.params(), 0);
   if (store_.buffers().numel() > 0) dp_.broadcast(store_.buffers(), 0);
 }
 
@@ -95,23 +97,34 @@ void GradientSync::bind_bucket(size_t k) {
   for (size_t layer : bucket_layers_[k]) store_.bind_grads(*model_, layer, slot, b.begin);
 }
 
-void GradientSync::start(size_t k) {
-  const Bucket& b = buckets_[k];
-  if (!sharded()) {
-    work_.push_back(dp_.all_reduce_async(store_.grads().view(b.begin, {b.end - b.begin}), ReduceOp::Sum));
-    return;
-  }
+std::vector<GradientSync::Piece> GradientSync::reduce_to_owners(size_t k, const Tensor& data) {
   // One reduce per owner whose shard [o*S, (o+1)*S) overlaps the bucket; every replica starts
   // them in the same order, as collectives on one communicator must be.
-  const Tensor slot = slots_[k % 2];
+  const Bucket& b = buckets_[k];
+  std::vector<Piece> pieces;
   for (int o = 0; o < dp_.size(); ++o) {
     const int64_t lo = std::max(b.begin, o * shard_size_), hi = std::min(b.end, (o + 1) * shard_size_);
     if (lo >= hi) continue;
-    const Tensor piece = slot.view(lo - b.begin, {hi - lo});
+    const Tensor piece = data.view(lo - b.begin, {hi - lo});
     Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor()};
-    if (o == dp_.rank()) p.into = shard_grads_.view(lo - o * shard_size_, {hi - lo});
-    pending_[k % 2].push_back(std::move(p));
+    if (sharded() && o == dp_.rank()) p.into = shard_grads_.view(lo - o * shard_size_, {hi - lo});
+    pieces.push_back(std::move(p));
   }
+  return pieces;
+}
+
+void GradientSync::start(size_t k) {
+  const Bucket& b = buckets_[k];
+  if (!sharded()) {
+    const Tensor grads = store_.grads().view(b.begin, {b.end - b.begin});
+    if (shard_size_ == 0) {
+      work_.push_back(dp_.all_reduce_async(grads, ReduceOp::Sum));
+    } else {  // ZeRO 1: the owner's piece is summed in place in its full gradient buffer
+      for (Piece& p : reduce_to_owners(k, grads)) work_.push_back(std::move(p.work));
+    }
+    return;
+  }
+  for (Piece& p : reduce_to_owners(k, slots_[k % 2])) pending_[k % 2].push_back(std::move(p));
   // The next bucket's layers run next: point their gradients at the other slot now.
   bind_bucket(k + 1);
 }

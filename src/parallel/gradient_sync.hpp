@@ -31,15 +31,21 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
 
 class GradientSync {
  public:
-  // ZeRO 0 and 1: all-reduces buckets of store.grads() in place.
-  GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes);
-  // ZeRO 2: `store` has no gradient buffer (allocate_grads = false) and is padded to dp shards
+  // ZeRO 0 (owner_shard_size = 0): all-reduces buckets of store.grads() in place.
+  // ZeRO 1 (owner_shard_size = S): reduces each bucket's pieces in place to the ranks whose
+  // shard [o*S, (o+1)*S) they overlap — only the owner steps a piece, so nobody else needs its
+  // sum, and this sends half the bytes of an all-reduce (the all-gather of parameters the other
+  // half).
+  GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
+               int64_t owner_shard_size = 0);
+  // ZeRO 2 and 3: `store` has no gradient buffer (allocate_grads = false) and is padded to dp shards
   // of `shard_size` elements; gradients of `model`'s layers go through the scratch slots into
   // shard_grads().
   GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store, int64_t bucket_bytes,
                int64_t shard_size);
 
-  // Makes parameters and buffers identical on every replica: broadcast from replica 0.
+  // Makes parameters (unless sharded: ZeRO 3) and buffers identical on every replica:
+  // broadcast from replica 0.
   void broadcast_parameters();
   // Before a backward whose gradients are synchronised (ZeRO 0/1: the step's last; ZeRO 2:
   // every one).
@@ -65,8 +71,11 @@ class GradientSync {
     WorkPtr work;
     Tensor reduced, into;
   };
-  // Starts a complete bucket's all-reduce (ZeRO 0/1) or its reduces to the owners (ZeRO 2).
+  // Starts a complete bucket's all-reduce (ZeRO 0) or its reduces to the owners (ZeRO 1, 2).
   void start(size_t bucket);
+  // Starts the reduce of every piece of bucket `k`, stored in `data` (the bucket's elements),
+  // to the owner of the shard it falls in; returns the pieces in owner order.
+  std::vector<Piece> reduce_to_owners(size_t k, const Tensor& data);
   // ZeRO 2: points the bucket's layers' gradients at its slot, zeroed, once the slot is free.
   void bind_bucket(size_t bucket);
   // ZeRO 2: adds completed (or, with wait, all) pieces into the shard and forgets them.
@@ -78,9 +87,10 @@ class GradientSync {
   std::vector<WorkPtr> work_;
   size_t next_ = 0;  // the next bucket to start, in order
 
+  int64_t shard_size_ = 0;  // ZeRO 1 and 2: S, the elements of each rank's shard
+
   // ZeRO 2 only.
   const layers::Model* model_ = nullptr;
-  int64_t shard_size_ = 0;
   Tensor shard_grads_;
   std::array<Tensor, 2> slots_;                     // bucket k is written into slots_[k % 2]
   std::array<std::vector<Piece>, 2> pending_;       // reductions still reading each slot

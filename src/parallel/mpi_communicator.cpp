@@ -213,6 +213,10 @@ MpiCommunicator::~MpiCommunicator() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
+void MpiCommunicator::count_sent(size_t bytes, int numerator, int denominator) {
+  bytes_sent_ += static_cast<int64_t>(bytes) * numerator / denominator;
+}
+
 WorkPtr MpiCommunicator::track(std::shared_ptr<MpiOpState> state) {
   std::erase_if(pending_, [](const auto& s) { return s->request == MPI_REQUEST_NULL; });
   pending_.push_back(state);
@@ -226,6 +230,7 @@ WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
   state->buffers = {t};
   const MPI_Op mpi_op = mpi_sum(t.dtype(), op);
   if (op == ReduceOp::Avg) state->finish = [t, f = 1.0f / static_cast<float>(size_)] { scale(t, f); };
+  count_sent(t.nbytes(), 2 * (size_ - 1), size_);
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), count, mpi_type(t.dtype()), mpi_op, comm_, &state->request),
             "MPI_Iallreduce", state->what);
   return track(std::move(state));
@@ -243,6 +248,7 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const Tensor& in, const Tensor& ou
   state->buffers = {in, out};
   const MPI_Op mpi_op = mpi_sum(out.dtype(), op);
   if (op == ReduceOp::Avg) state->finish = [out, f = 1.0f / static_cast<float>(size_)] { scale(out, f); };
+  count_sent(in.nbytes(), size_ - 1, size_);
   check_mpi(
       MPI_Ireduce_scatter_block(in.raw(), out.raw(), count, mpi_type(out.dtype()), mpi_op, comm_, &state->request),
       "MPI_Ireduce_scatter_block", state->what);
@@ -263,6 +269,7 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   state->what = "all_gather on " + name_;
   state->buffers = {in, out};
   const MPI_Datatype type = mpi_type(in.dtype());
+  count_sent(out.nbytes(), size_ - 1, size_);
   check_mpi(
       MPI_Iallgather(in_place ? MPI_IN_PLACE : in.raw(), count, type, out.raw(), count, type, comm_, &state->request),
       "MPI_Iallgather", state->what);
@@ -279,6 +286,7 @@ WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
   const bool is_root = rank_ == root;
   // Only the root receives the result, so only it scales for Avg.
   if (op == ReduceOp::Avg && is_root) state->finish = [t, f = 1.0f / static_cast<float>(size_)] { scale(t, f); };
+  if (!is_root) count_sent(t.nbytes(), 1, 1);
   // MPI_IN_PLACE is legal only on the root; elsewhere t is the send buffer and no receive
   // buffer is used.
   check_mpi(MPI_Ireduce(is_root ? MPI_IN_PLACE : t.raw(), is_root ? t.raw() : nullptr, count, mpi_type(t.dtype()),
@@ -293,6 +301,7 @@ WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
   auto state = std::make_shared<MpiOpState>();
   state->what = "broadcast on " + name_;
   state->buffers = {t};
+  if (rank_ == root) count_sent(t.nbytes(), size_ > 1 ? 1 : 0, 1);
   check_mpi(MPI_Ibcast(t.raw(), count, mpi_type(t.dtype()), root, comm_, &state->request), "MPI_Ibcast", state->what);
   return track(std::move(state));
 }
@@ -304,6 +313,7 @@ WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
   auto state = std::make_shared<MpiOpState>();
   state->what = strata::detail::cat("send to ", peer, " on ", name_);
   state->buffers = {t};
+  count_sent(t.nbytes(), 1, 1);
   check_mpi(MPI_Isend(t.raw(), count, mpi_type(t.dtype()), peer, tag, comm_, &state->request), "MPI_Isend",
             state->what);
   return track(std::move(state));

@@ -48,14 +48,22 @@ class MpiCommunicator final : public Communicator {
 
   // Operations started and not yet seen complete (for tests and diagnostics).
   int in_flight() const;
+  // Bytes this rank sends, counted when an operation starts, as the textbook algorithm sends
+  // them (n = size(), nothing on one rank): all-reduce 2(n-1)/n x size (ring); reduce: size on
+  // every rank but the root (the root only receives); broadcast: size at the root;
+  // all-gather: (n-1)/n x output; reduce-scatter: (n-1)/n x input; send: size.
+  int64_t bytes_sent() const override { return bytes_sent_; }
 
  private:
   WorkPtr track(std::shared_ptr<MpiOpState> state);
+  // Adds bytes * numerator / denominator to bytes_sent_.
+  void count_sent(size_t bytes, int numerator, int denominator);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::string name_;
   int rank_ = 0;
   int size_ = 1;
+  int64_t bytes_sent_ = 0;
   // Started operations; progress() tests them, completed ones are dropped on the next start.
   std::vector<std::shared_ptr<MpiOpState>> pending_;
 };

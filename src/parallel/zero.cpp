@@ -1,5 +1,5 @@
 // ZeRO stages 1 and 2: sharded optimizer state (and, for 2, gradients: see gradient_sync),
-// all-gathered parameters.
+// all-gathered parameters. Stage 3: sharded parameters, gathered per layer (ParameterGather).
 #include "parallel/zero.hpp"
 
 #include <algorithm>
@@ -23,14 +23,14 @@ Shard shard_of(int64_t used, int dp, int rank) {
 namespace {
 
 Shard whole_or_shard(int zero_stage, const Communicator& dp, const layers::ParameterStore& store) {
-  STRATA_REQUIRE(zero_stage >= 0 && zero_stage <= 2, "--zero ", zero_stage, " is not implemented");
+  STRATA_REQUIRE(zero_stage >= 0 && zero_stage <= 3, "--zero ", zero_stage, " is not implemented");
   if (zero_stage == 0) {
     const int64_t n = store.params().numel();
     return {n, 0, n};
   }
   const Shard s = shard_of(store.used_numel(), dp.size(), dp.rank());
-  STRATA_CHECK(store.params().numel() == s.size * dp.size(), "ZeRO needs the store padded to ", dp.size(), " x ",
-               s.size, " elements, it has ", store.params().numel());
+  STRATA_CHECK(store.flat_numel() == s.size * dp.size(), "ZeRO needs the store padded to ", dp.size(), " x ", s.size,
+               " elements, it has ", store.flat_numel());
   return s;
 }
 
@@ -43,11 +43,14 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, int ze
       shard_(whole_or_shard(zero_stage, dp, store)),
       inner_(config, shard_.numel(), store.params().device()) {}
 
-Tensor ShardedOptimizer::owned(const Tensor& flat) const { return flat.view(shard_.begin, {shard_.numel()}); }
+Tensor ShardedOptimizer::owned(const Tensor& flat) const {
+  // Stage 3's parameter shard starts at this rank's first owned element.
+  return flat.view(stage_ == 3 ? 0 : shard_.begin, {shard_.numel()});
+}
 
 Tensor ShardedOptimizer::owned_grads(const Tensor& grads) const {
-  // Stage 2's shard starts at this rank's first owned element.
-  return stage_ == 2 ? grads.view(0, {shard_.numel()}) : owned(grads);
+  // Stage 2's and 3's gradient shard starts at this rank's first owned element.
+  return stage_ >= 2 ? grads.view(0, {shard_.numel()}) : owned(grads);
 }
 
 double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
@@ -63,7 +66,8 @@ void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr)
   // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 reduced
   // each bucket to its owners, so grads is the owned shard alone.
   if (shard_.numel() > 0) inner_.step(owned(params), owned_grads(grads), lr);
-  if (stage_ == 0 || dp_.size() == 1) return;
+  // Stage 3 keeps parameters sharded: layers gather them when they run.
+  if (stage_ == 0 || stage_ == 3 || dp_.size() == 1) return;
   // Every chunk is S long (the store is padded), this rank's chunk is gathered in place.
   dp_.all_gather(params.view(dp_.rank() * shard_.size, {shard_.size}), params);
 }
@@ -72,6 +76,80 @@ int64_t ShardedOptimizer::state_bytes() const {
   int64_t bytes = 0;
   for (const auto& [name, t] : inner_.state()) bytes += static_cast<int64_t>(t.nbytes());
   return bytes;
+}
+
+ParameterGather::ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
+                                 int64_t shard_size)
+    : dp_(dp), model_(model), store_(store), shard_size_(shard_size) {
+  STRATA_CHECK(
+      store.sharded_params() && store.params().numel() == shard_size && store.flat_numel() == shard_size * dp.size(),
+      "ZeRO 3 needs a store holding one of ", dp.size(), " parameter shards of ", shard_size, " elements");
+  int64_t largest = 0;
+  for (const layers::ParamEntry& e : store.entries()) {
+    if (!e.trainable) continue;
+    const int64_t end = e.offset + shape_numel(e.shape);
+    if (!ranges_.empty() && ranges_.back().layer == e.layer)
+      ranges_.back().end = end;
+    else
+      ranges_.push_back({e.layer, e.offset, end});
+    largest = std::max(largest, ranges_.back().end - ranges_.back().begin);
+  }
+  for (Tensor& slot : slots_) slot = Tensor::zeros({largest});
+}
+
+bool ParameterGather::has_params(size_t layer) const {
+  return std::any_of(ranges_.begin(), ranges_.end(), [layer](const Range& r) { return r.layer == layer; });
+}
+
+int64_t ParameterGather::allocated_bytes() const {
+  return static_cast<int64_t>(slots_[0].nbytes() + slots_[1].nbytes());
+}
+
+std::vector<WorkPtr> ParameterGather::start(int64_t begin, int64_t end, const Tensor& out) {
+  // One broadcast per owner o whose shard [o*S, (o+1)*S) overlaps the range; the owner's piece
+  // is copied into `out` first, since a broadcast sends the root's buffer in place.
+  std::vector<WorkPtr> work;
+  for (int o = 0; o < dp_.size(); ++o) {
+    const int64_t lo = std::max(begin, o * shard_size_), hi = std::min(end, (o + 1) * shard_size_);
+    if (lo >= hi) continue;
+    const Tensor piece = out.view(lo - begin, {hi - lo});
+    if (o == dp_.rank()) piece.copy_from(store_.params().view(lo - o * shard_size_, {hi - lo}));
+    work.push_back(dp_.broadcast_async(piece, o));
+  }
+  return work;
+}
+
+void ParameterGather::begin_pass(bool backward) {
+  backward_ = backward;
+  pos_ = 0;
+  if (ranges_.empty()) return;
+  const Range& r = backward ? ranges_.back() : ranges_.front();
+  pending_[0] = start(r.begin, r.end, slots_[0]);
+}
+
+void ParameterGather::next() {
+  if (pos_ >= ranges_.size()) return;  // a stage without trainable parameters
+  const auto at = [this](size_t k) -> const Range& { return backward_ ? ranges_[ranges_.size() - 1 - k] : ranges_[k]; };
+  const Range& r = at(pos_);
+  for (WorkPtr& w : pending_[pos_ % 2]) w->wait();
+  pending_[pos_ % 2].clear();
+  // Prefetch: the other slot held the layer before this one, which has already run.
+  if (pos_ + 1 < ranges_.size()) {
+    const Range& n = at(pos_ + 1);
+    pending_[(pos_ + 1) % 2] = start(n.begin, n.end, slots_[(pos_ + 1) % 2]);
+  }
+  store_.bind_params(model_, r.layer, slots_[pos_ % 2], r.begin);
+  ++pos_;
+}
+
+void ParameterGather::layer_done(size_t layer) {
+  if (backward_ && pos_ < ranges_.size() && has_params(layer)) next();
+}
+
+Tensor ParameterGather::gather(const layers::ParamEntry& e) {
+  const Tensor t = Tensor::empty(e.shape);
+  for (WorkPtr& w : start(e.offset, e.offset + shape_numel(e.shape), t.reshape({t.numel()}))) w->wait();
+  return t;
 }
 
 }  // namespace strata::parallel

@@ -7,10 +7,15 @@
 // Stage 0 is plain data parallelism: one shard is the whole buffer. Stage 1 shards the
 // optimizer state. Stage 2 also shards the gradients: GradientSync reduces each bucket to the
 // owners and keeps only this rank's S-element gradient shard, which is what step() and
-// grad_sum_squares() then receive. Stage 3 (parameters gathered around each layer) is to come.
+// grad_sum_squares() then receive. Stage 3 also shards the parameters: the store holds only
+// this rank's S elements, ParameterGather broadcasts each layer's pieces from their owners into
+// a window just before the layer runs (forward and backward), and the step updates the shard
+// with no all-gather after it.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <vector>
 
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
@@ -34,12 +39,13 @@ Shard shard_of(int64_t used, int dp, int rank);
 
 class ShardedOptimizer {
  public:
-  // An optimizer for this rank's shard of `store` (zero_stage 1, 2) or of all of it (0), over
-  // the data-parallel group `dp`. For stages 1 and 2 the store must be padded to dp * S
+  // An optimizer for this rank's shard of `store` (zero_stage 1-3) or of all of it (0), over
+  // the data-parallel group `dp`. For stages 1-3 the store's layout must be padded to dp * S
   // (shard_pad_multiple).
   //
   // `grads` below is the flat gradient buffer (stages 0, 1) or this rank's gradient shard of
-  // S elements (stage 2, GradientSync::shard_grads()).
+  // S elements (stages 2, 3: GradientSync::shard_grads()); `params` is the flat parameter
+  // buffer, or with stage 3 this rank's S-element parameter shard.
   ShardedOptimizer(const layers::OptimizerConfig& config, int zero_stage, Communicator& dp,
                    const layers::ParameterStore& store);
 
@@ -52,7 +58,7 @@ class ShardedOptimizer {
   // The view of `grads` that this rank steps with (its owned range).
   Tensor owned_grads(const Tensor& grads) const;
   // Updates the owned range of params from grads (already summed over replicas), then
-  // all-gathers the updated shards in place so every replica holds all parameters.
+  // (stages 1, 2) all-gathers the updated shards in place so every replica holds all parameters.
   void step(const Tensor& params, const Tensor& grads, float lr);
 
   int zero_stage() const { return stage_; }
@@ -65,6 +71,50 @@ class ShardedOptimizer {
   Communicator& dp_;
   Shard shard_;
   layers::Optimizer inner_;  // state for shard_ only
+};
+
+// ZeRO 3: gathers a stage's sharded parameters layer by layer into two window slots of the
+// largest layer's range. A pass (one forward or backward over the stage's layers) visits the
+// layers with trainable parameters in order; next() waits for the current layer's window,
+// starts the gather of the layer after it into the other slot (prefetch) and binds the layer's
+// parameters to its window. Every replica runs the same passes, so the broadcasts on `dp`
+// are started in the same order everywhere, as collectives must be.
+class ParameterGather {
+ public:
+  // `store` holds this rank's shard (allocate_params = false) of a layout padded to
+  // dp * shard_size elements.
+  ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
+                  int64_t shard_size);
+
+  bool has_params(size_t layer) const;
+  // Starts a pass: forward (lowest layer first) or backward; starts the first layer's gather.
+  void begin_pass(bool backward);
+  // Binds the pass's next layer to its window (see above).
+  void next();
+  // Backward: `layer` has run; readies the next lower layer with parameters, if any.
+  void layer_done(size_t layer);
+  // The full values of a trainable entry, gathered from their owners (collective over dp).
+  Tensor gather(const layers::ParamEntry& e);
+  // Bytes of the two window slots.
+  int64_t allocated_bytes() const;
+
+ private:
+  struct Range {
+    size_t layer;
+    int64_t begin, end;  // the layer's elements in the flat layout
+  };
+  // Starts the broadcasts of flat elements [begin, end) from their owners into `out`.
+  std::vector<WorkPtr> start(int64_t begin, int64_t end, const Tensor& out);
+
+  Communicator& dp_;
+  const layers::Model& model_;
+  const layers::ParameterStore& store_;
+  int64_t shard_size_;
+  std::vector<Range> ranges_;  // layers with trainable parameters, in forward order
+  std::array<Tensor, 2> slots_;
+  std::array<std::vector<WorkPtr>, 2> pending_;  // gathers still writing each slot
+  bool backward_ = false;
+  size_t pos_ = 0;  // next() readies the pass's pos_-th layer
 };
 
 }  // namespace strata::parallel

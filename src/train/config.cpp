@@ -97,7 +97,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
     ("schedule", po::value(&c.schedule_kind)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
-    ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too)")
+    ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("dry-run", po::bool_switch(&c.dry_run), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step ...")
@@ -142,8 +142,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                  "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
   STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
-  STRATA_REQUIRE(c.zero != 3, "--zero 3 is not implemented yet (stages 0, 1 and 2 are)");
-  STRATA_REQUIRE(c.zero >= 0 && c.zero <= 2, "--zero must be 0, 1 or 2, found ", c.zero);
+  STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
   if (c.eval_only) {
     STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
     STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");

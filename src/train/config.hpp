@@ -37,8 +37,8 @@ struct Config {
   std::string partition = "balanced";  // or cut points "3,7"
   std::string schedule_kind = "1f1b";  // gpipe | 1f1b
   std::string timeline;                // SVG of the last step's pipeline timeline
-  int zero = 0;                        // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients)
-  bool dry_run = false;                // print the per-rank memory table and exit before training
+  int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  bool dry_run = false;  // print the per-rank memory table and exit before training
   // Testing aids: rank debug_fail_rank throws during step debug_fail_step.
   int64_t debug_fail_step = -1;
   int debug_fail_rank = -1;

@@ -63,15 +63,22 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   end_ = stages_[static_cast<size_t>(stage_)].end;
   // ZeRO pads the flat buffers to dp equal shards so the parameter all-gather has equal chunks.
   const int64_t pad = config_.zero > 0 ? parallel::shard_pad_multiple(dp_) : parallel::kShardAlign;
-  // ZeRO 2 never allocates the full gradient buffer: GradientSync holds the shard and slots.
-  const bool sharded_grads = config_.zero >= 2;
-  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad, !sharded_grads);
+  // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
+  // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
+  // S-element shard (elements replica*S onwards) and ParameterGather the windows.
+  const bool sharded_grads = config_.zero >= 2, sharded_params = config_.zero == 3;
+  const parallel::Shard shard = parallel::shard_of(
+      layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, begin_, end_)), dp_, replica_);
+  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad, !sharded_grads,
+                                                    !sharded_params, replica_ * shard.size, shard.size);
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));
   sync_ = sharded_grads ? std::make_unique<parallel::GradientSync>(grid_->dp(), *model_, *store_, bucket_bytes,
                                                                    optimizer_->shard().size)
-                        : std::make_unique<parallel::GradientSync>(grid_->dp(), *store_, bucket_bytes);
+                        : std::make_unique<parallel::GradientSync>(grid_->dp(), *store_, bucket_bytes,
+                                                                   config_.zero == 1 ? optimizer_->shard().size : 0);
+  if (sharded_params) gather_ = std::make_unique<parallel::ParameterGather>(grid_->dp(), *model_, *store_, shard.size);
 
   // Batch arithmetic: global = micro * micro-batches * dp.
   STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
@@ -118,7 +125,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
       const std::string name = "model/" + e.name;
       STRATA_REQUIRE(reader.has(name), "checkpoint ", config_.init_from, " has no tensor ", name,
                      " (was it saved from a different --model?)");
-      reader.read_tensor(name, store_->value(e));
+      // Read whole, kept whole or (ZeRO 3) only this rank's part of it.
+      const Tensor t = Tensor::empty(e.shape);
+      reader.read_tensor(name, t);
+      store_->set_value(e, t);
     }
   }
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
@@ -156,9 +166,11 @@ void Trainer::print_plan() {
   constexpr int64_t kColumns = 4;
   int64_t activations = 0;
   for (size_t i = begin_; i < end_; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
-  const int64_t mine[kColumns] = {static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()),
-                                  static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes(),
-                                  optimizer_->state_bytes(), activations * static_cast<int64_t>(sizeof(float))};
+  const int64_t window_bytes = gather_ ? gather_->allocated_bytes() : 0;  // ZeRO 3's two window slots
+  const int64_t mine[kColumns] = {
+      static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()) + window_bytes,
+      static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes(), optimizer_->state_bytes(),
+      activations * static_cast<int64_t>(sizeof(float))};
   const int ranks = grid_->world().size();
   const Tensor row = Tensor::empty({static_cast<int64_t>(sizeof mine)}, DType::U8);
   const Tensor all = Tensor::empty({ranks * static_cast<int64_t>(sizeof mine)}, DType::U8);
@@ -193,6 +205,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   if (record) grid_->world().barrier();  // a common origin for every stage's clock
   const auto step_start = clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(clock::now() - step_start).count(); };
+  const int64_t dp_bytes_before = grid_->dp().bytes_sent();
 
   // ZeRO 0/1: the flat gradient buffer; ZeRO 2: this rank's gradient shard.
   const Tensor& grads = sync_->sharded() ? sync_->shard_grads() : store_->grads();
@@ -224,7 +237,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
       case parallel::Op::Forward: {
         const Tensor x = first_stage() ? batch.x.slice(first, first + micro_batch_) : received_activations_[i];
         const layers::StepInfo info{layers::Mode::Train, config_.seed, step, batch.first_sample + first};
-        outputs_[i] = model_->forward(x, contexts_[i], info, begin_, end_);
+        outputs_[i] = forward_stage(x, contexts_[i], info);
         if (last_stage()) {  // the loss, and its gradient to start this micro-batch's backward
           layers::Context loss_ctx;
           loss_sum += loss_.forward(outputs_[i], batch.y.slice(first, first + micro_batch_), loss_ctx);
@@ -241,8 +254,17 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
           input_grads_[i] = model_->backward(dy, contexts_[i], begin_, end_, {}, !first_stage());
         } else {  // the step's last backward on this stage (any with ZeRO 2): buckets overlap it
           sync_->begin();
+          if (gather_) {  // ZeRO 3: the top layer's window now, each lower one as the layer above is done
+            gather_->begin_pass(/*backward=*/true);
+            gather_->next();
+          }
           input_grads_[i] = model_->backward(
-              dy, contexts_[i], begin_, end_, [this](size_t layer) { sync_->layer_done(layer); }, !first_stage());
+              dy, contexts_[i], begin_, end_,
+              [this](size_t layer) {
+                sync_->layer_done(layer);
+                if (gather_) gather_->layer_done(layer);
+              },
+              !first_stage());
           const auto wait_start = clock::now();
           sync_->finish();  // what backward did not hide: exposed communication
           exposed_comm_s_ += std::chrono::duration<double>(clock::now() - wait_start).count();
@@ -272,9 +294,21 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   }
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   if (record) write_timeline(timeline_);
+  dp_bytes_per_step_ = grid_->dp().bytes_sent() - dp_bytes_before;
   std::vector<double> loss{loss_sum};  // non-zero on last stages only
   sum_over_world(loss);
   return loss[0];
+}
+
+Tensor Trainer::forward_stage(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info) {
+  if (!gather_) return model_->forward(x, ctx, info, begin_, end_);
+  gather_->begin_pass(/*backward=*/false);
+  Tensor h = x;
+  for (size_t i = begin_; i < end_; ++i) {
+    if (gather_->has_params(i)) gather_->next();
+    h = model_->forward(h, ctx, info, i, i + 1);
+  }
+  return h;
 }
 
 void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s,
@@ -291,8 +325,9 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
     char json[256];
     std::snprintf(json, sizeof json,
                   "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                  "\"exposed_comm_fraction\": %.4f}\n",
-                  static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s, comm_fraction);
+                  "\"exposed_comm_fraction\": %.4f, \"dp_bytes_per_step\": %lld}\n",
+                  static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s, comm_fraction,
+                  static_cast<long long>(dp_bytes_per_step_));
     out << json;
   }
 }
@@ -363,7 +398,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
     else
       pipe.recv(x, stage_ - 1, 0);
     if (last_stage() && !first_stage()) io::read_range(data, b, b + count, Tensor(), y);
-    const Tensor out = model_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b}, begin_, end_);
+    const Tensor out = forward_stage(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
     if (!last_stage()) {
       pipe.send(out, stage_ + 1, 0);
       continue;
@@ -385,15 +420,18 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch) {
   if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);
   for (int s = 0; s < grid_->pp_size(); ++s) {
     const int owner = grid_->rank_of(s, 0);
-    if (rank_ != 0 && rank_ != owner) continue;
+    // ZeRO 3: every replica of stage s takes part in gathering each of its tensors.
+    const bool gathers = gather_ && stage_ == s;
+    if (rank_ != 0 && rank_ != owner && !gathers) continue;
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
     int tag = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
+      const Tensor value = gathers && e.trainable ? gather_->gather(e) : stage_ == s ? store_->value(e) : Tensor();
       if (rank_ == owner && owner == 0) {
-        writer->write_tensor("model/" + e.name, store_->value(e));
+        writer->write_tensor("model/" + e.name, value);
       } else if (rank_ == owner) {
-        world.send(store_->value(e), 0, tag++);
-      } else {
+        world.send(value, 0, tag++);
+      } else if (rank_ == 0) {
         const Tensor t = Tensor::empty(e.shape);
         world.recv(t, owner, tag++);
         writer->write_tensor("model/" + e.name, t);

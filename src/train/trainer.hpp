@@ -51,6 +51,9 @@ class Trainer {
   // One optimizer step over this replica's slice of the global batch; returns the global
   // batch's summed loss (on every rank).
   double train_step(const io::Batch& batch, int64_t step);
+  // Forward through this stage's layers; with ZeRO 3 one layer at a time, each bound to its
+  // gathered parameters just before it runs.
+  Tensor forward_stage(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info);
   // Sums values over every rank of the world (stages that have no value contribute 0).
   void sum_over_world(std::vector<double>& values);
   // Rank 0 prints each stage's layers and, gathered from every rank, the bytes of its real
@@ -72,6 +75,7 @@ class Trainer {
   std::unique_ptr<layers::ParameterStore> store_;
   std::unique_ptr<parallel::ShardedOptimizer> optimizer_;  // the whole buffer with --zero 0
   std::unique_ptr<parallel::GradientSync> sync_;
+  std::unique_ptr<parallel::ParameterGather> gather_;  // ZeRO 3 only
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
 
@@ -85,7 +89,8 @@ class Trainer {
   int peak_in_flight_ = 0;  // measured: micro-batches forwarded but not yet backwarded
   std::vector<parallel::TimelineEvent> timeline_;
 
-  double exposed_comm_s_ = 0;  // waiting for gradient buckets since the last progress line
+  double exposed_comm_s_ = 0;      // waiting for gradient buckets since the last progress line
+  int64_t dp_bytes_per_step_ = 0;  // sent on the dp communicator by this rank in the last step
 };
 
 }  // namespace strata::train

@@ -416,5 +416,28 @@ TEST_F(Collectives, SubCommunicatorFromSplit) {
   MPI_Comm_free(&half);
 }
 
+TEST_F(Collectives, BytesSentFollowTheDocumentedConvention) {
+  // 4 * size_ floats (divisible by every size): each operation adds its documented share.
+  const int64_t n = 4 * size_, bytes = 4 * n;
+  const Tensor t = Tensor::zeros({n}), out = Tensor::zeros({n * size_}), chunk = Tensor::zeros({n / size_});
+  const auto sent = [&](const auto& op) {
+    const int64_t before = comm_.bytes_sent();
+    op();
+    return comm_.bytes_sent() - before;
+  };
+  EXPECT_EQ(sent([&] { comm_.all_reduce(t, ReduceOp::Sum); }), 2 * (size_ - 1) * bytes / size_);
+  EXPECT_EQ(sent([&] { comm_.reduce(t, 0, ReduceOp::Sum); }), rank_ == 0 ? 0 : bytes);
+  EXPECT_EQ(sent([&] { comm_.broadcast(t, 1); }), rank_ == 1 ? bytes : 0);
+  EXPECT_EQ(sent([&] { comm_.all_gather(t, out); }), (size_ - 1) * bytes);
+  EXPECT_EQ(sent([&] { comm_.reduce_scatter(t, chunk, ReduceOp::Sum); }), (size_ - 1) * bytes / size_);
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  EXPECT_EQ(sent([&] {
+              WorkPtr r = comm_.recv_async(chunk, prev, 9);
+              comm_.send(t.view(0, {n / size_}), next, 9);
+              r->wait();
+            }),
+            bytes / size_);
+}
+
 }  // namespace
 }  // namespace strata::parallel
