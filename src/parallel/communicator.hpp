@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.hpp"
 
@@ -61,5 +62,11 @@ class Communicator {
   void recv(const Tensor& t, int peer, int tag) { recv_async(t, peer, tag)->wait(); }
   void barrier() { barrier_async()->wait(); }
 };
+
+// Sums `values` element-wise over all ranks of `comm`, in double precision and identically on
+// every rank: the values travel as bytes (the dtypes carry no f64) through an all-gather and
+// are added in rank order. For norms and metrics, where f32 sums would round differently
+// than a single rank's double sum.
+void all_reduce_sum(Communicator& comm, std::vector<double>& values);
 
 }  // namespace strata::parallel

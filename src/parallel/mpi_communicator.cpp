@@ -33,12 +33,29 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <functional>
 #include <utility>
 
 #include "parallel/mpi.hpp"
 
 namespace strata::parallel {
+
+void all_reduce_sum(Communicator& comm, std::vector<double>& values) {
+  const int n = comm.size();
+  if (n == 1 || values.empty()) return;
+  const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(double));
+  const Tensor all = Tensor::empty({n * bytes}, DType::U8);
+  const Tensor mine = all.view(comm.rank() * bytes, {bytes});
+  std::memcpy(mine.raw(), values.data(), static_cast<size_t>(bytes));
+  comm.all_gather(mine, all);  // in place: this rank's chunk is already in `all`
+  const auto* rows = static_cast<const double*>(all.raw());
+  for (size_t i = 0; i < values.size(); ++i) {
+    double sum = 0;
+    for (int r = 0; r < n; ++r) sum += rows[static_cast<size_t>(r) * values.size() + i];
+    values[i] = sum;
+  }
+}
 
 // One started operation. The tensors are kept alive until MPI is done with their memory;
 // `finish` (e.g. the 1/size scaling of Avg) runs once, after completion, on the caller's thread.

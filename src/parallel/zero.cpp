@@ -56,10 +56,9 @@ Tensor ShardedOptimizer::owned_grads(const Tensor& grads) const {
 double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
   const double local = shard_.numel() > 0 ? ops::sum_squares(owned_grads(grads)) : 0.0;
   if (stage_ == 0 || dp_.size() == 1) return local;
-  const Tensor t = Tensor::empty({1});
-  t.data<float>()[0] = static_cast<float>(local);
-  dp_.all_reduce(t, ReduceOp::Sum);
-  return t.data<float>()[0];
+  std::vector<double> sum{local};
+  all_reduce_sum(dp_, sum);
+  return sum[0];
 }
 
 void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr) {

@@ -191,13 +191,7 @@ void Trainer::print_plan() {
 
 const io::Dataset* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
-void Trainer::sum_over_world(std::vector<double>& values) {
-  if (grid_->world().size() == 1) return;
-  const Tensor t = Tensor::empty({static_cast<int64_t>(values.size())});
-  std::copy(values.begin(), values.end(), t.data<float>());
-  grid_->world().all_reduce(t, parallel::ReduceOp::Sum);
-  std::copy(t.data<float>(), t.data<float>() + t.numel(), values.begin());
-}
+void Trainer::sum_over_world(std::vector<double>& values) { parallel::all_reduce_sum(grid_->world(), values); }
 
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
   using clock = std::chrono::steady_clock;
@@ -284,12 +278,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   if (config_.clip_grad > 0) {
     // The global norm spans every stage; within a stage the optimizer sums its dp shards.
     std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
-    if (grid_->pp_size() > 1) {
-      const Tensor t = Tensor::empty({1});
-      t.data<float>()[0] = static_cast<float>(squares[0]);
-      pipe.all_reduce(t, parallel::ReduceOp::Sum);
-      squares[0] = t.data<float>()[0];
-    }
+    parallel::all_reduce_sum(pipe, squares);
     layers::clip_by_global_norm(optimizer_->owned_grads(grads), squares[0], config_.clip_grad);  // only what is stepped
   }
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));

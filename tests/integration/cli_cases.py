@@ -322,11 +322,14 @@ def case_zero_equivalence(args):
             for z in stages[1:]:
                 assert_same_model(runs[layouts[z]], runs[layouts["0"]],
                                   f"zero {z} vs 0, {ranks} ranks micro-batch {micro} {grid} {optimizer}")
-    # The CNN with SGD-momentum (with AdamW + clipping ZeRO 2 and 3, bit-identical to each other,
-    # drift to 1.1e-5 from ZeRO 0 by 50 steps: the shard-summed norm rounds differently).
-    layouts = [(2, 8, ("--optimizer", "sgd", "--momentum", "0.9", "--zero", z)) for z in "03"]
-    runs = equivalence_runs(args, ["--model", "cnn"], layouts)
-    assert_same_model(runs[layouts[1]], runs[layouts[0]], "cnn zero 3 vs 0, 2 ranks micro-batch 8 sgd")
+    # The CNN with SGD-momentum. (With AdamW + clipping ZeRO 2 and 3 are bit-identical to each
+    # other and 9.2e-6 from ZeRO 0 after 50 steps: AdamW's m/sqrt(v) amplifies last-bit gradient
+    # differences on near-zero gradients; too close to the tolerance for a stable test.)
+    for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"),):
+        layouts = [(2, 8, optimizer + ("--zero", z)) for z in "023"]
+        runs = equivalence_runs(args, ["--model", "cnn"], layouts)
+        for k in (1, 2):
+            assert_same_model(runs[layouts[k]], runs[layouts[0]], f"cnn {layouts[k][2]} vs zero 0, 2 ranks micro 8")
 
     # Save under ZeRO 3 (pp = 2 x dp = 2), evaluate that checkpoint under ZeRO 3 and under ZeRO 0.
     data = os.path.join(args.workdir, "eq.h5")

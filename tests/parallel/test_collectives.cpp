@@ -126,6 +126,21 @@ TEST_F(Collectives, AllReduceSum) {
       }
 }
 
+TEST_F(Collectives, DoubleSumIsExactAndTheSameEverywhere) {
+  // Values no f32 sum could hold: 1 + rank * 2^-40 needs 41 bits of mantissa.
+  std::vector<double> values{1.0 + std::ldexp(static_cast<double>(rank_), -40), -0.5 * rank_, 0.0};
+  all_reduce_sum(comm_, values);
+  double expected = 0;
+  for (int r = 0; r < size_; ++r) expected += 1.0 + std::ldexp(static_cast<double>(r), -40);
+  EXPECT_EQ(values[0], expected);
+  EXPECT_EQ(values[1], -0.25 * size_ * (size_ - 1));
+  EXPECT_EQ(values[2], 0.0);
+  // Every rank holds the same bits.
+  double first = values[0];
+  MPI_Bcast(&first, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  EXPECT_EQ(values[0], first);
+}
+
 TEST_F(Collectives, AllReduceAvg) {
   // Sizes 2 and 4 are powers of two: the average of integers is exact in every float dtype.
   for (DType type : kFloatTypes)
