@@ -10,6 +10,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+
+#include "core/log.hpp"
 
 namespace strata::io {
 
@@ -111,8 +114,9 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   STRATA_REQUIRE(h5::has_attr(file_, "format_version"), "'", path_,
                  "' is not a Strata checkpoint (no format_version attribute)");
   const int64_t version = attr_int("format_version");
-  STRATA_REQUIRE(version == kCheckpointFormatVersion, "checkpoint '", path_, "' has format_version ", version,
-                 "; this build reads version ", kCheckpointFormatVersion);
+  STRATA_REQUIRE(version >= kOldestReadableVersion && version <= kCheckpointFormatVersion, "checkpoint '", path_,
+                 "' has format_version ", version, "; this build reads versions ", kOldestReadableVersion, " to ",
+                 kCheckpointFormatVersion);
 }
 
 bool CheckpointReader::has(const std::string& name) const {
@@ -198,6 +202,82 @@ std::vector<std::string> CheckpointReader::list_tensors(const std::string& group
            "listing ", group, " in ", path_);
   std::sort(visit.names.begin(), visit.names.end());
   return visit.names;
+}
+
+void CheckpointReader::verify() const {
+  for (const std::string& name : list_tensors("/")) {
+    const Tensor t = Tensor::empty(shape(name), dtype(name));
+    read_tensor(name, t);
+  }
+}
+
+// ---- checkpoint directories ------------------------------------------------------------------
+
+std::string checkpoint_path(const std::string& dir, int64_t step) {
+  char name[64];
+  std::snprintf(name, sizeof name, "step-%08lld.h5", static_cast<long long>(step));
+  return (fs::path(dir) / name).string();
+}
+
+namespace {
+
+// step-*.h5 files of `dir`, newest (highest step) first.
+std::vector<fs::path> step_files(const std::string& dir) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const fs::directory_entry& d : fs::directory_iterator(dir, ec)) {
+    const std::string name = d.path().filename().string();
+    if (name.size() == 16 && name.starts_with("step-") && name.ends_with(".h5")) files.push_back(d.path());
+  }
+  std::sort(files.rbegin(), files.rend());  // zero-padded steps sort by name
+  return files;
+}
+
+}  // namespace
+
+void update_latest(const std::string& dir, const std::string& path) {
+  const std::string tmp = (fs::path(dir) / "latest.tmp").string(), latest = (fs::path(dir) / "latest").string();
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << fs::path(path).filename().string() << "\n";
+    out.flush();
+    STRATA_CHECK(out.good(), "cannot write '", tmp, "'");
+  }
+  fsync_path(tmp, O_RDONLY);
+  STRATA_CHECK(std::rename(tmp.c_str(), latest.c_str()) == 0, "cannot rename '", tmp, "' to '", latest,
+               "': ", std::strerror(errno));
+  fsync_path(dir, O_RDONLY | O_DIRECTORY);
+}
+
+void prune_checkpoints(const std::string& dir, int64_t keep) {
+  if (keep <= 0) return;
+  const std::vector<fs::path> files = step_files(dir);
+  for (size_t k = static_cast<size_t>(keep); k < files.size(); ++k) {
+    std::error_code ec;
+    fs::remove(files[k], ec);
+    if (ec) log::warn("cannot remove old checkpoint ", files[k].string(), ": ", ec.message());
+  }
+}
+
+std::string newest_checkpoint(const std::string& dir) {
+  std::vector<std::string> candidates;
+  std::ifstream latest(fs::path(dir) / "latest");
+  std::string name;
+  if (latest >> name) candidates.push_back((fs::path(dir) / name).string());
+  for (const fs::path& p : step_files(dir))
+    if (candidates.empty() || p.string() != candidates.front()) candidates.push_back(p.string());
+  for (const std::string& path : candidates) {
+    try {
+      CheckpointReader reader(path);
+      STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint '", path,
+                     "' holds no training state (format_version 1)");
+      reader.verify();
+      return path;
+    } catch (const Error& e) {
+      log::warn("skipping checkpoint: ", e.what());
+    }
+  }
+  return {};
 }
 
 }  // namespace strata::io

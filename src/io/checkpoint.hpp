@@ -1,7 +1,8 @@
 // HDF5 checkpoints (layout in docs/formats.md): full tensors under stable names such as
 // "model/conv1/weight", each with a crc32 attribute, plus root attributes (format_version,
 // step, ...). Writes go to PATH.tmp and become PATH only on commit(), after an fsync, so a
-// crash never leaves a broken checkpoint at PATH.
+// crash never leaves a broken checkpoint at PATH. A checkpoint directory holds step-NNNNNNNN.h5
+// files and a `latest` pointer (docs/checkpoints.md); the helpers below maintain and search it.
 #pragma once
 
 #include <concepts>
@@ -14,7 +15,10 @@
 
 namespace strata::io {
 
-constexpr int64_t kCheckpointFormatVersion = 1;
+// Version 2 adds the optimizer state (/optimizer/<state>/<param>) and the data position;
+// version 1 files (model only) still load with --init-from.
+constexpr int64_t kCheckpointFormatVersion = 2;
+constexpr int64_t kOldestReadableVersion = 1;
 
 class CheckpointWriter {
  public:
@@ -70,6 +74,8 @@ class CheckpointReader {
 
   // Every tensor under `group` (recursively), as full names like "model/conv1/weight", sorted.
   std::vector<std::string> list_tensors(const std::string& group = "/") const;
+  // Reads every tensor once, one at a time, checking its crc32 (Input error on the first bad one).
+  void verify() const;
 
  private:
   h5::DataSet open_tensor(const std::string& name) const;
@@ -78,5 +84,18 @@ class CheckpointReader {
   std::string path_;
   h5::File file_;
 };
+
+// ---- checkpoint directories ------------------------------------------------------------------
+
+// DIR/step-NNNNNNNN.h5.
+std::string checkpoint_path(const std::string& dir, int64_t step);
+// Points DIR/latest at `path` (a file in DIR): writes latest.tmp, fsyncs, renames, fsyncs DIR.
+void update_latest(const std::string& dir, const std::string& path);
+// Removes all but the newest `keep` step-*.h5 files of DIR (keep <= 0: removes nothing).
+void prune_checkpoints(const std::string& dir, int64_t keep);
+// The newest complete checkpoint of DIR: the one `latest` names, else step-*.h5 from the
+// highest step down; each candidate is opened and verified, and a bad one is skipped with a
+// one-line warning. Empty when there is none.
+std::string newest_checkpoint(const std::string& dir);
 
 }  // namespace strata::io

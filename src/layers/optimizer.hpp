@@ -26,6 +26,8 @@ class Optimizer {
   // One update of params from grads (both `numel` elements) at learning rate lr.
   void step(const Tensor& params, const Tensor& grads, float lr);
   int64_t steps_taken() const { return steps_; }
+  // Restores the step count from a checkpoint (AdamW's bias correction depends on it).
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Named state tensors, for checkpoints: "momentum", or "exp_avg" and "exp_avg_sq".
   std::vector<std::pair<std::string, Tensor>> state() const;
 

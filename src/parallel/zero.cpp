@@ -61,7 +61,13 @@ double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
   return sum[0];
 }
 
+void ShardedOptimizer::set_steps_taken(int64_t steps) {
+  steps_ = steps;
+  inner_.set_steps_taken(steps);
+}
+
 void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr) {
+  ++steps_;
   // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 reduced
   // each bucket to its owners, so grads is the owned shard alone.
   if (shard_.numel() > 0) inner_.step(owned(params), owned_grads(grads), lr);

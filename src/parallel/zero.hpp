@@ -15,6 +15,8 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "layers/model.hpp"
@@ -65,12 +67,20 @@ class ShardedOptimizer {
   const Shard& shard() const { return shard_; }
   // Bytes of optimizer state this rank allocated (the real tensors).
   int64_t state_bytes() const;
+  // This rank's optimizer state by name ("momentum", "exp_avg", ...): flat tensors of
+  // shard().numel() elements, element 0 = flat element shard().begin. For checkpoints.
+  std::vector<std::pair<std::string, Tensor>> state() const { return inner_.state(); }
+  // Optimizer steps taken, saved and restored by checkpoints. A rank with an empty shard
+  // never steps its inner optimizer, so the count is kept here for every rank alike.
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps);
 
  private:
   int stage_;
   Communicator& dp_;
   Shard shard_;
   layers::Optimizer inner_;  // state for shard_ only
+  int64_t steps_ = 0;
 };
 
 // ZeRO 3: gathers a stage's sharded parameters layer by layer into two window slots of the

@@ -90,6 +90,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("log-every", po::value(&c.log_every)->default_value(100), "progress line every N steps")
     ("metrics", po::value(&c.metrics), "append one JSON object per logged step to this file")
     ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
+    ("resume", po::value(&c.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
+    ("keep", po::value(&c.keep)->default_value(0), "keep only the newest K checkpoints in --checkpoint-dir (0: all)")
     ("eval-only", po::bool_switch(&c.eval_only), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
     ("log-all-ranks", po::bool_switch(&c.log_all_ranks), "every rank prints, prefixed with its rank (default: rank 0 only)")
@@ -142,6 +144,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                  "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
   STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
+  STRATA_REQUIRE(c.keep >= 0, "--keep must not be negative, found ", c.keep);
+  STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
+  STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
   if (c.eval_only) {
     STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");

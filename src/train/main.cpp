@@ -1,6 +1,7 @@
 // train: the Strata training program. `mpirun -np N train --config FILE [flags]`.
 // Setup errors are agreed on by all ranks and reported once (exit 2 for bad input); an error
-// during training is reported by the rank that hit it and ends the whole job.
+// during training is reported by the rank that hit it and ends the whole job. SIGTERM, SIGUSR1
+// or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted).
 #include <memory>
 #include <optional>
 
@@ -32,11 +33,14 @@ int main(int argc, char** argv) {
   if (config->dry_run) return parallel::kExitOk;  // the plan with every rank's bytes is printed
 
   try {
-    if (!config->eval_only) trainer->train();
+    if (!config->eval_only) {
+      train::install_preemption_handlers();
+      if (!trainer->train()) return train::kExitPreempted;  // saved; the batch script requeues
+    }
     if (const io::Dataset* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);
       char line[160];
-      std::snprintf(line, sizeof line, "%s: loss %.4f  accuracy %.2f%%  (%lld samples)",
+      std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)",
                     config->eval_only ? "evaluation" : "final test", r.loss, 100.0 * r.accuracy,
                     static_cast<long long>(r.samples));
       log::info(line);

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -29,13 +30,23 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-std::string checkpoint_path(const std::string& dir, int64_t step) {
-  char name[64];
-  std::snprintf(name, sizeof name, "step-%08lld.h5", static_cast<long long>(step));
-  return (fs::path(dir) / name).string();
-}
+// Set by the preemption handlers; read at step boundaries. sig_atomic_t: async-signal-safe.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
+
+// Optimizer-state messages cycle through tags below MPI's guaranteed minimum MPI_TAG_UB.
+constexpr int kMaxTag = 32000;
 
 }  // namespace
+
+void install_preemption_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;  // MPI and file I/O in progress are not interrupted
+  for (int signal : {SIGTERM, SIGUSR1, SIGINT}) sigaction(signal, &action, nullptr);
+}
 
 Trainer::Trainer(const Config& config, MPI_Comm world)
     : config_(config), grid_(std::make_unique<parallel::ProcessGrid>(world, config.pp)) {
@@ -119,17 +130,21 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     config_.schedule.total_steps = total_steps_;  // cosine decays over the whole run
   }
 
-  if (!config_.init_from.empty()) {
-    io::CheckpointReader reader(config_.init_from);
-    for (const layers::ParamEntry& e : store_->entries()) {
-      const std::string name = "model/" + e.name;
-      STRATA_REQUIRE(reader.has(name), "checkpoint ", config_.init_from, " has no tensor ", name,
-                     " (was it saved from a different --model?)");
-      // Read whole, kept whole or (ZeRO 3) only this rank's part of it.
-      const Tensor t = Tensor::empty(e.shape);
-      reader.read_tensor(name, t);
-      store_->set_value(e, t);
+  if (!config_.init_from.empty()) load_model(io::CheckpointReader(config_.init_from));
+  if (config_.resume == "auto") {
+    // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
+    std::vector<double> step{0.0};
+    if (rank_ == 0) {
+      const std::string path = io::newest_checkpoint(config_.checkpoint_dir);
+      step[0] = path.empty() ? -1.0 : static_cast<double>(io::CheckpointReader(path).attr_int("step"));
     }
+    sum_over_world(step);
+    if (step[0] < 0)
+      log::info("--resume auto: no complete checkpoint in ", config_.checkpoint_dir, ", starting from step 0");
+    else
+      resume_from(io::checkpoint_path(config_.checkpoint_dir, static_cast<int64_t>(step[0])));
+  } else if (config_.resume != "none") {
+    resume_from(config_.resume);
   }
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
   if (!config_.checkpoint_dir.empty() && rank_ == 0 && !config_.dry_run) {
@@ -145,6 +160,63 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
               config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_, " per replica); ",
               config_.dry_run ? "--dry-run: not training" : detail::cat("training ", total_steps_, " steps"));
+}
+
+void Trainer::load_model(const io::CheckpointReader& reader) {
+  for (const layers::ParamEntry& e : store_->entries()) {
+    const std::string name = "model/" + e.name;
+    STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
+                   " (was it saved from a different --model?)");
+    // Read whole (the crc covers the whole tensor), kept whole or (ZeRO 3) only this rank's part.
+    const Tensor t = Tensor::empty(e.shape);
+    reader.read_tensor(name, t);
+    store_->set_value(e, t);
+  }
+}
+
+parallel::Shard Trainer::state_range(int s, int r) const {
+  const parallel::StageRange range = stages_[static_cast<size_t>(s)];
+  const int64_t used =
+      layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, range.begin, range.end));
+  if (config_.zero == 0) return {used, 0, used};
+  return parallel::shard_of(used, dp_, r);
+}
+
+void Trainer::resume_from(const std::string& path) {
+  const io::CheckpointReader reader(path);
+  STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint ", path,
+                 " holds no training state (format_version 1): use --init-from to start from its model");
+  const std::string saved_optimizer = reader.attr_string("optimizer");
+  STRATA_REQUIRE(saved_optimizer == config_.optimizer.name, "checkpoint ", path, " was saved with --optimizer ",
+                 saved_optimizer, " but this run uses --optimizer ", config_.optimizer.name);
+  load_model(reader);
+  // This rank's shard of each state tensor: read the tensor whole (crc), keep the owned range.
+  const parallel::Shard mine = state_range(stage_, replica_);
+  for (const auto& [state, local] : optimizer_->state())
+    for (const layers::ParamEntry& e : store_->entries()) {
+      const int64_t n = shape_numel(e.shape);
+      const int64_t lo = std::max(e.offset, mine.begin), hi = std::min(e.offset + n, mine.end);
+      if (!e.trainable || lo >= hi) continue;
+      const Tensor full = Tensor::empty(e.shape);
+      reader.read_tensor("optimizer/" + state + "/" + e.name, full);
+      local.view(lo - mine.begin, {hi - lo}).copy_from(full.reshape({n}).view(lo - e.offset, {hi - lo}));
+    }
+  start_step_ = reader.attr_int("step");
+  optimizer_->set_steps_taken(reader.attr_int("optimizer_step"));
+  next_epoch_ = reader.attr_int("epoch");
+  next_in_epoch_ = reader.attr_int("step_in_epoch");
+  const int64_t saved_batch = reader.attr_int("global_batch");
+  if (saved_batch != config_.global_batch) {
+    // Same samples seen, counted in this run's batches: the position is approximate.
+    next_in_epoch_ = next_in_epoch_ * saved_batch / config_.global_batch;
+    if (rank_ == 0)
+      log::warn("checkpoint ", path, " was saved with --global-batch ", saved_batch, ", this run uses ",
+                config_.global_batch, ": the data position is approximate");
+  }
+  STRATA_REQUIRE(!sampler_ || start_step_ <= total_steps_, "checkpoint ", path, " is at step ", start_step_,
+                 ", beyond the ", total_steps_, " steps of this run");
+  log::info("resuming from ", path, " at step ", start_step_, " (epoch ", next_epoch_, ", step ", next_in_epoch_,
+            " of the epoch)");
 }
 
 void Trainer::print_plan() {
@@ -284,8 +356,11 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   if (record) write_timeline(timeline_);
   dp_bytes_per_step_ = grid_->dp().bytes_sent() - dp_bytes_before;
-  std::vector<double> loss{loss_sum};  // non-zero on last stages only
+  // The preemption flag rides on the all-reduce every step does anyway: all ranks agree
+  // at the same step boundary without an extra collective.
+  std::vector<double> loss{loss_sum, g_stop_signal != 0 ? 1.0 : 0.0};  // loss: non-zero on last stages only
   sum_over_world(loss);
+  stop_agreed_ = loss[1] > 0;
   return loss[0];
 }
 
@@ -321,13 +396,19 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
   }
 }
 
-void Trainer::train() {
+bool Trainer::train() {
   using clock = std::chrono::steady_clock;
   const int64_t per_epoch = sampler_->steps_per_epoch();
   // Only the first stage reads inputs and only the last reads labels; middle stages read
   // nothing but still follow the sampler (the loader of labels is cheap).
   io::Loader loader(*train_data_, *sampler_, replica_ * local_batch_, local_batch_, config_.prefetch, first_stage());
-  loader.start(start_step_ / per_epoch, start_step_ % per_epoch);
+  // A resumed run continues mid-epoch exactly where the checkpoint's batches stopped.
+  const auto normalise = [per_epoch](int64_t& epoch, int64_t& in_epoch) {
+    epoch += in_epoch / per_epoch;
+    in_epoch %= per_epoch;
+  };
+  normalise(next_epoch_, next_in_epoch_);
+  loader.start(next_epoch_, next_in_epoch_);
 
   double window_loss = 0;
   int64_t window_steps = 0;
@@ -336,6 +417,9 @@ void Trainer::train() {
   for (int64_t step = start_step_; step < total_steps_; ++step) {
     const io::Batch& batch = loader.next();
     window_loss += train_step(batch, step) / static_cast<double>(config_.global_batch);
+    next_epoch_ = batch.epoch;
+    next_in_epoch_ = batch.step_in_epoch + 1;
+    normalise(next_epoch_, next_in_epoch_);
     ++window_steps;
     const int64_t done = step + 1;
     if (done % config_.log_every == 0 || done == total_steps_) {
@@ -343,7 +427,7 @@ void Trainer::train() {
       const double rate = static_cast<double>(window_steps * config_.global_batch) / std::max(seconds, 1e-9);
       const double elapsed = std::chrono::duration<double>(clock::now() - run_start).count();
       const double eta = elapsed / static_cast<double>(done - start_step_) * static_cast<double>(total_steps_ - done);
-      log_progress(done, step / per_epoch, window_loss / static_cast<double>(window_steps),
+      log_progress(done, batch.epoch, window_loss / static_cast<double>(window_steps),
                    layers::learning_rate(config_.schedule, step), rate, exposed_comm_s_ / std::max(seconds, 1e-9), eta);
       exposed_comm_s_ = 0;
       window_loss = 0;
@@ -354,11 +438,18 @@ void Trainer::train() {
       const EvalResult r = evaluate(*val_data_);
       log::info("eval at step ", done, ": loss ", r.loss, "  accuracy ", 100.0 * r.accuracy, "%");
     }
+    if (stop_agreed_ && done != total_steps_) {
+      log::info("preemption signal received: stopping after step ", done,
+                config_.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
+      if (!config_.checkpoint_dir.empty()) save_checkpoint(done);
+      grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
+      return false;
+    }
     if (config_.save_every > 0 && done % config_.save_every == 0 && done != total_steps_ &&
         !config_.checkpoint_dir.empty())
-      save_checkpoint(done, done / per_epoch);
+      save_checkpoint(done);
   }
-  if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_, total_steps_ / per_epoch);
+  if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_);
   // Peak micro-batches in flight per stage (activation memory), from replica 0 of each.
   std::vector<double> peaks(static_cast<size_t>(grid_->pp_size()), 0.0);
   if (replica_ == 0) peaks[static_cast<size_t>(stage_)] = peak_in_flight_;
@@ -367,6 +458,7 @@ void Trainer::train() {
   for (double p : peaks) os << " " << p;
   log::info("peak micro-batches in flight per stage:", os.str(), " (", config_.schedule_kind, ", ", micro_batches_,
             " micro-batches)");
+  return true;
 }
 
 EvalResult Trainer::evaluate(const io::Dataset& data) {
@@ -400,12 +492,12 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n), n};
 }
 
-void Trainer::save_checkpoint(int64_t step, int64_t epoch) {
-  // Rank 0 writes; replica 0 of every other stage sends its tensors one at a time, so no rank
-  // ever holds more than its own stage plus one tensor.
+void Trainer::save_checkpoint(int64_t step) {
+  // Rank 0 writes; the others send it one tensor (or their piece of one) at a time, so no rank
+  // ever holds more than its own stage plus one full tensor.
   parallel::Communicator& world = grid_->world();
   std::unique_ptr<io::CheckpointWriter> writer;
-  const std::string path = checkpoint_path(config_.checkpoint_dir, step);
+  const std::string path = io::checkpoint_path(config_.checkpoint_dir, step);
   if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);
   for (int s = 0; s < grid_->pp_size(); ++s) {
     const int owner = grid_->rank_of(s, 0);
@@ -427,11 +519,53 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch) {
       }
     }
   }
+
+  // Optimizer state: every rank owning part of a tensor's flat range sends that piece; rank 0
+  // assembles the full tensor. Everyone walks the same (stage, state, entry, replica) order, so
+  // sends and receives pair up in order; the tags only need to differ between neighbours.
+  const std::vector<std::pair<std::string, Tensor>> states = optimizer_->state();
+  int tag = 0;
+  for (int s = 0; s < grid_->pp_size(); ++s) {
+    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
+    const int owners = config_.zero == 0 ? 1 : dp_;  // without ZeRO replica 0's copy is the state
+    for (const auto& [state, local] : states)
+      for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
+        if (!e.trainable) continue;
+        const int64_t n = shape_numel(e.shape);
+        const Tensor full = rank_ == 0 ? Tensor::empty(e.shape) : Tensor();
+        for (int q = 0; q < owners; ++q) {
+          const parallel::Shard range = state_range(s, q);
+          const int64_t lo = std::max(e.offset, range.begin), hi = std::min(e.offset + n, range.end);
+          if (lo >= hi) continue;
+          const int from = grid_->rank_of(s, q);
+          tag = (tag + 1) % kMaxTag;
+          if (from == rank_ && rank_ == 0)
+            full.reshape({n}).view(lo - e.offset, {hi - lo}).copy_from(local.view(lo - range.begin, {hi - lo}));
+          else if (from == rank_)
+            world.send(local.view(lo - range.begin, {hi - lo}), 0, tag);
+          else if (rank_ == 0)
+            world.recv(full.reshape({n}).view(lo - e.offset, {hi - lo}), from, tag);
+        }
+        if (writer) writer->write_tensor("optimizer/" + state + "/" + e.name, full);
+      }
+  }
   if (!writer) return;
+  const int64_t per_epoch = sampler_->steps_per_epoch();
   writer->set_attr("step", step);
-  writer->set_attr("epoch", epoch);
+  writer->set_attr("optimizer_step", optimizer_->steps_taken());
+  writer->set_attr("epoch", next_epoch_ + next_in_epoch_ / per_epoch);
+  writer->set_attr("step_in_epoch", next_in_epoch_ % per_epoch);
+  writer->set_attr("seed", config_.seed);
+  writer->set_attr("global_batch", config_.global_batch);
   writer->set_attr("model", config_.model.name);
+  writer->set_attr("optimizer", config_.optimizer.name);
+  std::string effective;
+  for (const auto& [key, value] : config_.effective) effective += key + " = " + value + "\n";
+  writer->set_attr("config", effective);
   writer->commit();
+  // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
+  io::update_latest(config_.checkpoint_dir, path);
+  io::prune_checkpoints(config_.checkpoint_dir, config_.keep);
   log::info("saved checkpoint ", path);
 }
 

@@ -7,6 +7,7 @@
 
 #include <memory>
 
+#include "io/checkpoint.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
 #include "io/sampler.hpp"
@@ -23,6 +24,14 @@
 
 namespace strata::train {
 
+// Exit code of a run stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint: a batch
+// script requeues the job, which continues with --resume auto (docs/checkpoints.md).
+constexpr int kExitPreempted = 3;
+
+// Installs async-signal-safe handlers for SIGTERM, SIGUSR1 and SIGINT that only set a flag;
+// train() acts on it at the next step boundary.
+void install_preemption_handlers();
+
 struct EvalResult {
   double loss = 0;  // mean over samples
   double accuracy = 0;
@@ -36,20 +45,24 @@ class Trainer {
   // found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
-  // Trains (nothing with --dry-run: setup has printed the memory table).
-  void train();
+  // Trains (nothing with --dry-run: setup has printed the memory table). Returns false when a
+  // preemption signal stopped it early (all ranks agree; a checkpoint was saved if
+  // --checkpoint-dir is set).
+  bool train();
   // Collective over the world: every rank calls it.
   EvalResult evaluate(const io::Dataset& data);
   // The dataset evaluated at the end and by --eval-only; none with --dry-run.
   const io::Dataset* eval_data() const;
-  // Collective: replica 0 of every stage sends its tensors to rank 0, which writes them.
-  void save_checkpoint(int64_t step, int64_t epoch);
+  // Collective: replica 0 of every stage sends its parameters and buffers, and every rank
+  // owning part of a tensor's optimizer state sends its piece, to rank 0, which assembles and
+  // writes one full tensor at a time; then `latest` is updated and --keep applied.
+  void save_checkpoint(int64_t step);
 
  private:
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == grid_->pp_size() - 1; }
   // One optimizer step over this replica's slice of the global batch; returns the global
-  // batch's summed loss (on every rank).
+  // batch's summed loss (on every rank) and sets stop_agreed_ when any rank was signalled.
   double train_step(const io::Batch& batch, int64_t step);
   // Forward through this stage's layers; with ZeRO 3 one layer at a time, each bound to its
   // gathered parameters just before it runs.
@@ -63,6 +76,14 @@ class Trainer {
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
                     double eta_s) const;
   void write_timeline(const std::vector<parallel::TimelineEvent>& mine);
+  // This rank's parameters and buffers from /model (each tensor read whole, crc-checked, and
+  // the owned part kept).
+  void load_model(const io::CheckpointReader& reader);
+  // --resume: the model, this rank's optimizer-state shard, the step count and data position.
+  void resume_from(const std::string& path);
+  // The flat-layout range of stage s's optimizer state that replica r owns ({0, used} for
+  // every replica without ZeRO).
+  parallel::Shard state_range(int s, int r) const;
 
   Config config_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
@@ -78,6 +99,8 @@ class Trainer {
   std::unique_ptr<parallel::ParameterGather> gather_;  // ZeRO 3 only
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
+  // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
+  int64_t next_epoch_ = 0, next_in_epoch_ = 0;
 
   // Pipeline state, sized once: one entry per micro-batch.
   parallel::StageProgram program_;
@@ -89,6 +112,7 @@ class Trainer {
   int peak_in_flight_ = 0;  // measured: micro-batches forwarded but not yet backwarded
   std::vector<parallel::TimelineEvent> timeline_;
 
+  bool stop_agreed_ = false;       // some rank received a preemption signal (agreed by all)
   double exposed_comm_s_ = 0;      // waiting for gradient buckets since the last progress line
   int64_t dp_bytes_per_step_ = 0;  // sent on the dp communicator by this rank in the last step
 };

@@ -347,6 +347,254 @@ def case_zero_equivalence(args):
     print(f"zero 3 checkpoint evaluated under zero 3 and zero 0: loss, accuracy {results[0]}")
 
 
+RESUME_MLP = ["--model", "mlp", "--hidden", "64,32", "--dropout", "0.1"]
+
+
+def resumed_run(args, model_flags, save_layout, resume_layout, optimizer, steps=50, split=20, global_batch=32):
+    """Trains `split` steps under save_layout (ranks, flags) with a checkpoint, then resumes it
+    in a new process under resume_layout up to `steps`; returns the final /model tensors and
+    the resumed run's stdout."""
+    data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)
+    name = "-".join(model_flags + list(optimizer) + [str(save_layout[0])] + list(save_layout[1]) +
+                    [str(resume_layout[0])] + list(resume_layout[1])).replace(",", "_")
+    ck = os.path.join(args.workdir, "ck-resume" + name)
+    if os.path.isdir(ck):
+        for f in os.listdir(ck):
+            os.remove(os.path.join(ck, f))
+    common = model_flags + list(optimizer) + ["--data", data, "--global-batch", str(global_batch), "--lr", "0.05",
+                                              "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25"]
+    train_ranks(args, save_layout[0], common + list(save_layout[1]) + ["--steps", str(split), "--save-every", str(split)])
+    assert open(os.path.join(ck, "latest")).read().strip() == f"step-{split:08d}.h5"
+    out = train_ranks(args, resume_layout[0], common + list(resume_layout[1]) + ["--steps", str(steps), "--resume", "auto"])
+    assert f"resuming from {os.path.join(ck, f'step-{split:08d}.h5')} at step {split}" in out, out
+    return read_model(os.path.join(ck, f"step-{steps:08d}.h5")), out
+
+
+def case_checkpoint_resume(args):
+    """50 uninterrupted steps == 20 steps, checkpoint, new process, --resume auto, 30 more: for
+    SGD-momentum and AdamW, on the MLP with dropout (masks keyed by global sample index) mid-epoch
+    (64 steps per epoch); bit-identical on the same layout, within 1e-5 relative when the saved
+    (dp=2, ZeRO 1) run resumes under (pp=2, dp=1, ZeRO 0) and (dp=4, ZeRO 3). The checkpoint
+    holds the full optimizer state, gathered from the shards, and the training position."""
+    import time
+    for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"), ("--optimizer", "adamw")):
+        reference = equivalence_runs(args, RESUME_MLP + list(optimizer), [(1, 32)])[(1, 32)]
+        same = (1, ())
+        t0 = time.monotonic()
+        model, _ = resumed_run(args, RESUME_MLP, same, same, optimizer)
+        print(f"{optimizer[1]} 1 rank save+resume: {time.monotonic() - t0:.1f} s")
+        assert_same_model(model, reference, f"{optimizer[1]} resumed on the same layout vs uninterrupted", rtol=0.0)
+        saved = (2, ("--zero", "1"))
+        for layout in ((2, ("--pp", "2", "--zero", "0")), (4, ("--zero", "3"))):
+            model, _ = resumed_run(args, RESUME_MLP, saved, layout, optimizer)
+            assert_same_model(model, reference, f"{optimizer[1]} saved dp=2 zero 1, resumed {layout}", rtol=1e-5)
+    # The optimizer state is stored full, under stable names, with the training position.
+    ck = [d for d in os.listdir(args.workdir) if d.startswith("ck-resume") and "adamw" in d][0]
+    with h5py.File(os.path.join(args.workdir, ck, "step-00000020.h5"), "r") as f:
+        assert f["optimizer/exp_avg/fc1/weight"].shape == (64, 64)
+        assert f["optimizer/exp_avg_sq/fc3/bias"].shape == (4,)
+        assert int(f.attrs["format_version"]) == 2 and int(f.attrs["step"]) == 20
+        assert int(f.attrs["optimizer_step"]) == 20 and int(f.attrs["epoch"]) == 0
+        assert int(f.attrs["step_in_epoch"]) == 20 and int(f.attrs["global_batch"]) == 32
+        assert int(f.attrs["seed"]) == 3 and "optimizer = adamw" in f.attrs["config"]
+
+
+def case_checkpoint_keep(args):
+    """--keep 2 leaves the newest two checkpoints and a `latest` naming the newest; a different
+    --global-batch resumes with one warning line."""
+    data = write_dataset(os.path.join(args.workdir, "keep.h5"), n=512)
+    ck = os.path.join(args.workdir, "ck-keep")
+    if os.path.isdir(ck):
+        for f in os.listdir(ck):
+            os.remove(os.path.join(ck, f))
+    base = ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16", "--checkpoint-dir", ck]
+    train_ranks(args, 2, base + ["--steps", "50", "--save-every", "10", "--keep", "2"])
+    assert sorted(os.listdir(ck)) == ["latest", "step-00000040.h5", "step-00000050.h5"], os.listdir(ck)
+    assert open(os.path.join(ck, "latest")).read().strip() == "step-00000050.h5"
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + base[:-4] + [
+        "--global-batch", "32", "--checkpoint-dir", ck, "--steps", "60", "--resume", "auto"]
+    rc, out, err = run(args, cmd)
+    assert rc == 0, err
+    warnings = [l for l in err.splitlines() if "global-batch" in l]
+    assert len(warnings) == 1 and "approximate" in warnings[0], err
+    assert "resuming from" in out and "at step 50" in out, out
+
+
+def snapshot(directory):
+    """{file name: bytes} of a directory, to show that nothing on disk changed."""
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
+
+
+def case_checkpoint_bad(args):
+    """--resume with a bad checkpoint: one line each, exit 2 on every rank, and neither the
+    checkpoint directory nor the file changes. --resume auto skips a corrupt newest checkpoint
+    with a warning and continues from the one before."""
+    import shutil
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "bad.h5"), n=512)
+    ck = os.path.join(w, "ck-bad")
+    shutil.rmtree(ck, ignore_errors=True)
+    base = ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16", "--checkpoint-dir", ck]
+    train_ranks(args, 2, base + ["--steps", "20", "--save-every", "10"])
+    good = os.path.join(ck, "step-00000010.h5")
+
+    def variant(name, edit):
+        path = os.path.join(w, name)
+        shutil.copyfile(good, path)
+        edit(path)
+        return path
+
+    def drop(path):
+        with h5py.File(path, "r+") as f:
+            del f["optimizer/momentum/fc1/weight"]
+
+    def corrupt(path):
+        with h5py.File(path, "r+") as f:
+            f["model/fc2/bias"][0] += 1.0
+
+    def truncate(path):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    def text(path):
+        with open(path, "w") as f:
+            f.write("not a checkpoint\n")
+
+    cases = [
+        (good, ["--model", "cnn"], r"no tensor model/conv1"),
+        (good, ["--model", "mlp", "--hidden", "32"], r"fc1/weight.*\[16, 64\].*\[32, 64\]|fc1/weight.*32"),
+        (good, ["--model", "mlp", "--hidden", "16", "--optimizer", "adamw"], r"--optimizer sgd.*--optimizer adamw"),
+        (variant("missing.h5", drop), ["--model", "mlp", "--hidden", "16"], r"no tensor 'optimizer/momentum/fc1/weight'"),
+        (variant("crc.h5", corrupt), ["--model", "mlp", "--hidden", "16"], r"model/fc2/bias.*corrupt.*crc32"),
+        (variant("truncated.h5", truncate), ["--model", "mlp", "--hidden", "16"], r"truncated\.h5"),
+        (variant("text.h5", text), ["--model", "mlp", "--hidden", "16"], r"text\.h5.*not an HDF5 file"),
+    ]
+    for path, model, pattern in cases:
+        before, file_before = snapshot(ck), open(path, "rb").read()
+        expect_bad_input(args, model + ["--data", data, "--global-batch", "16", "--steps", "30", "--checkpoint-dir",
+                                        ck, "--resume", path], pattern, ranks=2)
+        assert snapshot(ck) == before, f"{path}: the checkpoint directory changed"
+        assert open(path, "rb").read() == file_before, f"{path} changed"
+        print(f"{os.path.basename(path)} {model[-1]}: rejected as expected, nothing changed")
+
+    # The newest checkpoint corrupt: --resume auto warns once and continues from step 10.
+    corrupt(os.path.join(ck, "step-00000020.h5"))
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + base + ["--steps", "30", "--resume", "auto"]
+    rc, out, err = run(args, cmd)
+    assert rc == 0, f"{out}\n{err}"
+    skipped = [l for l in err.splitlines() if "skipping checkpoint" in l]
+    assert len(skipped) == 1 and "step-00000020.h5" in skipped[0] and "corrupt" in skipped[0], err
+    assert f"resuming from {good} at step 10" in out, out
+    print(f"--resume auto: {skipped[0]}")
+
+
+def train_processes(root_pid, train):
+    """PIDs of the train processes under `root_pid` (mpirun's children or deeper), by /proc."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except OSError:
+                pass
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        for c in children.get(pid, []):
+            try:
+                exe = os.readlink(f"/proc/{c}/exe")
+            except OSError:
+                exe = ""
+            if os.path.basename(exe) == os.path.basename(train):
+                found.append(c)
+            todo.append(c)
+    return sorted(found)
+
+
+def case_checkpoint_preempt(args):
+    """SIGTERM to one rank of a 2-rank job mid-training: all ranks agree at the next step
+    boundary (the flag rides on the step's loss all-reduce), save a complete checkpoint and exit
+    with code 3; --resume auto then finishes with the same model as an uninterrupted run."""
+    import shutil
+    import signal
+    import time
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "preempt.h5"), n=2048, shape=(1, 8, 8), seed=7)
+    steps = 4000
+    common = RESUME_MLP + ["--optimizer", "adamw", "--data", data, "--global-batch", "32", "--seed", "3",
+                           "--steps", str(steps), "--log-every", "10", "--lr", "0.01"]
+    ref_ck, ck = os.path.join(w, "ck-ref"), os.path.join(w, "ck-preempt")
+    for d in (ref_ck, ck):
+        shutil.rmtree(d, ignore_errors=True)
+    train_ranks(args, 2, common + ["--checkpoint-dir", ref_ck])
+    metrics = os.path.join(w, "preempt-metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + common + [
+        "--checkpoint-dir", ck, "--metrics", metrics]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
+    # Rank 0 appends a metrics line every 10 steps (unbuffered, unlike stdout through mpirun).
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
+        time.sleep(0.005)
+    ranks = train_processes(p.pid, args.train)
+    assert len(ranks) == 2, ranks
+    start = time.monotonic()
+    os.kill(ranks[-1], signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert p.returncode == 3, f"exit code {p.returncode}\n{out}\n{err}"
+    stopped = re.search(r"stopping after step (\d+)", out)
+    assert stopped, out
+    step = int(stopped.group(1))
+    assert 10 <= step < steps, step
+    latest = open(os.path.join(ck, "latest")).read().strip()
+    assert latest == f"step-{step:08d}.h5" and not [n for n in os.listdir(ck) if n.endswith(".tmp")], os.listdir(ck)
+    with h5py.File(os.path.join(ck, latest), "r") as f:
+        assert int(f.attrs["step"]) == step and "optimizer/exp_avg/fc1/weight" in f
+    print(f"SIGTERM to rank pid {ranks[-1]}: all ranks stopped after step {step}, saved {latest}, exit 3 "
+          f"after {elapsed:.2f} s")
+    out = train_ranks(args, 2, common + ["--checkpoint-dir", ck, "--resume", "auto"])
+    assert f"at step {step}" in out, out
+    assert_same_model(read_model(os.path.join(ck, f"step-{steps:08d}.h5")),
+                      read_model(os.path.join(ref_ck, f"step-{steps:08d}.h5")), "preempted + resumed vs uninterrupted",
+                      rtol=1e-6)
+
+
+def case_export_torch(args):
+    """tools/export_torch.py: the exported state_dict holds the checkpoint's tensors exactly,
+    loads (strict) into the matching torch.nn.Sequential, and that model's evaluation loss on a
+    test set equals `train --eval-only` within 1e-5 (accuracy equal), for the MLP with dropout
+    and the CNN, saved from a 2-rank pp=2 run."""
+    import torch
+    w = args.workdir
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    train = write_dataset(os.path.join(w, "train.h5"), n=512, shape=(1, 8, 8), seed=1)
+    test = write_dataset(os.path.join(w, "test.h5"), n=300, shape=(1, 8, 8), seed=2)
+    for model in (["--model", "mlp", "--hidden", "32,16", "--dropout", "0.2"], ["--model", "cnn"]):
+        ck = os.path.join(w, "ck-" + model[1])
+        # Few small steps: a loss far from 0, so the comparison means something.
+        train_ranks(args, 2, model + ["--pp", "2", "--data", train, "--steps", "12", "--global-batch", "32",
+                                      "--lr", "0.02", "--checkpoint-dir", ck])
+        path = os.path.join(ck, "step-00000012.h5")
+        out_pt = os.path.join(w, model[1] + ".pt")
+        rc, out, err = run(args, [sys.executable, os.path.join(repo, "tools", "export_torch.py"), path, out_pt,
+                                  "--eval", test])
+        assert rc == 0, f"{out}\n{err}"
+        state, stored = torch.load(out_pt), read_model(path)
+        assert sorted(state) == sorted(n.replace("/", ".") for n in stored), (sorted(state), sorted(stored))
+        for n, v in stored.items():
+            assert np.array_equal(state[n.replace("/", ".")].numpy(), v), n
+        mine = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out)
+        rc, out2, err = run(args, [args.train] + model + ["--val-data", test, "--eval-only", "--init-from", path])
+        assert rc == 0, err
+        theirs = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out2)
+        assert mine and theirs, (out, out2)
+        diff = abs(float(mine.group(1)) - float(theirs.group(1)))
+        assert diff <= 1e-5 and mine.group(2) == theirs.group(2), (mine.groups(), theirs.groups())
+        print(f"{model[1]}: torch loss {mine.group(1)} accuracy {mine.group(2)}%, Strata --eval-only loss "
+              f"{theirs.group(1)} accuracy {theirs.group(2)}%: |diff| {diff:.2g}")
+
 def dry_run_table(args, ranks, flags):
     """Runs --dry-run and returns {rank: {params, grads, optimizer, activations}} in bytes."""
     data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)

@@ -1,4 +1,5 @@
-// Checkpoints: round trip, atomic commit, crc32 corruption, one-line input errors. With
+// Checkpoints: round trip, atomic commit, crc32 corruption, one-line input errors, and the
+// checkpoint directory (latest pointer, --keep pruning, newest complete checkpoint). With
 // STRATA_CHECKPOINT_ORACLE=PATH set, CheckpointOracle.Write writes a known checkpoint there
 // for tests/io/py/check_checkpoint.py to read with h5py.
 #include <gtest/gtest.h>
@@ -40,7 +41,7 @@ TEST(Checkpoint, RoundTrip) {
   test::TempDir dir;
   write_known(dir / "c.h5");
   CheckpointReader r(dir / "c.h5");
-  EXPECT_EQ(r.attr_int("format_version"), 1);
+  EXPECT_EQ(r.attr_int("format_version"), kCheckpointFormatVersion);
   EXPECT_EQ(r.attr_int("step"), 1234);
   EXPECT_DOUBLE_EQ(r.attr_double("lr"), 0.05);
   EXPECT_EQ(r.attr_string("model"), "cnn");
@@ -123,6 +124,36 @@ TEST(Checkpoint, InputErrors) {
                            {"model/conv1/weight", "[2, 1, 3, 3]", "expects [2, 1, 5, 5]"});
   test::expect_input_error([&] { r.read_tensor("model/nope", wrong); }, {"c.h5", "no tensor 'model/nope'"});
   test::expect_input_error([&] { r.attr_int("epoch"); }, {"c.h5", "no attribute 'epoch'"});
+}
+
+// A checkpoint directory: `latest` names the newest, pruning keeps the newest K, and the
+// newest complete checkpoint skips a corrupt or truncated file for the one before it.
+TEST(CheckpointDir, LatestKeepAndNewest) {
+  test::TempDir dir;
+  const std::string d = dir.path().string();
+  EXPECT_EQ(newest_checkpoint(d), "");
+  for (int64_t step : {10, 20, 30, 40}) {
+    const std::string path = checkpoint_path(d, step);
+    write_known(path);
+    update_latest(d, path);
+  }
+  EXPECT_FALSE(fs::exists(dir / "latest.tmp"));
+  std::string latest;
+  std::ifstream(dir / "latest") >> latest;
+  EXPECT_EQ(latest, "step-00000040.h5");
+  prune_checkpoints(d, 3);
+  EXPECT_FALSE(fs::exists(checkpoint_path(d, 10)));
+  EXPECT_TRUE(fs::exists(checkpoint_path(d, 20)));
+  EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 40));
+  // Truncate the newest (named by latest) and corrupt the next: the third is chosen.
+  fs::resize_file(checkpoint_path(d, 40), fs::file_size(checkpoint_path(d, 40)) / 2);
+  {
+    h5::File f(H5Fopen(checkpoint_path(d, 30).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    h5::DataSet ds(H5Dopen2(f, "model/fc/weight", H5P_DEFAULT));
+    Tensor t = arange({3, 4}, 1.0f);
+    ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), 0);
+  }
+  EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 20));
 }
 
 TEST(CheckpointOracle, Write) {

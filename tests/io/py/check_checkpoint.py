@@ -12,7 +12,7 @@ def arange(shape, start):
 
 
 with h5py.File(sys.argv[1], "r") as f:
-    assert int(f.attrs["format_version"]) == 1
+    assert int(f.attrs["format_version"]) == 2
     assert int(f.attrs["step"]) == 1234
     assert abs(float(f.attrs["lr"]) - 0.05) < 1e-15
     model = f.attrs["model"]
