@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "core/ops.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/mpi_communicator.hpp"
@@ -28,6 +29,7 @@ namespace {
 
 using strata::DType;
 using strata::Tensor;
+using strata::bench::median;
 using strata::parallel::Communicator;
 using strata::parallel::MpiCommunicator;
 using strata::parallel::ReduceOp;
@@ -163,11 +165,6 @@ struct Compute {
   void chunk() const { strata::ops::gemm(a, false, b, false, c, 1e-3f, 0.0f); }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // How each variant drives the all-reduce while the compute chunks run.
 enum class Mode { ComputeOnly, AllReduceOnly, Blocking, WaitOnly, Progress, ThreadBlocking, ThreadPoll };
 const char* mode_name(Mode m) {
@@ -294,24 +291,22 @@ int main(int argc, char** argv) {
   bool overlap = false, threads = true;
   size_t min_bytes = 4 << 10, max_bytes = size_t{256} << 20;
   int reps = 15;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--overlap")
-      overlap = true;
-    else if (a == "--no-threads")
-      threads = false;
-    else if (a == "--max-bytes" && i + 1 < argc)
-      max_bytes = std::stoull(argv[++i]);
-    else if (a == "--min-bytes" && i + 1 < argc)
-      min_bytes = std::stoull(argv[++i]);
-    else if (a == "--reps" && i + 1 < argc)
-      reps = std::stoi(argv[++i]);
-    else {
-      std::fprintf(stderr,
-                   "usage: bench_collectives [--min-bytes B] [--max-bytes B] | --overlap [--no-threads] [--reps N]\n");
-      return 2;
-    }
-  }
+  bool no_threads = false;
+  namespace po = strata::bench::po;
+  po::options_description desc(
+      "usage: mpirun -np N bench_collectives [--min-bytes B] [--max-bytes B] | --overlap [--no-threads] [--reps N]\n"
+      "options");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help")
+    ("min-bytes", po::value(&min_bytes)->default_value(min_bytes), "table: smallest buffer, bytes")
+    ("max-bytes", po::value(&max_bytes)->default_value(max_bytes), "table: largest buffer, bytes")
+    ("overlap", po::bool_switch(&overlap), "measure whether an async all-reduce hides behind compute")
+    ("no-threads", po::bool_switch(&no_threads), "--overlap: skip the comm-thread variants")
+    ("reps", po::value(&reps)->default_value(reps), "--overlap: rounds, medians reported");
+  // clang-format on
+  strata::bench::parse_or_exit(argc, argv, desc);
+  threads = !no_threads;
   // The comm-thread variants of --overlap need MPI_THREAD_MULTIPLE; everything else runs as the
   // trainer does (FUNNELED: only the main thread calls MPI).
   const int wanted = overlap && threads ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;

@@ -20,14 +20,13 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
 #include "layers/loss.hpp"
@@ -40,81 +39,38 @@
 namespace {
 
 using namespace strata;
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::median;
+using bench::seconds_since;
 
-struct Options {
-  std::string model = "mlp";
-  int64_t batch = 128;  // per rank
-  int warmup = 20;
-  int steps = 20;
-  int windows = 7;
-  int threads = 1;
+struct Options : bench::CommonOptions {  // batch is per rank
   double bucket_mb = 25.0;
   bool sync = true;
   bool overlap = true;
   bool sharded = false;      // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
   bool sharded_p2p = false;  // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
-  float lr = 0.01f;
-  uint64_t seed = 1;
 };
-
-[[noreturn]] void usage(const char* msg) {
-  std::fprintf(stderr,
-               "%s\nusage: bench_ddp_step [--model mlp|cnn] [--batch N (per rank)] [--warmup N] [--steps N]\n"
-               "                      [--windows N] [--threads N] [--bucket-mb MiB] [--no-sync] [--no-overlap]\n       "
-               "               [--sharded-step | --sharded-p2p]\n",
-               msg);
-  std::exit(2);
-}
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--model")
-      o.model = value();
-    else if (a == "--batch")
-      o.batch = std::atoll(value().c_str());
-    else if (a == "--warmup")
-      o.warmup = std::atoi(value().c_str());
-    else if (a == "--steps")
-      o.steps = std::atoi(value().c_str());
-    else if (a == "--windows")
-      o.windows = std::atoi(value().c_str());
-    else if (a == "--threads")
-      o.threads = std::atoi(value().c_str());
-    else if (a == "--bucket-mb")
-      o.bucket_mb = std::atof(value().c_str());
-    else if (a == "--no-sync")
-      o.sync = false;
-    else if (a == "--no-overlap")
-      o.overlap = false;
-    else if (a == "--sharded-step")
-      o.sharded = true;
-    else if (a == "--sharded-p2p")
-      o.sharded = o.sharded_p2p = true;
-    else if (a == "--seed")
-      o.seed = std::strtoull(value().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help")
-      usage("");
-    else
-      usage(("unknown argument " + a).c_str());
-  }
-  if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0 || o.bucket_mb <= 0)
-    usage("batch, steps, windows, threads, bucket-mb must be > 0");
+  bool no_sync = false, no_overlap = false;
+  bench::po::options_description desc("usage: [mpirun -np N] bench_ddp_step [options]\noptions");
+  bench::add_common_options(desc, o, "samples per step per rank (global batch = batch x ranks)");
+  // clang-format off
+  desc.add_options()
+    ("bucket-mb", bench::po::value(&o.bucket_mb)->default_value(o.bucket_mb), "gradient bucket size, MiB")
+    ("no-sync", bench::po::bool_switch(&no_sync), "skip gradient sync (ranks side by side, no communication)")
+    ("no-overlap", bench::po::bool_switch(&no_overlap), "all-reduce every bucket only after backward")
+    ("sharded-step", bench::po::bool_switch(&o.sharded), "prototype ZeRO-1: reduce-scatter, sharded SGD, all-gather")
+    ("sharded-p2p", bench::po::bool_switch(&o.sharded_p2p), "--sharded-step with MPI_Sendrecv (2 ranks only)");
+  // clang-format on
+  bench::parse_or_exit(argc, argv, desc);
+  bench::check_common(o, desc);
+  bench::require(o.bucket_mb > 0, "bucket-mb must be > 0", desc);
+  o.sync = !no_sync;
+  o.overlap = !no_overlap;
+  o.sharded = o.sharded || o.sharded_p2p;
   return o;
-}
-
-double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Seconds spent per step in each phase, summed over a window.
@@ -141,9 +97,9 @@ struct Bench {
   std::unique_ptr<layers::Optimizer> shard_opt;
   int64_t step = 0;
 
-  Bench(const Options& opt, parallel::ProcessGrid& g, const layers::ModelSpec& spec)
+  Bench(const Options& opt, parallel::ProcessGrid& g)
       : grid(g),
-        model(layers::build_model(spec, {1, 28, 28}, 10)),
+        model(bench::build_bench_model(opt.model, {1024, 1024})),
         store(model, opt.seed),
         optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
         sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20))),
@@ -157,16 +113,8 @@ struct Bench {
       STRATA_CHECK(!o.sharded_p2p || g.dp_size() == 2, "--sharded-p2p needs exactly 2 ranks");
       shard_opt = std::make_unique<layers::Optimizer>(layers::OptimizerConfig{"sgd", 0.9f}, chunk);
     }
-    x = Tensor::empty({o.batch, 1, 28, 28});
-    y = Tensor::empty({o.batch}, DType::I32);
+    bench::random_batch(o.batch, o.seed + 1000 * static_cast<uint64_t>(g.replica()), x, y);
     loss_buf = Tensor::empty({1});
-    std::mt19937 gen(static_cast<uint32_t>(o.seed + 1000 * static_cast<uint64_t>(g.replica())));
-    std::uniform_real_distribution<float> u(0.0f, 1.0f);
-    std::uniform_int_distribution<int32_t> label(0, 9);
-    float* xp = x.data<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) xp[i] = u(gen);
-    int32_t* yp = y.data<int32_t>();
-    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = label(gen);
   }
 
   // Trainer::train_step with one micro-batch, with a clock around each phase.
@@ -201,7 +149,7 @@ struct Bench {
       }
       const auto t2 = clock_type::now();
       const Tensor my_params = store.params().view(off, {chunk});
-      shard_opt->step(my_params, grad_shard, 0.01f);
+      shard_opt->step(my_params, grad_shard, o.lr);
       const auto t3 = clock_type::now();
       if (o.sharded_p2p)
         MPI_Sendrecv(store.params().data<float>() + off, static_cast<int>(chunk), MPI_FLOAT, other, 2,
@@ -232,7 +180,7 @@ struct Bench {
     const auto t1 = clock_type::now();
     if (o.sync) sync.finish();
     const auto t2 = clock_type::now();
-    optimizer.step(store.params(), store.grads(), 0.01f);
+    optimizer.step(store.params(), store.grads(), o.lr);
     const auto t3 = clock_type::now();
     loss_buf.data<float>()[0] = static_cast<float>(l);
     if (o.sync && grid.dp_size() > 1) grid.dp().all_reduce(loss_buf, parallel::ReduceOp::Sum);
@@ -262,10 +210,7 @@ int main(int argc, char** argv) {
     parallel::ProcessGrid grid(MPI_COMM_WORLD, 1);
     const int ranks = grid.dp_size();
     const bool root = grid.world().rank() == 0;
-    layers::ModelSpec spec;
-    spec.name = o.model;
-    if (o.model == "mlp") spec.hidden = {1024, 1024};
-    Bench b(o, grid, spec);
+    Bench b(o, grid);
     const auto& buckets = b.sync.buckets();
     if (root) {
       std::printf(
@@ -297,7 +242,7 @@ int main(int argc, char** argv) {
       Times t;
       const auto t0 = clock_type::now();
       for (int s = 0; s < o.steps; ++s) last_loss = b.train_step(t);
-      const double sec = max_over(MPI_COMM_WORLD, since(t0));
+      const double sec = max_over(MPI_COMM_WORLD, seconds_since(t0));
       rates.push_back(static_cast<double>(o.steps * o.batch * ranks) / sec);
       const double k = 1e3 / o.steps;
       compute.push_back(t.compute * k);
@@ -317,7 +262,7 @@ int main(int argc, char** argv) {
         const auto t0 = clock_type::now();
         for (const auto& bk : buckets)
           grid.dp().all_reduce(b.store.grads().view(bk.begin, {bk.end - bk.begin}), parallel::ReduceOp::Sum);
-        ar.push_back(max_over(MPI_COMM_WORLD, since(t0)) * 1e3);
+        ar.push_back(max_over(MPI_COMM_WORLD, seconds_since(t0)) * 1e3);
       }
       ar_alone = median(ar);
     }

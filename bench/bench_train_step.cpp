@@ -5,15 +5,12 @@
 // forward/backward breakdown to see where the time goes.
 //
 //   bench_train_step --model mlp --batch 128 --warmup 20 --steps 20 --windows 7 --threads 1
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "core/allocator.hpp"
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
@@ -24,29 +21,15 @@
 namespace {
 
 using namespace strata;
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::median;
+using bench::seconds_since;
 
-struct Options {
-  std::string model = "mlp";
+struct Options : bench::CommonOptions {
   std::vector<int64_t> hidden{1024, 1024};
-  int64_t batch = 128;
-  int warmup = 20;  // untimed steps first (caches, allocator free lists, OpenBLAS buffers)
-  int steps = 20;   // steps per timed window
-  int windows = 7;  // timed windows; the median window is reported
-  int threads = 1;
   bool profile = false;
   int profile_steps = 20;
-  float lr = 0.01f;
-  uint64_t seed = 1;
 };
-
-[[noreturn]] void usage(const char* msg) {
-  std::fprintf(stderr,
-               "%s\nusage: bench_train_step [--model mlp|cnn] [--hidden 1024,1024] [--batch N] [--warmup N]\n"
-               "                        [--steps N] [--windows N] [--threads N] [--profile] [--profile-steps N]\n",
-               msg);
-  std::exit(2);
-}
 
 std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> out;
@@ -62,52 +45,19 @@ std::vector<int64_t> parse_list(const std::string& s) {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--model")
-      o.model = value();
-    else if (a == "--hidden")
-      o.hidden = parse_list(value());
-    else if (a == "--batch")
-      o.batch = std::atoll(value().c_str());
-    else if (a == "--warmup")
-      o.warmup = std::atoi(value().c_str());
-    else if (a == "--steps")
-      o.steps = std::atoi(value().c_str());
-    else if (a == "--windows")
-      o.windows = std::atoi(value().c_str());
-    else if (a == "--threads")
-      o.threads = std::atoi(value().c_str());
-    else if (a == "--profile")
-      o.profile = true;
-    else if (a == "--profile-steps")
-      o.profile_steps = std::atoi(value().c_str());
-    else if (a == "--lr")
-      o.lr = std::strtof(value().c_str(), nullptr);
-    else if (a == "--seed")
-      o.seed = std::strtoull(value().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help")
-      usage("");
-    else
-      usage(("unknown argument " + a).c_str());
-  }
-  if (o.batch <= 0 || o.steps <= 0 || o.windows <= 0 || o.threads <= 0)
-    usage("batch, steps, windows, threads must be > 0");
+  std::string hidden = "1024,1024";
+  bench::po::options_description desc("usage: bench_train_step [options]\noptions");
+  bench::add_common_options(desc, o);
+  // clang-format off
+  desc.add_options()
+    ("hidden", bench::po::value(&hidden)->default_value(hidden), "mlp hidden sizes, comma-separated")
+    ("profile", bench::po::bool_switch(&o.profile), "add a per-layer forward/backward breakdown")
+    ("profile-steps", bench::po::value(&o.profile_steps)->default_value(o.profile_steps), "steps of --profile");
+  // clang-format on
+  bench::parse_or_exit(argc, argv, desc);
+  bench::check_common(o, desc);
+  o.hidden = parse_list(hidden);
   return o;
-}
-
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Everything one training step touches: the model, its flat buffers, the optimizer, the
@@ -123,8 +73,8 @@ struct Bench {
   int64_t step = 0;
   size_t first_trainable = 0;  // the lowest layer with parameters: its dx is never needed
 
-  Bench(const Options& o, const layers::ModelSpec& spec)
-      : model(layers::build_model(spec, {1, 28, 28}, 10)),
+  explicit Bench(const Options& o)
+      : model(bench::build_bench_model(o.model, o.hidden)),
         store(model, o.seed),
         optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
         lr(o.lr) {
@@ -133,15 +83,7 @@ struct Bench {
         first_trainable = e.layer;
         break;
       }
-    x = Tensor::empty({o.batch, 1, 28, 28});
-    y = Tensor::empty({o.batch}, DType::I32);
-    std::mt19937 gen(static_cast<uint32_t>(o.seed));
-    std::uniform_real_distribution<float> u(0.0f, 1.0f);
-    std::uniform_int_distribution<int32_t> label(0, 9);
-    float* xp = x.data<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) xp[i] = u(gen);
-    int32_t* yp = y.data<int32_t>();
-    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = label(gen);
+    bench::random_batch(o.batch, o.seed, x, y);
   }
 
   // One step exactly as train::Trainer::train_step does it with one micro-batch and one rank.
@@ -223,10 +165,7 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   try {
     ops::set_num_threads(o.threads);
-    layers::ModelSpec spec;
-    spec.name = o.model;
-    spec.hidden = o.hidden;
-    Bench b(o, spec);
+    Bench b(o);
     std::printf("strata bench_train_step: model %s, batch %lld, threads %d, %lld trainable parameters\n",
                 o.model.c_str(), static_cast<long long>(o.batch), ops::num_threads(),
                 static_cast<long long>(b.store.num_trainable()));

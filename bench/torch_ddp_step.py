@@ -17,29 +17,15 @@ import argparse
 import os
 import socket
 import statistics
-import time
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 
-
-def build(name, hidden):
-    if name == "mlp":
-        layers, width = [nn.Flatten()], 784
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 10))
-        return nn.Sequential(*layers)
-    if name == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10))
-    raise SystemExit(f"--model must be mlp or cnn, found {name!r}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_models.py, from any cwd
+import torch_models  # noqa: E402
 
 
 def free_port():
@@ -56,43 +42,28 @@ def worker(rank, a, port, queue):
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=a.nproc)
     torch.manual_seed(a.seed)  # same initial parameters everywhere (DDP broadcasts rank 0's anyway)
-    model = build(a.model, [int(h) for h in a.hidden.split(",") if h])
+    model = torch_models.build_from_args(a)
     model.train()
     if distributed:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
-    g = torch.Generator().manual_seed(a.seed + 1000 * rank)
-    x = torch.rand(a.batch, 1, 28, 28, generator=g)
-    y = torch.randint(0, 10, (a.batch,), generator=g)
+    x, y = torch_models.random_batch(a.batch, torch.Generator().manual_seed(a.seed + 1000 * rank))
+    step = torch_models.make_step(model, opt, x, y)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()  # DDP: bucketed all-reduce overlapped with backward, waited for at its end
-        opt.step()
-        return loss
-
-    first = None
-    for s in range(a.warmup):
-        l = step()
-        if s == 0:
-            first = l.item()
-    rates, step_ms = [], []
     t_max = torch.zeros(1, dtype=torch.float64)
-    for _ in range(a.windows):
-        if distributed:
-            dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            l = step()
-        t = time.perf_counter() - t0
-        if distributed:
-            t_max[0] = t
-            dist.all_reduce(t_max, op=dist.ReduceOp.MAX)  # a step is done when the slowest rank is
-            t = t_max.item()
-        rates.append(a.steps * a.batch * a.nproc / t)
-        step_ms.append(1e3 * t / a.steps)
-    last = l.item()
+
+    def slowest_rank(t):  # a step is done when the slowest rank is
+        if not distributed:
+            return t
+        t_max[0] = t
+        dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+        return t_max.item()
+
+    first = torch_models.warm_up(step, a.warmup)
+    times, last = torch_models.timed_windows(step, a.windows, a.steps, before=dist.barrier if distributed else None,
+                                             elapsed=slowest_rank)
+    rates = [a.steps * a.batch * a.nproc / t for t in times]
+    step_ms = [1e3 * t / a.steps for t in times]
     if rank == 0:
         queue.put((rates, step_ms, first, last))
     if distributed:
@@ -102,17 +73,9 @@ def worker(rank, a, port, queue):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--hidden", default="1024,1024")
-    p.add_argument("--batch", type=int, default=128, help="per process")
+    torch_models.add_common_args(p, batch_help="per process", threads_help="torch threads per process")
     p.add_argument("--nproc", type=int, default=2, help="processes; 1 = no DDP, plain training step")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--windows", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
 
     ctx = mp.get_context("spawn")
