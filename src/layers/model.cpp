@@ -299,6 +299,19 @@ Tensor ParameterStore::grad(const ParamEntry& e) const {
   return grads_.view(e.offset, e.shape);
 }
 
+std::vector<ParameterStore::LayerRange> ParameterStore::layer_ranges() const {
+  std::vector<LayerRange> ranges;
+  for (const ParamEntry& e : entries_) {
+    if (!e.trainable) continue;
+    const int64_t end = e.offset + shape_numel(e.shape);
+    if (!ranges.empty() && ranges.back().layer == e.layer)
+      ranges.back().end = end;
+    else
+      ranges.push_back({e.layer, e.offset, end});
+  }
+  return ranges;
+}
+
 int64_t ParameterStore::num_trainable() const {
   int64_t n = 0;
   for (const ParamEntry& e : entries_)

@@ -91,6 +91,13 @@ class ParameterStore {
   void set_value(const ParamEntry& e, const Tensor& full) const;
   Tensor grad(const ParamEntry& e) const;
   int64_t num_trainable() const;  // without alignment padding
+  // The trainable elements of each layer that has some, in layout (forward) order: the unit of
+  // gradient buckets and of ZeRO-3 parameter gathers.
+  struct LayerRange {
+    size_t layer;
+    int64_t begin, end;  // elements of the flat layout
+  };
+  std::vector<LayerRange> layer_ranges() const;
   // Elements of params() the layout uses (aligned entries); the rest is pad_multiple padding.
   int64_t used_numel() const { return used_numel_; }
   // The padded length of the flat layout (params().numel() unless the parameters are sharded).

@@ -9,20 +9,7 @@
 namespace strata::parallel {
 
 std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bucket_bytes) {
-  // Trainable range of each layer, in the store's (forward) order.
-  struct LayerRange {
-    size_t layer;
-    int64_t begin, end;
-  };
-  std::vector<LayerRange> ranges;
-  for (const layers::ParamEntry& e : store.entries()) {
-    if (!e.trainable) continue;
-    const int64_t end = e.offset + shape_numel(e.shape);
-    if (!ranges.empty() && ranges.back().layer == e.layer)
-      ranges.back().end = end;
-    else
-      ranges.push_back({e.layer, e.offset, end});
-  }
+  const std::vector<layers::ParameterStore::LayerRange> ranges = store.layer_ranges();
   const int64_t total = store.flat_numel();  // grads and params may not exist in full (ZeRO 2, 3)
   const int64_t min_elements = std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
   std::vector<Bucket> buckets;

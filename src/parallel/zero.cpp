@@ -85,20 +85,12 @@ int64_t ShardedOptimizer::state_bytes() const {
 
 ParameterGather::ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
                                  int64_t shard_size)
-    : dp_(dp), model_(model), store_(store), shard_size_(shard_size) {
+    : dp_(dp), model_(model), store_(store), shard_size_(shard_size), ranges_(store.layer_ranges()) {
   STRATA_CHECK(
       store.sharded_params() && store.params().numel() == shard_size && store.flat_numel() == shard_size * dp.size(),
       "ZeRO 3 needs a store holding one of ", dp.size(), " parameter shards of ", shard_size, " elements");
   int64_t largest = 0;
-  for (const layers::ParamEntry& e : store.entries()) {
-    if (!e.trainable) continue;
-    const int64_t end = e.offset + shape_numel(e.shape);
-    if (!ranges_.empty() && ranges_.back().layer == e.layer)
-      ranges_.back().end = end;
-    else
-      ranges_.push_back({e.layer, e.offset, end});
-    largest = std::max(largest, ranges_.back().end - ranges_.back().begin);
-  }
+  for (const Range& r : ranges_) largest = std::max(largest, r.end - r.begin);
   for (Tensor& slot : slots_) slot = Tensor::zeros({largest});
 }
 

@@ -109,10 +109,6 @@ class ParameterGather {
   int64_t allocated_bytes() const;
 
  private:
-  struct Range {
-    size_t layer;
-    int64_t begin, end;  // the layer's elements in the flat layout
-  };
   // Starts the broadcasts of flat elements [begin, end) from their owners into `out`.
   std::vector<WorkPtr> start(int64_t begin, int64_t end, const Tensor& out);
 
@@ -120,6 +116,7 @@ class ParameterGather {
   const layers::Model& model_;
   const layers::ParameterStore& store_;
   int64_t shard_size_;
+  using Range = layers::ParameterStore::LayerRange;
   std::vector<Range> ranges_;  // layers with trainable parameters, in forward order
   std::array<Tensor, 2> slots_;
   std::array<std::vector<WorkPtr>, 2> pending_;  // gathers still writing each slot
