@@ -19,7 +19,6 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(dirname "$here")"
 REPS="${REPS:-5}"
 STEPS="${STEPS:-20}"
 WINDOWS="${WINDOWS:-7}"
@@ -30,18 +29,8 @@ PYTHON="${PYTHON:-/usr/bin/python3}"
 MPIRUN="${MPIRUN:-mpirun}"
 MODELS="${MODELS:-mlp:128 cnn:64}"
 
-bin="${STRATA_DDP_BIN:-}"
-if [[ -z "$bin" ]]; then
-  for cand in "$root"/build-bench/bench_ddp_step "$root"/build/bench_ddp_step "$root"/build*/bench_ddp_step; do
-    if [[ -x "$cand" ]]; then bin="$cand"; break; fi
-  done
-fi
-if [[ -z "$bin" || ! -x "$bin" ]]; then
-  echo "run_ddp_vs_torch.sh: bench_ddp_step not found; build it or set STRATA_DDP_BIN" >&2
-  exit 1
-fi
-
-run_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+source "$here/lib.sh"
+bin="$(find_bench_bin bench_ddp_step "${STRATA_DDP_BIN:-}")"
 common=(--warmup "$WARMUP" --steps "$STEPS" --windows "$WINDOWS" --threads 1)
 mpi=("$MPIRUN" -np 2 --oversubscribe --bind-to none)
 
@@ -61,14 +50,13 @@ result() {
   exit 1
 }
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
-median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 
 torch_version="$("${run_env[@]}" "$PYTHON" -c 'import torch; print(torch.__version__)')"
-cpu="$(lscpu | sed -n 's/^Model name: *//p' | head -1)"
+cpu="$(cpu_model)"
 echo "Strata DDP vs PyTorch DDP (gloo), 1 thread per process: $REPS alternating repetitions x ($WARMUP warm-up steps, median of $WINDOWS windows of $STEPS steps)"
 echo "strata: $bin (--bucket-mb $BUCKET_MB), $("$MPIRUN" --version 2>/dev/null | head -1)"
 echo "torch:  $torch_version ($PYTHON), DDP bucket_cap_mb $TORCH_BUCKET_MB"
-echo "cpu:    $cpu, $(nproc) cores; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "cpu:    $cpu, $(nproc) cores; load average before: $(load_average)"
 echo
 
 rows=() brows=()
@@ -121,8 +109,5 @@ printf '%s\n' "${brows[@]}"
 echo
 echo "scaling = 2x1 samples/s / (2 x 1x1 samples/s); exposed comm = time in GradientSync::finish / step time;"
 echo "all-reduce alone = blocking all-reduce of every bucket with nothing else running."
-echo "cpu: $cpu; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-load1=$(cut -d' ' -f1 /proc/loadavg)
-if awk -v l="$load1" 'BEGIN {exit !(l > 2.5)}'; then
-  echo "warning: the machine was busy (load $load1 on $(nproc) cores, of which ~2 are this benchmark); rerun when it is idle"
-fi
+echo "cpu: $cpu; load average after: $(load_average)"
+warn_if_busy 2

@@ -18,7 +18,6 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(dirname "$here")"
 REPS="${REPS:-5}"
 STEPS="${STEPS:-20}"
 WINDOWS="${WINDOWS:-7}"
@@ -26,20 +25,8 @@ WARMUP="${WARMUP:-20}"
 PYTHON="${PYTHON:-/usr/bin/python3}"
 VENV_PYTHON="$here/.venv/bin/python"
 
-bin="${STRATA_BENCH_BIN:-}"
-if [[ -z "$bin" ]]; then
-  for cand in "$root"/build-bench/bench_train_step "$root"/build/bench_train_step "$root"/build*/bench_train_step \
-              "$root"/build*/bench/bench_train_step; do
-    if [[ -x "$cand" ]]; then bin="$cand"; break; fi
-  done
-fi
-if [[ -z "$bin" || ! -x "$bin" ]]; then
-  echo "run_vs_torch.sh: bench_train_step not found; build it (see the top of this script) or set STRATA_BENCH_BIN" >&2
-  exit 1
-fi
-
-# The one environment both sides run in.
-run_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+source "$here/lib.sh"
+bin="$(find_bench_bin bench_train_step "${STRATA_BENCH_BIN:-}")"
 common=(--warmup "$WARMUP" --steps "$STEPS" --windows "$WINDOWS" --threads 1)
 
 # Prints the samples/s of one run (its RESULT line), or exits with the run's output on failure.
@@ -60,19 +47,17 @@ samples_per_s() {
   echo "$v"
 }
 
-median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
-
 torch_version="$("${run_env[@]}" "$PYTHON" -c 'import torch; print(torch.__version__)')"
 venv_version=""
 if [[ -x "$VENV_PYTHON" ]] && "$VENV_PYTHON" -c 'import torch' 2>/dev/null; then
   venv_version="$("${run_env[@]}" "$VENV_PYTHON" -c 'import torch; print(torch.__version__)')"
 fi
-cpu="$(lscpu | sed -n 's/^Model name: *//p' | head -1)"
+cpu="$(cpu_model)"
 
 echo "Strata vs PyTorch, one process, one thread each: $REPS alternating repetitions x ($WARMUP warm-up steps, median of $WINDOWS windows of $STEPS steps)"
 echo "strata: $bin"
 echo "torch:  $torch_version ($PYTHON)${venv_version:+; torch $venv_version ($VENV_PYTHON)}"
-echo "cpu:    $cpu, $(nproc) cores; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "cpu:    $cpu, $(nproc) cores; load average before: $(load_average)"
 echo
 
 rows=()
@@ -118,8 +103,5 @@ printf '%s\n' "${rows[@]}"
 echo
 echo "Strata / torch = ratio of the medians; paired ratio = median over repetitions of the ratio of the two"
 echo "back-to-back runs (less sensitive to load that drifts during the benchmark)."
-echo "cpu: $cpu; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-load1=$(cut -d' ' -f1 /proc/loadavg)
-if awk -v l="$load1" 'BEGIN {exit !(l > 1.5)}'; then
-  echo "warning: the machine was busy (load $load1 on $(nproc) cores, of which ~1 is this benchmark); rerun when it is idle for numbers worth quoting"
-fi
+echo "cpu: $cpu; load average after: $(load_average)"
+warn_if_busy 1
