@@ -1,11 +1,20 @@
 // The ops' front door: checks every argument (shapes, dtypes, one device), then dispatches on
 // the device to ops::cpu or ops::cuda. This file is the only place that branches on device.
+//
+// Dtype rules (mixed precision): activations and parameters share one float dtype T (f32,
+// bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
+// state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
+// scratch and outputs rounded back (F32Staging), i.e. low-precision storage, f32 arithmetic,
+// which is also what the CUDA kernels do (f32 accumulation). f32 tensors pass through as is.
 #include "core/ops.hpp"
 
 #include <omp.h>
 
+#include <atomic>
 #include <climits>
 #include <initializer_list>
+#include <type_traits>
+#include <utility>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 #if STRATA_WITH_CUDA
@@ -16,22 +25,64 @@ namespace strata::ops {
 
 namespace {
 
-Error not_on_cuda(const char* op, Device device) {
-  return Error(ErrorKind::Internal,
-               detail::cat("ops::", op, " is not implemented on CUDA yet (tensors on ", device.str(), ")"), __FILE__,
-               __LINE__);
-}
-
-// CPU kernels for every op; CUDA for those that have one (the rest throw until they do).
 #if STRATA_WITH_CUDA
-#define STRATA_CUDA_OP(device, op, ...) cuda::op(__VA_ARGS__)
+#define STRATA_CUDA_OP(device, op, ...) return cuda::op(__VA_ARGS__)
 #else
-#define STRATA_CUDA_OP(device, op, ...) throw not_on_cuda(#op, device)
+#define STRATA_CUDA_OP(device, op, ...) \
+  STRATA_THROW("ops::", #op, " on ", (device).str(), " in a build without CUDA (configure with -DSTRATA_CUDA=ON)")
 #endif
-#define STRATA_DISPATCH(device, op, ...) \
-  ((device).is_cpu() ? cpu::op(__VA_ARGS__) : STRATA_CUDA_OP(device, op, __VA_ARGS__))
-#define STRATA_DISPATCH_CPU_ONLY(device, op, ...) \
-  ((device).is_cpu() ? cpu::op(__VA_ARGS__) : throw not_on_cuda(#op, device))
+
+bool is_float_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+// Runs CPU kernels (which take f32) on tensors of any float dtype: inputs are widened into f32
+// scratch, outputs written to f32 scratch and rounded into their tensors by commit(). Tensors
+// that are f32 (or not float at all, like labels and argmax) are handed through unchanged.
+class F32Staging {
+ public:
+  Tensor in(const Tensor& t) {
+    if (!needs_staging(t)) return t;
+    Tensor wide = Tensor::empty(t.shape());
+    cpu::cast(t, wide);
+    return wide;
+  }
+  // Written by the kernel (its old contents are not read).
+  Tensor out(const Tensor& t) {
+    if (!needs_staging(t)) return t;
+    Tensor wide = Tensor::empty(t.shape());
+    results_.emplace_back(wide, t);
+    return wide;
+  }
+  // Read and written (accumulated gradients, in-place updates).
+  Tensor inout(const Tensor& t) {
+    if (!needs_staging(t)) return t;
+    Tensor wide = in(t);
+    results_.emplace_back(wide, t);
+    return wide;
+  }
+  void commit() {
+    for (const auto& [wide, t] : results_) cpu::cast(wide, t);
+  }
+
+ private:
+  static bool needs_staging(const Tensor& t) {
+    return t.defined() && (t.dtype() == DType::BF16 || t.dtype() == DType::F16);
+  }
+  std::vector<std::pair<Tensor, Tensor>> results_;
+};
+
+// Calls kernel(staging) and commits the staged outputs; returns what the kernel returns.
+template <class Kernel>
+auto on_cpu(const Kernel& kernel) {
+  F32Staging staging;
+  if constexpr (std::is_void_v<decltype(kernel(staging))>) {
+    kernel(staging);
+    staging.commit();
+  } else {
+    auto result = kernel(staging);
+    staging.commit();
+    return result;
+  }
+}
 
 void check_defined(const Tensor& t, const char* name) { STRATA_CHECK(t.defined(), name, " is undefined"); }
 
@@ -40,16 +91,45 @@ void check_f32(const Tensor& t, const char* name) {
   STRATA_CHECK(t.dtype() == DType::F32, name, " must be f32, got ", t.str());
 }
 
+// Any float dtype (f32, bf16, f16).
+void check_float(const Tensor& t, const char* name) {
+  check_defined(t, name);
+  STRATA_CHECK(is_float_type(t.dtype()), name, " must be a float tensor (f32, bf16 or f16), got ", t.str());
+}
+
 void check_shape(const Tensor& t, const Shape& shape, const char* name) {
   check_defined(t, name);
   STRATA_CHECK(t.shape() == shape, name, " must have shape ", shape_str(shape), ", got ", t.str());
 }
 
+void check_numel(const Tensor& t, const Tensor& like, const char* name) {
+  STRATA_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, expected ", like.numel(), " (", t.str(),
+               " vs ", like.str(), ")");
+}
+
+// The compute dtype of `like` (an activation or a parameter).
+void check_same_dtype(const Tensor& t, const Tensor& like, const char* name) {
+  check_defined(t, name);
+  STRATA_CHECK(t.dtype() == like.dtype(), name, " must be ", dtype_name(like.dtype()), " like the input, got ",
+               t.str());
+}
+
+// Same dtype as `like` and the same element count.
+void check_like(const Tensor& t, const Tensor& like, const char* name) {
+  check_same_dtype(t, like, name);
+  check_numel(t, like, name);
+}
+
+// A parameter gradient: f32, or the compute dtype of `activation`.
+void check_grad_dtype(const Tensor& t, const Tensor& activation, const char* name) {
+  STRATA_CHECK(t.dtype() == DType::F32 || t.dtype() == activation.dtype(), name, " must be f32 or ",
+               dtype_name(activation.dtype()), ", got ", t.str());
+}
+
 // f32 with the same number of elements as `like`.
 void check_f32_like(const Tensor& t, const Tensor& like, const char* name) {
   check_f32(t, name);
-  STRATA_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, expected ", like.numel(), " (", t.str(),
-               " vs ", like.str(), ")");
+  check_numel(t, like, name);
 }
 
 // The device all defined tensors share.
@@ -67,17 +147,33 @@ Device common_device(std::initializer_list<const Tensor*> tensors) {
   return first ? first->device() : Device::cpu();
 }
 
-bool is_float_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
-
 void check_blas_size(int64_t n, const char* what) {
   STRATA_CHECK(n >= 0 && n <= INT_MAX, what, " ", n, " exceeds the BLAS integer range");
 }
 
-// Optional per-channel / per-feature vector: undefined or f32 with n elements.
-void check_optional_vec(const Tensor& t, int64_t n, const char* name) {
-  if (t.defined()) check_shape(t, Shape{n}, name);
-  if (t.defined()) check_f32(t, name);
+// Optional per-channel / per-feature vector of the compute dtype of `like`: undefined or n
+// elements.
+void check_optional_param(const Tensor& t, int64_t n, const Tensor& like, const char* name) {
+  if (!t.defined()) return;
+  check_shape(t, Shape{n}, name);
+  check_same_dtype(t, like, name);
 }
+
+// Optional parameter gradient vector: undefined, or n elements of f32 or the compute dtype.
+void check_optional_grad(const Tensor& t, int64_t n, const Tensor& like, const char* name) {
+  if (!t.defined()) return;
+  check_shape(t, Shape{n}, name);
+  check_grad_dtype(t, like, name);
+}
+
+// Optional f32 statistics vector of n elements.
+void check_optional_stat(const Tensor& t, int64_t n, const char* name) {
+  if (!t.defined()) return;
+  check_shape(t, Shape{n}, name);
+  check_f32(t, name);
+}
+
+std::atomic<bool> g_allow_tf32{false};
 
 }  // namespace
 
@@ -88,11 +184,28 @@ void set_num_threads(int threads) {
 
 int num_threads() { return omp_get_max_threads(); }
 
+void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
+bool allow_tf32() { return g_allow_tf32; }
+
 // ---- copies and simple element-wise --------------------------------------------------------
 
+void copy(const Tensor& src, const Tensor& dst) {
+  check_defined(src, "src");
+  check_defined(dst, "dst");
+  STRATA_CHECK(src.numel() == dst.numel(), "copy from ", src.str(), " to ", dst.str(), ": element counts differ");
+  if (src.device() == dst.device()) return cast(src, dst);
+  if (src.dtype() != dst.dtype()) {  // convert where the data is, then move it
+    const Tensor converted = Tensor::empty(src.shape(), dst.dtype(), src.device());
+    cast(src, converted);
+    return copy(converted, dst);
+  }
+  STRATA_CUDA_OP(dst.device(), copy, src, dst);
+}
+
 void fill(const Tensor& x, float value) {
-  check_f32(x, "x");
-  STRATA_DISPATCH(x.device(), fill, x, value);
+  check_float(x, "x");
+  if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { cpu::fill(s.out(x), value); });
+  STRATA_CUDA_OP(x.device(), fill, x, value);
 }
 
 void cast(const Tensor& x, const Tensor& y) {
@@ -101,72 +214,91 @@ void cast(const Tensor& x, const Tensor& y) {
   STRATA_CHECK(x.numel() == y.numel(), "cast from ", x.str(), " to ", y.str(), ": element counts differ");
   STRATA_CHECK(x.dtype() == y.dtype() || (is_float_type(x.dtype()) && is_float_type(y.dtype())), "cast from ",
                dtype_name(x.dtype()), " to ", dtype_name(y.dtype()), " is not supported");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), cast, x, y);
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return cpu::cast(x, y);
+  STRATA_CUDA_OP(d, cast, x, y);
 }
 
 void axpy(float alpha, const Tensor& x, const Tensor& y) {
-  check_f32(y, "y");
-  check_f32_like(x, y, "x");
-  STRATA_DISPATCH(common_device({&x, &y}), axpy, alpha, x, y);
+  check_float(y, "y");
+  check_float(x, "x");
+  check_numel(x, y, "x");
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::axpy(alpha, s.in(x), s.inout(y)); });
+  STRATA_CUDA_OP(d, axpy, alpha, x, y);
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& y) {
-  check_f32(y, "y");
-  check_f32_like(a, y, "a");
-  check_f32_like(b, y, "b");
-  STRATA_DISPATCH(common_device({&a, &b, &y}), add, a, b, y);
+  check_float(y, "y");
+  check_like(a, y, "a");
+  check_like(b, y, "b");
+  const Device d = common_device({&a, &b, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add(s.in(a), s.in(b), s.out(y)); });
+  STRATA_CUDA_OP(d, add, a, b, y);
 }
 
 void scale(const Tensor& x, float alpha) {
-  check_f32(x, "x");
-  STRATA_DISPATCH(x.device(), scale, x, alpha);
+  check_float(x, "x");
+  if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { cpu::scale(s.inout(x), alpha); });
+  STRATA_CUDA_OP(x.device(), scale, x, alpha);
 }
 
 void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
                   const std::vector<float>& std) {
   check_defined(x, "x");
   STRATA_CHECK(x.dtype() == DType::U8, "x must be u8, got ", x.str());
-  check_f32_like(y, x, "y");
+  check_float(y, "y");
+  check_numel(y, x, "y");
   STRATA_CHECK(x.ndim() >= 2, "x must be (N, C, ...), got ", x.str());
   STRATA_CHECK(!mean.empty() && mean.size() == std.size(), "mean and std must have the same non-zero length, got ",
                mean.size(), " and ", std.size());
   STRATA_CHECK(mean.size() == 1 || static_cast<int64_t>(mean.size()) == x.dim(1), "mean/std hold ", mean.size(),
                " values for ", x.dim(1), " channels of ", x.str());
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), normalize_u8, x, y, in_scale, mean, std);
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::normalize_u8(x, s.out(y), in_scale, mean, std); });
+  STRATA_CUDA_OP(d, normalize_u8, x, y, in_scale, mean, std);
 }
 
 // ---- activations -----------------------------------------------------------------------------
 
 void relu_forward(const Tensor& x, const Tensor& y) {
-  check_f32(x, "x");
-  check_f32_like(y, x, "y");
-  STRATA_DISPATCH(common_device({&x, &y}), relu_forward, x, y);
+  check_float(x, "x");
+  check_like(y, x, "y");
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_forward(s.in(x), s.out(y)); });
+  STRATA_CUDA_OP(d, relu_forward, x, y);
 }
 
 void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
-  check_f32(y, "y");
-  check_f32_like(dy, y, "dy");
-  check_f32_like(dx, y, "dx");
-  STRATA_DISPATCH(common_device({&y, &dy, &dx}), relu_backward, y, dy, dx);
+  check_float(y, "y");
+  check_like(dy, y, "dy");
+  check_like(dx, y, "dx");
+  const Device d = common_device({&y, &dy, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_backward(s.in(y), s.in(dy), s.out(dx)); });
+  STRATA_CUDA_OP(d, relu_backward, y, dy, dx);
 }
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
-  check_f32(x, "x");
-  check_f32_like(y, x, "y");
-  STRATA_DISPATCH(common_device({&x, &y}), gelu_forward, x, y);
+  check_float(x, "x");
+  check_like(y, x, "y");
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_forward(s.in(x), s.out(y)); });
+  STRATA_CUDA_OP(d, gelu_forward, x, y);
 }
 
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
-  check_f32(x, "x");
-  check_f32_like(dy, x, "dy");
-  check_f32_like(dx, x, "dx");
-  STRATA_DISPATCH(common_device({&x, &dy, &dx}), gelu_backward, x, dy, dx);
+  check_float(x, "x");
+  check_like(dy, x, "dy");
+  check_like(dx, x, "dx");
+  const Device d = common_device({&x, &dy, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_backward(s.in(x), s.in(dy), s.out(dx)); });
+  STRATA_CUDA_OP(d, gelu_backward, x, dy, dx);
 }
 
 namespace {
 void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
-  check_f32(x, "x");
-  check_f32_like(y, x, "y");
+  check_float(x, "x");
+  check_like(y, x, "y");
   STRATA_CHECK(x.ndim() >= 1, "dropout input must have a sample dimension, got ", x.str());
   STRATA_CHECK(p >= 0.0f && p <= 1.0f, "dropout probability must be in [0, 1], got ", p);
   STRATA_CHECK(key.first_sample >= 0, "first_sample must be >= 0, got ", key.first_sample);
@@ -175,36 +307,47 @@ void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& 
 
 void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   check_dropout(x, y, p, key);
-  STRATA_DISPATCH(common_device({&x, &y}), dropout_forward, x, y, p, key);
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::dropout_forward(s.in(x), s.out(y), p, key); });
+  STRATA_CUDA_OP(d, dropout_forward, x, y, p, key);
 }
 
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key) {
   check_dropout(dy, dx, p, key);
-  STRATA_DISPATCH(common_device({&dy, &dx}), dropout_backward, dy, dx, p, key);
+  const Device d = common_device({&dy, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::dropout_backward(s.in(dy), s.out(dx), p, key); });
+  STRATA_CUDA_OP(d, dropout_backward, dy, dx, p, key);
 }
 
 // ---- dense -----------------------------------------------------------------------------------
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {
-  check_f32(a, "a");
-  check_f32(b, "b");
-  check_f32(c, "c");
+  check_float(a, "a");
+  check_defined(b, "b");
+  STRATA_CHECK(b.dtype() == a.dtype(), "gemm operands must share a dtype, got ", a.str(), " and ", b.str());
+  check_defined(c, "c");
+  check_grad_dtype(c, a, "c");
   STRATA_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-D tensors, got ", a.str(), ", ", b.str(),
                ", ", c.str());
   const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
   const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
   STRATA_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes do not match: op(a) ", m, "x", k, ", op(b) ", kb,
                "x", n, ", c ", c.str());
-  for (int64_t d : {m, n, k}) check_blas_size(d, "gemm dimension");
+  for (int64_t dim : {m, n, k}) check_blas_size(dim, "gemm dimension");
   STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&a, &b, &c}), gemm, a, trans_a, b, trans_b, c, alpha, beta);
+  const Device d = common_device({&a, &b, &c});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::gemm(s.in(a), trans_a, s.in(b), trans_b, beta == 0.0f ? s.out(c) : s.inout(c), alpha, beta);
+    });
+  STRATA_CUDA_OP(d, gemm, a, trans_a, b, trans_b, c, alpha, beta);
 }
 
 namespace {
-// y (..., F) and a bias-like vector (F).
+// y (..., F) and a vector v (F).
 void check_rows_and_vec(const Tensor& y, const Tensor& v, const char* y_name, const char* v_name) {
-  check_f32(y, y_name);
-  check_f32(v, v_name);
+  check_float(y, y_name);
+  check_float(v, v_name);
   STRATA_CHECK(v.ndim() == 1 && y.ndim() >= 1 && y.dim(-1) == v.dim(0), v_name, " ", v.str(),
                " does not match the last dimension of ", y_name, " ", y.str());
 }
@@ -212,32 +355,36 @@ void check_rows_and_vec(const Tensor& y, const Tensor& v, const char* y_name, co
 
 void add_bias(const Tensor& y, const Tensor& bias) {
   check_rows_and_vec(y, bias, "y", "bias");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&y, &bias}), add_bias, y, bias);
+  check_same_dtype(bias, y, "bias");
+  const Device d = common_device({&y, &bias});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add_bias(s.inout(y), s.in(bias)); });
+  STRATA_CUDA_OP(d, add_bias, y, bias);
 }
 
 void bias_grad(const Tensor& dy, const Tensor& db) {
   check_rows_and_vec(dy, db, "dy", "db");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &db}), bias_grad, dy, db);
+  check_grad_dtype(db, dy, "db");
+  const Device d = common_device({&dy, &db});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::bias_grad(s.in(dy), s.inout(db)); });
+  STRATA_CUDA_OP(d, bias_grad, dy, db);
 }
 
 // ---- convolution -----------------------------------------------------------------------------
 
 namespace {
-void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g,
-                const char* y_name) {
+void check_conv(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dGeometry& g, const char* y_name) {
   STRATA_CHECK(
       g.in_channels > 0 && g.out_channels > 0 && g.kernel_h > 0 && g.kernel_w > 0 && g.stride > 0 && g.padding >= 0,
       "bad conv geometry: channels ", g.in_channels, "->", g.out_channels, ", kernel ", g.kernel_h, "x", g.kernel_w,
       ", stride ", g.stride, ", padding ", g.padding);
   STRATA_CHECK(g.out_h() > 0 && g.out_w() > 0, "conv output would be empty for input ", g.in_h, "x", g.in_w);
-  check_f32(x, "x");
+  check_float(x, "x");
   STRATA_CHECK(x.ndim() == 4, "conv input must be (N, C, H, W), got ", x.str());
   const int64_t n = x.dim(0);
   check_shape(x, Shape{n, g.in_channels, g.in_h, g.in_w}, "x");
-  check_f32(w, "w");
+  check_same_dtype(w, x, "w");
   check_shape(w, Shape{g.out_channels, g.in_channels, g.kernel_h, g.kernel_w}, "w");
-  check_optional_vec(bias, g.out_channels, "bias");
-  check_f32(y, y_name);
+  check_same_dtype(y, x, y_name);
   check_shape(y, Shape{n, g.out_channels, g.out_h(), g.out_w()}, y_name);
   check_blas_size(g.in_channels * g.kernel_h * g.kernel_w, "conv C*KH*KW");
   check_blas_size(n * g.out_h() * g.out_w(), "conv N*OH*OW");
@@ -245,37 +392,46 @@ void check_conv(const Tensor& x, const Tensor& w, const Tensor& bias, const Tens
 }  // namespace
 
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g) {
-  check_conv(x, w, bias, y, g, "y");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &w, &bias, &y}), conv2d_forward, x, w, bias, y, g);
+  check_conv(x, w, y, g, "y");
+  check_optional_param(bias, g.out_channels, x, "bias");
+  const Device d = common_device({&x, &w, &bias, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::conv2d_forward(s.in(x), s.in(w), s.in(bias), s.out(y), g); });
+  STRATA_CUDA_OP(d, conv2d_forward, x, w, bias, y, g);
 }
 
 void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                      const Tensor& db, const Conv2dGeometry& g) {
-  check_conv(x, w, db, dy, g, "dy");
+  check_conv(x, w, dy, g, "dy");
   if (dx.defined()) {
-    check_f32(dx, "dx");
+    check_same_dtype(dx, x, "dx");
     check_shape(dx, x.shape(), "dx");
   }
   if (dw.defined()) {
-    check_f32(dw, "dw");
+    check_grad_dtype(dw, x, "dw");
     check_shape(dw, w.shape(), "dw");
   }
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &w, &dy, &dx, &dw, &db}), conv2d_backward, x, w, dy, dx, dw, db, g);
+  check_optional_grad(db, g.out_channels, x, "db");
+  const Device d = common_device({&x, &w, &dy, &dx, &dw, &db});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::conv2d_backward(s.in(x), s.in(w), s.in(dy), s.out(dx), s.inout(dw), s.inout(db), g);
+    });
+  STRATA_CUDA_OP(d, conv2d_backward, x, w, dy, dx, dw, db, g);
 }
 
 // ---- pooling ---------------------------------------------------------------------------------
 
 namespace {
-// x (N, C, H, W) and y (N, C, OH, OW) for geometry g.
+// x (N, C, H, W) and y (N, C, OH, OW) of one float dtype for geometry g.
 void check_pool(const Tensor& x, const Tensor& y, const Pool2dGeometry& g, const char* x_name, const char* y_name) {
   STRATA_CHECK(g.kernel > 0 && g.stride > 0 && g.padding >= 0 && 2 * g.padding <= g.kernel,
                "bad pool geometry: kernel ", g.kernel, ", stride ", g.stride, ", padding ", g.padding,
                " (padding must be at most half the kernel)");
   STRATA_CHECK(g.out_h() > 0 && g.out_w() > 0, "pool output would be empty for input ", g.in_h, "x", g.in_w);
-  check_f32(x, x_name);
+  check_float(x, x_name);
   STRATA_CHECK(x.ndim() == 4, x_name, " must be (N, C, H, W), got ", x.str());
   check_shape(x, Shape{x.dim(0), x.dim(1), g.in_h, g.in_w}, x_name);
-  check_f32(y, y_name);
+  check_same_dtype(y, x, y_name);
   check_shape(y, Shape{x.dim(0), x.dim(1), g.out_h(), g.out_w()}, y_name);
 }
 
@@ -289,42 +445,54 @@ void check_argmax(const Tensor& argmax, const Tensor& y) {
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
   check_pool(x, y, g, "x", "y");
   check_argmax(argmax, y);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y, &argmax}), max_pool2d_forward, x, y, argmax, g);
+  const Device d = common_device({&x, &y, &argmax});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_forward(s.in(x), s.out(y), argmax, g); });
+  STRATA_CUDA_OP(d, max_pool2d_forward, x, y, argmax, g);
 }
 
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g) {
   check_pool(dx, dy, g, "dx", "dy");
   check_argmax(argmax, dy);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &argmax, &dx}), max_pool2d_backward, dy, argmax, dx, g);
+  const Device d = common_device({&dy, &argmax, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_backward(s.in(dy), argmax, s.out(dx), g); });
+  STRATA_CUDA_OP(d, max_pool2d_backward, dy, argmax, dx, g);
 }
 
 void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
   check_pool(x, y, g, "x", "y");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), avg_pool2d_forward, x, y, g);
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::avg_pool2d_forward(s.in(x), s.out(y), g); });
+  STRATA_CUDA_OP(d, avg_pool2d_forward, x, y, g);
 }
 
 void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
   check_pool(dx, dy, g, "dx", "dy");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &dx}), avg_pool2d_backward, dy, dx, g);
+  const Device d = common_device({&dy, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::avg_pool2d_backward(s.in(dy), s.out(dx), g); });
+  STRATA_CUDA_OP(d, avg_pool2d_backward, dy, dx, g);
 }
 
 namespace {
 void check_global_pool(const Tensor& x, const Tensor& y, const char* x_name, const char* y_name) {
-  check_f32(x, x_name);
-  check_f32(y, y_name);
+  check_float(x, x_name);
   STRATA_CHECK(x.ndim() == 4, x_name, " must be (N, C, H, W), got ", x.str());
+  check_same_dtype(y, x, y_name);
   check_shape(y, Shape{x.dim(0), x.dim(1)}, y_name);
 }
 }  // namespace
 
 void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
   check_global_pool(x, y, "x", "y");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &y}), global_avg_pool_forward, x, y);
+  const Device d = common_device({&x, &y});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::global_avg_pool_forward(s.in(x), s.out(y)); });
+  STRATA_CUDA_OP(d, global_avg_pool_forward, x, y);
 }
 
 void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
   check_global_pool(dx, dy, "dx", "dy");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&dy, &dx}), global_avg_pool_backward, dy, dx);
+  const Device d = common_device({&dy, &dx});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::global_avg_pool_backward(s.in(dy), s.out(dx)); });
+  STRATA_CUDA_OP(d, global_avg_pool_backward, dy, dx);
 }
 
 // ---- normalisation ---------------------------------------------------------------------------
@@ -332,9 +500,9 @@ void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
 namespace {
 // x (N, C, ...) with y shaped like x; returns C.
 int64_t check_bn_input(const Tensor& x, const Tensor& y, const char* y_name) {
-  check_f32(x, "x");
+  check_float(x, "x");
   STRATA_CHECK(x.ndim() >= 2 && x.dim(0) > 0, "batch norm input must be (N, C, ...) with N > 0, got ", x.str());
-  check_f32(y, y_name);
+  check_like(y, x, y_name);
   check_shape(y, x.shape(), y_name);
   return x.dim(1);
 }
@@ -344,29 +512,38 @@ void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor
                               const Tensor& save_mean, const Tensor& save_invstd, const Tensor& running_mean,
                               const Tensor& running_var, float momentum, float eps) {
   const int64_t c = check_bn_input(x, y, "y");
-  for (auto [t, name] : {std::pair{&gamma, "gamma"},
-                         {&beta, "beta"},
-                         {&save_mean, "save_mean"},
+  check_optional_param(gamma, c, x, "gamma");
+  check_optional_param(beta, c, x, "beta");
+  for (auto [t, name] : {std::pair{&save_mean, "save_mean"},
                          {&save_invstd, "save_invstd"},
                          {&running_mean, "running_mean"},
                          {&running_var, "running_var"}})
-    check_optional_vec(*t, c, name);
-  STRATA_DISPATCH_CPU_ONLY(
-      common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}),
-      batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var, momentum, eps);
+    check_optional_stat(*t, c, name);
+  const Device d = common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::batch_norm_forward_train(s.in(x), s.in(gamma), s.in(beta), s.out(y), save_mean, save_invstd, running_mean,
+                                    running_var, momentum, eps);
+    });
+  STRATA_CUDA_OP(d, batch_norm_forward_train, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
+                 momentum, eps);
 }
 
 void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& running_mean,
                              const Tensor& running_var, const Tensor& y, float eps) {
   const int64_t c = check_bn_input(x, y, "y");
-  check_optional_vec(gamma, c, "gamma");
-  check_optional_vec(beta, c, "beta");
+  check_optional_param(gamma, c, x, "gamma");
+  check_optional_param(beta, c, x, "beta");
   check_defined(running_mean, "running_mean");
   check_defined(running_var, "running_var");
-  check_optional_vec(running_mean, c, "running_mean");
-  check_optional_vec(running_var, c, "running_var");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &running_mean, &running_var, &y}), batch_norm_forward_eval,
-                           x, gamma, beta, running_mean, running_var, y, eps);
+  check_optional_stat(running_mean, c, "running_mean");
+  check_optional_stat(running_var, c, "running_var");
+  const Device d = common_device({&x, &gamma, &beta, &running_mean, &running_var, &y});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::batch_norm_forward_eval(s.in(x), s.in(gamma), s.in(beta), running_mean, running_var, s.out(y), eps);
+    });
+  STRATA_CUDA_OP(d, batch_norm_forward_eval, x, gamma, beta, running_mean, running_var, y, eps);
 }
 
 void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
@@ -375,22 +552,26 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   if (dx.defined()) check_bn_input(x, dx, "dx");
   check_defined(save_mean, "save_mean");
   check_defined(save_invstd, "save_invstd");
-  for (auto [t, name] : {std::pair{&gamma, "gamma"},
-                         {&save_mean, "save_mean"},
-                         {&save_invstd, "save_invstd"},
-                         {&dgamma, "dgamma"},
-                         {&dbeta, "dbeta"}})
-    check_optional_vec(*t, c, name);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}),
-                           batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
+  check_optional_stat(save_mean, c, "save_mean");
+  check_optional_stat(save_invstd, c, "save_invstd");
+  check_optional_param(gamma, c, x, "gamma");
+  check_optional_grad(dgamma, c, x, "dgamma");
+  check_optional_grad(dbeta, c, x, "dbeta");
+  const Device d = common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::batch_norm_backward(s.in(x), s.in(dy), s.in(gamma), save_mean, save_invstd, s.out(dx), s.inout(dgamma),
+                               s.inout(dbeta));
+    });
+  STRATA_CUDA_OP(d, batch_norm_backward, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
 }
 
 namespace {
 // x (..., F) viewed as (M, F), y like x; returns F.
 int64_t check_ln_input(const Tensor& x, const Tensor& y, const char* y_name) {
-  check_f32(x, "x");
+  check_float(x, "x");
   STRATA_CHECK(x.ndim() >= 1 && x.dim(-1) > 0, "layer norm input must be (..., F) with F > 0, got ", x.str());
-  check_f32(y, y_name);
+  check_like(y, x, y_name);
   check_shape(y, x.shape(), y_name);
   return x.dim(-1);
 }
@@ -406,12 +587,15 @@ void check_row_stats(const Tensor& t, int64_t m, const char* name, bool required
 void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y, const Tensor& mean,
                         const Tensor& rstd, float eps) {
   const int64_t f = check_ln_input(x, y, "y"), m = x.numel() / f;
-  check_optional_vec(gamma, f, "gamma");
-  check_optional_vec(beta, f, "beta");
+  check_optional_param(gamma, f, x, "gamma");
+  check_optional_param(beta, f, x, "beta");
   check_row_stats(mean, m, "mean", false);
   check_row_stats(rstd, m, "rstd", false);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &gamma, &beta, &y, &mean, &rstd}), layer_norm_forward, x, gamma, beta, y,
-                           mean, rstd, eps);
+  const Device d = common_device({&x, &gamma, &beta, &y, &mean, &rstd});
+  if (d.is_cpu())
+    return on_cpu(
+        [&](F32Staging& s) { cpu::layer_norm_forward(s.in(x), s.in(gamma), s.in(beta), s.out(y), mean, rstd, eps); });
+  STRATA_CUDA_OP(d, layer_norm_forward, x, gamma, beta, y, mean, rstd, eps);
 }
 
 void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
@@ -420,19 +604,23 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   if (dx.defined()) check_ln_input(x, dx, "dx");
   check_row_stats(mean, m, "mean", true);
   check_row_stats(rstd, m, "rstd", true);
-  check_optional_vec(gamma, f, "gamma");
-  check_optional_vec(dgamma, f, "dgamma");
-  check_optional_vec(dbeta, f, "dbeta");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}), layer_norm_backward, x,
-                           dy, gamma, mean, rstd, dx, dgamma, dbeta);
+  check_optional_param(gamma, f, x, "gamma");
+  check_optional_grad(dgamma, f, x, "dgamma");
+  check_optional_grad(dbeta, f, x, "dbeta");
+  const Device d = common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) {
+      cpu::layer_norm_backward(s.in(x), s.in(dy), s.in(gamma), mean, rstd, s.out(dx), s.inout(dgamma), s.inout(dbeta));
+    });
+  STRATA_CUDA_OP(d, layer_norm_backward, x, dy, gamma, mean, rstd, dx, dgamma, dbeta);
 }
 
 // ---- loss and metrics ------------------------------------------------------------------------
 
 namespace {
-// logits (N, K) and labels i32 (N).
+// logits (N, K) of a float dtype and labels i32 (N).
 void check_logits_labels(const Tensor& logits, const Tensor& labels, const char* name) {
-  check_f32(logits, name);
+  check_float(logits, name);
   STRATA_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, name, " must be (N, K) with K > 0, got ", logits.str());
   check_defined(labels, "labels");
   STRATA_CHECK(labels.dtype() == DType::I32 && labels.numel() == logits.dim(0), "labels must be i32 with ",
@@ -442,35 +630,43 @@ void check_logits_labels(const Tensor& logits, const Tensor& labels, const char*
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
   check_logits_labels(logits, labels, "logits");
-  check_f32(probs, "probs");
+  check_float(probs, "probs");
   check_shape(probs, logits.shape(), "probs");
-  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels, &probs}), softmax_xent_forward, logits, labels,
-                                  probs);
+  const Device d = common_device({&logits, &labels, &probs});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) { return cpu::softmax_xent_forward(s.in(logits), labels, s.out(probs)); });
+  STRATA_CUDA_OP(d, softmax_xent_forward, logits, labels, probs);
 }
 
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
   check_logits_labels(probs, labels, "probs");
-  check_f32(dlogits, "dlogits");
+  check_float(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&probs, &labels, &dlogits}), softmax_xent_backward, probs, labels, dlogits,
-                           scale);
+  const Device d = common_device({&probs, &labels, &dlogits});
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) { cpu::softmax_xent_backward(s.in(probs), labels, s.out(dlogits), scale); });
+  STRATA_CUDA_OP(d, softmax_xent_backward, probs, labels, dlogits, scale);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   check_logits_labels(logits, labels, "logits");
-  return STRATA_DISPATCH_CPU_ONLY(common_device({&logits, &labels}), count_correct, logits, labels);
+  const Device d = common_device({&logits, &labels});
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::count_correct(s.in(logits), labels); });
+  STRATA_CUDA_OP(d, count_correct, logits, labels);
 }
 
 // ---- reductions and optimizer updates over flat buffers --------------------------------------
 
 double sum_squares(const Tensor& x) {
-  check_f32(x, "x");
-  return STRATA_DISPATCH_CPU_ONLY(x.device(), sum_squares, x);
+  check_float(x, "x");
+  if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::sum_squares(s.in(x)); });
+  STRATA_CUDA_OP(x.device(), sum_squares, x);
 }
 
 bool all_finite(const Tensor& x) {
-  check_f32(x, "x");
-  return STRATA_DISPATCH_CPU_ONLY(x.device(), all_finite, x);
+  check_float(x, "x");
+  if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::all_finite(s.in(x)); });
+  STRATA_CUDA_OP(x.device(), all_finite, x);
 }
 
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, const SgdParams& p) {
@@ -481,7 +677,9 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   STRATA_CHECK(!p.nesterov || (p.momentum > 0.0f && p.dampening == 0.0f),
                "nesterov momentum requires momentum > 0 and dampening == 0");
   if (p.momentum != 0.0f) check_f32_like(momentum_buf, param, "momentum_buf");
-  STRATA_DISPATCH_CPU_ONLY(common_device({&param, &grad, &momentum_buf}), sgd_update, param, grad, momentum_buf, p);
+  const Device d = common_device({&param, &grad, &momentum_buf});
+  if (d.is_cpu()) return cpu::sgd_update(param, grad, momentum_buf, p);
+  STRATA_CUDA_OP(d, sgd_update, param, grad, momentum_buf, p);
 }
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
@@ -493,8 +691,9 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   STRATA_CHECK(p.step >= 1, "AdamW step is 1-based, got ", p.step);
   STRATA_CHECK(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f && p.eps >= 0.0f,
                "bad AdamW parameters: betas (", p.beta1, ", ", p.beta2, "), eps ", p.eps);
-  STRATA_DISPATCH_CPU_ONLY(common_device({&param, &grad, &exp_avg, &exp_avg_sq}), adamw_update, param, grad, exp_avg,
-                           exp_avg_sq, p);
+  const Device d = common_device({&param, &grad, &exp_avg, &exp_avg_sq});
+  if (d.is_cpu()) return cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, p);
+  STRATA_CUDA_OP(d, adamw_update, param, grad, exp_avg, exp_avg_sq, p);
 }
 
 }  // namespace strata::ops

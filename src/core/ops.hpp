@@ -19,8 +19,16 @@ namespace strata::ops {
 void set_num_threads(int threads);
 int num_threads();
 
+// GPU matrix products in f32 may use TF32 tensor cores (off by default, as in PyTorch's
+// matmul; no effect on the CPU or on bf16/f16).
+void set_allow_tf32(bool allow);
+bool allow_tf32();
+
 // ---- copies and simple element-wise --------------------------------------------------------
 
+// dst = src between any two devices and float dtypes (same number of elements; non-float
+// dtypes must match).
+void copy(const Tensor& src, const Tensor& dst);
 void fill(const Tensor& x, float value);
 // y = x, converting between any two of f32 / bf16 / f16 (and same-dtype copies of any dtype).
 void cast(const Tensor& x, const Tensor& y);

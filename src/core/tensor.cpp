@@ -3,6 +3,12 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/ops.hpp"
+#if STRATA_WITH_CUDA
+#include "core/ops/cuda/context.hpp"
+#include "core/ops/cuda/cuda_check.hpp"
+#endif
+
 namespace strata {
 
 const char* dtype_name(DType t) {
@@ -108,14 +114,20 @@ Tensor Tensor::clone() const {
 
 void Tensor::copy_from(const Tensor& src) const {
   STRATA_CHECK(src.numel() == numel_ && src.dtype() == dtype_, "copy from ", src.str(), " into ", str());
-  STRATA_CHECK(device().is_cpu() && src.device().is_cpu(), "host copy between ", device().str(), " and ",
-               src.device().str(), " (device copies go through ops::copy)");
+  if (!device().is_cpu() || !src.device().is_cpu()) return ops::copy(src, *this);
   if (numel_ > 0) std::memmove(raw(), src.raw(), nbytes());
 }
 
 void Tensor::fill_zero() const {
-  STRATA_CHECK(device().is_cpu(), "fill_zero on ", device().str());
-  if (numel_ > 0) std::memset(raw(), 0, nbytes());
+  if (numel_ == 0) return;
+  if (device().is_cpu()) {
+    std::memset(raw(), 0, nbytes());
+    return;
+  }
+#if STRATA_WITH_CUDA
+  // Ordered with every other kernel on this GPU: no synchronisation.
+  CUDA_CHECK(cudaMemsetAsync(raw(), 0, nbytes(), ops::cuda::compute_stream(device().index)));
+#endif
 }
 
 std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_str(shape_); }

@@ -5,7 +5,9 @@
 namespace strata::layers {
 
 double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, Context& ctx) const {
-  Tensor probs = Tensor::empty(logits.shape(), DType::F32, logits.device());
+  // Probabilities (and so the logits' gradient) in the logits' dtype: bf16/f16 under mixed
+  // precision, where the backward of the layer below expects that dtype.
+  Tensor probs = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
   const double loss = ops::softmax_xent_forward(logits, labels, probs);
   ctx.saved = {probs, labels};
   return loss;

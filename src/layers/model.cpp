@@ -219,7 +219,8 @@ int64_t ParameterStore::layout_numel(const std::vector<ParamEntry>& entries) {
 }
 
 ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
-                               bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size)
+                               bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size,
+                               DType dtype, Device device)
     : entries_(layout(model, begin, end)), first_layer_(begin) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
@@ -230,9 +231,9 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
   flat_numel_ = align_up(used_numel_, pad_multiple);
   params_begin_ = allocate_params ? 0 : shard_begin;
   sharded_params_ = !allocate_params;
-  params_ = Tensor::zeros({allocate_params ? flat_numel_ : shard_size});
-  if (allocate_grads) grads_ = Tensor::zeros({flat_numel_});
-  buffers_ = Tensor::zeros({buffers});
+  params_ = Tensor::zeros({allocate_params ? flat_numel_ : shard_size}, dtype, device);
+  if (allocate_grads) grads_ = Tensor::zeros({flat_numel_}, DType::F32, device);
+  buffers_ = Tensor::zeros({buffers}, DType::F32, device);
 
   end = std::min(end, model.size());
   bindings_.resize(end - begin);
@@ -286,12 +287,12 @@ Tensor ParameterStore::value(const ParamEntry& e) const {
 
 void ParameterStore::set_value(const ParamEntry& e, const Tensor& full) const {
   if (!e.trainable || !sharded_params()) {
-    value(e).copy_from(full);
+    ops::copy(full, value(e));
     return;
   }
   const int64_t n = shape_numel(e.shape);
   const int64_t lo = std::max(e.offset, params_begin_), hi = std::min(e.offset + n, params_begin_ + params_.numel());
-  if (lo < hi) params_.view(lo - params_begin_, {hi - lo}).copy_from(full.view(lo - e.offset, {hi - lo}));
+  if (lo < hi) ops::copy(full.view(lo - e.offset, {hi - lo}), params_.view(lo - params_begin_, {hi - lo}));
 }
 
 Tensor ParameterStore::grad(const ParamEntry& e) const {

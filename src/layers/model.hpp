@@ -71,9 +71,12 @@ class ParameterStore {
   // (ZeRO stage 3) params() holds only the `shard_size` elements of the flat layout from
   // `shard_begin` on (initialised exactly as the full buffer would be there) and layers are
   // bound to undefined parameters until bind_params() points them at a gathered window.
+  // Parameters are stored in `dtype` (the compute dtype: f32, bf16 or f16; initial values are
+  // drawn in f32 and rounded); gradients and buffers are always f32 (mixed precision keeps
+  // f32 gradients and master weights: ShardedOptimizer). Everything lives on `device`.
   ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16,
                  bool allocate_grads = true, bool allocate_params = true, int64_t shard_begin = 0,
-                 int64_t shard_size = 0);
+                 int64_t shard_size = 0, DType dtype = DType::F32, Device device = Device::cpu());
   // The entries such a store would have, without allocating (e.g. to name another stage's).
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
   // Elements of the flat trainable layout of those entries (aligned, without pad_multiple).
@@ -86,8 +89,9 @@ class ParameterStore {
   // The view of an entry's values (in params() or buffers()).
   // The view of an entry's values (in params() or buffers()); not for sharded parameters.
   Tensor value(const ParamEntry& e) const;
-  // Copies the full tensor `full` of entry e into the store: all of it, or with sharded
-  // parameters the part this rank's shard holds.
+  // Copies the full tensor `full` (any float dtype, any device) of entry e into the store,
+  // converting to the store's dtype and device: all of it, or with sharded parameters the part
+  // this rank's shard holds.
   void set_value(const ParamEntry& e, const Tensor& full) const;
   Tensor grad(const ParamEntry& e) const;
   int64_t num_trainable() const;  // without alignment padding

@@ -38,7 +38,7 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
                shard_size, " elements, it has ", store.flat_numel());
   model_ = &model;
   shard_size_ = shard_size;
-  shard_grads_ = Tensor::zeros({shard_size});
+  shard_grads_ = Tensor::zeros({shard_size}, DType::F32, store.params().device());
   int64_t largest = 0;
   bucket_layers_.resize(buckets_.size());
   for (size_t k = 0; k < buckets_.size(); ++k) {
@@ -50,7 +50,7 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
         layers.push_back(e.layer);
     }
   }
-  for (Tensor& slot : slots_) slot = Tensor::zeros({largest});
+  for (Tensor& slot : slots_) slot = Tensor::zeros({largest}, DType::F32, store.params().device());
 }
 
 void GradientSync::broadcast_parameters() {

@@ -41,7 +41,26 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, int ze
     : stage_(zero_stage),
       dp_(dp),
       shard_(whole_or_shard(zero_stage, dp, store)),
-      inner_(config, shard_.numel(), store.params().device()) {}
+      inner_(config, shard_.numel(), store.params().device()) {
+  const Tensor& params = store.params();
+  if (params.dtype() == DType::F32) return;
+  // The masters start from the (rounded) initial parameters, identical on every replica.
+  master_ = Tensor::empty({shard_.numel()}, DType::F32, params.device());
+  ops::cast(owned(params), master_);
+}
+
+std::vector<std::pair<std::string, Tensor>> ShardedOptimizer::state() const {
+  std::vector<std::pair<std::string, Tensor>> state = inner_.state();
+  if (master_.defined()) state.emplace_back("master", master_);
+  return state;
+}
+
+void ShardedOptimizer::set_master(const layers::ParamEntry& e, const Tensor& full) {
+  const int64_t n = shape_numel(e.shape);
+  const int64_t lo = std::max(e.offset, shard_.begin), hi = std::min(e.offset + n, shard_.end);
+  if (!master_.defined() || !e.trainable || lo >= hi) return;
+  ops::copy(full.reshape({n}).view(lo - e.offset, {hi - lo}), master_.view(lo - shard_.begin, {hi - lo}));
+}
 
 Tensor ShardedOptimizer::owned(const Tensor& flat) const {
   // Stage 3's parameter shard starts at this rank's first owned element.
@@ -70,7 +89,12 @@ void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr)
   ++steps_;
   // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 reduced
   // each bucket to its owners, so grads is the owned shard alone.
-  if (shard_.numel() > 0) inner_.step(owned(params), owned_grads(grads), lr);
+  if (shard_.numel() > 0 && master_.defined()) {
+    inner_.step(master_, owned_grads(grads), lr);
+    ops::cast(master_, owned(params));  // round once per step; the all-gather moves bf16/f16
+  } else if (shard_.numel() > 0) {
+    inner_.step(owned(params), owned_grads(grads), lr);
+  }
   // Stage 3 keeps parameters sharded: layers gather them when they run.
   if (stage_ == 0 || stage_ == 3 || dp_.size() == 1) return;
   // Every chunk is S long (the store is padded), this rank's chunk is gathered in place.
@@ -79,7 +103,7 @@ void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr)
 
 int64_t ShardedOptimizer::state_bytes() const {
   int64_t bytes = 0;
-  for (const auto& [name, t] : inner_.state()) bytes += static_cast<int64_t>(t.nbytes());
+  for (const auto& [name, t] : state()) bytes += static_cast<int64_t>(t.nbytes());
   return bytes;
 }
 
@@ -91,7 +115,7 @@ ParameterGather::ParameterGather(Communicator& dp, const layers::Model& model, c
       "ZeRO 3 needs a store holding one of ", dp.size(), " parameter shards of ", shard_size, " elements");
   int64_t largest = 0;
   for (const Range& r : ranges_) largest = std::max(largest, r.end - r.begin);
-  for (Tensor& slot : slots_) slot = Tensor::zeros({largest});
+  for (Tensor& slot : slots_) slot = Tensor::zeros({largest}, store.params().dtype(), store.params().device());
 }
 
 bool ParameterGather::has_params(size_t layer) const {
@@ -144,7 +168,7 @@ void ParameterGather::layer_done(size_t layer) {
 }
 
 Tensor ParameterGather::gather(const layers::ParamEntry& e) {
-  const Tensor t = Tensor::empty(e.shape);
+  const Tensor t = Tensor::empty(e.shape, store_.params().dtype(), store_.params().device());
   for (WorkPtr& w : start(e.offset, e.offset + shape_numel(e.shape), t.reshape({t.numel()}))) w->wait();
   return t;
 }

@@ -67,9 +67,17 @@ class ShardedOptimizer {
   const Shard& shard() const { return shard_; }
   // Bytes of optimizer state this rank allocated (the real tensors).
   int64_t state_bytes() const;
-  // This rank's optimizer state by name ("momentum", "exp_avg", ...): flat tensors of
-  // shard().numel() elements, element 0 = flat element shard().begin. For checkpoints.
-  std::vector<std::pair<std::string, Tensor>> state() const { return inner_.state(); }
+  // This rank's optimizer state by name ("momentum", "exp_avg", ...; "master" with mixed
+  // precision): flat f32 tensors of shard().numel() elements, element 0 = flat element
+  // shard().begin. For checkpoints.
+  std::vector<std::pair<std::string, Tensor>> state() const;
+  // Mixed precision: the f32 master weights of the owned range (undefined when the
+  // parameters are f32 themselves). The step updates them and rounds them into the
+  // low-precision parameters, so small updates are not lost to bf16/f16 rounding.
+  const Tensor& master() const { return master_; }
+  // Sets the owned part of the master weights from the full f32 values of entry e (loading a
+  // checkpoint); no-op without master weights.
+  void set_master(const layers::ParamEntry& e, const Tensor& full);
   // Optimizer steps taken, saved and restored by checkpoints. A rank with an empty shard
   // never steps its inner optimizer, so the count is kept here for every rank alike.
   int64_t steps_taken() const { return steps_; }
@@ -80,6 +88,7 @@ class ShardedOptimizer {
   Communicator& dp_;
   Shard shard_;
   layers::Optimizer inner_;  // state for shard_ only
+  Tensor master_;            // f32 copy of the owned parameters when they are stored in bf16/f16
   int64_t steps_ = 0;
 };
 

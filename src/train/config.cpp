@@ -102,6 +102,14 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("dry-run", po::bool_switch(&c.dry_run), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
+    ("device", po::value(&c.device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
+    ("comm", po::value(&c.comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
+    ("precision", po::value(&c.precision)->default_value("fp32"), "fp32 | bf16 | fp16: parameters and activations (fp32 master weights, gradients and optimizer state)")
+    ("loss-scale", po::value(&c.loss_scale)->default_value("auto"), "auto (dynamic for fp16, none otherwise) | dynamic | none | a fixed number")
+    ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
+    ("loss-scale-window", po::value(&c.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
+    ("tf32", po::value(&c.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
+    ("debug-overflow-step", po::value(&c.debug_overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step")
     ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step ...")
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank");
   // clang-format on
@@ -148,6 +156,12 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
+  STRATA_REQUIRE(c.device == "cpu" || c.device == "cuda", "--device must be cpu or cuda, found '", c.device, "'");
+  STRATA_REQUIRE(c.comm == "auto" || c.comm == "nccl" || c.comm == "mpi", "--comm must be auto, nccl or mpi, found '",
+                 c.comm, "'");
+  STRATA_REQUIRE(c.comm != "nccl" || c.device == "cuda", "--comm nccl needs --device cuda");
+  STRATA_REQUIRE(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
+                 "--precision must be fp32, bf16 or fp16, found '", c.precision, "'");
   if (c.eval_only) {
     STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
     STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");

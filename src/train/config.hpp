@@ -39,11 +39,20 @@ struct Config {
   std::string partition = "balanced";  // or cut points "3,7"
   std::string schedule_kind = "1f1b";  // gpipe | 1f1b
   std::string timeline;                // SVG of the last step's pipeline timeline
-  int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;  // print the per-rank memory table and exit before training
+  int zero = 0;                // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  bool dry_run = false;        // print the per-rank memory table and exit before training
+  std::string device = "cpu";  // cpu | cuda
+  std::string comm = "auto";   // auto (nccl on cuda, mpi on cpu) | nccl | mpi
+  std::string precision = "fp32";    // fp32 | bf16 | fp16: parameters and activations
+  std::string loss_scale = "auto";   // auto (dynamic for fp16) | dynamic | none | a number
+  double loss_scale_init = 65536.0;  // dynamic loss scaling starts here
+  int64_t loss_scale_window = 2000;  // good steps before the scale doubles
+  bool tf32 = false;                 // allow TF32 tensor cores for f32 GPU matrix products
   // Testing aids: rank debug_fail_rank throws during step debug_fail_step.
   int64_t debug_fail_step = -1;
   int debug_fail_rank = -1;
+  // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).
+  int64_t debug_overflow_step = -1;
 
   // "key = value" lines of every option, for the start-of-run printout.
   std::vector<std::pair<std::string, std::string>> effective;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "core/log.hpp"
@@ -38,6 +39,18 @@ extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
 // Optimizer-state messages cycle through tags below MPI's guaranteed minimum MPI_TAG_UB.
 constexpr int kMaxTag = 32000;
 
+DType precision_dtype(const std::string& precision) {
+  return precision == "bf16" ? DType::BF16 : precision == "fp16" ? DType::F16 : DType::F32;
+}
+
+// Checkpoints hold f32 host tensors whatever the precision and device of the run.
+Tensor host_f32(const Tensor& t) {
+  if (!t.defined() || (t.dtype() == DType::F32 && t.device().is_cpu())) return t;
+  const Tensor h = Tensor::empty(t.shape());
+  ops::copy(t, h);
+  return h;
+}
+
 }  // namespace
 
 void install_preemption_handlers() {
@@ -49,7 +62,12 @@ void install_preemption_handlers() {
 }
 
 Trainer::Trainer(const Config& config, MPI_Comm world)
-    : config_(config), grid_(std::make_unique<parallel::ProcessGrid>(world, config.pp)) {
+    : config_(config),
+      dtype_(precision_dtype(config.precision)),
+      scaler_(layers::LossScaler::from_flags(config.loss_scale, config.precision, config.loss_scale_init,
+                                             config.loss_scale_window)),
+      grid_(std::make_unique<parallel::ProcessGrid>(world, config.pp)) {
+  ops::set_allow_tf32(config_.tf32);
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
   replica_ = grid_->replica();
@@ -80,8 +98,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   const bool sharded_grads = config_.zero >= 2, sharded_params = config_.zero == 3;
   const parallel::Shard shard = parallel::shard_of(
       layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, begin_, end_)), dp_, replica_);
-  store_ = std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad, !sharded_grads,
-                                                    !sharded_params, replica_ * shard.size, shard.size);
+  store_ =
+      std::make_unique<layers::ParameterStore>(*model_, config_.seed, begin_, end_, pad, !sharded_grads,
+                                               !sharded_params, replica_ * shard.size, shard.size, dtype_, device_);
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));
@@ -115,8 +134,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   // Shape inference sizes every receive buffer once.
   for (size_t i = 0; i < m; ++i) {
     if (!first_stage())
-      received_activations_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_))));
-    if (!last_stage()) received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_))));
+      received_activations_.push_back(
+          Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_)), dtype_, device_));
+    if (!last_stage())
+      received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_)), dtype_, device_));
   }
 
   if (train_data_) {
@@ -168,9 +189,12 @@ void Trainer::load_model(const io::CheckpointReader& reader) {
     STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
                    " (was it saved from a different --model?)");
     // Read whole (the crc covers the whole tensor), kept whole or (ZeRO 3) only this rank's part.
+    // A mixed-precision run saved its f32 master weights too: the full-precision values.
+    const std::string master = "optimizer/master/" + e.name;
     const Tensor t = Tensor::empty(e.shape);
-    reader.read_tensor(name, t);
+    reader.read_tensor(e.trainable && reader.has(master) ? master : name, t);
     store_->set_value(e, t);
+    optimizer_->set_master(e, t);
   }
 }
 
@@ -192,7 +216,8 @@ void Trainer::resume_from(const std::string& path) {
   load_model(reader);
   // This rank's shard of each state tensor: read the tensor whole (crc), keep the owned range.
   const parallel::Shard mine = state_range(stage_, replica_);
-  for (const auto& [state, local] : optimizer_->state())
+  for (const auto& [state, local] : optimizer_->state()) {
+    if (state == "master") continue;  // set by load_model, also from checkpoints of f32 runs
     for (const layers::ParamEntry& e : store_->entries()) {
       const int64_t n = shape_numel(e.shape);
       const int64_t lo = std::max(e.offset, mine.begin), hi = std::min(e.offset + n, mine.end);
@@ -201,6 +226,9 @@ void Trainer::resume_from(const std::string& path) {
       reader.read_tensor("optimizer/" + state + "/" + e.name, full);
       local.view(lo - mine.begin, {hi - lo}).copy_from(full.reshape({n}).view(lo - e.offset, {hi - lo}));
     }
+  }
+  if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale"))
+    scaler_.restore(reader.attr_double("loss_scale"), reader.attr_int("loss_scale_good_steps"));
   start_step_ = reader.attr_int("step");
   optimizer_->set_steps_taken(reader.attr_int("optimizer_step"));
   next_epoch_ = reader.attr_int("epoch");
@@ -224,7 +252,8 @@ void Trainer::print_plan() {
   std::ostringstream os;
   os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
      << micro_batches_ << " micro-batch(es) of " << micro_batch_ << ", zero " << config_.zero << ", optimizer "
-     << config_.optimizer.name << ":";
+     << config_.optimizer.name << ", " << config_.device << " " << config_.precision << " (loss scale "
+     << scaler_.describe() << "):";
   for (int s = 0; s < pp; ++s) {
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
     int64_t trainable = 0;
@@ -242,7 +271,7 @@ void Trainer::print_plan() {
   const int64_t mine[kColumns] = {
       static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()) + window_bytes,
       static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes(), optimizer_->state_bytes(),
-      activations * static_cast<int64_t>(sizeof(float))};
+      activations * static_cast<int64_t>(dtype_size(dtype_))};
   const int ranks = grid_->world().size();
   const Tensor row = Tensor::empty({static_cast<int64_t>(sizeof mine)}, DType::U8);
   const Tensor all = Tensor::empty({ranks * static_cast<int64_t>(sizeof mine)}, DType::U8);
@@ -265,6 +294,39 @@ const io::Dataset* Trainer::eval_data() const { return val_data_ ? val_data_.get
 
 void Trainer::sum_over_world(std::vector<double>& values) { parallel::all_reduce_sum(grid_->world(), values); }
 
+Tensor Trainer::to_compute(const Tensor& x) const {
+  if (x.dtype() == dtype_ && x.device() == device_) return x;
+  const Tensor y = Tensor::empty(x.shape(), dtype_, device_);
+  ops::copy(x, y);
+  return y;
+}
+
+Tensor Trainer::to_device(const Tensor& t) const {
+  if (!t.defined() || t.device() == device_) return t;
+  const Tensor d = Tensor::empty(t.shape(), t.dtype(), device_);
+  ops::copy(t, d);
+  return d;
+}
+
+bool Trainer::unscale_and_check(const Tensor& grads, int64_t step) {
+  if (!scaler_.enabled()) return true;
+  // Only the owned part is stepped, and every element is owned by some rank: checking the
+  // owned parts and agreeing over the world covers all gradients once.
+  const Tensor owned = optimizer_->owned_grads(grads);
+  if (step == config_.debug_overflow_step && rank_ == 0 && owned.numel() > 0)
+    ops::fill(owned.view(0, {1}), std::numeric_limits<float>::infinity());
+  std::vector<double> overflow{owned.numel() > 0 && !ops::all_finite(owned) ? 1.0 : 0.0};
+  sum_over_world(overflow);
+  const double scale = scaler_.scale();
+  if (!scaler_.update(overflow[0] > 0)) {
+    log::warn("step ", step + 1, ": gradients overflowed at loss scale ", scale, "; step skipped, loss scale now ",
+              scaler_.scale());
+    return false;
+  }
+  if (owned.numel() > 0) ops::scale(owned, static_cast<float>(1.0 / scale));
+  return true;
+}
+
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
   using clock = std::chrono::steady_clock;
   const bool record = !config_.timeline.empty() && step + 1 == total_steps_;
@@ -279,7 +341,8 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
-  const float scale = 1.0f / static_cast<float>(config_.global_batch);
+  // (times the loss scale with fp16, divided out again before the step.)
+  const float scale = static_cast<float>(scaler_.scale() / static_cast<double>(config_.global_batch));
   parallel::Communicator& pipe = grid_->pp();
   int in_flight = 0;
   for (size_t k = 0; k < program_.size(); ++k) {
@@ -301,12 +364,13 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
         sends_.push_back(pipe.send_async(input_grads_[i], stage_ - 1, parallel::message_tag(a.op, a.micro_batch)));
         break;
       case parallel::Op::Forward: {
-        const Tensor x = first_stage() ? batch.x.slice(first, first + micro_batch_) : received_activations_[i];
+        const Tensor x =
+            first_stage() ? to_compute(batch.x.slice(first, first + micro_batch_)) : received_activations_[i];
         const layers::StepInfo info{layers::Mode::Train, config_.seed, step, batch.first_sample + first};
         outputs_[i] = forward_stage(x, contexts_[i], info);
         if (last_stage()) {  // the loss, and its gradient to start this micro-batch's backward
           layers::Context loss_ctx;
-          loss_sum += loss_.forward(outputs_[i], batch.y.slice(first, first + micro_batch_), loss_ctx);
+          loss_sum += loss_.forward(outputs_[i], to_device(batch.y.slice(first, first + micro_batch_)), loss_ctx);
           outputs_[i] = loss_.backward(loss_ctx, scale);
         }
         peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
@@ -347,13 +411,16 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
 
-  if (config_.clip_grad > 0) {
-    // The global norm spans every stage; within a stage the optimizer sums its dp shards.
-    std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
-    parallel::all_reduce_sum(pipe, squares);
-    layers::clip_by_global_norm(optimizer_->owned_grads(grads), squares[0], config_.clip_grad);  // only what is stepped
+  if (unscale_and_check(grads, step)) {
+    if (config_.clip_grad > 0) {
+      // The global norm spans every stage; within a stage the optimizer sums its dp shards.
+      std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
+      parallel::all_reduce_sum(pipe, squares);
+      layers::clip_by_global_norm(optimizer_->owned_grads(grads), squares[0],
+                                  config_.clip_grad);  // only what is stepped
+    }
+    optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   }
-  optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
   if (record) write_timeline(timeline_);
   dp_bytes_per_step_ = grid_->dp().bytes_sent() - dp_bytes_before;
   // The preemption flag rides on the all-reduce every step does anyway: all ranks agree
@@ -472,14 +539,16 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   std::vector<layers::Context> ctx;
   for (int64_t b = begin; b < end; b += chunk) {
     const int64_t count = std::min(chunk, end - b);
-    Tensor x = Tensor::empty(layers::batch_shape(count, model_->shape(begin_)));
+    Tensor x = first_stage() ? Tensor::empty(layers::batch_shape(count, model_->shape(begin_)))
+                             : Tensor::empty(layers::batch_shape(count, model_->shape(begin_)), dtype_, device_);
     Tensor y = last_stage() ? Tensor::empty({count}, DType::I32) : Tensor();
     if (first_stage())
       io::read_range(data, b, b + count, x, last_stage() ? y : Tensor::empty({count}, DType::I32));
     else
       pipe.recv(x, stage_ - 1, 0);
     if (last_stage() && !first_stage()) io::read_range(data, b, b + count, Tensor(), y);
-    const Tensor out = forward_stage(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
+    y = to_device(y);
+    const Tensor out = forward_stage(to_compute(x), ctx, {layers::Mode::Eval, config_.seed, 0, b});
     if (!last_stage()) {
       pipe.send(out, stage_ + 1, 0);
       continue;
@@ -507,7 +576,9 @@ void Trainer::save_checkpoint(int64_t step) {
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
     int tag = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
-      const Tensor value = gathers && e.trainable ? gather_->gather(e) : stage_ == s ? store_->value(e) : Tensor();
+      const Tensor value = host_f32(gathers && e.trainable ? gather_->gather(e)
+                                    : stage_ == s          ? store_->value(e)
+                                                           : Tensor());
       if (rank_ == owner && owner == 0) {
         writer->write_tensor("model/" + e.name, value);
       } else if (rank_ == owner) {
@@ -542,7 +613,7 @@ void Trainer::save_checkpoint(int64_t step) {
           if (from == rank_ && rank_ == 0)
             full.reshape({n}).view(lo - e.offset, {hi - lo}).copy_from(local.view(lo - range.begin, {hi - lo}));
           else if (from == rank_)
-            world.send(local.view(lo - range.begin, {hi - lo}), 0, tag);
+            world.send(host_f32(local.view(lo - range.begin, {hi - lo})), 0, tag);
           else if (rank_ == 0)
             world.recv(full.reshape({n}).view(lo - e.offset, {hi - lo}), from, tag);
         }
@@ -559,6 +630,9 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->set_attr("global_batch", config_.global_batch);
   writer->set_attr("model", config_.model.name);
   writer->set_attr("optimizer", config_.optimizer.name);
+  writer->set_attr("precision", config_.precision);
+  writer->set_attr("loss_scale", scaler_.scale());
+  writer->set_attr("loss_scale_good_steps", scaler_.good_steps());
   std::string effective;
   for (const auto& [key, value] : config_.effective) effective += key + " = " + value + "\n";
   writer->set_attr("config", effective);

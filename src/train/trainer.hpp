@@ -12,6 +12,7 @@
 #include "io/loader.hpp"
 #include "io/sampler.hpp"
 #include "layers/loss.hpp"
+#include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
 #include "parallel/gradient_sync.hpp"
@@ -69,6 +70,13 @@ class Trainer {
   Tensor forward_stage(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info);
   // Sums values over every rank of the world (stages that have no value contribute 0).
   void sum_over_world(std::vector<double>& values);
+  // x in the compute dtype on this rank's device (x itself when it already is).
+  Tensor to_compute(const Tensor& x) const;
+  // Labels (or any tensor) on this rank's device.
+  Tensor to_device(const Tensor& t) const;
+  // Mixed precision: checks the summed gradients for inf/NaN on every rank together and
+  // unscales them; returns whether the optimizer may step (see LossScaler).
+  bool unscale_and_check(const Tensor& grads, int64_t step);
   // Rank 0 prints each stage's layers and, gathered from every rank, the bytes of its real
   // allocations: parameters (+ buffers), gradients, optimizer state; activations per
   // micro-batch from shape inference. Collective over the world.
@@ -86,6 +94,9 @@ class Trainer {
   parallel::Shard state_range(int s, int r) const;
 
   Config config_;
+  DType dtype_ = DType::F32;       // parameters and activations (--precision)
+  Device device_ = Device::cpu();  // this rank's device (--device)
+  layers::LossScaler scaler_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0;
   std::unique_ptr<io::Dataset> train_data_, val_data_;

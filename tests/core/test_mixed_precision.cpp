@@ -1,0 +1,158 @@
+// The ops on bf16/f16 tensors (CPU): low-precision storage with f32 arithmetic, so each op on
+// rounded inputs must give exactly the f32 op's result on the same values, rounded once; f32
+// gradient buffers accumulate low-precision contributions unrounded. And the dtype rules.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "core/ops.hpp"
+
+using namespace strata;
+
+namespace {
+
+Tensor rand_f32(Shape shape, uint32_t seed) {
+  Tensor t = Tensor::empty(std::move(shape));
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
+  return t;
+}
+
+Tensor converted(const Tensor& t, DType dtype) {
+  Tensor out = Tensor::empty(t.shape(), dtype);
+  ops::cast(t, out);
+  return out;
+}
+
+// Bitwise equality of two tensors of one dtype.
+void expect_same_bits(const Tensor& got, const Tensor& want, const char* what) {
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  EXPECT_EQ(std::memcmp(got.raw(), want.raw(), got.nbytes()), 0) << what << " differs from the rounded f32 result";
+}
+
+class LowPrecision : public ::testing::TestWithParam<DType> {
+ protected:
+  // A random tensor already representable in the low-precision dtype: (low, its f32 value).
+  std::pair<Tensor, Tensor> rounded(Shape shape, uint32_t seed) const {
+    Tensor low = converted(rand_f32(std::move(shape), seed), GetParam());
+    return {low, converted(low, DType::F32)};
+  }
+};
+
+}  // namespace
+
+TEST_P(LowPrecision, ElementwiseAndActivationsRoundOnce) {
+  const DType dt = GetParam();
+  auto [x, xf] = rounded({1037}, 1);
+  auto [b, bf] = rounded({1037}, 2);
+  Tensor y = Tensor::empty({1037}, dt), yf = Tensor::empty({1037});
+  ops::gelu_forward(x, y);
+  ops::gelu_forward(xf, yf);
+  expect_same_bits(y, converted(yf, dt), "gelu");
+  ops::add(x, b, y);
+  ops::add(xf, bf, yf);
+  expect_same_bits(y, converted(yf, dt), "add");
+  ops::relu_backward(x, b, y);
+  ops::relu_backward(xf, bf, yf);
+  expect_same_bits(y, converted(yf, dt), "relu_backward");
+  ops::dropout_forward(x, y, 0.3f, {7, 1, 0});
+  ops::dropout_forward(xf, yf, 0.3f, {7, 1, 0});
+  expect_same_bits(y, converted(yf, dt), "dropout");
+}
+
+TEST_P(LowPrecision, GemmWritesLowPrecisionOrAccumulatesF32) {
+  const DType dt = GetParam();
+  auto [a, af] = rounded({13, 29}, 3);
+  auto [w, wf] = rounded({17, 29}, 4);
+  Tensor c = Tensor::empty({13, 17}, dt), cf = Tensor::empty({13, 17});
+  ops::gemm(a, false, w, true, c);
+  ops::gemm(af, false, wf, true, cf);
+  expect_same_bits(c, converted(cf, dt), "gemm into a low-precision c");
+  // Parameter gradients: f32 buffers accumulate the low-precision operands' product unrounded.
+  Tensor dw = rand_f32({17, 29}, 5), dwf = dw.clone();
+  ops::gemm(c, true, a, false, dw, 1.0f, 1.0f);
+  ops::gemm(converted(c, DType::F32), true, af, false, dwf, 1.0f, 1.0f);
+  expect_same_bits(dw, dwf, "gemm accumulated into f32");
+}
+
+TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {
+  const DType dt = GetParam();
+  ops::Conv2dGeometry g;
+  g.in_channels = 3, g.out_channels = 4, g.kernel_h = 3, g.kernel_w = 2, g.padding = 1, g.in_h = 7, g.in_w = 6;
+  auto [x, xf] = rounded({2, 3, 7, 6}, 6);
+  auto [w, wf] = rounded({4, 3, 3, 2}, 7);
+  auto [bias, biasf] = rounded({4}, 8);
+  const Shape ys{2, 4, g.out_h(), g.out_w()};
+  Tensor y = Tensor::empty(ys, dt), yf = Tensor::empty(ys);
+  ops::conv2d_forward(x, w, bias, y, g);
+  ops::conv2d_forward(xf, wf, biasf, yf, g);
+  expect_same_bits(y, converted(yf, dt), "conv2d_forward");
+
+  auto [dy, dyf] = rounded(ys, 9);
+  Tensor dx = Tensor::empty(x.shape(), dt), dxf = Tensor::empty(x.shape());
+  Tensor dw = Tensor::zeros(w.shape()), dwf = Tensor::zeros(w.shape()), db = Tensor::zeros({4}), dbf = db.clone();
+  ops::conv2d_backward(x, w, dy, dx, dw, db, g);
+  ops::conv2d_backward(xf, wf, dyf, dxf, dwf, dbf, g);
+  expect_same_bits(dx, converted(dxf, dt), "conv2d dx");
+  expect_same_bits(dw, dwf, "conv2d dw (f32)");
+  expect_same_bits(db, dbf, "conv2d db (f32)");
+
+  ops::Pool2dGeometry pg;
+  pg.in_h = 7, pg.in_w = 6;
+  const Shape ps{2, 3, pg.out_h(), pg.out_w()};
+  Tensor p = Tensor::empty(ps, dt), pf = Tensor::empty(ps), am = Tensor::empty(ps, DType::I32),
+         amf = Tensor::empty(ps, DType::I32);
+  ops::max_pool2d_forward(x, p, am, pg);
+  ops::max_pool2d_forward(xf, pf, amf, pg);
+  expect_same_bits(p, converted(pf, dt), "max_pool2d");
+  expect_same_bits(am, amf, "max_pool2d argmax");
+
+  // Batch norm: parameters in the compute dtype, statistics in f32.
+  auto [gamma, gammaf] = rounded({3}, 10);
+  auto [beta, betaf] = rounded({3}, 11);
+  Tensor bn = Tensor::empty(x.shape(), dt), bnf = Tensor::empty(x.shape());
+  Tensor mean = Tensor::empty({3}), invstd = Tensor::empty({3}), meanf = Tensor::empty({3}),
+         invstdf = Tensor::empty({3});
+  Tensor rm = Tensor::zeros({3}), rv = Tensor::zeros({3}), rmf = Tensor::zeros({3}), rvf = Tensor::zeros({3});
+  ops::batch_norm_forward_train(x, gamma, beta, bn, mean, invstd, rm, rv, 0.1f, 1e-5f);
+  ops::batch_norm_forward_train(xf, gammaf, betaf, bnf, meanf, invstdf, rmf, rvf, 0.1f, 1e-5f);
+  expect_same_bits(bn, converted(bnf, dt), "batch_norm y");
+  expect_same_bits(rv, rvf, "batch_norm running_var (f32)");
+}
+
+TEST_P(LowPrecision, LossAndOverflowDetection) {
+  const DType dt = GetParam();
+  auto [logits, logitsf] = rounded({5, 7}, 12);
+  Tensor labels = Tensor::empty({5}, DType::I32);
+  for (int i = 0; i < 5; ++i) labels.data<int32_t>()[i] = (3 * i) % 7;
+  Tensor probs = Tensor::empty({5, 7}, dt), probsf = Tensor::empty({5, 7});
+  EXPECT_EQ(ops::softmax_xent_forward(logits, labels, probs), ops::softmax_xent_forward(logitsf, labels, probsf));
+  expect_same_bits(probs, converted(probsf, dt), "softmax probabilities");
+  EXPECT_EQ(ops::count_correct(logits, labels), ops::count_correct(logitsf, labels));
+
+  Tensor g = converted(rand_f32({100}, 13), dt);
+  EXPECT_TRUE(ops::all_finite(g));
+  ops::fill(g.view(57, {1}), std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(ops::all_finite(g));
+  // 70000 is beyond f16's range (65504): an f16 activation gradient that large is an overflow.
+  Tensor big = Tensor::empty({1});
+  big.data<float>()[0] = 70000.0f;
+  EXPECT_EQ(ops::all_finite(converted(big, dt)), dt == DType::BF16);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LowPrecision, ::testing::Values(DType::BF16, DType::F16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+TEST(MixedPrecisionRules, MismatchedDtypesAreRejected) {
+  const Tensor a = Tensor::empty({4, 4}, DType::BF16), b = Tensor::empty({4, 4}), c = Tensor::empty({4, 4});
+  EXPECT_THROW(ops::gemm(a, false, b, false, c), Error);                                  // operands differ
+  EXPECT_THROW(ops::relu_forward(a, c), Error);                                           // output differs
+  EXPECT_THROW(ops::gemm(a, false, a, false, Tensor::empty({4, 4}, DType::F16)), Error);  // c neither f32 nor bf16
+  EXPECT_THROW(ops::sgd_update(a, b, Tensor(), {}), Error);                               // master weights are f32
+  EXPECT_NO_THROW(ops::gemm(a, false, a, false, c));                                      // f32 accumulation target
+}
