@@ -1,6 +1,10 @@
 // Element-wise math, written once. Each functor holds its pointers and scalars and computes
-// element i; ops/cpu/elementwise.cpp applies it with a (vectorisable, OpenMP) loop and
-// ops/cuda/elementwise.cu with one grid-stride launcher. Keep these free of host-only calls.
+// element i (or element (r, j) of a (rows, cols) view); ops/cpu/*.cpp applies it with a
+// (vectorisable, OpenMP) loop and ops/cuda/*.cu with one grid-stride launcher. Functors are
+// templates over the storage type T (float, bf16, f16) and compute in float: to_f32 widens,
+// from_f32 rounds to nearest even. For float both are the identity, so the CPU loops (float
+// only) compile to what they were before. Keep the functors free of host-only calls (the
+// make_* helpers build them on the host).
 #pragma once
 
 #include <cmath>
@@ -8,50 +12,98 @@
 #include <type_traits>
 
 #include "core/dtype.hpp"
+#include "core/ops.hpp"
 #include "core/rng.hpp"
 
 namespace strata::ops::fn {
 
+// Float conversion to and from the storage types.
+template <class T>
+STRATA_HD inline float to_f32(T v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return v.to_float();
+}
+template <class T>
+STRATA_HD inline T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return T::from_float(v);
+}
+
+template <class T>
 struct Fill {
-  float* y;
-  float value;
+  T* y;
+  T value;  // already rounded to T
   STRATA_HD void operator()(int64_t i) const { y[i] = value; }
 };
 
-struct Axpy {  // y += alpha * x
+template <class X, class Y>
+struct Axpy {  // y += alpha * x; x and y may differ in dtype (low-precision x into f32 y)
   float alpha;
-  const float* x;
-  float* y;
-  STRATA_HD void operator()(int64_t i) const { y[i] += alpha * x[i]; }
+  const X* x;
+  Y* y;
+  STRATA_HD void operator()(int64_t i) const { y[i] = from_f32<Y>(to_f32(y[i]) + alpha * to_f32(x[i])); }
 };
 
+template <class T>
 struct Scale {  // x *= alpha
-  float* x;
+  T* x;
   float alpha;
-  STRATA_HD void operator()(int64_t i) const { x[i] *= alpha; }
+  STRATA_HD void operator()(int64_t i) const { x[i] = from_f32<T>(to_f32(x[i]) * alpha); }
 };
 
+template <class T>
 struct Add {  // y = a + b
-  const float* a;
-  const float* b;
-  float* y;
-  STRATA_HD void operator()(int64_t i) const { y[i] = a[i] + b[i]; }
+  const T* a;
+  const T* b;
+  T* y;
+  STRATA_HD void operator()(int64_t i) const { y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i])); }
 };
 
+template <class In, class Out>
+struct Cast {
+  const In* x;
+  Out* y;
+  STRATA_HD void operator()(int64_t i) const { y[i] = from_f32<Out>(to_f32(x[i])); }
+};
+
+// u8 pixels of one channel to float: y = (x * in_scale - mean) / std, computed as x * a + b.
+template <class T>
+struct NormalizeU8 {
+  const uint8_t* x;
+  T* y;
+  float a, b;  // in_scale / std, -mean / std
+  STRATA_HD void operator()(int64_t i) const { y[i] = from_f32<T>(static_cast<float>(x[i]) * a + b); }
+};
+template <class T>
+inline NormalizeU8<T> make_normalize_u8(const uint8_t* x, T* y, float in_scale, float mean, float std) {
+  return NormalizeU8<T>{x, y, in_scale / std, -mean / std};
+}
+
+// ---- activations -----------------------------------------------------------------------------
+
+template <class T>
 struct ReluForward {
-  const float* x;
-  float* y;
-  STRATA_HD void operator()(int64_t i) const { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+  const T* x;
+  T* y;
+  STRATA_HD void operator()(int64_t i) const {
+    const float v = to_f32(x[i]);
+    y[i] = from_f32<T>(v > 0.0f ? v : 0.0f);
+  }
 };
 
+template <class T>
 struct ReluBackward {  // y is relu's output: y > 0 exactly where x > 0
-  const float* y;
-  const float* dy;
-  float* dx;
+  const T* y;
+  const T* dy;
+  T* dx;
   // Both loads unconditional: a select, not a branch, so the loop vectorises.
   STRATA_HD void operator()(int64_t i) const {
-    const float g = dy[i];
-    dx[i] = y[i] > 0.0f ? g : 0.0f;
+    const float g = to_f32(dy[i]);
+    dx[i] = from_f32<T>(to_f32(y[i]) > 0.0f ? g : 0.0f);
   }
 };
 
@@ -59,51 +111,111 @@ struct ReluBackward {  // y is relu's output: y > 0 exactly where x > 0
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
+template <class T>
 struct GeluForward {
-  const float* x;
-  float* y;
+  const T* x;
+  T* y;
   STRATA_HD void operator()(int64_t i) const {
-    const float v = x[i];
-    y[i] = 0.5f * v * (1.0f + erff(v * kInvSqrt2));
+    const float v = to_f32(x[i]);
+    y[i] = from_f32<T>(0.5f * v * (1.0f + erff(v * kInvSqrt2)));
   }
 };
 
+template <class T>
 struct GeluBackward {  // d/dx x*Phi(x) = Phi(x) + x * phi(x)
-  const float* x;
-  const float* dy;
-  float* dx;
+  const T* x;
+  const T* dy;
+  T* dx;
   STRATA_HD void operator()(int64_t i) const {
-    const float v = x[i];
+    const float v = to_f32(x[i]);
     const float cdf = 0.5f * (1.0f + erff(v * kInvSqrt2));
     const float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
-    dx[i] = dy[i] * (cdf + v * pdf);
+    dx[i] = from_f32<T>(to_f32(dy[i]) * (cdf + v * pdf));
   }
 };
 
 // Inverted dropout; the mask is recomputed from (key, stream, global element index), so
-// backward needs no stored mask. Used for forward (x -> y) and backward (dy -> dx) alike.
+// backward needs no stored mask, and host and device draw the same mask. Used for forward
+// (x -> y) and backward (dy -> dx) alike.
+template <class T>
 struct Dropout {
-  const float* x;
-  float* y;
+  const T* x;
+  T* y;
   float p;
   float scale;  // 1 / (1 - p), or 0 when p >= 1
   uint64_t key, stream;
   uint64_t first;  // first_sample * sample_numel: the global index of element 0
   STRATA_HD void operator()(int64_t i) const {
     const bool keep = rng::uniform(key, stream, first + static_cast<uint64_t>(i)) >= p;
-    const float v = x[i] * scale;
-    y[i] = keep ? v : 0.0f;
+    const float v = to_f32(x[i]) * scale;
+    y[i] = from_f32<T>(keep ? v : 0.0f);
   }
 };
 
 // The dropout functor for x viewed as (samples, ...): element j of sample s has global index
 // (first_sample + s) * sample_numel + j, whatever the batch split.
-inline Dropout make_dropout(const float* x, float* y, int64_t numel, int64_t samples, float p, uint64_t key,
-                            uint64_t stream, int64_t first_sample) {
+template <class T>
+inline Dropout<T> make_dropout(const T* x, T* y, int64_t numel, int64_t samples, float p, uint64_t key, uint64_t stream,
+                               int64_t first_sample) {
   const int64_t sample_numel = samples > 0 ? numel / samples : numel;
-  return Dropout{
+  return Dropout<T>{
       x, y, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key, stream, static_cast<uint64_t>(first_sample * sample_numel)};
 }
+
+// ---- dense, over (rows, cols) ----------------------------------------------------------------
+
+template <class T>
+struct AddBias {  // y (rows, cols) += bias (cols)
+  T* y;
+  const T* bias;
+  int64_t cols;
+  STRATA_HD void operator()(int64_t r, int64_t j) const {
+    T& out = y[r * cols + j];
+    out = from_f32<T>(to_f32(out) + to_f32(bias[j]));
+  }
+};
+
+// ---- loss ------------------------------------------------------------------------------------
+
+// -log softmax(x)[label] of a row from its max and its sum of exp(x - max), in double.
+STRATA_HD inline double xent_loss(float sum_exp, float x_label, float max) {
+  return log(static_cast<double>(sum_exp)) - (static_cast<double>(x_label) - max);
+}
+
+// dlogits (rows, cols) = (probs - onehot(labels)) * scale: probs * scale, minus scale at the
+// label (a label outside [0, cols) subtracts nothing; the forward pass reports it).
+template <class P, class D>
+struct SoftmaxXentBackward {
+  const P* probs;
+  const int32_t* labels;
+  D* dlogits;
+  int64_t cols;
+  float scale;
+  STRATA_HD void operator()(int64_t r, int64_t j) const {
+    const int64_t i = r * cols + j;
+    float d = to_f32(probs[i]) * scale;
+    if (j == labels[r]) d -= scale;
+    dlogits[i] = from_f32<D>(d);
+  }
+};
+
+// ---- normalisation ---------------------------------------------------------------------------
+
+// 1 / sqrt(var + eps) from a row's sum of squared deviations over n values, in double.
+STRATA_HD inline float rstd_from_sq(double sq, int64_t n, float eps) {
+  return static_cast<float>(1.0 / sqrt(sq / static_cast<double>(n) + eps));
+}
+
+// Layer norm for one element: xhat = (x - mean) * rstd, y = xhat * gamma + beta.
+STRATA_HD inline float layer_norm_xhat(float x, float mean, float rstd) { return (x - mean) * rstd; }
+
+// Layer norm's dx for one element: rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),
+// dxhat = dy * gamma.
+STRATA_HD inline float layer_norm_dx(float dxhat, float xhat, float rstd, float mean_g, float mean_gx) {
+  return rstd * (dxhat - mean_g - xhat * mean_gx);
+}
+
+// ---- optimizers ------------------------------------------------------------------------------
 
 // torch.optim.SGD for one element. The momentum buffer starts at zero, so the first step
 // gives buf = (1 - dampening) * d_p: torch's first-step clone(d_p) exactly when dampening == 0
@@ -123,6 +235,19 @@ STRATA_HD inline void sgd_step(float& p, float g, float& buf, const SgdScalars& 
   }
   p -= s.lr * d;
 }
+
+// sgd_step over flat buffers (buf is null without momentum).
+template <bool kMomentum, bool kNesterov>
+struct SgdStep {
+  float* p;
+  const float* g;
+  float* buf;
+  SgdScalars s;
+  STRATA_HD void operator()(int64_t i) const {
+    float unused = 0.0f;  // stands in for buf[i] without momentum; never written then
+    sgd_step<kMomentum, kNesterov>(p[i], g[i], kMomentum ? buf[i] : unused, s);
+  }
+};
 
 // torch.optim.AdamW for one element, in torch's order of operations.
 struct AdamWStep {
@@ -147,27 +272,24 @@ struct AdamWStep {
   }
 };
 
-// Float conversion to and from the storage types.
-template <class T>
-STRATA_HD inline float to_f32(T v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return v.to_float();
+// The AdamW functor for hp.step (1-based); bias corrections in double, as torch computes them
+// in Python.
+inline AdamWStep make_adamw_step(float* p, const float* g, float* m, float* v, const AdamWParams& hp) {
+  const double t = static_cast<double>(hp.step);
+  const double bc1 = 1.0 - std::pow(hp.beta1, t);
+  const double bc2 = 1.0 - std::pow(hp.beta2, t);
+  return AdamWStep{p,
+                   g,
+                   m,
+                   v,
+                   1.0f - hp.lr * hp.weight_decay,
+                   static_cast<float>(hp.beta1),
+                   static_cast<float>(hp.beta2),
+                   static_cast<float>(1.0 - hp.beta1),
+                   static_cast<float>(1.0 - hp.beta2),
+                   static_cast<float>(hp.lr / bc1),
+                   static_cast<float>(std::sqrt(bc2)),
+                   hp.eps};
 }
-template <class T>
-STRATA_HD inline T from_f32(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return T::from_float(v);
-}
-
-template <class In, class Out>
-struct Cast {
-  const In* x;
-  Out* y;
-  STRATA_HD void operator()(int64_t i) const { y[i] = from_f32<Out>(to_f32(x[i])); }
-};
 
 }  // namespace strata::ops::fn

@@ -7,36 +7,36 @@
 
 namespace strata::ops::cpu {
 
-void fill(const Tensor& x, float value) { parallel_for(x.numel(), fn::Fill{x.data<float>(), value}); }
+void fill(const Tensor& x, float value) { parallel_for(x.numel(), fn::Fill<float>{x.data<float>(), value}); }
 
 void axpy(float alpha, const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::Axpy{alpha, x.data<float>(), y.data<float>()});
+  parallel_for(x.numel(), fn::Axpy<float, float>{alpha, x.data<float>(), y.data<float>()});
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& y) {
-  parallel_for(y.numel(), fn::Add{a.data<float>(), b.data<float>(), y.data<float>()});
+  parallel_for(y.numel(), fn::Add<float>{a.data<float>(), b.data<float>(), y.data<float>()});
 }
 
-void scale(const Tensor& x, float alpha) { parallel_for(x.numel(), fn::Scale{x.data<float>(), alpha}); }
+void scale(const Tensor& x, float alpha) { parallel_for(x.numel(), fn::Scale<float>{x.data<float>(), alpha}); }
 
 void relu_forward(const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::ReluForward{x.data<float>(), y.data<float>()});
+  parallel_for(x.numel(), fn::ReluForward<float>{x.data<float>(), y.data<float>()});
 }
 
 void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
-  parallel_for(y.numel(), fn::ReluBackward{y.data<float>(), dy.data<float>(), dx.data<float>()});
+  parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
 }
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::GeluForward{x.data<float>(), y.data<float>()});
+  parallel_for(x.numel(), fn::GeluForward<float>{x.data<float>(), y.data<float>()});
 }
 
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
-  parallel_for(x.numel(), fn::GeluBackward{x.data<float>(), dy.data<float>(), dx.data<float>()});
+  parallel_for(x.numel(), fn::GeluBackward<float>{x.data<float>(), dy.data<float>(), dx.data<float>()});
 }
 
 namespace {
-fn::Dropout dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
+fn::Dropout<float> dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   return fn::make_dropout(x.data<float>(), y.data<float>(), x.numel(), x.dim(0), p, key.key, key.stream,
                           key.first_sample);
 }
@@ -98,12 +98,9 @@ void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::v
   const int64_t rows = n * channels;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t c = r % channels;
-    // (x * in_scale - mean) / std == x * (in_scale / std) - mean / std
-    const float a = in_scale / std[static_cast<size_t>(c)],
-                b = -mean[static_cast<size_t>(c)] / std[static_cast<size_t>(c)];
-    const uint8_t* s = src + r * inner;
-    float* d = dst + r * inner;
-    for (int64_t i = 0; i < inner; ++i) d[i] = static_cast<float>(s[i]) * a + b;
+    const auto f = fn::make_normalize_u8(src + r * inner, dst + r * inner, in_scale, mean[static_cast<size_t>(c)],
+                                         std[static_cast<size_t>(c)]);
+    for (int64_t i = 0; i < inner; ++i) f(i);
   }
 }
 
