@@ -1,8 +1,11 @@
 """torch_models.py: what torch_train_step.py and torch_ddp_step.py share: Strata's zoo models as
 torch.nn.Sequential (mlp 784-hidden-10, cnn), the common flags, the fixed random batch, the
 training step (SGD momentum 0.9, F.cross_entropy, zero_grad(set_to_none=True)) and the timing
-loop (untimed warm-up, then timed windows; the caller takes the median).
+loop (untimed warm-up, then timed windows; the caller takes the median). On a GPU (--device
+cuda) the step can run under bf16 autocast (--dtype bf16) and each window ends with a
+synchronisation, so it times the GPU's work and not only the launches.
 """
+import contextlib
 import time
 
 import torch
@@ -43,6 +46,37 @@ def add_common_args(p, batch_help=None, threads_help=None):
     p.add_argument("--seed", type=int, default=1)
 
 
+def add_device_args(p):
+    """--device cpu|cuda and --dtype fp32|bf16 (bf16: torch.autocast, fp32 parameters and optimizer,
+    matrix products and convolutions in bf16, the counterpart of Strata's --precision bf16)."""
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmul/conv on the GPU (off, like Strata's --tf32)")
+
+
+def setup_device(a):
+    """Applies --device/--tf32; returns the torch.device."""
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no GPU")
+        torch.backends.cuda.matmul.allow_tf32 = a.tf32
+        torch.backends.cudnn.allow_tf32 = a.tf32
+    return device
+
+
+def autocast(a):
+    """The context of a forward pass for --dtype."""
+    if a.dtype == "bf16":
+        return torch.autocast(device_type=a.device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronizer(device):
+    """What ends a timed window: waits for the GPU's queued work (nothing on the CPU)."""
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
 def random_batch(batch, generator=None):
     """x uniform in [0, 1) of shape (batch, 1, 28, 28), y labels in 0..9."""
     x = torch.rand(batch, 1, 28, 28, generator=generator)
@@ -50,12 +84,13 @@ def random_batch(batch, generator=None):
     return x, y
 
 
-def make_step(model, opt, x, y):
+def make_step(model, opt, x, y, context=contextlib.nullcontext):
     def step():
         # Strata zeroes its flat gradient buffer; set_to_none is torch's cheapest equivalent
         # (and the default from torch 2.0).
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        with context():
+            loss = F.cross_entropy(model(x), y)
         loss.backward()  # DDP: bucketed all-reduce overlapped with backward, waited for at its end
         opt.step()
         return loss
@@ -73,15 +108,20 @@ def warm_up(step, n):
     return first
 
 
-def timed_windows(step, windows, steps, before=None, elapsed=lambda t: t):
+def timed_windows(step, windows, steps, before=None, elapsed=lambda t: t, sync=None):
     """Times `windows` windows of `steps` steps each; returns (seconds per window, last loss).
-    before() runs ahead of each window (a barrier); elapsed(t) maps a window's time (max over ranks)."""
+    before() runs ahead of each window (a barrier); sync() ends it (GPU work done); elapsed(t)
+    maps a window's time (max over ranks)."""
     times, l = [], None
+    if sync is not None:
+        sync()
     for _ in range(windows):
         if before is not None:
             before()
         t0 = time.perf_counter()
         for _ in range(steps):
             l = step()
+        if sync is not None:
+            sync()
         times.append(elapsed(time.perf_counter() - t0))
     return times, l.item()

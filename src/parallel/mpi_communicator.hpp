@@ -3,6 +3,12 @@
 // Work wraps its MPI_Request. Open MPI's non-blocking collectives advance only inside MPI
 // calls, so a trainer that overlaps gradient sync with backward calls progress() between
 // layers (measured against a communication thread: see mpi_communicator.cpp).
+//
+// Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
+// through cached pinned host memory: copied from the device on its compute stream when the
+// operation starts (the host waits for that stream), and copied back asynchronously on the
+// compute stream when the operation is found complete (wait(), test(), or a dropped handle),
+// so kernels launched afterwards see the result. CPU tensors are used in place, as before.
 #pragma once
 
 #include <mpi.h>

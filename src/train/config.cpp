@@ -156,10 +156,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
-  STRATA_REQUIRE(c.device == "cpu" || c.device == "cuda", "--device must be cpu or cuda, found '", c.device, "'");
-  STRATA_REQUIRE(c.comm == "auto" || c.comm == "nccl" || c.comm == "mpi", "--comm must be auto, nccl or mpi, found '",
-                 c.comm, "'");
-  STRATA_REQUIRE(c.comm != "nccl" || c.device == "cuda", "--comm nccl needs --device cuda");
+  // --device and --comm are parsed where the device is chosen (parallel/device.hpp).
   STRATA_REQUIRE(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
                  "--precision must be fp32, bf16 or fp16, found '", c.precision, "'");
   if (c.eval_only) {

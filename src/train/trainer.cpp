@@ -65,8 +65,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     : config_(config),
       dtype_(precision_dtype(config.precision)),
       scaler_(layers::LossScaler::from_flags(config.loss_scale, config.precision, config.loss_scale_init,
-                                             config.loss_scale_window)),
-      grid_(std::make_unique<parallel::ProcessGrid>(world, config.pp)) {
+                                             config.loss_scale_window)) {
+  // The device first (collective: ranks of a node agree on their GPUs), then the grid's
+  // communicators over it: NCCL ids are broadcast over MPI.
+  const DeviceKind kind = parallel::parse_device_kind(config_.device);
+  const parallel::Transport transport = parallel::parse_transport(config_.comm, kind);
+  device_ = parallel::select_device(world, kind, transport);
+  grid_ = std::make_unique<parallel::ProcessGrid>(world, config_.pp, transport, device_);
   ops::set_allow_tf32(config_.tf32);
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
