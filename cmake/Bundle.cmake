@@ -24,3 +24,8 @@ add_custom_target(bundle_check
   COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/bundle.sh --check ${CMAKE_BINARY_DIR}/bundle/strata-bundle.tar.gz
   DEPENDS bundle
   VERBATIM)
+# CI runs the clean-environment check as a test (it builds the bundle first; ~20 s).
+if(STRATA_BUILD_TESTS)
+  add_test(NAME bundle_clean_environment COMMAND ${CMAKE_COMMAND} --build ${CMAKE_BINARY_DIR} --target bundle_check)
+  set_tests_properties(bundle_clean_environment PROPERTIES LABELS integration TIMEOUT 600 RUN_SERIAL TRUE)
+endif()

@@ -146,7 +146,7 @@ TEST_P(LowPrecision, LossAndOverflowDetection) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, LowPrecision, ::testing::Values(DType::BF16, DType::F16),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+                         [](const auto& param_info) { return std::string(dtype_name(param_info.param)); });
 
 TEST(MixedPrecisionRules, MismatchedDtypesAreRejected) {
   const Tensor a = Tensor::empty({4, 4}, DType::BF16), b = Tensor::empty({4, 4}), c = Tensor::empty({4, 4});
