@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/ops.hpp"
+#include "parallel/collective_values.hpp"
 #include "parallel/device.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/mpi_communicator.hpp"
@@ -82,6 +83,8 @@ TEST(DeviceSelection, MpiGridKeepsMpiCommunicators) {
 
 #if STRATA_WITH_CUDA
 
+using namespace testing_values;
+
 int world_rank() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -106,52 +109,6 @@ std::string agreed(const std::string& mine) {
   if (world_rank() == lowest) reason = mine;
   MPI_Bcast(reason.data(), length, MPI_CHAR, lowest, MPI_COMM_WORLD);
   return strata::detail::cat("rank ", lowest, ": ", reason);
-}
-
-const DType kAllTypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32, DType::U8};
-const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
-const int64_t kSizes[] = {0, 1, 3, 1000003};
-
-// Rank r's element i: a small integer (exact in bf16, sums of a few fit in u8).
-double contribution(DType t, int rank, int64_t i) {
-  const double v = static_cast<double>((i * 7 + rank * 5) % 17);
-  return t == DType::U8 ? v : v - 8.0;
-}
-
-double get(const Tensor& t, int64_t i) {
-  switch (t.dtype()) {
-    case DType::F32:
-      return t.data<float>()[i];
-    case DType::BF16:
-      return t.data<bf16>()[i].to_float();
-    case DType::F16:
-      return t.data<f16>()[i].to_float();
-    case DType::I32:
-      return t.data<int32_t>()[i];
-    case DType::U8:
-      return t.data<uint8_t>()[i];
-  }
-  return 0;
-}
-
-void set(const Tensor& t, int64_t i, double v) {
-  switch (t.dtype()) {
-    case DType::F32:
-      t.data<float>()[i] = static_cast<float>(v);
-      break;
-    case DType::BF16:
-      t.data<bf16>()[i] = bf16::from_float(static_cast<float>(v));
-      break;
-    case DType::F16:
-      t.data<f16>()[i] = f16::from_float(static_cast<float>(v));
-      break;
-    case DType::I32:
-      t.data<int32_t>()[i] = static_cast<int32_t>(v);
-      break;
-    case DType::U8:
-      t.data<uint8_t>()[i] = static_cast<uint8_t>(v);
-      break;
-  }
 }
 
 // A device copy of a host tensor, complete before anything else runs.
@@ -179,30 +136,13 @@ Tensor to_host(const Tensor& d) {
 
 // On `device`: elements i = contribution(rank, offset + i).
 Tensor filled(DType type, int64_t n, int rank, Device device, int64_t offset = 0) {
-  Tensor t = Tensor::empty({n}, type);
-  for (int64_t i = 0; i < n; ++i) set(t, i, contribution(type, rank, offset + i));
-  return to_device(t, device);
-}
-
-double reference_sum(DType type, int size, int64_t offset, int64_t i) {
-  double s = 0;
-  for (int r = 0; r < size; ++r) s += contribution(type, r, offset + i);
-  return s;
+  return to_device(testing_values::filled(type, n, rank, offset), device);
 }
 
 // Mismatches of the device tensor against expected(i) (within `tolerance`); shows the first.
 template <class Expected>
-int64_t count_wrong(const Tensor& device, Expected expected, double tolerance = 0) {
-  const Tensor t = to_host(device);
-  int64_t wrong = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double want = expected(i), got = get(t, i);
-    if (std::abs(got - want) > tolerance) {
-      if (wrong == 0) ADD_FAILURE() << t.str() << "[" << i << "] = " << got << ", expected " << want;
-      ++wrong;
-    }
-  }
-  return wrong;
+int64_t count_wrong_on_device(const Tensor& device, Expected expected, double tolerance = 0) {
+  return count_wrong(to_host(device), expected, tolerance);
 }
 
 // The same tests over both transports of device memory.
@@ -258,7 +198,7 @@ TEST_P(DeviceComm, AllReduceSumEveryDtype) {
       SCOPED_TRACE(strata::detail::cat(dtype_name(type), " n=", n));
       Tensor t = filled(type, n, rank_, device_here_);
       comm_->all_reduce(t, ReduceOp::Sum);
-      EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(type, size_, 0, i); }), 0);
+      EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return reference_sum(type, size_, 0, i); }), 0);
     }
 }
 
@@ -268,7 +208,7 @@ TEST_P(DeviceComm, AllReduceAvgFloats) {
     Tensor t = filled(type, 1000, rank_, device_here_);
     comm_->all_reduce_async(t, ReduceOp::Avg)->wait();
     // The mean of small integers over <= 2 ranks is a multiple of 1/2: exact in every dtype.
-    EXPECT_EQ(count_wrong(
+    EXPECT_EQ(count_wrong_on_device(
                   t, [&](int64_t i) { return reference_sum(type, size_, 0, i) / size_; }, 1e-6),
               0);
   }
@@ -286,11 +226,11 @@ TEST_P(DeviceComm, ReduceScatterPlacesChunkOfRank) {
     Tensor in = filled(type, n * size_, rank_, device_here_);
     Tensor out = Tensor::empty({n}, type, device_here_);
     comm_->reduce_scatter(in, out, ReduceOp::Sum);
-    EXPECT_EQ(count_wrong(out, [&](int64_t i) { return reference_sum(type, size_, rank_ * n, i); }), 0);
+    EXPECT_EQ(count_wrong_on_device(out, [&](int64_t i) { return reference_sum(type, size_, rank_ * n, i); }), 0);
   }
   Tensor in = filled(DType::F32, 8 * size_, rank_, device_here_), out = Tensor::empty({8}, DType::F32, device_here_);
   comm_->reduce_scatter(in, out, ReduceOp::Avg);
-  EXPECT_EQ(count_wrong(
+  EXPECT_EQ(count_wrong_on_device(
                 out, [&](int64_t i) { return reference_sum(DType::F32, size_, rank_ * 8, i) / size_; }, 1e-6),
             0);
 }
@@ -309,7 +249,8 @@ TEST_P(DeviceComm, AllGatherPlacesChunkFromEachRankAlsoInPlace) {
       }
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       comm_->all_gather(in, out);
-      EXPECT_EQ(count_wrong(out, [&](int64_t i) { return contribution(type, static_cast<int>(i / n), i % n); }), 0);
+      EXPECT_EQ(
+          count_wrong_on_device(out, [&](int64_t i) { return contribution(type, static_cast<int>(i / n), i % n); }), 0);
     }
 }
 
@@ -320,9 +261,9 @@ TEST_P(DeviceComm, ReduceToEveryRootLeavesOthersUnchanged) {
       Tensor t = filled(type, 777, rank_, device_here_);
       comm_->reduce(t, root, ReduceOp::Sum);
       if (rank_ == root)
-        EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(type, size_, 0, i); }), 0);
+        EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return reference_sum(type, size_, 0, i); }), 0);
       else
-        EXPECT_EQ(count_wrong(t, [&](int64_t i) { return contribution(type, rank_, i); }), 0);
+        EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return contribution(type, rank_, i); }), 0);
     }
 }
 
@@ -332,7 +273,7 @@ TEST_P(DeviceComm, BroadcastFromEveryRoot) {
       SCOPED_TRACE(strata::detail::cat(dtype_name(type), " root ", root));
       Tensor t = filled(type, 100003, rank_, device_here_);
       comm_->broadcast(t, root);
-      EXPECT_EQ(count_wrong(t, [&](int64_t i) { return contribution(type, root, i); }), 0);
+      EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return contribution(type, root, i); }), 0);
     }
 }
 
@@ -355,7 +296,7 @@ TEST_P(DeviceComm, SendRecvRing) {
         work.push_back(comm_->send_async(out, next, 0));
       }
       for (auto& w : work) w->wait();
-      EXPECT_EQ(count_wrong(in, [&](int64_t i) { return contribution(type, prev, i); }), 0) << "n " << n;
+      EXPECT_EQ(count_wrong_on_device(in, [&](int64_t i) { return contribution(type, prev, i); }), 0) << "n " << n;
     }
   }
 }
@@ -412,9 +353,9 @@ TEST_P(DeviceComm, ManyAsyncOpsWaitedInAnyOrder) {
   }
   for (int k = 7; k >= 0; --k) work[static_cast<size_t>(k)]->wait();
   for (int k = 0; k < 8; ++k)
-    EXPECT_EQ(
-        count_wrong(tensors[static_cast<size_t>(k)], [&](int64_t i) { return reference_sum(DType::F32, size_, k, i); }),
-        0)
+    EXPECT_EQ(count_wrong_on_device(tensors[static_cast<size_t>(k)],
+                                    [&](int64_t i) { return reference_sum(DType::F32, size_, k, i); }),
+              0)
         << "op " << k;
 }
 
@@ -423,7 +364,7 @@ TEST_P(DeviceComm, TestPollsUntilComplete) {
   WorkPtr w = comm_->all_reduce_async(t, ReduceOp::Sum);
   while (!w->test()) comm_->progress();
   EXPECT_TRUE(w->test());
-  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
+  EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
 }
 
 TEST_P(DeviceComm, SeesWhatTheComputeStreamWroteJustBefore) {
@@ -447,7 +388,7 @@ TEST_P(DeviceComm, SeesWhatTheComputeStreamWroteJustBefore) {
 TEST_P(DeviceComm, DroppedHandleStillDelivers) {
   Tensor t = filled(DType::F32, 100000, rank_, device_here_);
   comm_->all_reduce_async(t, ReduceOp::Sum).reset();
-  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
+  EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
 }
 
 TEST_P(DeviceComm, HostTensorsStillWork) {
@@ -496,7 +437,7 @@ TEST(NcclGrid, DpAndPpAreNcclWorldIsMpi) {
   EXPECT_EQ(grid.device(), device);
   Tensor t = filled(DType::F32, 4097, grid.dp().rank(), device);
   grid.dp().all_reduce(t, ReduceOp::Sum);
-  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, grid.dp_size(), 0, i); }), 0);
+  EXPECT_EQ(count_wrong_on_device(t, [&](int64_t i) { return reference_sum(DType::F32, grid.dp_size(), 0, i); }), 0);
   // The checkpoint gather's pattern: a device tensor sent over world() into host memory.
   if (world_size() > 1) {
     if (world_rank() == 1) grid.world().send(t, 0, 7);
