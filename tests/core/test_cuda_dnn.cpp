@@ -18,6 +18,7 @@
 
 #include "core/ops.hpp"
 #if STRATA_WITH_CUDA
+#include "core/cuda_test_util.hpp"
 #include "core/ops/cuda/context.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
 #endif
@@ -27,7 +28,10 @@ using namespace strata;
 #if STRATA_WITH_CUDA
 namespace {
 
-const Device kGpu = Device::cuda(0);
+using cuda_test::kGpu;
+using cuda_test::to_gpu;
+using cuda_test::to_host;
+
 constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
 
 double tol(DType t) { return t == DType::F32 ? 1e-5 : t == DType::F16 ? 2e-3 : 1e-2; }
@@ -39,33 +43,7 @@ std::vector<DType> t_and_f32(DType t) { return t == DType::F32 ? std::vector{t} 
 
 // Host f32 values in [lo, hi), rounded to `dtype` (so the CPU sees exactly what the GPU sees).
 Tensor rand_host(Shape shape, uint32_t seed, DType dtype = DType::F32, float lo = -1.0f, float hi = 1.0f) {
-  Tensor t = Tensor::empty(std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
-  if (dtype != DType::F32) {
-    Tensor r = Tensor::empty(t.shape(), dtype);
-    ops::cast(t, r);
-    ops::cast(r, t);
-  }
-  return t;
-}
-
-// A host f32 tensor on the GPU as `dtype`.
-Tensor to_gpu(const Tensor& host, DType dtype) {
-  Tensor d = Tensor::empty(host.shape(), dtype, kGpu);
-  ops::copy(host, d);
-  return d;
-}
-
-// A GPU tensor on the host; float dtypes widened to f32.
-Tensor to_host(const Tensor& dev) {
-  Tensor h = Tensor::empty(dev.shape(), dev.dtype());
-  ops::copy(dev, h);
-  if (dev.dtype() == DType::F32 || dev.dtype() == DType::I32) return h;
-  Tensor f = Tensor::empty(dev.shape());
-  ops::cast(h, f);
-  return f;
+  return cuda_test::rand_host(std::move(shape), seed, dtype, lo, hi);
 }
 
 // The GPU result `got` against the host f32 reference `want` (NaN matches NaN).

@@ -17,6 +17,7 @@
 #include "core/ops.hpp"
 #include "core/rng.hpp"
 #if STRATA_WITH_CUDA
+#include "core/cuda_test_util.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
 #endif
 
@@ -25,48 +26,13 @@ using namespace strata;
 #if STRATA_WITH_CUDA
 namespace {
 
-const Device kGpu = Device::cuda(0);
-constexpr int64_t kN = 100003;  // several blocks and a ragged tail
+using namespace cuda_test;
 
-// A host f32 tensor as `dtype` and back: the values a `dtype` tensor can hold.
-Tensor round_to(const Tensor& t, DType dtype) {
-  if (dtype == DType::F32) return t;
-  Tensor low = Tensor::empty(t.shape(), dtype), back = Tensor::empty(t.shape());
-  ops::cast(t, low);
-  ops::cast(low, back);
-  return back;
-}
+constexpr int64_t kN = 100003;  // several blocks and a ragged tail
 
 // Uniform values in [lo, hi), representable in `dtype`, as a host f32 tensor.
 Tensor host_rand(Shape shape, uint32_t seed, DType dtype = DType::F32, float lo = -3.0f, float hi = 3.0f) {
-  Tensor t = Tensor::empty(std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
-  return round_to(t, dtype);
-}
-
-// A host tensor on the GPU, converted to `dtype` when it is f32 and `dtype` another float type.
-Tensor to_gpu(const Tensor& h, DType dtype) {
-  Tensor src = h;
-  if (dtype != h.dtype()) {
-    src = Tensor::empty(h.shape(), dtype);
-    ops::cast(h, src);
-  }
-  Tensor d = Tensor::empty(h.shape(), dtype, kGpu);
-  ops::copy(src, d);
-  return d;
-}
-Tensor to_gpu(const Tensor& h) { return to_gpu(h, h.dtype()); }
-
-// A GPU tensor on the host, as f32 when it holds a float type (the copy waits for the stream).
-Tensor to_host(const Tensor& d) {
-  Tensor h = Tensor::empty(d.shape(), d.dtype());
-  ops::copy(d, h);
-  if (d.dtype() != DType::BF16 && d.dtype() != DType::F16) return h;
-  Tensor f = Tensor::empty(d.shape());
-  ops::cast(h, f);
-  return f;
+  return rand_host(std::move(shape), seed, dtype, lo, hi);
 }
 
 Tensor empty_gpu(Shape shape, DType dtype) { return Tensor::empty(std::move(shape), dtype, kGpu); }
