@@ -290,9 +290,14 @@ void ParameterStore::set_value(const ParamEntry& e, const Tensor& full) const {
     ops::copy(full, value(e));
     return;
   }
-  const int64_t n = shape_numel(e.shape);
-  const int64_t lo = std::max(e.offset, params_begin_), hi = std::min(e.offset + n, params_begin_ + params_.numel());
-  if (lo < hi) ops::copy(full.view(lo - e.offset, {hi - lo}), params_.view(lo - params_begin_, {hi - lo}));
+  const Overlap o = overlap(e, params_begin_, params_begin_ + params_.numel());
+  if (o.size > 0) ops::copy(full.view(o.in_entry, {o.size}), params_.view(o.in_range, {o.size}));
+}
+
+Overlap overlap(const ParamEntry& e, int64_t begin, int64_t end) {
+  const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + shape_numel(e.shape), end);
+  if (lo >= hi) return {};
+  return {lo - e.offset, lo - begin, hi - lo};
 }
 
 Tensor ParameterStore::grad(const ParamEntry& e) const {

@@ -59,6 +59,14 @@ struct ParamEntry {
   size_t layer = 0;  // index of the top-level layer that owns it
 };
 
+// Where entry e's values meet the flat-layout range [begin, end) (a shard, a sharded store):
+// `size` elements from element `in_entry` of the entry and element `in_range` of the range;
+// size 0 when they do not meet. For copies between full tensors and shards.
+struct Overlap {
+  int64_t in_entry = 0, in_range = 0, size = 0;
+};
+Overlap overlap(const ParamEntry& e, int64_t begin, int64_t end);
+
 class ParameterStore {
  public:
   // Lays out and binds the parameters of layers [begin, end) of the model. Offsets are

@@ -56,10 +56,9 @@ std::vector<std::pair<std::string, Tensor>> ShardedOptimizer::state() const {
 }
 
 void ShardedOptimizer::set_master(const layers::ParamEntry& e, const Tensor& full) {
-  const int64_t n = shape_numel(e.shape);
-  const int64_t lo = std::max(e.offset, shard_.begin), hi = std::min(e.offset + n, shard_.end);
-  if (!master_.defined() || !e.trainable || lo >= hi) return;
-  ops::copy(full.reshape({n}).view(lo - e.offset, {hi - lo}), master_.view(lo - shard_.begin, {hi - lo}));
+  const layers::Overlap o = layers::overlap(e, shard_.begin, shard_.end);
+  if (!master_.defined() || !e.trainable || o.size == 0) return;
+  ops::copy(full.view(o.in_entry, {o.size}), master_.view(o.in_range, {o.size}));
 }
 
 Tensor ShardedOptimizer::owned(const Tensor& flat) const {

@@ -224,12 +224,11 @@ void Trainer::resume_from(const std::string& path) {
   for (const auto& [state, local] : optimizer_->state()) {
     if (state == "master") continue;  // set by load_model, also from checkpoints of f32 runs
     for (const layers::ParamEntry& e : store_->entries()) {
-      const int64_t n = shape_numel(e.shape);
-      const int64_t lo = std::max(e.offset, mine.begin), hi = std::min(e.offset + n, mine.end);
-      if (!e.trainable || lo >= hi) continue;
+      const layers::Overlap o = layers::overlap(e, mine.begin, mine.end);
+      if (!e.trainable || o.size == 0) continue;
       const Tensor full = Tensor::empty(e.shape);
       reader.read_tensor("optimizer/" + state + "/" + e.name, full);
-      local.view(lo - mine.begin, {hi - lo}).copy_from(full.reshape({n}).view(lo - e.offset, {hi - lo}));
+      local.view(o.in_range, {o.size}).copy_from(full.view(o.in_entry, {o.size}));
     }
   }
   if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale"))
@@ -607,20 +606,19 @@ void Trainer::save_checkpoint(int64_t step) {
     for (const auto& [state, local] : states)
       for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
         if (!e.trainable) continue;
-        const int64_t n = shape_numel(e.shape);
         const Tensor full = rank_ == 0 ? Tensor::empty(e.shape) : Tensor();
         for (int q = 0; q < owners; ++q) {
           const parallel::Shard range = state_range(s, q);
-          const int64_t lo = std::max(e.offset, range.begin), hi = std::min(e.offset + n, range.end);
-          if (lo >= hi) continue;
+          const layers::Overlap o = layers::overlap(e, range.begin, range.end);
+          if (o.size == 0) continue;
           const int from = grid_->rank_of(s, q);
           tag = (tag + 1) % kMaxTag;
           if (from == rank_ && rank_ == 0)
-            full.reshape({n}).view(lo - e.offset, {hi - lo}).copy_from(local.view(lo - range.begin, {hi - lo}));
+            full.view(o.in_entry, {o.size}).copy_from(local.view(o.in_range, {o.size}));
           else if (from == rank_)
-            world.send(host_f32(local.view(lo - range.begin, {hi - lo})), 0, tag);
+            world.send(host_f32(local.view(o.in_range, {o.size})), 0, tag);
           else if (rank_ == 0)
-            world.recv(full.reshape({n}).view(lo - e.offset, {hi - lo}), from, tag);
+            world.recv(full.view(o.in_entry, {o.size}), from, tag);
         }
         if (writer) writer->write_tensor("optimizer/" + state + "/" + e.name, full);
       }
