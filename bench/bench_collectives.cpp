@@ -1,7 +1,8 @@
 // bench_collectives: MpiCommunicator bandwidth, nccl-tests style, and the measurement behind
 // its overlap design.
 //
-//   mpirun -np 2 build/bench_collectives            # table: all_reduce, reduce_scatter,
+//   mpirun -np 2 build/bench_collectives            # table: all_reduce (MPI, and in shared
+//                                                   # memory: all_reduce_shm), reduce_scatter,
 //                                                   # all_gather, broadcast, 4 KiB .. 256 MiB
 //   mpirun -np 2 build/bench_collectives --overlap  # can an async all-reduce hide behind compute?
 //
@@ -75,12 +76,14 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   const int n = comm.size(), rank = comm.rank();
   const int64_t count = static_cast<int64_t>(bytes / sizeof(float));  // full buffer elements
   const int64_t chunk = count / n;
-  Tensor full = Tensor::empty({count});
+  // all_reduce_shm: the buffer from allocate() (shared memory on one node), as train's gradients.
+  const bool shm = op == "all_reduce_shm";
+  Tensor full = shm ? comm.allocate(count, DType::F32, strata::Device::cpu()) : Tensor::empty({count});
   Tensor part = Tensor::empty({chunk});
   fill(full, rank);
   fill(part, rank, rank * chunk);
   auto run = [&] {
-    if (op == "all_reduce")
+    if (op == "all_reduce" || shm)
       comm.all_reduce(full, ReduceOp::Sum);
     else if (op == "reduce_scatter")
       comm.reduce_scatter(full.view(0, {chunk * n}), part, ReduceOp::Sum);
@@ -104,7 +107,7 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   const float* p = part.data<float>();
   for (int64_t i = 0; i < count; ++i) {
     float want = 0;
-    if (op == "all_reduce") {
+    if (op == "all_reduce" || shm) {
       for (int r = 0; r < n; ++r) want += value(r, i);
     } else if (op == "all_gather") {
       if (i >= chunk * n) break;
@@ -126,7 +129,7 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   w.data<float>()[0] = static_cast<float>(wrong);
   MPI_Allreduce(MPI_IN_PLACE, w.raw(), 1, MPI_FLOAT, MPI_SUM, comm.comm());
 
-  const double factor = op == "all_reduce" ? 2.0 * (n - 1) / n : op == "broadcast" ? 1.0 : double(n - 1) / n;
+  const double factor = op == "all_reduce" || shm ? 2.0 * (n - 1) / n : op == "broadcast" ? 1.0 : double(n - 1) / n;
   const double algbw = static_cast<double>(bytes) / t / 1e9;
   if (rank == 0)
     std::printf("%-14s %12zu %11lld %5s %12.1f %9.2f %9.2f %7.0f %10.2f\n", op.c_str(), bytes,
@@ -142,7 +145,7 @@ void run_table(MpiCommunicator& comm, size_t min_bytes, size_t max_bytes) {
     std::printf("%-14s %12s %11s %5s %12s %9s %9s %7s %10s\n", "", "", "(elements)", "", "", "(GB/s)", "(GB/s)", "",
                 "(GB/s)");
   }
-  for (const char* op : {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}) {
+  for (const char* op : {"all_reduce", "all_reduce_shm", "reduce_scatter", "all_gather", "broadcast"}) {
     for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
       // About 0.5 GiB moved per row, at least 3 and at most 200 timed runs.
       const int iters = static_cast<int>(std::clamp<size_t>((size_t{512} << 20) / bytes, 3, 200));

@@ -17,6 +17,9 @@
 // reduce-scatter, SGD over this rank's half and an all-gather of the parameters (ZeRO-1):
 // its "exposed comm" is then the two blocking collectives; --sharded-p2p does the same with one
 // MPI_Sendrecv each way instead of libnbc's reduce-scatter / all-gather (2 ranks only).
+// The gradient buffer comes from the dp communicator, as in train (shared memory on one node:
+// all-reduce in place); --no-shared-memory puts it in ordinary memory, so the all-reduce goes
+// through MPI's ring, for the side-by-side comparison.
 #include <mpi.h>
 
 #include <algorithm>
@@ -47,13 +50,14 @@ struct Options : bench::CommonOptions {  // batch is per rank
   double bucket_mb = 25.0;
   bool sync = true;
   bool overlap = true;
-  bool sharded = false;      // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
-  bool sharded_p2p = false;  // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
+  bool sharded = false;       // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
+  bool sharded_p2p = false;   // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
+  bool shared_memory = true;  // gradient buffer from the communicator (train's choice)
 };
 
 Options parse(int argc, char** argv) {
   Options o;
-  bool no_sync = false, no_overlap = false;
+  bool no_sync = false, no_overlap = false, no_shared = false;
   bench::po::options_description desc("usage: [mpirun -np N] bench_ddp_step [options]\noptions");
   bench::add_common_options(desc, o, "samples per step per rank (global batch = batch x ranks)");
   // clang-format off
@@ -61,6 +65,7 @@ Options parse(int argc, char** argv) {
     ("bucket-mb", bench::po::value(&o.bucket_mb)->default_value(o.bucket_mb), "gradient bucket size, MiB")
     ("no-sync", bench::po::bool_switch(&no_sync), "skip gradient sync (ranks side by side, no communication)")
     ("no-overlap", bench::po::bool_switch(&no_overlap), "all-reduce every bucket only after backward")
+    ("no-shared-memory", bench::po::bool_switch(&no_shared), "gradients in ordinary memory: all-reduce through MPI")
     ("sharded-step", bench::po::bool_switch(&o.sharded), "prototype ZeRO-1: reduce-scatter, sharded SGD, all-gather")
     ("sharded-p2p", bench::po::bool_switch(&o.sharded_p2p), "--sharded-step with MPI_Sendrecv (2 ranks only)");
   // clang-format on
@@ -69,6 +74,7 @@ Options parse(int argc, char** argv) {
   bench::require(o.bucket_mb > 0, "bucket-mb must be > 0", desc);
   o.sync = !no_sync;
   o.overlap = !no_overlap;
+  o.shared_memory = !no_shared;
   o.sharded = o.sharded || o.sharded_p2p;
   return o;
 }
@@ -100,7 +106,10 @@ struct Bench {
   Bench(const Options& opt, parallel::ProcessGrid& g)
       : grid(g),
         model(bench::build_bench_model(opt.model, {1024, 1024})),
-        store(model, opt.seed),
+        store(model, opt.seed, 0, SIZE_MAX, 16, true, true, 0, 0, DType::F32, Device::cpu(),
+              [&](int64_t numel) {
+                return opt.shared_memory ? g.dp().allocate(numel, DType::F32, Device::cpu()) : Tensor::zeros({numel});
+              }),
         optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
         sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20))),
         o(opt) {
@@ -228,7 +237,10 @@ int main(int argc, char** argv) {
       for (const auto& bk : buckets)
         std::printf(" [%.2f MB from layer %zu]", 4e-6 * static_cast<double>(bk.end - bk.begin), bk.first_layer);
       const char* alg = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
-      std::printf("\niallreduce algorithm (OMPI_MCA_coll_libnbc_iallreduce_algorithm): %s\n", alg ? alg : "default");
+      const bool shared = static_cast<parallel::MpiCommunicator&>(grid.dp()).in_shared_memory(b.store.grads());
+      std::printf("\ngradient buffer: %s\n",
+                  shared ? "shared memory (all-reduce in place)" : "ordinary memory (all-reduce through MPI)");
+      std::printf("iallreduce algorithm (OMPI_MCA_coll_libnbc_iallreduce_algorithm): %s\n", alg ? alg : "default");
     }
     Times warm;
     double first_loss = 0, last_loss = 0;

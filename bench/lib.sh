@@ -1,9 +1,18 @@
 # Shared by the bench/run_*.sh scripts (sourced, not run): finding a built benchmark, the one
 # environment both sides of a comparison run in, medians, and the machine-load report.
 
-# The one environment both sides run in: OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (the dev/CI
-# environment pins a slower kernel; tests keep it, benchmarks do not), one thread everywhere.
-run_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+# best_blas_core: the fastest OpenBLAS kernel family this CPU runs. Named explicitly because
+# OpenBLAS 0.3.21 falls back to its generic Prescott kernels on CPUs newer than it (measured
+# on an Emerald Rapids guest, model 207: MLP step 3.7x slower), and the dev/CI environment may
+# pin Haswell (AVX2 only) on AVX-512 machines.
+best_blas_core() {
+  if grep -qw avx512bw /proc/cpuinfo; then echo SkylakeX; elif grep -qw avx2 /proc/cpuinfo; then echo Haswell; fi
+}
+
+# The one environment both sides of a comparison run in: the same OpenBLAS kernels (above;
+# OPENBLAS_L2_SIZE unset), one thread everywhere. Tests keep the environment as it is.
+run_env=(env -u OPENBLAS_L2_SIZE OPENBLAS_CORETYPE="$(best_blas_core)" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+  MKL_NUM_THREADS=1)
 
 # find_bench_bin NAME OVERRIDE: the built benchmark NAME (OVERRIDE if set), or exits with a hint.
 find_bench_bin() {

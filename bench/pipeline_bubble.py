@@ -8,7 +8,7 @@ point-to-point overhead per micro-batch is the gap between a stage's forward(i) 
 next stage's forward(i) starting, where the next stage was waiting for it.
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
-Run with OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset (as bench/run_vs_torch.sh does).
+Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
 """
 import argparse
 import os

@@ -13,8 +13,9 @@
 #   STRATA_DDP_BIN=build-lead/bench_ddp_step BUCKET_MB=2 bash bench/run_ddp_vs_torch.sh
 #
 # BUCKET_MB is Strata's --bucket-mb; torch keeps DDP's default bucket_cap_mb=25 unless
-# TORCH_BUCKET_MB is set. Environment for BOTH sides: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
-# unset (see run_vs_torch.sh), OMP/OpenBLAS/MKL one thread. MPI: --oversubscribe --bind-to none
+# TORCH_BUCKET_MB is set. Environment for BOTH sides: the same OpenBLAS kernels (bench/lib.sh),
+# OMP/OpenBLAS/MKL one thread. Strata runs twice at 2 ranks: as train does (gradients in shared
+# memory, all-reduce in place) and with --no-shared-memory (all-reduce through MPI's ring). MPI: --oversubscribe --bind-to none
 # (set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 when running as root).
 set -euo pipefail
 
@@ -62,14 +63,17 @@ echo
 rows=() brows=()
 for config in $MODELS; do
   model="${config%%:*}" batch="${config##*:}"
-  s1=() s2=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=()
+  s1=() s2=() s3=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=() expo3=() stp3=()
   buckets=""
   for ((r = 1; r <= REPS; ++r)); do
     strata_side() {
-      local a b
+      local a b c
       a=$(result "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
       b=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
-      s1+=("$(field samples_per_s "$a")"); s2+=("$(field samples_per_s "$b")")
+      c=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}" \
+          --no-shared-memory)
+      s1+=("$(field samples_per_s "$a")"); s2+=("$(field samples_per_s "$b")"); s3+=("$(field samples_per_s "$c")")
+      expo3+=("$(field exposed_ms "$c")"); stp3+=("$(field step_ms "$c")")
       comp+=("$(field compute_ms "$b")"); expo+=("$(field exposed_ms "$b")"); opt+=("$(field optim_ms "$b")")
       lar+=("$(field loss_ar_ms "$b")"); stp+=("$(field step_ms "$b")"); ar+=("$(field allreduce_alone_ms "$b")")
       buckets="$(field buckets "$b")"
@@ -82,14 +86,17 @@ for config in $MODELS; do
       t1+=("$(field samples_per_s "$a")"); t2+=("$(field samples_per_s "$b")")
     }
     if ((r % 2)); then strata_side; torch_side; else torch_side; strata_side; fi
-    echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
+    echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)  2x1 MPI ${s3[-1]} (exposed ${expo3[-1]} of ${stp3[-1]} ms)   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
   done
   S1=$(median "${s1[@]}"); S2=$(median "${s2[@]}"); T1=$(median "${t1[@]}"); T2=$(median "${t2[@]}")
   C=$(median "${comp[@]}"); X=$(median "${expo[@]}"); O=$(median "${opt[@]}"); L=$(median "${lar[@]}")
   P=$(median "${stp[@]}"); A=$(median "${ar[@]}")
+  S3=$(median "${s3[@]}"); X3=$(median "${expo3[@]}"); P3=$(median "${stp3[@]}")
   rows+=("$(awk -v m="$model" -v b="$batch" -v s1="$S1" -v s2="$S2" -v t1="$T1" -v t2="$T2" -v x="$X" -v p="$P" \
-    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.0f%% | %.0f | %.0f | %.0f%% | %.2fx | %.1f%% |", m, b, s1, s2,
-            100 * s2 / (2 * s1), t1, t2, 100 * t2 / (2 * t1), s2 / t2, 100 * x / p}')")
+    -v s3="$S3" -v x3="$X3" -v p3="$P3" \
+    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.0f%% | %.1f%% | %.0f | %.0f%% | %.1f%% | %.0f | %.0f | %.0f%% | %.2fx |",
+            m, b, s1, s2, 100 * s2 / (2 * s1), 100 * x / p, s3, 100 * s3 / (2 * s1), 100 * x3 / p3,
+            t1, t2, 100 * t2 / (2 * t1), s2 / t2}')")
   brows+=("$(awk -v m="$model" -v b="$batch" -v c="$C" -v x="$X" -v o="$O" -v l="$L" -v p="$P" -v a="$A" \
     -v nb="$buckets" -v bm="$BUCKET_MB" -v s1="$S1" \
     'BEGIN {printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s x (--bucket-mb %s) |", m, b,
@@ -97,8 +104,8 @@ for config in $MODELS; do
 done
 
 echo
-echo "| model | batch per rank | Strata 1x1 samples/s | Strata 2x1 | Strata scaling | torch 1x1 | torch DDP 2x1 | torch scaling | Strata DDP / torch DDP | Strata exposed comm |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| model | batch per rank | Strata 1x1 samples/s | Strata 2x1 | Strata scaling | Strata exposed comm | Strata 2x1, MPI ring (--no-shared-memory) | its scaling | its exposed comm | torch 1x1 | torch DDP 2x1 | torch scaling | Strata DDP / torch DDP |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${rows[@]}"
 echo
 echo "Strata at 2 ranks, ms per step (rank 0, medians):"

@@ -10,10 +10,9 @@
 #   bash bench/run_vs_torch.sh                 # REPS=5 STEPS=20 WINDOWS=7 WARMUP=20 by default
 #   STRATA_BENCH_BIN=build/bench_train_step REPS=9 bash bench/run_vs_torch.sh
 #
-# Environment for BOTH sides: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are unset (the dev/CI
-# environment pins OPENBLAS_CORETYPE=Haswell, which forces OpenBLAS's AVX2 kernels on AVX-512
-# machines, ~25% slower SGEMM here; tests keep it, benchmarks do not), and OMP/OpenBLAS/MKL use
-# one thread.
+# Environment for BOTH sides: the same OpenBLAS kernels, named explicitly (bench/lib.sh:
+# SkylakeX on AVX-512 CPUs; autodetection in OpenBLAS 0.3.21 gives generic kernels on newer
+# CPUs, and the dev/CI environment may pin Haswell), and OMP/OpenBLAS/MKL use one thread.
 # Optional: a second torch in bench/.venv (any version) adds a column.
 set -euo pipefail
 

@@ -10,7 +10,7 @@ are 4 Psi each and K = 4 for SGD-momentum (the momentum), K = 8 for AdamW (two m
 Strata adds alignment padding, two gradient scratch slots of the largest bucket (stages 2-3)
 and two parameter windows of the largest layer (stage 3); the table shows both.
 
-  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/zero_bench.py \\
+  OPENBLAS_CORETYPE=SkylakeX python3 bench/zero_bench.py \\
       --train build/train --data data/fashion-mnist/train
 """
 import argparse

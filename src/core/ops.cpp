@@ -184,6 +184,8 @@ void set_num_threads(int threads) {
 
 int num_threads() { return omp_get_max_threads(); }
 
+std::string blas_kernel_warning() { return cpu::blas_kernel_warning(); }
+
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
 

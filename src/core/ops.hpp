@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.hpp"
 
@@ -18,6 +19,11 @@ namespace strata::ops {
 // Threads for this rank's kernels (OpenBLAS and our own loops). Call once at start.
 void set_num_threads(int threads);
 int num_threads();
+// Empty, or one line when the CPU BLAS runs slower kernels than this CPU could: OpenBLAS
+// 0.3.21 (Debian 12) does not know CPUs newer than it (e.g. Emerald Rapids, model 207) and
+// falls back to its generic Prescott (SSE3) kernels, 3-4x slower GEMM than its AVX-512 ones.
+// OPENBLAS_CORETYPE, read when the library loads, is the fix; the message names the value.
+std::string blas_kernel_warning();
 
 // GPU matrix products in f32 may use TF32 tensor cores (off by default, as in PyTorch's
 // matmul; no effect on the CPU or on bf16/f16).

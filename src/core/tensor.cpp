@@ -51,6 +51,9 @@ Storage::Storage(size_t bytes, Device device)
   data_ = allocator_->allocate(bytes);
 }
 
+Storage::Storage(void* data, size_t bytes, Device device, Allocator& owner)
+    : data_(data), bytes_(bytes), device_(device), allocator_(&owner) {}
+
 Storage::~Storage() { allocator_->deallocate(data_, bytes_); }
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
@@ -59,6 +62,16 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::over(std::shared_ptr<Storage> storage, Shape shape, DType dtype) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  STRATA_CHECK(storage && t.nbytes() <= storage->bytes(), "a ", t.str(), " tensor does not fit its storage");
+  t.storage_ = std::move(storage);
   return t;
 }
 

@@ -25,6 +25,9 @@ std::string shape_str(const Shape& shape);
 class Storage {
  public:
   Storage(size_t bytes, Device device);
+  // Adopts `bytes` at `data`, which `owner` handed out: they go back to owner.deallocate()
+  // (e.g. shared-memory segments mapped by a communicator).
+  Storage(void* data, size_t bytes, Device device, Allocator& owner);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -47,6 +50,8 @@ class Tensor {
   // Uninitialised memory (from the caching allocator: usually reused blocks).
   static Tensor empty(Shape shape, DType dtype = DType::F32, Device device = Device::cpu());
   static Tensor zeros(Shape shape, DType dtype = DType::F32, Device device = Device::cpu());
+  // A tensor over all of `storage` (its bytes must hold the shape).
+  static Tensor over(std::shared_ptr<Storage> storage, Shape shape, DType dtype);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

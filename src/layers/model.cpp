@@ -220,7 +220,8 @@ int64_t ParameterStore::layout_numel(const std::vector<ParamEntry>& entries) {
 
 ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
                                bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size,
-                               DType dtype, Device device)
+                               DType dtype, Device device,
+                               const std::function<Tensor(int64_t numel)>& allocate_grad_buffer)
     : entries_(layout(model, begin, end)), first_layer_(begin) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
@@ -232,7 +233,9 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
   params_begin_ = allocate_params ? 0 : shard_begin;
   sharded_params_ = !allocate_params;
   params_ = Tensor::zeros({allocate_params ? flat_numel_ : shard_size}, dtype, device);
-  if (allocate_grads) grads_ = Tensor::zeros({flat_numel_}, DType::F32, device);
+  if (allocate_grads)
+    grads_ =
+        allocate_grad_buffer ? allocate_grad_buffer(flat_numel_) : Tensor::zeros({flat_numel_}, DType::F32, device);
   buffers_ = Tensor::zeros({buffers}, DType::F32, device);
 
   end = std::min(end, model.size());

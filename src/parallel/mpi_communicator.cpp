@@ -38,7 +38,9 @@
 #include <functional>
 #include <utility>
 
+#include "core/log.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/shared_memory.hpp"
 
 #if STRATA_WITH_CUDA
 #include <cuda_runtime.h>
@@ -421,6 +423,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name) : name_(std::m
 }
 
 MpiCommunicator::~MpiCommunicator() {
+  shared_.reset();  // completes its operations
   for (auto& state : pending_)
     if (state->request != MPI_REQUEST_NULL) MPI_Wait(&state->request, MPI_STATUS_IGNORE);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -436,7 +439,30 @@ WorkPtr MpiCommunicator::track(std::shared_ptr<MpiOpState> state) {
   return std::make_unique<MpiWork>(std::move(state));
 }
 
+Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
+  if (device.is_cpu() && size_ > 1) {
+    if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
+    shared_checked_ = true;
+    if (shared_) {
+      std::string why_not;
+      Tensor t = shared_->allocate(numel, dtype, why_not);
+      if (t.defined()) return t;
+      if (rank_ == 0)
+        log::warn(name_, ": ", why_not, "; the buffer is ordinary memory and its all-reduce goes through MPI");
+    }
+  }
+  return Tensor::zeros({numel}, dtype, device);
+}
+
+bool MpiCommunicator::in_shared_memory(const Tensor& t) const { return shared_ && shared_->holds(t); }
+
 WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
+  if (shared_) {
+    if (WorkPtr work = shared_->all_reduce_async(t, op == ReduceOp::Avg)) {
+      count_sent(t.nbytes(), 2 * (size_ - 1), size_);  // what the ring would send: one convention
+      return work;
+    }
+  }
   const int count = count_of(t);
   auto state = std::make_shared<MpiOpState>();
   state->what = "all_reduce on " + name_;
@@ -567,6 +593,7 @@ WorkPtr MpiCommunicator::barrier_async() {
 }
 
 void MpiCommunicator::progress() {
+  if (shared_) shared_->progress();
   std::erase_if(pending_, [](const auto& s) { return s->request == MPI_REQUEST_NULL; });
   if (pending_.empty()) return;
   // One MPI_Testsome over all outstanding requests: a single trip through Open MPI's progress
@@ -585,8 +612,9 @@ void MpiCommunicator::progress() {
 }
 
 int MpiCommunicator::in_flight() const {
-  return static_cast<int>(
-      std::count_if(pending_.begin(), pending_.end(), [](const auto& s) { return s->request != MPI_REQUEST_NULL; }));
+  return static_cast<int>(std::count_if(pending_.begin(), pending_.end(),
+                                        [](const auto& s) { return s->request != MPI_REQUEST_NULL; })) +
+         (shared_ ? shared_->in_flight() : 0);
 }
 
 }  // namespace strata::parallel

@@ -4,6 +4,10 @@
 // calls, so a trainer that overlaps gradient sync with backward calls progress() between
 // layers (measured against a communication thread: see mpi_communicator.cpp).
 //
+// With every rank on one node, allocate() hands out shared memory, and all-reduces of f32
+// ranges of it skip MPI (shared_memory.hpp): they run in the order they were started, as do
+// the MPI operations, but the two kinds are not ordered against each other.
+//
 // Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
 // through cached pinned host memory: copied from the device on its compute stream when the
 // operation starts (the host waits for that stream), and copied back asynchronously on the
@@ -21,6 +25,7 @@
 
 namespace strata::parallel {
 
+class NodeSharedMemory;
 struct MpiOpState;  // one started operation: its request, buffers and completion step (in the .cpp)
 
 class MpiCommunicator final : public Communicator {
@@ -51,6 +56,11 @@ class MpiCommunicator final : public Communicator {
   // MPI_Testsome over this communicator's outstanding requests: drives libnbc's schedules
   // and the shared-memory transport one step further. Cheap (~1 µs) when nothing is ready.
   void progress() override;
+  // CPU tensors of a group on one node: shared memory (the first call sets it up); else, or if
+  // /dev/shm cannot hold it (rank 0 says so once), ordinary memory.
+  Tensor allocate(int64_t numel, DType dtype, Device device) override;
+  // Whether `t` lies in shared memory from allocate(), so its all-reduce skips MPI.
+  bool in_shared_memory(const Tensor& t) const;
 
   // Operations started and not yet seen complete (for tests and diagnostics).
   int in_flight() const;
@@ -72,6 +82,8 @@ class MpiCommunicator final : public Communicator {
   int64_t bytes_sent_ = 0;
   // Started operations; progress() tests them, completed ones are dropped on the next start.
   std::vector<std::shared_ptr<MpiOpState>> pending_;
+  bool shared_checked_ = false;               // allocate() has looked for a one-node group
+  std::unique_ptr<NodeSharedMemory> shared_;  // set when it found one
 };
 
 }  // namespace strata::parallel

@@ -4,6 +4,7 @@
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted).
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -31,6 +32,8 @@ int main(int argc, char** argv) {
   });
   if (setup != parallel::kExitOk || !config) return setup;
   if (config->dry_run) return parallel::kExitOk;  // the plan with every rank's bytes is printed
+  // Only where training runs: a run rejected above says one line, the error.
+  if (const std::string slow = ops::blas_kernel_warning(); !slow.empty()) log::warn(slow);
 
   try {
     if (!config->eval_only) {

@@ -342,6 +342,118 @@ TEST_F(Collectives, DroppedHandleStillCompletes) {
   EXPECT_EQ(count_wrong(t, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
 }
 
+// Shared memory from allocate(): CTest runs every rank on this node, so the group is one node.
+class SharedMemory : public Collectives {
+ protected:
+  // Arbitrary floats (not integers): the sum's rounding is then visible. Rank r's element i.
+  static float value(int rank, int64_t i) { return std::sin(0.37f * static_cast<float>(i) + 1.3f * rank) * 1e3f; }
+  Tensor allocate_filled(int64_t n) {
+    Tensor t = comm_.allocate(n, DType::F32, Device::cpu());
+    for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = value(rank_, i);
+    return t;
+  }
+  // The sum in rank order, in f32: what the shared-memory all-reduce must give bitwise.
+  float rank_order_sum(int64_t i) const {
+    float s = value(0, i) + value(1, i);
+    for (int r = 2; r < size_; ++r) s += value(r, i);
+    return s;
+  }
+};
+
+TEST_F(SharedMemory, AllocatesZeroedSharedBuffers) {
+  for (int64_t n : {1, 1000, 1000003}) {
+    const Tensor t = comm_.allocate(n, DType::F32, Device::cpu());
+    ASSERT_EQ(t.numel(), n);
+    EXPECT_TRUE(comm_.in_shared_memory(t));
+    EXPECT_TRUE(comm_.in_shared_memory(t.view(n / 2, {n - n / 2})));
+    EXPECT_EQ(count_wrong(t, [](int64_t) { return 0.0; }), 0);
+  }
+  EXPECT_FALSE(comm_.in_shared_memory(Tensor::zeros({10})));
+}
+
+TEST_F(SharedMemory, AllReduceIsTheRankOrderSumOnEveryRank) {
+  // Bitwise: each chunk is summed once, in rank order, by its owner and copied to the others.
+  for (int64_t n : {1, 3, 17, 1000003}) {
+    SCOPED_TRACE(n);
+    Tensor t = allocate_filled(n);
+    comm_.all_reduce(t, ReduceOp::Sum);
+    EXPECT_EQ(count_wrong(t, [&](int64_t i) { return rank_order_sum(i); }), 0);
+  }
+}
+
+TEST_F(SharedMemory, AverageAndOddRangesOfOneBuffer) {
+  const int64_t n = 100003;
+  Tensor t = allocate_filled(n);
+  const Tensor head = t.view(0, {5}), middle = t.view(5, {70001}), tail = t.view(70006, {n - 70006});
+  comm_.all_reduce(middle, ReduceOp::Avg);
+  comm_.all_reduce(tail, ReduceOp::Sum);
+  const float inv = 1.0f / static_cast<float>(size_);
+  EXPECT_EQ(count_wrong(head, [&](int64_t i) { return value(rank_, i); }), 0);  // untouched
+  EXPECT_EQ(count_wrong(middle, [&](int64_t i) { return rank_order_sum(5 + i) * inv; }), 0);
+  EXPECT_EQ(count_wrong(tail, [&](int64_t i) { return rank_order_sum(70006 + i); }), 0);
+}
+
+TEST_F(SharedMemory, BucketsStartedInTurnCompleteWhateverTheWaitOrder) {
+  // GradientSync's pattern: one bucket after another, progress() in between; waited backwards
+  // here, and mixed with an MPI all-reduce of ordinary memory.
+  const int64_t n = 300007;
+  Tensor t = allocate_filled(n);
+  Tensor plain = filled(DType::F32, 1001, rank_);
+  const int64_t cuts[] = {0, 1, 4096, 150001, 299999, n};
+  std::vector<WorkPtr> works;
+  for (int k = 0; k < 5; ++k) {
+    works.push_back(comm_.all_reduce_async(t.view(cuts[k], {cuts[k + 1] - cuts[k]}), ReduceOp::Sum));
+    comm_.progress();
+  }
+  WorkPtr mpi = comm_.all_reduce_async(plain, ReduceOp::Sum);
+  EXPECT_GT(comm_.in_flight(), 0);
+  for (int k = 4; k >= 0; --k) works[static_cast<size_t>(k)]->wait();
+  mpi->wait();
+  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return rank_order_sum(i); }), 0);
+  EXPECT_EQ(count_wrong(plain, [&](int64_t i) { return reference_sum(DType::F32, size_, 0, i); }), 0);
+  comm_.progress();
+  EXPECT_EQ(comm_.in_flight(), 0);
+}
+
+TEST_F(SharedMemory, TestPollsAndADroppedHandleCompletes) {
+  Tensor t = allocate_filled(65536);
+  WorkPtr w = comm_.all_reduce_async(t, ReduceOp::Sum);
+  while (!w->test()) {
+  }
+  comm_.all_reduce_async(t, ReduceOp::Avg);  // dropped: its destructor waits
+  // Every rank held the same sums s: their average is (s + s + ...) * (1 / size) in f32.
+  const auto average_of_sums = [&](int64_t i) {
+    const float s = rank_order_sum(i);
+    float sum = s + s;
+    for (int r = 2; r < size_; ++r) sum += s;
+    return sum * (1.0f / static_cast<float>(size_));
+  };
+  EXPECT_EQ(count_wrong(t, average_of_sums), 0);
+}
+
+TEST_F(SharedMemory, BytesSentCountedAsTheRing) {
+  Tensor t = allocate_filled(1000);
+  const int64_t before = comm_.bytes_sent();
+  comm_.all_reduce(t, ReduceOp::Sum);
+  EXPECT_EQ(comm_.bytes_sent() - before, 4000 * 2 * (size_ - 1) / size_);
+}
+
+TEST_F(SharedMemory, DifferentRangesOnDifferentRanksAreAnError) {
+  // A bug in the caller, not a hang: every rank sees the mismatch and throws.
+  MpiCommunicator comm(MPI_COMM_WORLD, "mismatch");
+  Tensor t = comm.allocate(64, DType::F32, Device::cpu());
+  EXPECT_THROW(
+      {
+        try {  // found when starting (the peers are there already) or when waiting
+          comm.all_reduce_async(t.view(rank_ == 0 ? 0 : 16, {32}), ReduceOp::Sum)->wait();
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("reduces 32 elements from byte"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 TEST_F(Collectives, SubCommunicatorFromSplit) {
   // Even and odd world ranks: each half reduces among itself only.
   MPI_Comm half;

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/ops.hpp"
@@ -41,6 +42,7 @@ void parallel_rows(int64_t rows, int64_t row_work, const F& f) {
 
 // OpenBLAS and OpenMP thread counts.
 void set_num_threads(int threads);
+std::string blas_kernel_warning();
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);

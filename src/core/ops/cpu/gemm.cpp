@@ -1,6 +1,9 @@
 // CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm), bias add and bias gradient.
 #include <cblas.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "core/ops/cpu/cpu_ops.hpp"
 
 namespace strata::ops::cpu {
@@ -8,6 +11,21 @@ namespace strata::ops::cpu {
 void set_num_threads(int threads) {
   openblas_set_num_threads(threads);
   omp_set_num_threads(threads);
+}
+
+std::string blas_kernel_warning() {
+  const std::string kernels = openblas_get_corename();
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  if (kernels != "Prescott" || (coretype != nullptr && *coretype != '\0')) return "";
+  __builtin_cpu_init();
+  const char* better = __builtin_cpu_supports("avx512bw") ? "SkylakeX"
+                       : __builtin_cpu_supports("avx2")   ? "Haswell"
+                                                          : nullptr;
+  if (better == nullptr) return "";
+  return std::string(
+             "OpenBLAS does not recognise this CPU and runs its generic Prescott kernels (GEMM 3-4x slower); "
+             "start with OPENBLAS_CORETYPE=") +
+         better + " (mpirun -x OPENBLAS_CORETYPE=" + better + ")";
 }
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {

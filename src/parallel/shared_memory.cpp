@@ -1,0 +1,350 @@
+// Node-local all-reduce over shared-memory segments (see the header for the protocol).
+#include "parallel/shared_memory.hpp"
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "parallel/mpi.hpp"
+
+namespace strata::parallel {
+
+struct NodeSharedMemory::Counters {
+  std::atomic<uint64_t> arrived{0}, reduced{0}, done{0};
+  // The range of the operation `arrived` names, so that peers can check it is theirs too.
+  std::atomic<int64_t> segment{0}, offset{0}, count{0};
+};
+
+struct NodeSharedMemory::Op {
+  uint64_t seq = 0;
+  Tensor keep;             // keeps the segments mapped while the operation runs
+  std::vector<float*> at;  // the range's first element in every rank's mapping
+  int64_t segment = 0, offset = 0, count = 0;
+  float scale = 1;  // 1 / size for an average
+  int phase = 0;    // 0 queued, 1 arrived, 2 own chunk reduced, 3 other chunks copied, 4 complete
+};
+
+namespace {
+
+constexpr int kComplete = 4;
+
+// Every segment this process has mapped, by its local address: the allocator that unmaps
+// them when their tensor goes away (no collective needed: any rank may free at any time).
+// Leaked on purpose, like the other allocators: tensors may be freed after main.
+class SegmentRegistry final : public Allocator {
+ public:
+  struct Mapping {
+    uint64_t group = 0;     // the NodeSharedMemory that made it
+    int64_t segment = 0;    // its serial number, the same on every rank of the group
+    size_t bytes = 0;       // of each rank's segment
+    std::vector<char*> at;  // every rank's segment, mapped here
+    int rank = 0;           // this process's rank in the group
+  };
+
+  void* allocate(size_t) override { STRATA_THROW("shared segments come from NodeSharedMemory::allocate"); }
+  void deallocate(void* ptr, size_t) noexcept override {
+    std::lock_guard lock(mutex_);
+    const auto it = mappings_.find(static_cast<char*>(ptr));
+    if (it == mappings_.end()) return;
+    for (char* p : it->second.at) munmap(p, it->second.bytes);
+    mappings_.erase(it);
+  }
+  Device device() const override { return Device::cpu(); }
+
+  void add(Mapping m) {
+    std::lock_guard lock(mutex_);
+    char* own = m.at[static_cast<size_t>(m.rank)];
+    mappings_.emplace(own, std::move(m));
+  }
+  // The mapping of `group` that holds [p, p + bytes), if any.
+  bool find(uint64_t group, const void* p, size_t bytes, Mapping& out) const {
+    std::lock_guard lock(mutex_);
+    const char* c = static_cast<const char*>(p);
+    auto it = mappings_.upper_bound(const_cast<char*>(c));
+    if (it == mappings_.begin()) return false;
+    --it;
+    if (it->second.group != group || c + bytes > it->first + it->second.bytes) return false;
+    out = it->second;
+    return true;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<char*, Mapping> mappings_;
+};
+
+SegmentRegistry& registry() {
+  static auto* r = new SegmentRegistry;
+  return *r;
+}
+
+uint64_t next_group_id() {
+  static std::atomic<uint64_t> next{1};
+  return next++;
+}
+
+bool all_ok(MPI_Comm comm, bool ok) {
+  int all = ok ? 1 : 0;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm));
+  return all == 1;
+}
+
+// Collective: every rank creates a segment of `bytes` and maps everyone's. Returns the
+// mappings (index = rank) and the segment's serial number, or nothing on every rank if any
+// rank failed. The names are unlinked before returning, so nothing is left in /dev/shm even
+// if the job is killed later.
+std::vector<char*> map_segments(MPI_Comm comm, int rank, int size, size_t bytes, int64_t& serial,
+                                std::string& why_not) {
+  // Names unique on the node: rank 0's pid and how many segments it has made.
+  static uint64_t made = 0;
+  uint64_t tag[2] = {static_cast<uint64_t>(getpid()), made++};
+  MPI_CHECK(MPI_Bcast(tag, 2, MPI_UINT64_T, 0, comm));
+  serial = static_cast<int64_t>(tag[1]);
+  const auto name = [&](int r) { return strata::detail::cat("/strata-", tag[0], "-", tag[1], "-", r); };
+
+  std::vector<char*> at(static_cast<size_t>(size), nullptr);
+  std::string error;
+  const auto map = [&](int r, int fd) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+      error = strata::detail::cat("mmap of ", name(r), ": ", std::strerror(errno));
+    else
+      at[static_cast<size_t>(r)] = static_cast<char*>(p);
+    close(fd);
+  };
+  const std::string own = name(rank);
+  const int fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    error = strata::detail::cat("shm_open ", own, ": ", std::strerror(errno));
+  } else {
+    // posix_fallocate reserves the pages now: a full /dev/shm fails here, not with SIGBUS later.
+    const int rc =
+        ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? posix_fallocate(fd, 0, static_cast<off_t>(bytes)) : errno;
+    if (rc != 0) {
+      error = strata::detail::cat("reserving ", bytes, " bytes in /dev/shm: ", std::strerror(rc));
+      close(fd);
+    } else {
+      map(rank, fd);
+    }
+  }
+  bool ok = all_ok(comm, error.empty());
+  if (ok) {
+    for (int r = 0; r < size && error.empty(); ++r) {
+      if (r == rank) continue;
+      const int peer = shm_open(name(r).c_str(), O_RDWR, 0);
+      if (peer < 0)
+        error = strata::detail::cat("shm_open ", name(r), ": ", std::strerror(errno));
+      else
+        map(r, peer);
+    }
+    ok = all_ok(comm, error.empty());  // also: every rank has opened every name
+  }
+  if (fd >= 0) shm_unlink(own.c_str());
+  if (ok) return at;
+  for (char* p : at)
+    if (p) munmap(p, bytes);
+  why_not = error.empty() ? "another rank of the group could not map its segment" : error;
+  return {};
+}
+
+// Waiting for a peer: spin briefly, then give the core away (ranks may outnumber cores), and
+// now and then let MPI progress, in case a peer waits on an MPI operation of this rank.
+void relax(uint64_t& spins, MPI_Comm comm) {
+  if (++spins % 256 == 0) {
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, MPI_STATUS_IGNORE);
+  }
+  if (spins < 2000)
+    _mm_pause();
+  else
+    sched_yield();
+}
+
+class SharedWork final : public Work {
+ public:
+  SharedWork(NodeSharedMemory& group, std::shared_ptr<NodeSharedMemory::Op> op) : group_(group), op_(std::move(op)) {}
+  // A dropped handle still completes: peers read this rank's memory until then.
+  ~SharedWork() override {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] shared-memory all-reduce: %s (ignored in a destructor)\n", process_rank(),
+                   e.what());
+    }
+  }
+  // A complete operation no longer needs its group (which completes everything before it goes).
+  void wait() override {
+    if (op_->phase != kComplete) group_.wait_for(*op_);
+  }
+  bool test() override {
+    if (op_->phase != kComplete) group_.progress();
+    return op_->phase == kComplete;
+  }
+
+ private:
+  NodeSharedMemory& group_;
+  std::shared_ptr<NodeSharedMemory::Op> op_;
+};
+
+}  // namespace
+
+std::unique_ptr<NodeSharedMemory> NodeSharedMemory::create(MPI_Comm comm) {
+  int rank = 0, size = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  int node_size = 0;
+  MPI_CHECK(MPI_Comm_size(node, &node_size));
+  MPI_CHECK(MPI_Comm_free(&node));
+  if (size < 2 || !all_ok(comm, node_size == size)) return nullptr;
+
+  std::unique_ptr<NodeSharedMemory> group(new NodeSharedMemory(comm, rank, size));
+  int64_t serial = 0;
+  std::string why_not;
+  const std::vector<char*> at =
+      map_segments(comm, rank, size, static_cast<size_t>(sysconf(_SC_PAGESIZE)), serial, why_not);
+  if (at.empty()) return nullptr;
+  group->own_counters_ = at[static_cast<size_t>(rank)];
+  new (group->own_counters_) Counters();  // the page is zero already; this makes it an object
+  for (char* p : at) group->counters_.push_back(reinterpret_cast<Counters*>(p));
+  return group;
+}
+
+NodeSharedMemory::NodeSharedMemory(MPI_Comm comm, int rank, int size)
+    : comm_(comm), rank_(rank), size_(size), id_(next_group_id()) {}
+
+NodeSharedMemory::~NodeSharedMemory() {
+  if (!queue_.empty()) {
+    try {
+      wait_for(*queue_.back());
+    } catch (...) {  // destructors do not throw; the job is failing anyway
+    }
+  }
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (Counters* c : counters_) munmap(c, page);
+}
+
+Tensor NodeSharedMemory::allocate(int64_t numel, DType dtype, std::string& why_not) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = std::max<size_t>((static_cast<size_t>(numel) * dtype_size(dtype) + page - 1) / page, 1) * page;
+  int64_t serial = 0;
+  std::vector<char*> at = map_segments(comm_, rank_, size_, bytes, serial, why_not);
+  if (at.empty()) return Tensor();
+  char* own = at[static_cast<size_t>(rank_)];
+  registry().add({id_, serial, bytes, std::move(at), rank_});
+  // Zeroed: fresh tmpfs pages.
+  return Tensor::over(std::make_shared<Storage>(own, bytes, Device::cpu(), registry()), {numel}, dtype);
+}
+
+bool NodeSharedMemory::holds(const Tensor& t) const {
+  SegmentRegistry::Mapping m;
+  return t.defined() && t.device().is_cpu() && registry().find(id_, t.raw(), t.nbytes(), m);
+}
+
+WorkPtr NodeSharedMemory::all_reduce_async(const Tensor& t, bool average) {
+  SegmentRegistry::Mapping m;
+  if (t.dtype() != DType::F32 || !t.device().is_cpu() || !registry().find(id_, t.raw(), t.nbytes(), m)) return nullptr;
+  auto op = std::make_shared<Op>();
+  op->seq = ++started_;
+  op->keep = t;
+  op->segment = m.segment;
+  op->offset = static_cast<const char*>(t.raw()) - m.at[static_cast<size_t>(rank_)];
+  op->count = t.numel();
+  op->scale = average ? 1.0f / static_cast<float>(size_) : 1.0f;
+  for (char* base : m.at) op->at.push_back(reinterpret_cast<float*>(base + op->offset));
+  queue_.push_back(op);
+  progress();  // publishes the arrival now if nothing is ahead of it
+  return std::make_unique<SharedWork>(*this, std::move(op));
+}
+
+void NodeSharedMemory::progress() {
+  while (!queue_.empty()) {
+    Op& op = *queue_.front();
+    while (op.phase < kComplete && advance(op)) {
+    }
+    if (op.phase < kComplete) return;
+    queue_.pop_front();
+  }
+}
+
+void NodeSharedMemory::wait_for(const Op& op) {
+  uint64_t spins = 0;
+  for (progress(); op.phase < kComplete; progress()) relax(spins, comm_);
+}
+
+bool NodeSharedMemory::advance(Op& op) {
+  Counters& mine = *counters_[static_cast<size_t>(rank_)];
+  const auto everyone = [&](std::atomic<uint64_t> Counters::*counter) {
+    return std::all_of(counters_.begin(), counters_.end(),
+                       [&](const Counters* c) { return (c->*counter).load(std::memory_order_acquire) >= op.seq; });
+  };
+  // Chunk r of the range: 16-element (64-byte) aligned pieces, so no two ranks write one cache line.
+  const int64_t per = ((op.count + size_ - 1) / size_ + 15) & ~int64_t{15};
+  const auto lo = [&](int r) { return std::min(op.count, r * per); };
+  const auto hi = [&](int r) { return std::min(op.count, (r + 1) * per); };
+  switch (op.phase) {
+    case 0:
+      mine.segment.store(op.segment, std::memory_order_relaxed);
+      mine.offset.store(op.offset, std::memory_order_relaxed);
+      mine.count.store(op.count, std::memory_order_relaxed);
+      mine.arrived.store(op.seq, std::memory_order_release);
+      break;
+    case 1: {
+      if (!everyone(&Counters::arrived)) return false;
+      for (int r = 0; r < size_; ++r) {
+        const Counters& c = *counters_[static_cast<size_t>(r)];
+        STRATA_CHECK(c.segment.load(std::memory_order_relaxed) == op.segment &&
+                         c.offset.load(std::memory_order_relaxed) == op.offset &&
+                         c.count.load(std::memory_order_relaxed) == op.count,
+                     "shared-memory all-reduce ", op.seq, ": rank ", r, " reduces ", c.count.load(),
+                     " elements from byte ", c.offset.load(), " of buffer ", c.segment.load(), ", rank ", rank_, " ",
+                     op.count, " from byte ", op.offset, " of buffer ", op.segment);
+      }
+      // Own chunk = sum over ranks in rank order, through a block on the stack: the own
+      // values are read before they are overwritten.
+      constexpr int64_t kBlock = 1024;
+      float block[kBlock];
+      float* out = op.at[static_cast<size_t>(rank_)];
+      for (int64_t b = lo(rank_); b < hi(rank_); b += kBlock) {
+        const int64_t n = std::min(kBlock, hi(rank_) - b);
+        const float* __restrict first = op.at[0] + b;
+        const float* __restrict second = op.at[1] + b;
+        for (int64_t i = 0; i < n; ++i) block[i] = first[i] + second[i];
+        for (int r = 2; r < size_; ++r) {
+          const float* __restrict next = op.at[static_cast<size_t>(r)] + b;
+          for (int64_t i = 0; i < n; ++i) block[i] += next[i];
+        }
+        float* __restrict dst = out + b;
+        for (int64_t i = 0; i < n; ++i) dst[i] = block[i] * op.scale;
+      }
+      mine.reduced.store(op.seq, std::memory_order_release);
+      break;
+    }
+    case 2:
+      if (!everyone(&Counters::reduced)) return false;
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_ && hi(r) > lo(r))
+          std::memcpy(op.at[static_cast<size_t>(rank_)] + lo(r), op.at[static_cast<size_t>(r)] + lo(r),
+                      static_cast<size_t>(hi(r) - lo(r)) * sizeof(float));
+      mine.done.store(op.seq, std::memory_order_release);
+      break;
+    case 3:
+      if (!everyone(&Counters::done)) return false;
+      break;
+  }
+  ++op.phase;
+  return true;
+}
+
+}  // namespace strata::parallel
