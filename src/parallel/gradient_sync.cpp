@@ -50,7 +50,8 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
         layers.push_back(e.layer);
     }
   }
-  for (Tensor& slot : slots_) slot = Tensor::zeros({largest}, DType::F32, store.params().device());
+  // From the communicator: on one node, shared memory that the reduces read in place.
+  for (Tensor& slot : slots_) slot = dp.allocate(largest, DType::F32, store.params().device());
 }
 
 void GradientSync::broadcast_parameters() {

@@ -526,8 +526,14 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
 }
 
 WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
-  const int count = count_of(t);
   STRATA_CHECK(root >= 0 && root < size_, "reduce root ", root, " outside ", name_, " of ", size_, " ranks");
+  if (shared_) {
+    if (WorkPtr work = shared_->reduce_async(t, root, op == ReduceOp::Avg)) {
+      if (rank_ != root) count_sent(t.nbytes(), 1, 1);
+      return work;
+    }
+  }
+  const int count = count_of(t);
   auto state = std::make_shared<MpiOpState>();
   state->what = "reduce on " + name_;
   state->buffers = {t};

@@ -4,8 +4,8 @@
 // calls, so a trainer that overlaps gradient sync with backward calls progress() between
 // layers (measured against a communication thread: see mpi_communicator.cpp).
 //
-// With every rank on one node, allocate() hands out shared memory, and all-reduces of f32
-// ranges of it skip MPI (shared_memory.hpp): they run in the order they were started, as do
+// With every rank on one node, allocate() hands out shared memory, and all-reduces and reduces
+// of f32 ranges of it skip MPI (shared_memory.hpp): they run in the order they were started, as do
 // the MPI operations, but the two kinds are not ordered against each other.
 //
 // Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
@@ -59,7 +59,7 @@ class MpiCommunicator final : public Communicator {
   // CPU tensors of a group on one node: shared memory (the first call sets it up); else, or if
   // /dev/shm cannot hold it (rank 0 says so once), ordinary memory.
   Tensor allocate(int64_t numel, DType dtype, Device device) override;
-  // Whether `t` lies in shared memory from allocate(), so its all-reduce skips MPI.
+  // Whether `t` lies in shared memory from allocate(), so its all-reduce and reduce skip MPI.
   bool in_shared_memory(const Tensor& t) const;
 
   // Operations started and not yet seen complete (for tests and diagnostics).

@@ -21,8 +21,8 @@ namespace strata::parallel {
 
 struct NodeSharedMemory::Counters {
   std::atomic<uint64_t> arrived{0}, reduced{0}, done{0};
-  // The range of the operation `arrived` names, so that peers can check it is theirs too.
-  std::atomic<int64_t> segment{0}, offset{0}, count{0};
+  // The operation `arrived` names, so that peers can check it is theirs too.
+  std::atomic<int64_t> segment{0}, offset{0}, count{0}, root{0};
 };
 
 struct NodeSharedMemory::Op {
@@ -30,6 +30,7 @@ struct NodeSharedMemory::Op {
   Tensor keep;             // keeps the segments mapped while the operation runs
   std::vector<float*> at;  // the range's first element in every rank's mapping
   int64_t segment = 0, offset = 0, count = 0;
+  int root = -1;    // reduce: the rank that receives the sum; all-reduce: -1
   float scale = 1;  // 1 / size for an average
   int phase = 0;    // 0 queued, 1 arrived, 2 own chunk reduced, 3 other chunks copied, 4 complete
 };
@@ -252,10 +253,15 @@ bool NodeSharedMemory::holds(const Tensor& t) const {
   return t.defined() && t.device().is_cpu() && registry().find(id_, t.raw(), t.nbytes(), m);
 }
 
-WorkPtr NodeSharedMemory::all_reduce_async(const Tensor& t, bool average) {
+WorkPtr NodeSharedMemory::all_reduce_async(const Tensor& t, bool average) { return start(t, -1, average); }
+
+WorkPtr NodeSharedMemory::reduce_async(const Tensor& t, int root, bool average) { return start(t, root, average); }
+
+WorkPtr NodeSharedMemory::start(const Tensor& t, int root, bool average) {
   SegmentRegistry::Mapping m;
   if (t.dtype() != DType::F32 || !t.device().is_cpu() || !registry().find(id_, t.raw(), t.nbytes(), m)) return nullptr;
   auto op = std::make_shared<Op>();
+  op->root = root;
   op->seq = ++started_;
   op->keep = t;
   op->segment = m.segment;
@@ -283,6 +289,26 @@ void NodeSharedMemory::wait_for(const Op& op) {
   for (progress(); op.phase < kComplete; progress()) relax(spins, comm_);
 }
 
+void NodeSharedMemory::sum_into_own(const Op& op, int64_t begin, int64_t end) {
+  // Elements [begin, end) = sum over ranks in rank order, through a block on the stack: the
+  // own values are read before they are overwritten.
+  constexpr int64_t kBlock = 1024;
+  float block[kBlock];
+  float* out = op.at[static_cast<size_t>(rank_)];
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    const float* __restrict first = op.at[0] + b;
+    const float* __restrict second = op.at[1] + b;
+    for (int64_t i = 0; i < n; ++i) block[i] = first[i] + second[i];
+    for (int r = 2; r < size_; ++r) {
+      const float* __restrict next = op.at[static_cast<size_t>(r)] + b;
+      for (int64_t i = 0; i < n; ++i) block[i] += next[i];
+    }
+    float* __restrict dst = out + b;
+    for (int64_t i = 0; i < n; ++i) dst[i] = block[i] * op.scale;
+  }
+}
+
 bool NodeSharedMemory::advance(Op& op) {
   Counters& mine = *counters_[static_cast<size_t>(rank_)];
   const auto everyone = [&](std::atomic<uint64_t> Counters::*counter) {
@@ -298,42 +324,37 @@ bool NodeSharedMemory::advance(Op& op) {
       mine.segment.store(op.segment, std::memory_order_relaxed);
       mine.offset.store(op.offset, std::memory_order_relaxed);
       mine.count.store(op.count, std::memory_order_relaxed);
+      mine.root.store(op.root, std::memory_order_relaxed);
       mine.arrived.store(op.seq, std::memory_order_release);
       break;
     case 1: {
       if (!everyone(&Counters::arrived)) return false;
+      const auto target = [](int64_t root) {
+        return root < 0 ? std::string("all") : strata::detail::cat("rank ", root);
+      };
       for (int r = 0; r < size_; ++r) {
         const Counters& c = *counters_[static_cast<size_t>(r)];
         STRATA_CHECK(c.segment.load(std::memory_order_relaxed) == op.segment &&
                          c.offset.load(std::memory_order_relaxed) == op.offset &&
-                         c.count.load(std::memory_order_relaxed) == op.count,
-                     "shared-memory all-reduce ", op.seq, ": rank ", r, " reduces ", c.count.load(),
-                     " elements from byte ", c.offset.load(), " of buffer ", c.segment.load(), ", rank ", rank_, " ",
-                     op.count, " from byte ", op.offset, " of buffer ", op.segment);
+                         c.count.load(std::memory_order_relaxed) == op.count &&
+                         c.root.load(std::memory_order_relaxed) == op.root,
+                     "shared-memory operation ", op.seq, ": rank ", r, " reduces ", c.count.load(),
+                     " elements from byte ", c.offset.load(), " of buffer ", c.segment.load(), " to ",
+                     target(c.root.load()), ", rank ", rank_, " ", op.count, " from byte ", op.offset, " of buffer ",
+                     op.segment, " to ", target(op.root));
       }
-      // Own chunk = sum over ranks in rank order, through a block on the stack: the own
-      // values are read before they are overwritten.
-      constexpr int64_t kBlock = 1024;
-      float block[kBlock];
-      float* out = op.at[static_cast<size_t>(rank_)];
-      for (int64_t b = lo(rank_); b < hi(rank_); b += kBlock) {
-        const int64_t n = std::min(kBlock, hi(rank_) - b);
-        const float* __restrict first = op.at[0] + b;
-        const float* __restrict second = op.at[1] + b;
-        for (int64_t i = 0; i < n; ++i) block[i] = first[i] + second[i];
-        for (int r = 2; r < size_; ++r) {
-          const float* __restrict next = op.at[static_cast<size_t>(r)] + b;
-          for (int64_t i = 0; i < n; ++i) block[i] += next[i];
-        }
-        float* __restrict dst = out + b;
-        for (int64_t i = 0; i < n; ++i) dst[i] = block[i] * op.scale;
-      }
+      // All-reduce: this rank's chunk; reduce: everything, on the root only.
+      if (op.root < 0)
+        sum_into_own(op, lo(rank_), hi(rank_));
+      else if (op.root == rank_)
+        sum_into_own(op, 0, op.count);
       mine.reduced.store(op.seq, std::memory_order_release);
       break;
     }
     case 2:
+      // Once everyone has reduced, the root of a reduce has read all ranges; nothing to copy.
       if (!everyone(&Counters::reduced)) return false;
-      for (int r = 0; r < size_; ++r)
+      for (int r = 0; r < size_ && op.root < 0; ++r)
         if (r != rank_ && hi(r) > lo(r))
           std::memcpy(op.at[static_cast<size_t>(rank_)] + lo(r), op.at[static_cast<size_t>(r)] + lo(r),
                       static_cast<size_t>(hi(r) - lo(r)) * sizeof(float));

@@ -1,17 +1,18 @@
-// All-reduce through shared memory, for a communicator whose ranks all run on one node (the
-// data-parallel group of a one-node job, or of a stage). A buffer from allocate() is one POSIX
-// shared-memory segment per rank, mapped by every rank of the group, so an all-reduce of a
-// range of it sends no messages: each rank sums its 1/n chunk of the range straight out of the
-// peers' mappings (always in rank order, so every element has one rounding sequence), then
-// copies the other chunks' sums from their owners. Open MPI's shared-memory transport moves
-// every byte through an intermediate buffer first; here each byte is read where it lies.
-// Measured on the 2-core development machine, 7.45 MB of f32 on 2 ranks: 0.57 ms against
-// 1.15 ms for MPI_Allreduce (docs/benchmarks.md, "Collectives").
+// All-reduce and reduce through shared memory, for a communicator whose ranks all run on one
+// node (the data-parallel group of a one-node job, or of a stage). A buffer from allocate() is
+// one POSIX shared-memory segment per rank, mapped by every rank of the group, so reducing a
+// range of it sends no messages: for an all-reduce each rank sums its 1/n chunk of the range
+// straight out of the peers' mappings (always in rank order, so every element has one rounding
+// sequence), then copies the other chunks' sums from their owners; for a reduce (ZeRO's reduce
+// of a bucket's pieces to their owners) the root sums the whole range and nothing is copied. Open MPI's shared-memory
+// transport moves every byte through an intermediate buffer first; here each byte is read where it lies. Measured on
+// the 2-core development machine, 7.45 MB of f32 on 2 ranks: 0.57 ms against 1.15 ms for MPI_Allreduce
+// (docs/benchmarks.md, "Collectives").
 //
 // Three counters per rank order the phases of operation s (operations run strictly one after
 // another, in the order they were started, the same on every rank): arrived = s (this rank's
-// gradients for the range are written), reduced = s (its chunk holds the sum), done = s (it has
-// copied the other chunks: nobody reads its memory for s any more). A rank writes only its own
+// gradients for the range are written), reduced = s (its chunk, or as root the range, holds the
+// sum), done = s (it has copied the other chunks: nobody reads its memory for s any more). A rank writes only its own
 // counters. Waiting spins on them and yields the core when it spins long (oversubscribed runs).
 #pragma once
 
@@ -45,6 +46,8 @@ class NodeSharedMemory {
   // Starts the in-place all-reduce (sum, or average) of `t`: f32, inside a buffer from
   // allocate(), the same range on every rank. nullptr when `t` is not such a tensor.
   WorkPtr all_reduce_async(const Tensor& t, bool average);
+  // Starts the reduce of `t` into `t` on `root` (the others' `t` are only read), as above.
+  WorkPtr reduce_async(const Tensor& t, int root, bool average);
   // Advances the started operations as far as they go without waiting.
   void progress();
   // Operations started and not complete.
@@ -57,8 +60,12 @@ class NodeSharedMemory {
 
  private:
   NodeSharedMemory(MPI_Comm comm, int rank, int size);
+  // Queues an all-reduce (root < 0) or a reduce; nullptr when `t` is not in a shared buffer.
+  WorkPtr start(const Tensor& t, int root, bool average);
   // Takes the first operation one phase further; false when it has to wait for a peer.
   bool advance(Op& op);
+  // Own elements [begin, end) of op's range = the sum over ranks (times op.scale).
+  void sum_into_own(const Op& op, int64_t begin, int64_t end);
 
   MPI_Comm comm_;  // the communicator's own duplicate, for the collectives of allocate()
   int rank_, size_;

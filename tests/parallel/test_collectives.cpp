@@ -431,6 +431,24 @@ TEST_F(SharedMemory, TestPollsAndADroppedHandleCompletes) {
   EXPECT_EQ(count_wrong(t, average_of_sums), 0);
 }
 
+TEST_F(SharedMemory, ReduceToEveryRootLeavesTheOthersUnchanged) {
+  // ZeRO's reduce of a bucket's pieces to their owners: pieces of one buffer, one per root.
+  const int64_t piece = 10007;
+  Tensor t = allocate_filled(piece * size_);
+  std::vector<WorkPtr> works;
+  for (int root = 0; root < size_; ++root)
+    works.push_back(comm_.reduce_async(t.view(root * piece, {piece}), root, root % 2 ? ReduceOp::Avg : ReduceOp::Sum));
+  for (WorkPtr& w : works) w->wait();
+  const float inv = 1.0f / static_cast<float>(size_);
+  EXPECT_EQ(count_wrong(t,
+                        [&](int64_t i) {
+                          const int64_t root = i / piece;
+                          if (root != rank_) return static_cast<double>(value(rank_, i));
+                          return static_cast<double>(root % 2 ? rank_order_sum(i) * inv : rank_order_sum(i));
+                        }),
+            0);
+}
+
 TEST_F(SharedMemory, BytesSentCountedAsTheRing) {
   Tensor t = allocate_filled(1000);
   const int64_t before = comm_.bytes_sent();
