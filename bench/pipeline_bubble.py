@@ -5,7 +5,8 @@ Trains an MLP whose stages are balanced by construction (8 input features, so fc
 free and every stage holds one 1024x1024 layer), records the last step's timeline with
 --timeline, and reads per-stage idle fractions and event times back from the SVG. The
 point-to-point overhead per micro-batch is the gap between a stage's forward(i) ending and the
-next stage's forward(i) starting, where the next stage was waiting for it.
+next stage's forward(i) starting, where the next stage was waiting for it. Each case runs
+--repeats times (default 3); the table shows medians (per stage for the idle fractions).
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
 Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
@@ -57,18 +58,23 @@ def main():
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=3, help="runs per case; medians reported (one step is noisy)")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="strata-bubble-")
     data = os.path.join(work, "features")
     subprocess.run([a.data_tool, "synthetic", "--out", data, "--samples", "16384", "--shape", "8", "--classes", "10",
                     "--dtype", "f32"], check=True, capture_output=True)
-    print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage")
+    print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage; "
+          f"medians of {a.repeats} runs per case")
     print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per micro-batch | step |")
     print("|---:|---:|---|---:|---|---:|---:|---:|")
     for stages in a.stages:
         for m in a.micro:
             for kind in ("gpipe", "1f1b"):
-                bubbles, gap, step = run_case(a, data + ".h5", stages, m, kind, work)
+                runs = [run_case(a, data + ".h5", stages, m, kind, work) for _ in range(a.repeats)]
+                bubbles = [statistics.median(r[0][s] for r in runs) for s in range(stages)]
+                gap = statistics.median(r[1] for r in runs)
+                step = statistics.median(r[2] for r in runs)
                 formula = (stages - 1) / (m + stages - 1)
                 worst = max(abs(b - formula) for b in bubbles)
                 note = " (oversubscribed)" if stages > (os.cpu_count() or 1) else ""
