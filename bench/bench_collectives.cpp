@@ -3,7 +3,8 @@
 //
 //   mpirun -np 2 build/bench_collectives            # table: all_reduce (MPI, and in shared
 //                                                   # memory: all_reduce_shm), reduce_scatter,
-//                                                   # all_gather, broadcast, 4 KiB .. 256 MiB
+//                                                   # all_gather (and in place in shared memory:
+//                                                   # all_gather_shm), broadcast, 4 KiB .. 256 MiB
 //   mpirun -np 2 build/bench_collectives --overlap  # can an async all-reduce hide behind compute?
 //
 // Table columns follow nccl-tests (doc/PERFORMANCE.md): size is the full buffer in bytes,
@@ -76,17 +77,22 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   const int n = comm.size(), rank = comm.rank();
   const int64_t count = static_cast<int64_t>(bytes / sizeof(float));  // full buffer elements
   const int64_t chunk = count / n;
-  // all_reduce_shm: the buffer from allocate() (shared memory on one node), as train's gradients.
-  const bool shm = op == "all_reduce_shm";
+  // *_shm: the buffer from allocate() (shared memory on one node), as train's gradients and
+  // parameters; the all-gather is then in place, as ZeRO's.
+  const bool shm = op == "all_reduce_shm" || op == "all_gather_shm";
+  const bool all_reduce = op == "all_reduce" || op == "all_reduce_shm";
+  const bool all_gather = op == "all_gather" || op == "all_gather_shm";
   Tensor full = shm ? comm.allocate(count, DType::F32, strata::Device::cpu()) : Tensor::empty({count});
   Tensor part = Tensor::empty({chunk});
   fill(full, rank);
   fill(part, rank, rank * chunk);
   auto run = [&] {
-    if (op == "all_reduce" || shm)
+    if (all_reduce)
       comm.all_reduce(full, ReduceOp::Sum);
     else if (op == "reduce_scatter")
       comm.reduce_scatter(full.view(0, {chunk * n}), part, ReduceOp::Sum);
+    else if (op == "all_gather_shm")  // this rank's chunk holds its values already (fill)
+      comm.all_gather(full.view(rank * chunk, {chunk}), full.view(0, {chunk * n}));
     else if (op == "all_gather")
       comm.all_gather(part, full.view(0, {chunk * n}));
     else
@@ -107,9 +113,9 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   const float* p = part.data<float>();
   for (int64_t i = 0; i < count; ++i) {
     float want = 0;
-    if (op == "all_reduce" || shm) {
+    if (all_reduce) {
       for (int r = 0; r < n; ++r) want += value(r, i);
-    } else if (op == "all_gather") {
+    } else if (all_gather) {
       if (i >= chunk * n) break;
       want = value(static_cast<int>(i / chunk), i);
     } else if (op == "broadcast") {
@@ -129,7 +135,7 @@ void bench_op(MpiCommunicator& comm, const std::string& op, size_t bytes, int wa
   w.data<float>()[0] = static_cast<float>(wrong);
   MPI_Allreduce(MPI_IN_PLACE, w.raw(), 1, MPI_FLOAT, MPI_SUM, comm.comm());
 
-  const double factor = op == "all_reduce" || shm ? 2.0 * (n - 1) / n : op == "broadcast" ? 1.0 : double(n - 1) / n;
+  const double factor = all_reduce ? 2.0 * (n - 1) / n : op == "broadcast" ? 1.0 : double(n - 1) / n;
   const double algbw = static_cast<double>(bytes) / t / 1e9;
   if (rank == 0)
     std::printf("%-14s %12zu %11lld %5s %12.1f %9.2f %9.2f %7.0f %10.2f\n", op.c_str(), bytes,
@@ -145,7 +151,8 @@ void run_table(MpiCommunicator& comm, size_t min_bytes, size_t max_bytes) {
     std::printf("%-14s %12s %11s %5s %12s %9s %9s %7s %10s\n", "", "", "(elements)", "", "", "(GB/s)", "(GB/s)", "",
                 "(GB/s)");
   }
-  for (const char* op : {"all_reduce", "all_reduce_shm", "reduce_scatter", "all_gather", "broadcast"}) {
+  for (const char* op :
+       {"all_reduce", "all_reduce_shm", "reduce_scatter", "all_gather", "all_gather_shm", "broadcast"}) {
     for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
       // About 0.5 GiB moved per row, at least 3 and at most 200 timed runs.
       const int iters = static_cast<int>(std::clamp<size_t>((size_t{512} << 20) / bytes, 3, 200));

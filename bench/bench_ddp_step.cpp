@@ -13,13 +13,11 @@
 // Diagnostics: --no-sync skips gradient sync (ranks compute side by side, no communication:
 // what the machine allows without it); --no-overlap starts every bucket only after backward
 // (blocking all-reduce of the whole gradient at the end); --bucket-mb sets the bucket size;
-// --sharded-step (prototype, not what train does) replaces the all-reduce + SGD by a
-// reduce-scatter, SGD over this rank's half and an all-gather of the parameters (ZeRO-1):
-// its "exposed comm" is then the two blocking collectives; --sharded-p2p does the same with one
-// MPI_Sendrecv each way instead of libnbc's reduce-scatter / all-gather (2 ranks only).
-// The gradient buffer comes from the dp communicator, as in train (shared memory on one node:
-// all-reduce in place); --no-shared-memory puts it in ordinary memory, so the all-reduce goes
-// through MPI's ring, for the side-by-side comparison.
+// --zero 1 is train's --zero 1: each bucket is reduced to the owners of its pieces, each rank
+// steps its shard and the parameters are all-gathered (the "optimizer" time includes the
+// all-gather). The parameter and gradient buffers come from the dp communicator, as in train
+// (shared memory on one node: collectives in place); --no-shared-memory puts them in ordinary
+// memory, so the collectives go through MPI (the ring all-reduce), for the side-by-side comparison.
 #include <mpi.h>
 
 #include <algorithm>
@@ -34,10 +32,10 @@
 #include "core/tensor.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
-#include "layers/optimizer.hpp"
 #include "parallel/gradient_sync.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/process_grid.hpp"
+#include "parallel/zero.hpp"
 
 namespace {
 
@@ -50,9 +48,8 @@ struct Options : bench::CommonOptions {  // batch is per rank
   double bucket_mb = 25.0;
   bool sync = true;
   bool overlap = true;
-  bool sharded = false;       // prototype: reduce-scatter, optimizer on my shard, all-gather params (ZeRO-1)
-  bool sharded_p2p = false;   // the same with both collectives as one MPI_Sendrecv each (2 ranks only)
-  bool shared_memory = true;  // gradient buffer from the communicator (train's choice)
+  int zero = 0;               // ZeRO stage: 0 or 1
+  bool shared_memory = true;  // parameter and gradient buffers from the communicator (train's choice)
 };
 
 Options parse(int argc, char** argv) {
@@ -65,17 +62,16 @@ Options parse(int argc, char** argv) {
     ("bucket-mb", bench::po::value(&o.bucket_mb)->default_value(o.bucket_mb), "gradient bucket size, MiB")
     ("no-sync", bench::po::bool_switch(&no_sync), "skip gradient sync (ranks side by side, no communication)")
     ("no-overlap", bench::po::bool_switch(&no_overlap), "all-reduce every bucket only after backward")
-    ("no-shared-memory", bench::po::bool_switch(&no_shared), "gradients in ordinary memory: all-reduce through MPI")
-    ("sharded-step", bench::po::bool_switch(&o.sharded), "prototype ZeRO-1: reduce-scatter, sharded SGD, all-gather")
-    ("sharded-p2p", bench::po::bool_switch(&o.sharded_p2p), "--sharded-step with MPI_Sendrecv (2 ranks only)");
+    ("no-shared-memory", bench::po::bool_switch(&no_shared), "buffers in ordinary memory: collectives through MPI")
+    ("zero", bench::po::value(&o.zero)->default_value(o.zero), "ZeRO stage 0 or 1, as train's --zero");
   // clang-format on
   bench::parse_or_exit(argc, argv, desc);
   bench::check_common(o, desc);
   bench::require(o.bucket_mb > 0, "bucket-mb must be > 0", desc);
+  bench::require(o.zero == 0 || o.zero == 1, "zero must be 0 or 1", desc);
   o.sync = !no_sync;
   o.overlap = !no_overlap;
   o.shared_memory = !no_shared;
-  o.sharded = o.sharded || o.sharded_p2p;
   return o;
 }
 
@@ -83,7 +79,7 @@ Options parse(int argc, char** argv) {
 struct Times {
   double compute = 0;  // zero grads + forward + loss + backward (incl. bucket starts, progress)
   double exposed = 0;  // GradientSync::finish: waiting for the buckets
-  double optim = 0;    // SGD step
+  double optim = 0;    // SGD step (ZeRO 1: of the shard, and the parameter all-gather)
   double loss_ar = 0;  // the loss all-reduce (Trainer::sum_over_replicas)
 };
 
@@ -91,37 +87,29 @@ struct Bench {
   parallel::ProcessGrid& grid;
   layers::Model model;
   layers::ParameterStore store;
-  layers::Optimizer optimizer;
+  parallel::ShardedOptimizer optimizer;
   parallel::GradientSync sync;
   layers::SoftmaxCrossEntropy loss;
   std::vector<layers::Context> ctx;
   Tensor x, y, loss_buf;
   const Options& o;
-  // --sharded-step: this rank's chunk of the reduced gradients and an optimizer over it only.
-  int64_t chunk = 0;
-  Tensor grad_shard, recv_buf;
-  std::unique_ptr<layers::Optimizer> shard_opt;
   int64_t step = 0;
 
+  // As the trainer builds them (pp = 1): ZeRO pads the store to dp equal shards.
   Bench(const Options& opt, parallel::ProcessGrid& g)
       : grid(g),
         model(bench::build_bench_model(opt.model, {1024, 1024})),
-        store(model, opt.seed, 0, SIZE_MAX, 16, true, true, 0, 0, DType::F32, Device::cpu(),
-              [&](int64_t numel) {
-                return opt.shared_memory ? g.dp().allocate(numel, DType::F32, Device::cpu()) : Tensor::zeros({numel});
+        store(model, opt.seed, 0, SIZE_MAX,
+              opt.zero > 0 ? parallel::shard_pad_multiple(g.dp_size()) : parallel::kShardAlign, true, true, 0, 0,
+              DType::F32, Device::cpu(),
+              [&](int64_t numel, DType dtype) {
+                return opt.shared_memory ? g.dp().allocate(numel, dtype, Device::cpu()) : Tensor::zeros({numel}, dtype);
               }),
-        optimizer(layers::OptimizerConfig{"sgd", 0.9f}, store.params().numel()),
-        sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20))),
+        optimizer(layers::OptimizerConfig{"sgd", 0.9f}, opt.zero, g.dp(), store),
+        sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20)),
+             opt.zero == 1 ? optimizer.shard().size : 0),
         o(opt) {
     sync.broadcast_parameters();
-    if (o.sharded) {
-      STRATA_CHECK(store.grads().numel() % g.dp_size() == 0, "--sharded-step: gradient size not divisible by ranks");
-      chunk = store.grads().numel() / g.dp_size();
-      grad_shard = Tensor::empty({chunk});
-      recv_buf = Tensor::empty({chunk});
-      STRATA_CHECK(!o.sharded_p2p || g.dp_size() == 2, "--sharded-p2p needs exactly 2 ranks");
-      shard_opt = std::make_unique<layers::Optimizer>(layers::OptimizerConfig{"sgd", 0.9f}, chunk);
-    }
     bench::random_batch(o.batch, o.seed + 1000 * static_cast<uint64_t>(g.replica()), x, y);
     loss_buf = Tensor::empty({1});
   }
@@ -137,46 +125,6 @@ struct Bench {
     layers::Context loss_ctx;
     const double l = loss.forward(logits, y, loss_ctx);
     const Tensor dlogits = loss.backward(loss_ctx, scale);
-    if (o.sharded) {
-      // Prototype of a ZeRO-1 style step: the same bytes as an all-reduce (reduce-scatter +
-      // all-gather), but each rank runs the optimizer over its half of the parameters only.
-      model.backward(dlogits, ctx);
-      const auto t1 = clock_type::now();
-      const int64_t off = chunk * grid.replica();
-      const MPI_Comm comm = static_cast<parallel::MpiCommunicator&>(grid.dp()).comm();
-      const int other = 1 - grid.replica();
-      if (o.sharded_p2p) {
-        // 2 ranks: send the other rank's half of my gradients, receive its contribution to mine, add.
-        MPI_Sendrecv(store.grads().data<float>() + chunk * other, static_cast<int>(chunk), MPI_FLOAT, other, 1,
-                     recv_buf.data<float>(), static_cast<int>(chunk), MPI_FLOAT, other, 1, comm, MPI_STATUS_IGNORE);
-        const float* __restrict a = store.grads().data<float>() + off;
-        const float* __restrict b = recv_buf.data<float>();
-        float* __restrict d = grad_shard.data<float>();
-        for (int64_t i = 0; i < chunk; ++i) d[i] = a[i] + b[i];
-      } else {
-        grid.dp().reduce_scatter(store.grads(), grad_shard, parallel::ReduceOp::Sum);
-      }
-      const auto t2 = clock_type::now();
-      const Tensor my_params = store.params().view(off, {chunk});
-      shard_opt->step(my_params, grad_shard, o.lr);
-      const auto t3 = clock_type::now();
-      if (o.sharded_p2p)
-        MPI_Sendrecv(store.params().data<float>() + off, static_cast<int>(chunk), MPI_FLOAT, other, 2,
-                     store.params().data<float>() + chunk * other, static_cast<int>(chunk), MPI_FLOAT, other, 2, comm,
-                     MPI_STATUS_IGNORE);
-      else
-        grid.dp().all_gather(my_params, store.params());
-      const auto t3b = clock_type::now();
-      loss_buf.data<float>()[0] = static_cast<float>(l);
-      grid.dp().all_reduce(loss_buf, parallel::ReduceOp::Sum);
-      const auto t4 = clock_type::now();
-      t.compute += std::chrono::duration<double>(t1 - t0).count();
-      t.exposed += std::chrono::duration<double>(t2 - t1).count() + std::chrono::duration<double>(t3b - t3).count();
-      t.optim += std::chrono::duration<double>(t3 - t2).count();
-      t.loss_ar += std::chrono::duration<double>(t4 - t3b).count();
-      ++step;
-      return loss_buf.data<float>()[0] / static_cast<double>(global_batch);
-    }
     if (o.sync) {
       sync.begin();
       if (o.overlap)
@@ -229,17 +177,17 @@ int main(int argc, char** argv) {
           static_cast<long long>(o.batch * ranks), static_cast<long long>(b.store.num_trainable()),
           4e-6 * static_cast<double>(b.store.grads().numel()));
       std::printf("gradient sync: %s, --bucket-mb %g -> %zu bucket(s):",
-                  o.sharded   ? "reduce-scatter + sharded SGD + all-gather (--sharded-step)"
-                  : !o.sync   ? "OFF (--no-sync)"
+                  !o.sync     ? "OFF (--no-sync)"
                   : o.overlap ? "overlapped"
                               : "after backward (--no-overlap)",
                   o.bucket_mb, buckets.size());
       for (const auto& bk : buckets)
         std::printf(" [%.2f MB from layer %zu]", 4e-6 * static_cast<double>(bk.end - bk.begin), bk.first_layer);
       const char* alg = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
-      const bool shared = static_cast<parallel::MpiCommunicator&>(grid.dp()).in_shared_memory(b.store.grads());
-      std::printf("\ngradient buffer: %s\n",
-                  shared ? "shared memory (all-reduce in place)" : "ordinary memory (all-reduce through MPI)");
+      const auto& dp = static_cast<parallel::MpiCommunicator&>(grid.dp());
+      const bool shared = dp.in_shared_memory(b.store.grads()) && dp.in_shared_memory(b.store.params());
+      std::printf("\nZeRO stage %d; parameter and gradient buffers: %s\n", o.zero,
+                  shared ? "shared memory (collectives in place)" : "ordinary memory (collectives through MPI)");
       std::printf("iallreduce algorithm (OMPI_MCA_coll_libnbc_iallreduce_algorithm): %s\n", alg ? alg : "default");
     }
     Times warm;
@@ -292,10 +240,10 @@ int main(int argc, char** argv) {
       std::printf(
           "RESULT impl=strata-ddp model=%s ranks=%d batch=%lld threads=%d samples_per_s=%.2f compute_ms=%.3f "
           "exposed_ms=%.3f optim_ms=%.3f loss_ar_ms=%.3f step_ms=%.3f exposed_frac=%.4f buckets=%zu "
-          "bucket_mb=%g allreduce_alone_ms=%.3f\n",
+          "bucket_mb=%g allreduce_alone_ms=%.3f zero=%d\n",
           o.model.c_str(), ranks, static_cast<long long>(o.batch), o.threads, med, median(compute), median(exposed),
           median(optim), median(loss_ar), median(total), median(exposed) / std::max(median(total), 1e-9),
-          buckets.size(), o.bucket_mb, ar_alone);
+          buckets.size(), o.bucket_mb, ar_alone, o.zero);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", parallel::format_error(e).c_str());

@@ -15,8 +15,13 @@
 # BUCKET_MB is Strata's --bucket-mb; torch keeps DDP's default bucket_cap_mb=25 unless
 # TORCH_BUCKET_MB is set. Environment for BOTH sides: the same OpenBLAS kernels (bench/lib.sh),
 # OMP/OpenBLAS/MKL one thread. Strata runs twice at 2 ranks: as train does (gradients in shared
-# memory, all-reduce in place) and with --no-shared-memory (all-reduce through MPI's ring). MPI: --oversubscribe --bind-to none
-# (set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 when running as root).
+# memory, all-reduce in place), with --no-shared-memory (all-reduce through MPI's ring), with
+# --zero 1 (train's ZeRO 1: reduce to the shards' owners, sharded SGD, parameter all-gather), and
+# once with --no-sync (no communication at all: the scaling this machine allows two busy ranks).
+# Scaling is printed twice: from the medians, and as the median of each repetition's ratio
+# (its runs back to back, so load that drifts during the benchmark cancels out).
+# MPI: --oversubscribe --bind-to none (set OMPI_ALLOW_RUN_AS_ROOT=1
+# OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 when running as root).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -63,15 +68,19 @@ echo
 rows=() brows=()
 for config in $MODELS; do
   model="${config%%:*}" batch="${config##*:}"
-  s1=() s2=() s3=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=() expo3=() stp3=()
+  s1=() s2=() s3=() s4=() s5=() paired=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=() expo3=() stp3=()
   buckets=""
   for ((r = 1; r <= REPS; ++r)); do
     strata_side() {
-      local a b c
+      local a b c d e
       a=$(result "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
       b=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}")
       c=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}" \
           --no-shared-memory)
+      d=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}" --no-sync)
+      e=$(result "${mpi[@]}" "$bin" --model "$model" --batch "$batch" --bucket-mb "$BUCKET_MB" "${common[@]}" --zero 1)
+      s4+=("$(field samples_per_s "$d")"); s5+=("$(field samples_per_s "$e")")
+      paired+=("$(awk -v a="$(field samples_per_s "$a")" -v b="$(field samples_per_s "$b")" 'BEGIN {print b / (2 * a)}')")
       s1+=("$(field samples_per_s "$a")"); s2+=("$(field samples_per_s "$b")"); s3+=("$(field samples_per_s "$c")")
       expo3+=("$(field exposed_ms "$c")"); stp3+=("$(field step_ms "$c")")
       comp+=("$(field compute_ms "$b")"); expo+=("$(field exposed_ms "$b")"); opt+=("$(field optim_ms "$b")")
@@ -86,16 +95,18 @@ for config in $MODELS; do
       t1+=("$(field samples_per_s "$a")"); t2+=("$(field samples_per_s "$b")")
     }
     if ((r % 2)); then strata_side; torch_side; else torch_side; strata_side; fi
-    echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)  2x1 MPI ${s3[-1]} (exposed ${expo3[-1]} of ${stp3[-1]} ms)   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
+    echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)  2x1 MPI ${s3[-1]} (exposed ${expo3[-1]} of ${stp3[-1]} ms)  2x1 zero1 ${s5[-1]}  2x1 no-sync ${s4[-1]}   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
   done
   S1=$(median "${s1[@]}"); S2=$(median "${s2[@]}"); T1=$(median "${t1[@]}"); T2=$(median "${t2[@]}")
   C=$(median "${comp[@]}"); X=$(median "${expo[@]}"); O=$(median "${opt[@]}"); L=$(median "${lar[@]}")
   P=$(median "${stp[@]}"); A=$(median "${ar[@]}")
+  S4=$(median "${s4[@]}"); S5=$(median "${s5[@]}"); SP=$(median "${paired[@]}")
   S3=$(median "${s3[@]}"); X3=$(median "${expo3[@]}"); P3=$(median "${stp3[@]}")
   rows+=("$(awk -v m="$model" -v b="$batch" -v s1="$S1" -v s2="$S2" -v t1="$T1" -v t2="$T2" -v x="$X" -v p="$P" \
-    -v s3="$S3" -v x3="$X3" -v p3="$P3" \
-    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.0f%% | %.1f%% | %.0f | %.0f%% | %.1f%% | %.0f | %.0f | %.0f%% | %.2fx |",
-            m, b, s1, s2, 100 * s2 / (2 * s1), 100 * x / p, s3, 100 * s3 / (2 * s1), 100 * x3 / p3,
+    -v s3="$S3" -v x3="$X3" -v p3="$P3" -v s4="$S4" -v s5="$S5" -v sp="$SP" \
+    'BEGIN {printf "| %s | %s | %.0f | %.0f | %.0f%% | %.0f%% | %.1f%% | %.0f | %.0f%% | %.1f%% | %.0f | %.0f%% | %.0f%% | %.0f | %.0f | %.0f%% | %.2fx |",
+            m, b, s1, s2, 100 * s2 / (2 * s1), 100 * sp, 100 * x / p, s3, 100 * s3 / (2 * s1), 100 * x3 / p3,
+            s5, 100 * s5 / (2 * s1), 100 * s4 / (2 * s1),
             t1, t2, 100 * t2 / (2 * t1), s2 / t2}')")
   brows+=("$(awk -v m="$model" -v b="$batch" -v c="$C" -v x="$X" -v o="$O" -v l="$L" -v p="$P" -v a="$A" \
     -v nb="$buckets" -v bm="$BUCKET_MB" -v s1="$S1" \
@@ -104,8 +115,8 @@ for config in $MODELS; do
 done
 
 echo
-echo "| model | batch per rank | Strata 1x1 samples/s | Strata 2x1 | Strata scaling | Strata exposed comm | Strata 2x1, MPI ring (--no-shared-memory) | its scaling | its exposed comm | torch 1x1 | torch DDP 2x1 | torch scaling | Strata DDP / torch DDP |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| model | batch per rank | Strata 1x1 samples/s | Strata 2x1 | Strata scaling | paired | Strata exposed comm | Strata 2x1, MPI ring (--no-shared-memory) | its scaling | its exposed comm | Strata 2x1 --zero 1 | its scaling | no-sync scaling (ceiling) | torch 1x1 | torch DDP 2x1 | torch scaling | Strata DDP / torch DDP |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${rows[@]}"
 echo
 echo "Strata at 2 ranks, ms per step (rank 0, medians):"
@@ -114,7 +125,8 @@ echo "| model | batch per rank | 1-rank step | compute (fwd+bwd) | exposed comm 
 echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
 printf '%s\n' "${brows[@]}"
 echo
-echo "scaling = 2x1 samples/s / (2 x 1x1 samples/s); exposed comm = time in GradientSync::finish / step time;"
+echo "scaling = 2x1 samples/s / (2 x 1x1 samples/s) from the medians; paired = median over repetitions of that ratio;"
+echo "no-sync = 2 ranks that never communicate (--no-sync), the ceiling for any communication; exposed comm = time in GradientSync::finish / step time;"
 echo "all-reduce alone = blocking all-reduce of every bucket with nothing else running."
 echo "cpu: $cpu; load average after: $(load_average)"
 warn_if_busy 2

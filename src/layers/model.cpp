@@ -221,7 +221,7 @@ int64_t ParameterStore::layout_numel(const std::vector<ParamEntry>& entries) {
 ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
                                bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size,
                                DType dtype, Device device,
-                               const std::function<Tensor(int64_t numel)>& allocate_grad_buffer)
+                               const std::function<Tensor(int64_t numel, DType dtype)>& allocate)
     : entries_(layout(model, begin, end)), first_layer_(begin) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
@@ -232,10 +232,11 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
   flat_numel_ = align_up(used_numel_, pad_multiple);
   params_begin_ = allocate_params ? 0 : shard_begin;
   sharded_params_ = !allocate_params;
-  params_ = Tensor::zeros({allocate_params ? flat_numel_ : shard_size}, dtype, device);
-  if (allocate_grads)
-    grads_ =
-        allocate_grad_buffer ? allocate_grad_buffer(flat_numel_) : Tensor::zeros({flat_numel_}, DType::F32, device);
+  const auto make = [&](int64_t numel, DType type) {
+    return allocate ? allocate(numel, type) : Tensor::zeros({numel}, type, device);
+  };
+  params_ = allocate_params ? make(flat_numel_, dtype) : Tensor::zeros({shard_size}, dtype, device);
+  if (allocate_grads) grads_ = make(flat_numel_, DType::F32);
   buffers_ = Tensor::zeros({buffers}, DType::F32, device);
 
   end = std::min(end, model.size());

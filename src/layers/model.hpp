@@ -82,12 +82,12 @@ class ParameterStore {
   // Parameters are stored in `dtype` (the compute dtype: f32, bf16 or f16; initial values are
   // drawn in f32 and rounded); gradients and buffers are always f32 (mixed precision keeps
   // f32 gradients and master weights: ShardedOptimizer). Everything lives on `device`.
-  // `allocate_grad_buffer`, if given, makes the zeroed f32 gradient buffer (the trainer asks
-  // the data-parallel communicator, which may hand out shared memory).
+  // `allocate`, if given, makes the zeroed full parameter and gradient buffers (the trainer
+  // asks the data-parallel communicator, which may hand out shared memory).
   ParameterStore(const Model& model, uint64_t seed, size_t begin = 0, size_t end = SIZE_MAX, int64_t pad_multiple = 16,
                  bool allocate_grads = true, bool allocate_params = true, int64_t shard_begin = 0,
                  int64_t shard_size = 0, DType dtype = DType::F32, Device device = Device::cpu(),
-                 const std::function<Tensor(int64_t numel)>& allocate_grad_buffer = {});
+                 const std::function<Tensor(int64_t numel, DType dtype)>& allocate = {});
   // The entries such a store would have, without allocating (e.g. to name another stage's).
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
   // Elements of the flat trainable layout of those entries (aligned, without pad_multiple).

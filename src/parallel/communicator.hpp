@@ -48,9 +48,10 @@ class Communicator {
   virtual WorkPtr barrier_async() = 0;
   // Lets started operations advance (for transports that progress only inside calls).
   virtual void progress() {}
-  // A zeroed tensor for data this communicator will reduce again and again (the gradient
-  // buffer); collective. MPI with every rank on one node: shared memory that its all-reduce and
-  // reduce read in place (shared_memory.hpp). Otherwise ordinary memory.
+  // A zeroed tensor for data this communicator will reduce or gather again and again (the
+  // gradient and parameter buffers); collective. MPI with every rank on one node: shared memory
+  // that its all-reduce, reduce and in-place all-gather read in place (shared_memory.hpp).
+  // Otherwise ordinary memory.
   virtual Tensor allocate(int64_t numel, DType dtype, Device device) { return Tensor::zeros({numel}, dtype, device); }
   // Bytes this rank has sent on this communicator so far, by the convention of the transport
   // (MpiCommunicator: what ring / direct algorithms send; see there); 0 if not counted.

@@ -508,6 +508,12 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   const char* my_chunk = static_cast<const char*>(out.raw()) + static_cast<size_t>(rank_) * in.nbytes();
   const bool in_place = in.raw() == my_chunk;
   STRATA_CHECK(in_place || !overlaps(in, out), "all_gather input overlaps the output other than as chunk ", rank_);
+  if (shared_ && in_place) {
+    if (WorkPtr work = shared_->all_gather_async(in, out)) {
+      count_sent(out.nbytes(), size_ - 1, size_);  // what MPI's ring would send
+      return work;
+    }
+  }
   auto state = std::make_shared<MpiOpState>();
   state->what = "all_gather on " + name_;
   state->buffers = {in, out};

@@ -5,8 +5,9 @@
 // layers (measured against a communication thread: see mpi_communicator.cpp).
 //
 // With every rank on one node, allocate() hands out shared memory, and all-reduces and reduces
-// of f32 ranges of it skip MPI (shared_memory.hpp): they run in the order they were started, as do
-// the MPI operations, but the two kinds are not ordered against each other.
+// of f32 ranges of it, and in-place all-gathers into it, skip MPI (shared_memory.hpp): they run
+// in the order they were started, as do the MPI operations, but the two kinds are not ordered
+// against each other.
 //
 // Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
 // through cached pinned host memory: copied from the device on its compute stream when the
@@ -59,7 +60,7 @@ class MpiCommunicator final : public Communicator {
   // CPU tensors of a group on one node: shared memory (the first call sets it up); else, or if
   // /dev/shm cannot hold it (rank 0 says so once), ordinary memory.
   Tensor allocate(int64_t numel, DType dtype, Device device) override;
-  // Whether `t` lies in shared memory from allocate(), so its all-reduce and reduce skip MPI.
+  // Whether `t` lies in shared memory from allocate(), so its all-reduce, reduce and all-gather skip MPI.
   bool in_shared_memory(const Tensor& t) const;
 
   // Operations started and not yet seen complete (for tests and diagnostics).

@@ -1,4 +1,4 @@
-// Node-local all-reduce over shared-memory segments (see the header for the protocol).
+// Node-local all-reduce, reduce and all-gather over shared-memory segments (see the header for the protocol).
 #include "parallel/shared_memory.hpp"
 
 #include <fcntl.h>
@@ -26,13 +26,16 @@ struct NodeSharedMemory::Counters {
 };
 
 struct NodeSharedMemory::Op {
+  // What `root` is for each kind: the rank that receives the sum (>= 0), or one of these.
+  static constexpr int kAllReduce = -1, kAllGather = -2;
   uint64_t seq = 0;
-  Tensor keep;             // keeps the segments mapped while the operation runs
-  std::vector<float*> at;  // the range's first element in every rank's mapping
-  int64_t segment = 0, offset = 0, count = 0;
-  int root = -1;    // reduce: the rank that receives the sum; all-reduce: -1
+  Tensor keep;            // keeps the segments mapped while the operation runs
+  std::vector<char*> at;  // the range's first byte in every rank's mapping
+  int64_t segment = 0, offset = 0;
+  int64_t count = 0;  // f32 elements to reduce; all-gather: bytes of the whole range
+  int root = kAllReduce;
   float scale = 1;  // 1 / size for an average
-  int phase = 0;    // 0 queued, 1 arrived, 2 own chunk reduced, 3 other chunks copied, 4 complete
+  int phase = 0;    // 0 queued, 1 arrived, 2 reduced (all-gather: chunks copied), 3 done, 4 complete
 };
 
 namespace {
@@ -253,22 +256,41 @@ bool NodeSharedMemory::holds(const Tensor& t) const {
   return t.defined() && t.device().is_cpu() && registry().find(id_, t.raw(), t.nbytes(), m);
 }
 
-WorkPtr NodeSharedMemory::all_reduce_async(const Tensor& t, bool average) { return start(t, -1, average); }
+WorkPtr NodeSharedMemory::all_reduce_async(const Tensor& t, bool average) {
+  return start_reduce(t, Op::kAllReduce, average);
+}
 
-WorkPtr NodeSharedMemory::reduce_async(const Tensor& t, int root, bool average) { return start(t, root, average); }
+WorkPtr NodeSharedMemory::reduce_async(const Tensor& t, int root, bool average) {
+  return start_reduce(t, root, average);
+}
 
-WorkPtr NodeSharedMemory::start(const Tensor& t, int root, bool average) {
-  SegmentRegistry::Mapping m;
-  if (t.dtype() != DType::F32 || !t.device().is_cpu() || !registry().find(id_, t.raw(), t.nbytes(), m)) return nullptr;
+WorkPtr NodeSharedMemory::start_reduce(const Tensor& t, int root, bool average) {
+  if (t.dtype() != DType::F32) return nullptr;
   auto op = std::make_shared<Op>();
   op->root = root;
+  op->count = t.numel();
+  op->scale = average ? 1.0f / static_cast<float>(size_) : 1.0f;
+  return start(std::move(op), t);
+}
+
+WorkPtr NodeSharedMemory::all_gather_async(const Tensor& in, const Tensor& out) {
+  if (in.dtype() != out.dtype() || out.numel() != in.numel() * size_ ||
+      in.raw() != static_cast<const char*>(out.raw()) + static_cast<size_t>(rank_) * in.nbytes())
+    return nullptr;
+  auto op = std::make_shared<Op>();
+  op->root = Op::kAllGather;
+  op->count = static_cast<int64_t>(out.nbytes());
+  return start(std::move(op), out);
+}
+
+WorkPtr NodeSharedMemory::start(std::shared_ptr<Op> op, const Tensor& t) {
+  SegmentRegistry::Mapping m;
+  if (!t.device().is_cpu() || !registry().find(id_, t.raw(), t.nbytes(), m)) return nullptr;
   op->seq = ++started_;
   op->keep = t;
   op->segment = m.segment;
   op->offset = static_cast<const char*>(t.raw()) - m.at[static_cast<size_t>(rank_)];
-  op->count = t.numel();
-  op->scale = average ? 1.0f / static_cast<float>(size_) : 1.0f;
-  for (char* base : m.at) op->at.push_back(reinterpret_cast<float*>(base + op->offset));
+  for (char* base : m.at) op->at.push_back(base + op->offset);
   queue_.push_back(op);
   progress();  // publishes the arrival now if nothing is ahead of it
   return std::make_unique<SharedWork>(*this, std::move(op));
@@ -294,14 +316,15 @@ void NodeSharedMemory::sum_into_own(const Op& op, int64_t begin, int64_t end) {
   // own values are read before they are overwritten.
   constexpr int64_t kBlock = 1024;
   float block[kBlock];
-  float* out = op.at[static_cast<size_t>(rank_)];
+  const auto floats = [&](int r) { return reinterpret_cast<float*>(op.at[static_cast<size_t>(r)]); };
+  float* out = floats(rank_);
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
-    const float* __restrict first = op.at[0] + b;
-    const float* __restrict second = op.at[1] + b;
+    const float* __restrict first = floats(0) + b;
+    const float* __restrict second = floats(1) + b;
     for (int64_t i = 0; i < n; ++i) block[i] = first[i] + second[i];
     for (int r = 2; r < size_; ++r) {
-      const float* __restrict next = op.at[static_cast<size_t>(r)] + b;
+      const float* __restrict next = floats(r) + b;
       for (int64_t i = 0; i < n; ++i) block[i] += next[i];
     }
     float* __restrict dst = out + b;
@@ -329,8 +352,10 @@ bool NodeSharedMemory::advance(Op& op) {
       break;
     case 1: {
       if (!everyone(&Counters::arrived)) return false;
-      const auto target = [](int64_t root) {
-        return root < 0 ? std::string("all") : strata::detail::cat("rank ", root);
+      const auto what = [](int64_t root, int64_t count) {
+        return root == Op::kAllGather   ? strata::detail::cat("all-gathers ", count, " bytes")
+               : root == Op::kAllReduce ? strata::detail::cat("all-reduces ", count, " elements")
+                                        : strata::detail::cat("reduces ", count, " elements to rank ", root);
       };
       for (int r = 0; r < size_; ++r) {
         const Counters& c = *counters_[static_cast<size_t>(r)];
@@ -338,25 +363,32 @@ bool NodeSharedMemory::advance(Op& op) {
                          c.offset.load(std::memory_order_relaxed) == op.offset &&
                          c.count.load(std::memory_order_relaxed) == op.count &&
                          c.root.load(std::memory_order_relaxed) == op.root,
-                     "shared-memory operation ", op.seq, ": rank ", r, " reduces ", c.count.load(),
-                     " elements from byte ", c.offset.load(), " of buffer ", c.segment.load(), " to ",
-                     target(c.root.load()), ", rank ", rank_, " ", op.count, " from byte ", op.offset, " of buffer ",
-                     op.segment, " to ", target(op.root));
+                     "shared-memory operation ", op.seq, ": rank ", r, " ", what(c.root.load(), c.count.load()),
+                     " at byte ", c.offset.load(), " of buffer ", c.segment.load(), ", rank ", rank_, " ",
+                     what(op.root, op.count), " at byte ", op.offset, " of buffer ", op.segment);
       }
-      // All-reduce: this rank's chunk; reduce: everything, on the root only.
-      if (op.root < 0)
+      if (op.root == Op::kAllGather) {  // every other rank's chunk, from its own mapping
+        const int64_t chunk = op.count / size_;
+        for (int r = 0; r < size_; ++r)
+          if (r != rank_)
+            std::memcpy(op.at[static_cast<size_t>(rank_)] + r * chunk, op.at[static_cast<size_t>(r)] + r * chunk,
+                        static_cast<size_t>(chunk));
+      } else if (op.root == Op::kAllReduce) {  // this rank's chunk
         sum_into_own(op, lo(rank_), hi(rank_));
-      else if (op.root == rank_)
+      } else if (op.root == rank_) {  // a reduce: everything, on the root only
         sum_into_own(op, 0, op.count);
+      }
       mine.reduced.store(op.seq, std::memory_order_release);
       break;
     }
     case 2:
-      // Once everyone has reduced, the root of a reduce has read all ranges; nothing to copy.
+      // Once everyone has reduced, the root of a reduce has read all ranges and an all-gather
+      // is complete; an all-reduce copies the other chunks' sums.
       if (!everyone(&Counters::reduced)) return false;
-      for (int r = 0; r < size_ && op.root < 0; ++r)
+      for (int r = 0; r < size_ && op.root == Op::kAllReduce; ++r)
         if (r != rank_ && hi(r) > lo(r))
-          std::memcpy(op.at[static_cast<size_t>(rank_)] + lo(r), op.at[static_cast<size_t>(r)] + lo(r),
+          std::memcpy(op.at[static_cast<size_t>(rank_)] + lo(r) * static_cast<int64_t>(sizeof(float)),
+                      op.at[static_cast<size_t>(r)] + lo(r) * static_cast<int64_t>(sizeof(float)),
                       static_cast<size_t>(hi(r) - lo(r)) * sizeof(float));
       mine.done.store(op.seq, std::memory_order_release);
       break;

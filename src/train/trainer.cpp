@@ -103,11 +103,11 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   const bool sharded_grads = config_.zero >= 2, sharded_params = config_.zero == 3;
   const parallel::Shard shard = parallel::shard_of(
       layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, begin_, end_)), dp_, replica_);
-  // The gradient buffer comes from the data-parallel communicator: on one node, shared memory
-  // that the bucket all-reduces read in place.
+  // The full buffers come from the data-parallel communicator: on one node, shared memory that
+  // the bucket all-reduces (and ZeRO's reduces and parameter all-gather) read in place.
   store_ = std::make_unique<layers::ParameterStore>(
       *model_, config_.seed, begin_, end_, pad, !sharded_grads, !sharded_params, replica_ * shard.size, shard.size,
-      dtype_, device_, [this](int64_t numel) { return grid_->dp().allocate(numel, DType::F32, device_); });
+      dtype_, device_, [this](int64_t numel, DType dtype) { return grid_->dp().allocate(numel, dtype, device_); });
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));

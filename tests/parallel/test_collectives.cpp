@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -449,6 +450,35 @@ TEST_F(SharedMemory, ReduceToEveryRootLeavesTheOthersUnchanged) {
             0);
 }
 
+TEST_F(SharedMemory, AllGatherInPlaceOfAnyDtypeBetweenReduces) {
+  // ZeRO's parameters after the sharded step: each rank's chunk is its own, the rest is stale
+  // until the all-gather; bf16 (mixed precision's parameters) and an odd chunk size. The
+  // all-reduces on either side check that the operations stay in order.
+  const int64_t chunk = 4099;
+  Tensor params = comm_.allocate(chunk * size_, DType::BF16, Device::cpu());
+  ASSERT_TRUE(comm_.in_shared_memory(params));
+  Tensor grads = allocate_filled(3001);
+  const auto stored = [](int rank, int64_t i) { return static_cast<float>((i * 3 + rank * 11) % 256); };
+  for (int64_t i = 0; i < chunk * size_; ++i)  // exact in bf16: integers below 256
+    params.data<bf16>()[i] = bf16::from_float(i / chunk == rank_ ? stored(rank_, i) : -1.0f);
+  comm_.all_reduce(grads, ReduceOp::Sum);
+  const int64_t before = comm_.bytes_sent();
+  WorkPtr w = comm_.all_gather_async(params.view(rank_ * chunk, {chunk}), params);
+  WorkPtr after = comm_.all_reduce_async(grads, ReduceOp::Sum);
+  w->wait();
+  after->wait();
+  EXPECT_EQ(comm_.bytes_sent() - before,
+            static_cast<int64_t>(params.nbytes()) * (size_ - 1) / size_ + 4 * 3001 * 2 * (size_ - 1) / size_);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < chunk * size_; ++i)
+    wrong += params.data<bf16>()[i].to_float() != stored(static_cast<int>(i / chunk), i);
+  EXPECT_EQ(wrong, 0);
+  // Summed twice: each element is (its rank-order sum) * size, rounded the same way everywhere.
+  std::vector<float> all(3001 * static_cast<size_t>(size_));
+  MPI_Allgather(grads.raw(), 3001, MPI_FLOAT, all.data(), 3001, MPI_FLOAT, MPI_COMM_WORLD);
+  EXPECT_EQ(std::memcmp(all.data(), all.data() + 3001 * (size_ - 1), 3001 * sizeof(float)), 0);
+}
+
 TEST_F(SharedMemory, BytesSentCountedAsTheRing) {
   Tensor t = allocate_filled(1000);
   const int64_t before = comm_.bytes_sent();
@@ -465,7 +495,25 @@ TEST_F(SharedMemory, DifferentRangesOnDifferentRanksAreAnError) {
         try {  // found when starting (the peers are there already) or when waiting
           comm.all_reduce_async(t.view(rank_ == 0 ? 0 : 16, {32}), ReduceOp::Sum)->wait();
         } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("reduces 32 elements from byte"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("all-reduces 32 elements at byte"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
+TEST_F(SharedMemory, AllGatherTakesTheSharedPath) {
+  // Different offsets on different ranks: MPI would gather silently; the shared path compares
+  // the ranges every rank announced, which proves the all-gather went through it.
+  MpiCommunicator comm(MPI_COMM_WORLD, "gather mismatch");
+  Tensor t = comm.allocate(64 * size_ + 16, DType::F32, Device::cpu());
+  const Tensor out = t.view(rank_ == 0 ? 0 : 16, {64 * size_});
+  EXPECT_THROW(
+      {
+        try {
+          comm.all_gather_async(out.view(rank_ * 64, {64}), out)->wait();
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("all-gathers"), std::string::npos) << e.what();
           throw;
         }
       },
