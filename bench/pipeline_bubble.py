@@ -6,7 +6,7 @@ free and every stage holds one 1024x1024 layer), records the last step's timelin
 --timeline, and reads per-stage idle fractions and event times back from the SVG. The
 point-to-point overhead per micro-batch is the gap between a stage's forward(i) ending and the
 next stage's forward(i) starting, where the next stage was waiting for it. Each case runs
---repeats times (default 3); the table shows medians (per stage for the idle fractions).
+--repeats times (default 7); the table shows medians (per stage for the idle fractions).
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
 Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
@@ -58,7 +58,7 @@ def main():
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=3, help="runs per case; medians reported (one step is noisy)")
+    p.add_argument("--repeats", type=int, default=7, help="runs per case; medians reported (one step is noisy)")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="strata-bubble-")
     data = os.path.join(work, "features")

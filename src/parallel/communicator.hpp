@@ -53,6 +53,10 @@ class Communicator {
   // that its all-reduce, reduce and in-place all-gather read in place (shared_memory.hpp).
   // Otherwise ordinary memory.
   virtual Tensor allocate(int64_t numel, DType dtype, Device device) { return Tensor::zeros({numel}, dtype, device); }
+  // Collective: point-to-point messages of at most `max_bytes`, about `slots` of them in flight
+  // per peer, will follow. MPI with every rank on one node: they then go through mailboxes in
+  // shared memory (shared_memory.hpp). Otherwise nothing changes.
+  virtual void reserve_messages(int64_t max_bytes, int slots) {}
   // Bytes this rank has sent on this communicator so far, by the convention of the transport
   // (MpiCommunicator: what ring / direct algorithms send; see there); 0 if not counted.
   virtual int64_t bytes_sent() const { return 0; }

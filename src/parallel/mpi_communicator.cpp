@@ -456,6 +456,15 @@ Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
 
 bool MpiCommunicator::in_shared_memory(const Tensor& t) const { return shared_ && shared_->holds(t); }
 
+void MpiCommunicator::reserve_messages(int64_t max_bytes, int slots) {
+  if (size_ < 2) return;
+  if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
+  shared_checked_ = true;
+  std::string why_not;
+  if (shared_ && !shared_->enable_messages(max_bytes, slots, why_not) && rank_ == 0)
+    log::warn(name_, ": ", why_not, "; point-to-point messages go through MPI");
+}
+
 WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
   if (shared_) {
     if (WorkPtr work = shared_->all_reduce_async(t, op == ReduceOp::Avg)) {
@@ -575,6 +584,12 @@ WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "send to rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "send with negative tag ", tag);
+  if (shared_) {
+    if (WorkPtr work = shared_->send_async(t, peer, tag)) {
+      count_sent(t.nbytes(), 1, 1);
+      return work;
+    }
+  }
   auto state = std::make_shared<MpiOpState>();
   state->what = strata::detail::cat("send to ", peer, " on ", name_);
   state->buffers = {t};
@@ -589,6 +604,9 @@ WorkPtr MpiCommunicator::recv_async(const Tensor& t, int peer, int tag) {
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "recv from rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "recv with negative tag ", tag);
+  if (shared_) {
+    if (WorkPtr work = shared_->recv_async(t, peer, tag)) return work;
+  }
   auto state = std::make_shared<MpiOpState>();
   state->what = strata::detail::cat("recv from ", peer, " on ", name_);
   state->buffers = {t};

@@ -7,7 +7,8 @@
 // With every rank on one node, allocate() hands out shared memory, and all-reduces and reduces
 // of f32 ranges of it, and in-place all-gathers into it, skip MPI (shared_memory.hpp): they run
 // in the order they were started, as do the MPI operations, but the two kinds are not ordered
-// against each other.
+// against each other. After reserve_messages(), sends and receives of CPU tensors that fit its
+// size skip MPI as well.
 //
 // Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
 // through cached pinned host memory: copied from the device on its compute stream when the
@@ -60,6 +61,7 @@ class MpiCommunicator final : public Communicator {
   // CPU tensors of a group on one node: shared memory (the first call sets it up); else, or if
   // /dev/shm cannot hold it (rank 0 says so once), ordinary memory.
   Tensor allocate(int64_t numel, DType dtype, Device device) override;
+  void reserve_messages(int64_t max_bytes, int slots) override;
   // Whether `t` lies in shared memory from allocate(), so its all-reduce, reduce and all-gather skip MPI.
   bool in_shared_memory(const Tensor& t) const;
 

@@ -38,9 +38,24 @@ struct NodeSharedMemory::Op {
   int phase = 0;    // 0 queued, 1 arrived, 2 reduced (all-gather: chunks copied), 3 done, 4 complete
 };
 
+// The header of a mailbox slot; the message follows it, 64 bytes in.
+struct NodeSharedMemory::Slot {
+  std::atomic<uint64_t> full{0};  // 0: free; else the message's number from its sender (1, 2, ...)
+  int64_t tag = 0, bytes = 0;
+};
+
+struct NodeSharedMemory::Message {
+  Tensor keep;  // the data (kept alive until copied)
+  int peer = 0, tag = 0;
+  bool done = false;
+};
+
 namespace {
 
 constexpr int kComplete = 4;
+constexpr int64_t kSlotHeader = 64;
+constexpr int64_t kMailboxLimit = int64_t{64} << 20;  // bytes per rank's inbox
+static_assert(sizeof(NodeSharedMemory::Slot) <= kSlotHeader);
 
 // Every segment this process has mapped, by its local address: the allocator that unmaps
 // them when their tensor goes away (no collective needed: any rank may free at any time).
@@ -200,6 +215,31 @@ class SharedWork final : public Work {
   std::shared_ptr<NodeSharedMemory::Op> op_;
 };
 
+class MessageWork final : public Work {
+ public:
+  MessageWork(NodeSharedMemory& group, std::shared_ptr<NodeSharedMemory::Message> m)
+      : group_(group), m_(std::move(m)) {}
+  // A dropped handle still completes, as MPI's do.
+  ~MessageWork() override {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] shared-memory message: %s (ignored in a destructor)\n", process_rank(), e.what());
+    }
+  }
+  void wait() override {
+    if (!m_->done) group_.wait_for(*m_);
+  }
+  bool test() override {
+    if (!m_->done) group_.progress();
+    return m_->done;
+  }
+
+ private:
+  NodeSharedMemory& group_;
+  std::shared_ptr<NodeSharedMemory::Message> m_;
+};
+
 }  // namespace
 
 std::unique_ptr<NodeSharedMemory> NodeSharedMemory::create(MPI_Comm comm) {
@@ -229,14 +269,156 @@ NodeSharedMemory::NodeSharedMemory(MPI_Comm comm, int rank, int size)
     : comm_(comm), rank_(rank), size_(size), id_(next_group_id()) {}
 
 NodeSharedMemory::~NodeSharedMemory() {
-  if (!queue_.empty()) {
-    try {
-      wait_for(*queue_.back());
-    } catch (...) {  // destructors do not throw; the job is failing anyway
-    }
+  try {
+    if (!queue_.empty()) wait_for(*queue_.back());
+    while (!sends_.empty()) wait_for(*sends_.back());  // not yet in a slot: would be lost
+  } catch (...) {                                      // destructors do not throw; the job is failing anyway
   }
   const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   for (Counters* c : counters_) munmap(c, page);
+  for (char* p : inboxes_) munmap(p, inbox_bytes_);
+}
+
+bool NodeSharedMemory::enable_messages(int64_t max_bytes, int slots, std::string& why_not) {
+  STRATA_CHECK(inboxes_.empty(), "enable_messages called twice");
+  int64_t capacity = (std::max<int64_t>(max_bytes, 1) + 63) / 64 * 64;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &capacity, 1, MPI_INT64_T, MPI_MAX, comm_));
+  const int64_t stride = kSlotHeader + capacity;
+  const int64_t fit = kMailboxLimit / (stride * size_);
+  if (fit < 1) {
+    why_not = strata::detail::cat("a message of ", capacity, " bytes does not fit the ", kMailboxLimit >> 20,
+                                  " MiB of mailboxes per rank");
+    return false;
+  }
+  const int n = static_cast<int>(std::min<int64_t>(std::max(slots, 1), fit));
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = (static_cast<size_t>(stride * n * size_) + page - 1) / page * page;
+  int64_t serial = 0;
+  std::vector<char*> at = map_segments(comm_, rank_, size_, bytes, serial, why_not);
+  if (at.empty()) return false;
+  // Fresh tmpfs pages are zero: every slot starts free. Construct the headers of the own inbox.
+  for (int64_t k = 0; k < int64_t{n} * size_; ++k) new (at[static_cast<size_t>(rank_)] + k * stride) Slot();
+  MPI_CHECK(MPI_Barrier(comm_));  // nobody writes a peer's slot before the peer made it an object
+  inboxes_ = std::move(at);
+  inbox_bytes_ = bytes;
+  slots_ = n;
+  slot_capacity_ = capacity;
+  slot_stride_ = stride;
+  sent_.assign(static_cast<size_t>(size_), 0);
+  return true;
+}
+
+NodeSharedMemory::Slot& NodeSharedMemory::slot(int receiver, int sender, int k) const {
+  char* base = inboxes_[static_cast<size_t>(receiver)];
+  return *reinterpret_cast<Slot*>(base + (int64_t{sender} * slots_ + k) * slot_stride_);
+}
+
+WorkPtr NodeSharedMemory::send_async(const Tensor& t, int peer, int tag) {
+  if (inboxes_.empty() || !t.device().is_cpu() || static_cast<int64_t>(t.nbytes()) > slot_capacity_) return nullptr;
+  auto m = std::make_shared<Message>();
+  m->keep = t;
+  m->peer = peer;
+  m->tag = tag;
+  sends_.push_back(m);
+  progress_messages();  // copies it now if its slot is free
+  return std::make_unique<MessageWork>(*this, std::move(m));
+}
+
+WorkPtr NodeSharedMemory::recv_async(const Tensor& t, int peer, int tag) {
+  if (inboxes_.empty() || !t.device().is_cpu() || static_cast<int64_t>(t.nbytes()) > slot_capacity_) return nullptr;
+  auto m = std::make_shared<Message>();
+  m->keep = t;
+  m->peer = peer;
+  m->tag = tag;
+  recvs_.push_back(m);
+  progress_messages();
+  return std::make_unique<MessageWork>(*this, std::move(m));
+}
+
+void NodeSharedMemory::progress_messages() {
+  // Sends to one peer go in order, into its slots in turn: a full slot holds back that peer's
+  // later sends, not the other peers'.
+  std::vector<bool> held(static_cast<size_t>(size_), false);
+  for (auto it = sends_.begin(); it != sends_.end();) {
+    Message& m = **it;
+    const auto peer = static_cast<size_t>(m.peer);
+    Slot& s = slot(m.peer, rank_, static_cast<int>(sent_[peer] % static_cast<uint64_t>(slots_)));
+    if (held[peer] || s.full.load(std::memory_order_acquire) != 0) {
+      held[peer] = true;
+      ++it;
+      continue;
+    }
+    std::memcpy(reinterpret_cast<char*>(&s) + kSlotHeader, m.keep.raw(), m.keep.nbytes());
+    s.tag = m.tag;
+    s.bytes = static_cast<int64_t>(m.keep.nbytes());
+    s.full.store(++sent_[peer], std::memory_order_release);
+    m.done = true;
+    m.keep = Tensor();
+    it = sends_.erase(it);
+  }
+  // Each receive takes the oldest message with its tag from its peer: moved aside first, then
+  // in the slots.
+  const auto expect_bytes = [](const Message& m, int64_t bytes) {
+    STRATA_CHECK(bytes == static_cast<int64_t>(m.keep.nbytes()), "message with tag ", m.tag, " from rank ", m.peer,
+                 " has ", bytes, " bytes, the receive expects ", m.keep.nbytes());
+  };
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    Message& m = **it;
+    const auto early = std::find_if(unexpected_.begin(), unexpected_.end(),
+                                    [&](const Unexpected& u) { return u.peer == m.peer && u.tag == m.tag; });
+    if (early != unexpected_.end()) {
+      expect_bytes(m, static_cast<int64_t>(early->data.size()));
+      std::memcpy(m.keep.raw(), early->data.data(), early->data.size());
+      unexpected_.erase(early);
+      m.done = true;
+      m.keep = Tensor();
+      it = recvs_.erase(it);
+      continue;
+    }
+    Slot* found = nullptr;
+    uint64_t oldest = 0;
+    for (int k = 0; k < slots_; ++k) {
+      Slot& s = slot(rank_, m.peer, k);
+      const uint64_t number = s.full.load(std::memory_order_acquire);
+      if (number != 0 && s.tag == m.tag && (found == nullptr || number < oldest)) {
+        found = &s;
+        oldest = number;
+      }
+    }
+    if (found == nullptr) {
+      ++it;
+      continue;
+    }
+    expect_bytes(m, found->bytes);
+    std::memcpy(m.keep.raw(), reinterpret_cast<char*>(found) + kSlotHeader, m.keep.nbytes());
+    found->full.store(0, std::memory_order_release);
+    m.done = true;
+    m.keep = Tensor();
+    it = recvs_.erase(it);
+  }
+  // A peer whose slots are all full would wait for receives that may come later (or after a
+  // receive it waits for itself): its oldest message moves here.
+  for (int peer = 0; peer < size_; ++peer) {
+    Slot* oldest = nullptr;
+    for (int k = 0; k < slots_; ++k) {
+      Slot& s = slot(rank_, peer, k);
+      const uint64_t number = s.full.load(std::memory_order_acquire);
+      if (number == 0) {
+        oldest = nullptr;
+        break;
+      }
+      if (oldest == nullptr || number < oldest->full.load(std::memory_order_relaxed)) oldest = &s;
+    }
+    if (oldest == nullptr) continue;
+    const char* data = reinterpret_cast<const char*>(oldest) + kSlotHeader;
+    unexpected_.push_back({peer, oldest->tag, std::vector<char>(data, data + oldest->bytes)});
+    oldest->full.store(0, std::memory_order_release);
+  }
+}
+
+void NodeSharedMemory::wait_for(const Message& m) {
+  uint64_t spins = 0;
+  for (progress_messages(); !m.done; progress_messages()) relax(spins, comm_);
 }
 
 Tensor NodeSharedMemory::allocate(int64_t numel, DType dtype, std::string& why_not) {
@@ -297,6 +479,7 @@ WorkPtr NodeSharedMemory::start(std::shared_ptr<Op> op, const Tensor& t) {
 }
 
 void NodeSharedMemory::progress() {
+  if (!sends_.empty() || !recvs_.empty()) progress_messages();
   while (!queue_.empty()) {
     Op& op = *queue_.front();
     while (op.phase < kComplete && advance(op)) {

@@ -17,6 +17,15 @@
 // sum; all-gather: it holds every chunk), done = s (it has copied the other chunks: nobody
 // reads its memory for s any more). A rank writes only its own counters. Waiting spins on them
 // and yields the core when it spins long (oversubscribed runs).
+//
+// Point-to-point messages (the pipeline's activations and gradients) go through mailboxes once
+// enable_messages() has set them up: every rank owns an inbox segment with a few slots per
+// sender. A send copies the message into the next slot of the receiver's inbox (or, with that
+// slot still full, at a later call of this group) and marks it full; the receiver copies it out
+// and marks it free. When every slot from a peer is full and no receive takes them, the oldest
+// is moved to this rank's memory (an unexpected message, as MPI keeps them), so a sender never
+// waits on a receive that is started later. Open MPI moves a 128 KiB message with a rendezvous (a request, the
+// receiver's single copy, an acknowledgement); here it is two copies and one flag.
 #pragma once
 
 #include <mpi.h>
@@ -54,15 +63,28 @@ class NodeSharedMemory {
   // Starts the in-place all-gather into `out` (any dtype, inside a buffer from allocate(), the
   // same range on every rank) of `in`, which must be chunk `rank` of it. nullptr otherwise.
   WorkPtr all_gather_async(const Tensor& in, const Tensor& out);
+  // Collective: from now on a message of at most `max_bytes` (the largest over the ranks) goes
+  // through mailboxes of `slots` slots per sender, fewer if they would exceed 64 MiB per rank.
+  // False (on every rank alike, `why_not` saying why) if the segments could not be made.
+  bool enable_messages(int64_t max_bytes, int slots, std::string& why_not);
+  // Starts sending `t` (a CPU tensor) to `peer`, or receiving into `t` from it, through the
+  // mailboxes; nullptr when they are not enabled or `t` does not fit a slot (then MPI carries
+  // it: both sides decide by the size alone). Messages from one peer with one tag are
+  // received in the order they were sent, by the receives in the order they were started.
+  WorkPtr send_async(const Tensor& t, int peer, int tag);
+  WorkPtr recv_async(const Tensor& t, int peer, int tag);
   // Advances the started operations as far as they go without waiting.
   void progress();
   // Operations started and not complete.
-  int in_flight() const { return static_cast<int>(queue_.size()); }
+  int in_flight() const { return static_cast<int>(queue_.size() + sends_.size() + recvs_.size()); }
 
   struct Op;  // one operation: its range in every rank's mapping and its phase (in the .cpp)
   struct Counters;
-  // Advances until `op` is complete (spinning, then yielding the core).
+  struct Message;  // one send or receive through the mailboxes
+  struct Slot;
+  // Advances until `op` (or `m`) is complete (spinning, then yielding the core).
   void wait_for(const Op& op);
+  void wait_for(const Message& m);
 
  private:
   NodeSharedMemory(MPI_Comm comm, int rank, int size);
@@ -74,6 +96,10 @@ class NodeSharedMemory {
   bool advance(Op& op);
   // Own elements [begin, end) of op's range = the sum over ranks (times op.scale).
   void sum_into_own(const Op& op, int64_t begin, int64_t end);
+  // Slot k of the mailbox in `receiver`'s inbox that `sender` writes to.
+  Slot& slot(int receiver, int sender, int k) const;
+  // Copies waiting sends into free slots and waiting receives out of full ones, in order.
+  void progress_messages();
 
   MPI_Comm comm_;  // the communicator's own duplicate, for the collectives of allocate()
   int rank_, size_;
@@ -82,6 +108,20 @@ class NodeSharedMemory {
   char* own_counters_ = nullptr;
   uint64_t started_ = 0;  // operations started so far: the next one is started_ + 1
   std::deque<std::shared_ptr<Op>> queue_;
+  // Mailboxes (enable_messages): every rank's inbox mapped here, the slots per sender, one
+  // slot's size, messages copied into each peer's inbox so far, and the operations waiting.
+  std::vector<char*> inboxes_;
+  size_t inbox_bytes_ = 0;
+  int slots_ = 0;
+  int64_t slot_capacity_ = 0, slot_stride_ = 0;
+  std::vector<uint64_t> sent_;
+  std::deque<std::shared_ptr<Message>> sends_, recvs_;
+  struct Unexpected {
+    int peer = 0;
+    int64_t tag = 0;
+    std::vector<char> data;
+  };
+  std::deque<Unexpected> unexpected_;  // oldest first (per peer: older than its slots' messages)
 };
 
 }  // namespace strata::parallel

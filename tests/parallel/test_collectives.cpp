@@ -520,6 +520,60 @@ TEST_F(SharedMemory, AllGatherTakesTheSharedPath) {
       Error);
 }
 
+TEST_F(SharedMemory, MessagesThroughMailboxesKeepMpiOrder) {
+  // Around the ring, more messages than slots: later sends wait for a free slot, and receives
+  // started in reverse order make the receiver move messages aside. Two messages with one tag
+  // go to the receives in the order these were started, as MPI matches them; one larger than
+  // the mailboxes goes through MPI.
+  MpiCommunicator comm(MPI_COMM_WORLD, "messages");
+  const int64_t n = 1001;
+  comm.reserve_messages(n * 4, 2);
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const auto message = [&](int from, int k, int64_t numel) {
+    Tensor t = Tensor::empty({numel});
+    for (int64_t i = 0; i < numel; ++i) t.data<float>()[i] = value(from, k * numel + i);
+    return t;
+  };
+  std::vector<WorkPtr> works;
+  const int tags[] = {0, 1, 2, 3, 4, 7, 7};
+  for (int k = 0; k < 7; ++k) works.push_back(comm.send_async(message(rank_, k, n), next, tags[k]));
+  works.push_back(comm.send_async(message(rank_, 9, 3 * n), next, 9));
+  std::vector<Tensor> got(8);
+  for (int k = 8; k-- > 0;) {
+    got[k] = Tensor::empty({k == 7 ? 3 * n : n});
+    works.push_back(comm.recv_async(got[k], prev, k == 7 ? 9 : tags[k]));
+  }
+  for (WorkPtr& w : works) w->wait();
+  const int sent_as[] = {0, 1, 2, 3, 4, 6, 5};  // got[6] was started first of the two tag-7 receives
+  for (int k = 0; k < 8; ++k) {
+    const Tensor want = k == 7 ? message(prev, 9, 3 * n) : message(prev, sent_as[k], n);
+    EXPECT_EQ(std::memcmp(got[k].raw(), want.raw(), want.nbytes()), 0) << "message " << k;
+  }
+  EXPECT_EQ(comm.in_flight(), 0);
+}
+
+TEST_F(SharedMemory, MessageOfAnotherSizeIsAnError) {
+  // MPI would take 400 bytes into an 800-byte receive silently; the mailbox compares the sizes,
+  // which also proves the message went through it.
+  MpiCommunicator comm(MPI_COMM_WORLD, "message sizes");
+  comm.reserve_messages(4000, 2);
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  comm.send(Tensor::zeros({100}), next, 5);
+  Tensor into = Tensor::empty({200});
+  EXPECT_THROW(
+      {
+        try {
+          comm.recv(into, prev, 5);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("has 400 bytes, the receive expects 800"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      Error);
+  comm.barrier();  // every rank has checked before the communicators go
+}
+
 TEST_F(Collectives, SubCommunicatorFromSplit) {
   // Even and odd world ranks: each half reduces among itself only.
   MPI_Comm half;
