@@ -49,7 +49,7 @@ struct Options : bench::CommonOptions {  // batch is per rank
   bool sync = true;
   bool overlap = true;
   int zero = 0;               // ZeRO stage: 0 or 1
-  bool shared_memory = true;  // parameter and gradient buffers from the communicator (train's choice)
+  bool shared_memory = true;  // the dp group may use shared memory (train's default)
 };
 
 Options parse(int argc, char** argv) {
@@ -103,7 +103,7 @@ struct Bench {
               opt.zero > 0 ? parallel::shard_pad_multiple(g.dp_size()) : parallel::kShardAlign, true, true, 0, 0,
               DType::F32, Device::cpu(),
               [&](int64_t numel, DType dtype) {
-                return opt.shared_memory ? g.dp().allocate(numel, dtype, Device::cpu()) : Tensor::zeros({numel}, dtype);
+                return g.dp().allocate(numel, dtype, Device::cpu());  // ordinary memory with --no-shared-memory
               }),
         optimizer(layers::OptimizerConfig{"sgd", 0.9f}, opt.zero, g.dp(), store),
         sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20)),
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     ops::set_num_threads(o.threads);
-    parallel::ProcessGrid grid(MPI_COMM_WORLD, 1);
+    parallel::ProcessGrid grid(MPI_COMM_WORLD, 1, parallel::Transport::Mpi, Device::cpu(), o.shared_memory);
     const int ranks = grid.dp_size();
     const bool root = grid.world().rank() == 0;
     Bench b(o, grid);

@@ -6,7 +6,9 @@ free and every stage holds one 1024x1024 layer), records the last step's timelin
 --timeline, and reads per-stage idle fractions and event times back from the SVG. The
 point-to-point overhead per micro-batch is the gap between a stage's forward(i) ending and the
 next stage's forward(i) starting, where the next stage was waiting for it. Each case runs
---repeats times (default 7); the table shows medians (per stage for the idle fractions).
+--repeats times (default 7); the table shows medians (per stage for the idle fractions). Every
+run is paired with one of `train --shared-memory false` (messages through MPI instead of the
+shared-memory mailboxes), the baseline columns.
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
 Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
@@ -21,7 +23,7 @@ import tempfile
 EVENT = re.compile(r"<title>stage (\d+) ([FB])(\d+): ([0-9.e+-]+) - ([0-9.e+-]+) s</title>")
 
 
-def run_case(args, data, stages, m, kind, work):
+def run_case(args, data, stages, m, kind, work, extra=()):
     hidden = ",".join(["1024"] * (stages + 1))
     # layers: flatten, (fc_i, relu_i) x (stages+1), fc_out; stage 0 = fc1 + fc2, then one fc each
     cuts = ",".join(str(5 + 2 * k) for k in range(stages - 1))
@@ -29,7 +31,7 @@ def run_case(args, data, stages, m, kind, work):
     cmd = [args.mpirun, "-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
            "--hidden", hidden, "--data", data, "--steps", str(args.steps), "--global-batch", str(m * args.micro_batch),
            "--micro-batch", str(args.micro_batch), "--pp", str(stages), "--partition", cuts, "--schedule", kind,
-           "--threads", "1", "--log-every", "1000", "--timeline", svg]
+           "--threads", "1", "--log-every", "1000", "--timeline", svg] + list(extra)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
@@ -66,21 +68,32 @@ def main():
                     "--dtype", "f32"], check=True, capture_output=True)
     print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage; "
           f"medians of {a.repeats} runs per case")
-    print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per micro-batch | step |")
-    print("|---:|---:|---|---:|---|---:|---:|---:|")
+    print("Messages through shared-memory mailboxes (train's default on one node); baseline: the same runs with "
+          "--shared-memory false (MPI point-to-point), interleaved")
+    print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per "
+          "micro-batch | step | MPI p2p: worst - formula | MPI p2p: overhead per micro-batch |")
+    print("|---:|---:|---|---:|---|---:|---:|---:|---:|---:|")
     for stages in a.stages:
         for m in a.micro:
             for kind in ("gpipe", "1f1b"):
-                runs = [run_case(a, data + ".h5", stages, m, kind, work) for _ in range(a.repeats)]
-                bubbles = [statistics.median(r[0][s] for r in runs) for s in range(stages)]
-                gap = statistics.median(r[1] for r in runs)
-                step = statistics.median(r[2] for r in runs)
                 formula = (stages - 1) / (m + stages - 1)
-                worst = max(abs(b - formula) for b in bubbles)
+                runs, base = [], []
+                for _ in range(a.repeats):
+                    runs.append(run_case(a, data + ".h5", stages, m, kind, work))
+                    base.append(run_case(a, data + ".h5", stages, m, kind, work, ("--shared-memory", "false")))
+
+                def summary(rs):
+                    bubbles = [statistics.median(r[0][s] for r in rs) for s in range(stages)]
+                    worst = max(abs(b - formula) for b in bubbles)
+                    return bubbles, worst, statistics.median(r[1] for r in rs), statistics.median(r[2] for r in rs)
+
+                bubbles, worst, gap, step = summary(runs)
+                _, base_worst, base_gap, _ = summary(base)
                 note = " (oversubscribed)" if stages > (os.cpu_count() or 1) else ""
                 print(f"| {stages}{note} | {m} | {kind} | {100 * formula:.1f}% | "
                       f"{' '.join(f'{100 * b:.1f}%' for b in bubbles)} | {100 * worst:.1f} pt | "
-                      f"{1e6 * gap:.0f} µs | {1e3 * step:.1f} ms |", flush=True)
+                      f"{1e6 * gap:.0f} µs | {1e3 * step:.1f} ms | {100 * base_worst:.1f} pt | {1e6 * base_gap:.0f} µs |",
+                      flush=True)
 
 
 if __name__ == "__main__":

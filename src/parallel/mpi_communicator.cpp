@@ -413,7 +413,8 @@ class MpiWork final : public Work {
 
 }  // namespace
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name) : name_(std::move(name)) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool shared_memory)
+    : name_(std::move(name)), use_shared_memory_(shared_memory) {
   MPI_CHECK(MPI_Comm_dup(comm, &comm_));
   MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
@@ -440,7 +441,7 @@ WorkPtr MpiCommunicator::track(std::shared_ptr<MpiOpState> state) {
 }
 
 Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
-  if (device.is_cpu() && size_ > 1) {
+  if (use_shared_memory_ && device.is_cpu() && size_ > 1) {
     if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
     shared_checked_ = true;
     if (shared_) {
@@ -457,7 +458,7 @@ Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
 bool MpiCommunicator::in_shared_memory(const Tensor& t) const { return shared_ && shared_->holds(t); }
 
 void MpiCommunicator::reserve_messages(int64_t max_bytes, int slots) {
-  if (size_ < 2) return;
+  if (!use_shared_memory_ || size_ < 2) return;
   if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
   shared_checked_ = true;
   std::string why_not;

@@ -34,7 +34,9 @@ class MpiCommunicator final : public Communicator {
  public:
   // Duplicates `comm` (MPI_Comm_dup, collective over `comm`), so Strata's messages never
   // match anyone else's; errors on the duplicate come back as codes (MPI_ERRORS_RETURN).
-  MpiCommunicator(MPI_Comm comm, std::string name);
+  // `shared_memory` false: allocate() and reserve_messages() change nothing (everything goes
+  // through MPI).
+  MpiCommunicator(MPI_Comm comm, std::string name, bool shared_memory = true);
   // Waits for operations still in flight, then frees the duplicate; never throws.
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
@@ -85,7 +87,8 @@ class MpiCommunicator final : public Communicator {
   int64_t bytes_sent_ = 0;
   // Started operations; progress() tests them, completed ones are dropped on the next start.
   std::vector<std::shared_ptr<MpiOpState>> pending_;
-  bool shared_checked_ = false;               // allocate() has looked for a one-node group
+  bool use_shared_memory_;                    // the constructor's choice
+  bool shared_checked_ = false;               // allocate() or reserve_messages() has looked for a one-node group
   std::unique_ptr<NodeSharedMemory> shared_;  // set when it found one
 };
 

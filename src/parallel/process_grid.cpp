@@ -11,10 +11,10 @@ namespace strata::parallel {
 namespace {
 
 // A communicator made by MPI_Comm_split, wrapped (MpiCommunicator keeps its own duplicate).
-std::unique_ptr<MpiCommunicator> split(MPI_Comm world, int color, int key, const char* name) {
+std::unique_ptr<MpiCommunicator> split(MPI_Comm world, int color, int key, const char* name, bool shared_memory) {
   MPI_Comm part = MPI_COMM_NULL;
   MPI_CHECK(MPI_Comm_split(world, color, key, &part));
-  auto comm = std::make_unique<MpiCommunicator>(part, name);
+  auto comm = std::make_unique<MpiCommunicator>(part, name, shared_memory);
   MPI_Comm_free(&part);
   return comm;
 }
@@ -36,7 +36,7 @@ std::unique_ptr<Communicator> nccl_over(const MpiCommunicator& group, Device dev
 
 ProcessGrid::~ProcessGrid() = default;
 
-ProcessGrid::ProcessGrid(MPI_Comm world, int pp, Transport transport, Device device)
+ProcessGrid::ProcessGrid(MPI_Comm world, int pp, Transport transport, Device device, bool shared_memory)
     : transport_(transport), device_(device) {
   int size = 1, rank = 0;
   MPI_CHECK(MPI_Comm_size(world, &size));
@@ -53,8 +53,8 @@ ProcessGrid::ProcessGrid(MPI_Comm world, int pp, Transport transport, Device dev
   stage_ = rank / dp_size_;
   replica_ = rank % dp_size_;
   world_ = std::make_unique<MpiCommunicator>(world, "world");
-  dp_ = split(world, /*color=*/stage_, /*key=*/replica_, "dp");
-  pp_ = split(world, /*color=*/replica_, /*key=*/stage_, "pp");
+  dp_ = split(world, /*color=*/stage_, /*key=*/replica_, "dp", shared_memory);
+  pp_ = split(world, /*color=*/replica_, /*key=*/stage_, "pp", shared_memory);
   if (transport == Transport::Nccl) {
     // Only the pipeline sends point-to-point (activations up, gradients down).
     dp_nccl_ = nccl_over(*dp_, device, /*p2p=*/false);

@@ -35,7 +35,9 @@ class ProcessGrid {
   // Collective over `world`. Throws an Input error (the same on every rank, before any
   // communication) when pp < 1 or pp does not divide the world size, or when NCCL is asked of
   // a build without CUDA or for a CPU device. `device` is this rank's (select_device).
-  ProcessGrid(MPI_Comm world, int pp, Transport transport = Transport::Mpi, Device device = Device::cpu());
+  // `shared_memory` false keeps the dp and pp groups' MPI communicators off shared memory.
+  ProcessGrid(MPI_Comm world, int pp, Transport transport = Transport::Mpi, Device device = Device::cpu(),
+              bool shared_memory = true);
   ~ProcessGrid();
   ProcessGrid(const ProcessGrid&) = delete;
   ProcessGrid& operator=(const ProcessGrid&) = delete;

@@ -104,6 +104,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&c.device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&c.comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
+    ("shared-memory", po::value(&c.shared_memory)->default_value(true), "on one node, all-reduce, ZeRO's reduce and all-gather and the pipeline's messages go through shared memory; false: everything through MPI")
     ("precision", po::value(&c.precision)->default_value("fp32"), "fp32 | bf16 | fp16: parameters and activations (fp32 master weights, gradients and optimizer state)")
     ("loss-scale", po::value(&c.loss_scale)->default_value("auto"), "auto (dynamic for fp16, none otherwise) | dynamic | none | a fixed number")
     ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")

@@ -43,6 +43,7 @@ struct Config {
   bool dry_run = false;        // print the per-rank memory table and exit before training
   std::string device = "cpu";  // cpu | cuda
   std::string comm = "auto";   // auto (nccl on cuda, mpi on cpu) | nccl | mpi
+  bool shared_memory = true;   // one node: collectives and pipeline messages in shared memory
   std::string precision = "fp32";    // fp32 | bf16 | fp16: parameters and activations
   std::string loss_scale = "auto";   // auto (dynamic for fp16) | dynamic | none | a number
   double loss_scale_init = 65536.0;  // dynamic loss scaling starts here

@@ -71,7 +71,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   const DeviceKind kind = parallel::parse_device_kind(config_.device);
   const parallel::Transport transport = parallel::parse_transport(config_.comm, kind);
   device_ = parallel::select_device(world, kind, transport);
-  grid_ = std::make_unique<parallel::ProcessGrid>(world, config_.pp, transport, device_);
+  grid_ = std::make_unique<parallel::ProcessGrid>(world, config_.pp, transport, device_, config_.shared_memory);
   ops::set_allow_tf32(config_.tf32);
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();

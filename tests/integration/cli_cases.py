@@ -254,7 +254,8 @@ def case_ddp_batchnorm(args):
 
 def case_pipeline_equivalence(args):
     """p pipeline stages with m micro-batches == 1 stage accumulating m micro-batches, for both
-    schedules, on the MLP and the CNN: pp=2, pp=4 and pp=2 x dp=2 on 4 ranks, after 50 steps.
+    schedules, on the MLP and the CNN: pp=2, pp=4 and pp=2 x dp=2 on 4 ranks, after 50 steps,
+    with the one-node shared-memory transports and with --shared-memory false (all MPI).
     Checkpoints are gathered from every stage to rank 0, so this also checks the gathering."""
     for model in (["--model", "mlp", "--hidden", "64,32,16", "--dropout", "0.1"], ["--model", "cnn"]):
         layouts = [(1, 8)]
@@ -262,6 +263,10 @@ def case_pipeline_equivalence(args):
             s = ("--schedule", schedule)
             layouts += [(2, 8, ("--pp", "2") + s), (4, 8, ("--pp", "4") + s), (4, 4, ("--pp", "2") + s),
                         (4, 8, ("--pp", "4", "--partition", "1,2,3") + s)]
+        # Everything through MPI instead of shared memory (messages, all-reduce, ZeRO 1's reduce
+        # and all-gather): the same model.
+        layouts += [(4, 4, ("--pp", "2", "--shared-memory", "false")),
+                    (4, 4, ("--pp", "2", "--zero", "1", "--shared-memory", "false"))]
         runs = equivalence_runs(args, model, layouts)
         for layout, tensors in runs.items():
             if layout != (1, 8):
