@@ -313,25 +313,19 @@ NodeSharedMemory::Slot& NodeSharedMemory::slot(int receiver, int sender, int k) 
   return *reinterpret_cast<Slot*>(base + (int64_t{sender} * slots_ + k) * slot_stride_);
 }
 
-WorkPtr NodeSharedMemory::send_async(const Tensor& t, int peer, int tag) {
-  if (inboxes_.empty() || !t.device().is_cpu() || static_cast<int64_t>(t.nbytes()) > slot_capacity_) return nullptr;
-  auto m = std::make_shared<Message>();
-  m->keep = t;
-  m->peer = peer;
-  m->tag = tag;
-  sends_.push_back(m);
-  progress_messages();  // copies it now if its slot is free
-  return std::make_unique<MessageWork>(*this, std::move(m));
-}
+WorkPtr NodeSharedMemory::send_async(const Tensor& t, int peer, int tag) { return start_message(sends_, t, peer, tag); }
 
-WorkPtr NodeSharedMemory::recv_async(const Tensor& t, int peer, int tag) {
+WorkPtr NodeSharedMemory::recv_async(const Tensor& t, int peer, int tag) { return start_message(recvs_, t, peer, tag); }
+
+WorkPtr NodeSharedMemory::start_message(std::deque<std::shared_ptr<Message>>& queue, const Tensor& t, int peer,
+                                        int tag) {
   if (inboxes_.empty() || !t.device().is_cpu() || static_cast<int64_t>(t.nbytes()) > slot_capacity_) return nullptr;
   auto m = std::make_shared<Message>();
   m->keep = t;
   m->peer = peer;
   m->tag = tag;
-  recvs_.push_back(m);
-  progress_messages();
+  queue.push_back(m);
+  progress_messages();  // a send is copied now if its slot is free, a receive if its message is there
   return std::make_unique<MessageWork>(*this, std::move(m));
 }
 

@@ -98,6 +98,8 @@ class NodeSharedMemory {
   void sum_into_own(const Op& op, int64_t begin, int64_t end);
   // Slot k of the mailbox in `receiver`'s inbox that `sender` writes to.
   Slot& slot(int receiver, int sender, int k) const;
+  // Queues a send (on sends_) or receive (recvs_); nullptr when `t` does not fit the mailboxes.
+  WorkPtr start_message(std::deque<std::shared_ptr<Message>>& queue, const Tensor& t, int peer, int tag);
   // Copies waiting sends into free slots and waiting receives out of full ones, in order.
   void progress_messages();
 

@@ -353,6 +353,17 @@ class SharedMemory : public Collectives {
     for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = value(rank_, i);
     return t;
   }
+  // Runs `f`, which must throw an Error whose message contains `fragment` (on every rank).
+  template <class F>
+  static void expect_error(F f, const std::string& fragment) {
+    try {
+      f();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no error saying \"" << fragment << "\"";
+  }
   // The sum in rank order, in f32: what the shared-memory all-reduce must give bitwise.
   float rank_order_sum(int64_t i) const {
     float s = value(0, i) + value(1, i);
@@ -490,16 +501,9 @@ TEST_F(SharedMemory, DifferentRangesOnDifferentRanksAreAnError) {
   // A bug in the caller, not a hang: every rank sees the mismatch and throws.
   MpiCommunicator comm(MPI_COMM_WORLD, "mismatch");
   Tensor t = comm.allocate(64, DType::F32, Device::cpu());
-  EXPECT_THROW(
-      {
-        try {  // found when starting (the peers are there already) or when waiting
-          comm.all_reduce_async(t.view(rank_ == 0 ? 0 : 16, {32}), ReduceOp::Sum)->wait();
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("all-reduces 32 elements at byte"), std::string::npos) << e.what();
-          throw;
-        }
-      },
-      Error);
+  // Found when starting (the peers are there already) or when waiting.
+  expect_error([&] { comm.all_reduce_async(t.view(rank_ == 0 ? 0 : 16, {32}), ReduceOp::Sum)->wait(); },
+               "all-reduces 32 elements at byte");
 }
 
 TEST_F(SharedMemory, AllGatherTakesTheSharedPath) {
@@ -508,16 +512,7 @@ TEST_F(SharedMemory, AllGatherTakesTheSharedPath) {
   MpiCommunicator comm(MPI_COMM_WORLD, "gather mismatch");
   Tensor t = comm.allocate(64 * size_ + 16, DType::F32, Device::cpu());
   const Tensor out = t.view(rank_ == 0 ? 0 : 16, {64 * size_});
-  EXPECT_THROW(
-      {
-        try {
-          comm.all_gather_async(out.view(rank_ * 64, {64}), out)->wait();
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("all-gathers"), std::string::npos) << e.what();
-          throw;
-        }
-      },
-      Error);
+  expect_error([&] { comm.all_gather_async(out.view(rank_ * 64, {64}), out)->wait(); }, "all-gathers");
 }
 
 TEST_F(SharedMemory, MessagesThroughMailboxesKeepMpiOrder) {
@@ -560,17 +555,7 @@ TEST_F(SharedMemory, MessageOfAnotherSizeIsAnError) {
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   comm.send(Tensor::zeros({100}), next, 5);
   Tensor into = Tensor::empty({200});
-  EXPECT_THROW(
-      {
-        try {
-          comm.recv(into, prev, 5);
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("has 400 bytes, the receive expects 800"), std::string::npos)
-              << e.what();
-          throw;
-        }
-      },
-      Error);
+  expect_error([&] { comm.recv(into, prev, 5); }, "has 400 bytes, the receive expects 800");
   comm.barrier();  // every rank has checked before the communicators go
 }
 
