@@ -147,14 +147,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
       received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_)), dtype_, device_));
   }
   // Every stage receives what its neighbours send; GPipe has up to m messages in flight per
-  // direction, 1F1B up to P.
+  // direction, 1F1B up to P. One slot more than that: a full inbox never holds up a sender, so
+  // no message has to be moved aside (shared_memory.hpp).
   int64_t largest_message = 0;
   for (const auto* received : {&received_activations_, &received_grads_})
     for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
   const bool gpipe = parallel::parse_schedule_kind(config_.schedule_kind) == parallel::ScheduleKind::GPipe;
   const int64_t in_flight = gpipe ? micro_batches_ : std::min<int64_t>(micro_batches_, grid_->pp_size());
   if (grid_->pp_size() > 1 && device_.is_cpu())
-    grid_->pp().reserve_messages(largest_message, static_cast<int>(in_flight));
+    grid_->pp().reserve_messages(largest_message, static_cast<int>(in_flight + 1));
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
