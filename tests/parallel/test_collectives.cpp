@@ -559,6 +559,20 @@ TEST_F(SharedMemory, MessageOfAnotherSizeIsAnError) {
   comm.barrier();  // every rank has checked before the communicators go
 }
 
+TEST_F(SharedMemory, MessagesTooLargeForTheMailboxesGoThroughMpi) {
+  // 40 MiB messages do not fit the 64 MiB of mailboxes per rank: every rank falls back alike
+  // (rank 0 says so once), and MPI then takes a smaller message into a larger receive, which
+  // the mailboxes would refuse.
+  MpiCommunicator comm(MPI_COMM_WORLD, "no mailboxes");
+  comm.reserve_messages(int64_t{40} << 20, 2);
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  WorkPtr sent = comm.send_async(allocate_filled(100), next, 3);
+  Tensor into = Tensor::empty({200});
+  comm.recv(into, prev, 3);
+  sent->wait();
+  EXPECT_EQ(into.data<float>()[99], value(prev, 99));
+}
+
 TEST_F(Collectives, SubCommunicatorFromSplit) {
   // Even and odd world ranks: each half reduces among itself only.
   MPI_Comm half;
