@@ -440,17 +440,20 @@ WorkPtr MpiCommunicator::track(std::shared_ptr<MpiOpState> state) {
   return std::make_unique<MpiWork>(std::move(state));
 }
 
+NodeSharedMemory* MpiCommunicator::node_group() {
+  if (!use_shared_memory_ || size_ < 2) return nullptr;
+  if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
+  shared_checked_ = true;
+  return shared_.get();
+}
+
 Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
-  if (use_shared_memory_ && device.is_cpu() && size_ > 1) {
-    if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
-    shared_checked_ = true;
-    if (shared_) {
-      std::string why_not;
-      Tensor t = shared_->allocate(numel, dtype, why_not);
-      if (t.defined()) return t;
-      if (rank_ == 0)
-        log::warn(name_, ": ", why_not, "; the buffer is ordinary memory and its all-reduce goes through MPI");
-    }
+  if (NodeSharedMemory* group = device.is_cpu() ? node_group() : nullptr) {
+    std::string why_not;
+    Tensor t = group->allocate(numel, dtype, why_not);
+    if (t.defined()) return t;
+    if (rank_ == 0)
+      log::warn(name_, ": ", why_not, "; the buffer is ordinary memory and its all-reduce goes through MPI");
   }
   return Tensor::zeros({numel}, dtype, device);
 }
@@ -458,11 +461,8 @@ Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
 bool MpiCommunicator::in_shared_memory(const Tensor& t) const { return shared_ && shared_->holds(t); }
 
 void MpiCommunicator::reserve_messages(int64_t max_bytes, int slots) {
-  if (!use_shared_memory_ || size_ < 2) return;
-  if (!shared_checked_) shared_ = NodeSharedMemory::create(comm_);
-  shared_checked_ = true;
   std::string why_not;
-  if (shared_ && !shared_->enable_messages(max_bytes, slots, why_not) && rank_ == 0)
+  if (NodeSharedMemory* group = node_group(); group && !group->enable_messages(max_bytes, slots, why_not) && rank_ == 0)
     log::warn(name_, ": ", why_not, "; point-to-point messages go through MPI");
 }
 

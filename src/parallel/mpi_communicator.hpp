@@ -87,6 +87,9 @@ class MpiCommunicator final : public Communicator {
   int64_t bytes_sent_ = 0;
   // Started operations; progress() tests them, completed ones are dropped on the next start.
   std::vector<std::shared_ptr<MpiOpState>> pending_;
+  // The one-node group (created collectively on the first call), or nullptr.
+  NodeSharedMemory* node_group();
+
   bool use_shared_memory_;                    // the constructor's choice
   bool shared_checked_ = false;               // allocate() or reserve_messages() has looked for a one-node group
   std::unique_ptr<NodeSharedMemory> shared_;  // set when it found one

@@ -329,7 +329,30 @@ WorkPtr NodeSharedMemory::start_message(std::deque<std::shared_ptr<Message>>& qu
   return std::make_unique<MessageWork>(*this, std::move(m));
 }
 
+NodeSharedMemory::Slot* NodeSharedMemory::oldest_message(int peer, int tag, int* full) const {
+  Slot* oldest = nullptr;
+  uint64_t oldest_number = 0;
+  int count = 0;
+  for (int k = 0; k < slots_; ++k) {
+    Slot& s = slot(rank_, peer, k);
+    const uint64_t number = s.full.load(std::memory_order_acquire);
+    if (number == 0) continue;
+    ++count;
+    if ((tag < 0 || s.tag == tag) && (oldest == nullptr || number < oldest_number)) {
+      oldest = &s;
+      oldest_number = number;
+    }
+  }
+  if (full != nullptr) *full = count;
+  return oldest;
+}
+
 void NodeSharedMemory::progress_messages() {
+  const auto payload = [](Slot& s) { return reinterpret_cast<char*>(&s) + kSlotHeader; };
+  const auto finish = [](Message& m) {
+    m.done = true;
+    m.keep = Tensor();
+  };
   // Sends to one peer go in order, into its slots in turn: a full slot holds back that peer's
   // later sends, not the other peers'.
   std::vector<bool> held(static_cast<size_t>(size_), false);
@@ -342,69 +365,44 @@ void NodeSharedMemory::progress_messages() {
       ++it;
       continue;
     }
-    std::memcpy(reinterpret_cast<char*>(&s) + kSlotHeader, m.keep.raw(), m.keep.nbytes());
+    std::memcpy(payload(s), m.keep.raw(), m.keep.nbytes());
     s.tag = m.tag;
     s.bytes = static_cast<int64_t>(m.keep.nbytes());
     s.full.store(++sent_[peer], std::memory_order_release);
-    m.done = true;
-    m.keep = Tensor();
+    finish(m);
     it = sends_.erase(it);
   }
   // Each receive takes the oldest message with its tag from its peer: moved aside first, then
   // in the slots.
-  const auto expect_bytes = [](const Message& m, int64_t bytes) {
+  const auto take = [&](Message& m, const char* data, int64_t bytes) {
     STRATA_CHECK(bytes == static_cast<int64_t>(m.keep.nbytes()), "message with tag ", m.tag, " from rank ", m.peer,
                  " has ", bytes, " bytes, the receive expects ", m.keep.nbytes());
+    std::memcpy(m.keep.raw(), data, static_cast<size_t>(bytes));
+    finish(m);
   };
   for (auto it = recvs_.begin(); it != recvs_.end();) {
     Message& m = **it;
     const auto early = std::find_if(unexpected_.begin(), unexpected_.end(),
                                     [&](const Unexpected& u) { return u.peer == m.peer && u.tag == m.tag; });
     if (early != unexpected_.end()) {
-      expect_bytes(m, static_cast<int64_t>(early->data.size()));
-      std::memcpy(m.keep.raw(), early->data.data(), early->data.size());
+      take(m, early->data.data(), static_cast<int64_t>(early->data.size()));
       unexpected_.erase(early);
-      m.done = true;
-      m.keep = Tensor();
-      it = recvs_.erase(it);
-      continue;
-    }
-    Slot* found = nullptr;
-    uint64_t oldest = 0;
-    for (int k = 0; k < slots_; ++k) {
-      Slot& s = slot(rank_, m.peer, k);
-      const uint64_t number = s.full.load(std::memory_order_acquire);
-      if (number != 0 && s.tag == m.tag && (found == nullptr || number < oldest)) {
-        found = &s;
-        oldest = number;
-      }
-    }
-    if (found == nullptr) {
+    } else if (Slot* s = oldest_message(m.peer, m.tag)) {
+      take(m, payload(*s), s->bytes);
+      s->full.store(0, std::memory_order_release);
+    } else {
       ++it;
       continue;
     }
-    expect_bytes(m, found->bytes);
-    std::memcpy(m.keep.raw(), reinterpret_cast<char*>(found) + kSlotHeader, m.keep.nbytes());
-    found->full.store(0, std::memory_order_release);
-    m.done = true;
-    m.keep = Tensor();
     it = recvs_.erase(it);
   }
   // A peer whose slots are all full would wait for receives that may come later (or after a
   // receive it waits for itself): its oldest message moves here.
   for (int peer = 0; peer < size_; ++peer) {
-    Slot* oldest = nullptr;
-    for (int k = 0; k < slots_; ++k) {
-      Slot& s = slot(rank_, peer, k);
-      const uint64_t number = s.full.load(std::memory_order_acquire);
-      if (number == 0) {
-        oldest = nullptr;
-        break;
-      }
-      if (oldest == nullptr || number < oldest->full.load(std::memory_order_relaxed)) oldest = &s;
-    }
-    if (oldest == nullptr) continue;
-    const char* data = reinterpret_cast<const char*>(oldest) + kSlotHeader;
+    int full = 0;
+    Slot* oldest = oldest_message(peer, /*tag=*/-1, &full);
+    if (full < slots_) continue;
+    const char* data = payload(*oldest);
     unexpected_.push_back({peer, oldest->tag, std::vector<char>(data, data + oldest->bytes)});
     oldest->full.store(0, std::memory_order_release);
   }

@@ -24,8 +24,9 @@
 // slot still full, at a later call of this group) and marks it full; the receiver copies it out
 // and marks it free. When every slot from a peer is full and no receive takes them, the oldest
 // is moved to this rank's memory (an unexpected message, as MPI keeps them), so a sender never
-// waits on a receive that is started later. Open MPI moves a 128 KiB message with a rendezvous (a request, the
-// receiver's single copy, an acknowledgement); here it is two copies and one flag.
+// waits on a receive that is started later. Open MPI moves a 128 KiB message with a rendezvous
+// (a request, the receiver's single copy, an acknowledgement); here it is two copies and one
+// flag.
 #pragma once
 
 #include <mpi.h>
@@ -100,6 +101,9 @@ class NodeSharedMemory {
   Slot& slot(int receiver, int sender, int k) const;
   // Queues a send (on sends_) or receive (recvs_); nullptr when `t` does not fit the mailboxes.
   WorkPtr start_message(std::deque<std::shared_ptr<Message>>& queue, const Tensor& t, int peer, int tag);
+  // The oldest message from `peer` in this rank's inbox with `tag` (any if < 0), or nullptr;
+  // `full`, if given, gets how many of the peer's slots hold a message.
+  Slot* oldest_message(int peer, int tag, int* full = nullptr) const;
   // Copies waiting sends into free slots and waiting receives out of full ones, in order.
   void progress_messages();
 

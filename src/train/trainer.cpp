@@ -128,8 +128,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   micro_batches_ = local_batch_ / micro_batch_;
 
   // The schedule is generated and checked (matching messages, no deadlock) before any step.
-  const std::vector<parallel::StageProgram> programs = parallel::make_schedule(
-      parallel::parse_schedule_kind(config_.schedule_kind), grid_->pp_size(), static_cast<int>(micro_batches_));
+  const parallel::ScheduleKind schedule_kind = parallel::parse_schedule_kind(config_.schedule_kind);
+  const std::vector<parallel::StageProgram> programs =
+      parallel::make_schedule(schedule_kind, grid_->pp_size(), static_cast<int>(micro_batches_));
   parallel::check_schedule(programs);
   program_ = programs[static_cast<size_t>(stage_)];
   for (size_t k = 0; k < program_.size(); ++k)
@@ -152,8 +153,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   int64_t largest_message = 0;
   for (const auto* received : {&received_activations_, &received_grads_})
     for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
-  const bool gpipe = parallel::parse_schedule_kind(config_.schedule_kind) == parallel::ScheduleKind::GPipe;
-  const int64_t in_flight = gpipe ? micro_batches_ : std::min<int64_t>(micro_batches_, grid_->pp_size());
+  const int64_t in_flight = schedule_kind == parallel::ScheduleKind::GPipe
+                                ? micro_batches_
+                                : std::min<int64_t>(micro_batches_, grid_->pp_size());
   if (grid_->pp_size() > 1 && device_.is_cpu())
     grid_->pp().reserve_messages(largest_message, static_cast<int>(in_flight + 1));
 
