@@ -16,6 +16,7 @@ Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs,
 import argparse
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import tempfile
@@ -28,7 +29,7 @@ def run_case(args, data, stages, m, kind, work, extra=()):
     # layers: flatten, (fc_i, relu_i) x (stages+1), fc_out; stage 0 = fc1 + fc2, then one fc each
     cuts = ",".join(str(5 + 2 * k) for k in range(stages - 1))
     svg = os.path.join(work, f"tl-{kind}-{stages}-{m}.svg")
-    cmd = [args.mpirun, "-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
+    cmd = shlex.split(args.mpirun) + ["-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
            "--hidden", hidden, "--data", data, "--steps", str(args.steps), "--global-batch", str(m * args.micro_batch),
            "--micro-batch", str(args.micro_batch), "--pp", str(stages), "--partition", cuts, "--schedule", kind,
            "--threads", "1", "--log-every", "1000", "--timeline", svg] + list(extra)
@@ -55,7 +56,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--train", default="build/train")
     p.add_argument("--data-tool", default="build/strata-data")
-    p.add_argument("--mpirun", default="mpirun")
+    p.add_argument("--mpirun", default="mpirun", help="a command: may carry a launcher, e.g. 'strata-bundle/run mpirun'")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--micro-batch", type=int, default=32)
@@ -64,7 +65,7 @@ def main():
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="strata-bubble-")
     data = os.path.join(work, "features")
-    subprocess.run([a.data_tool, "synthetic", "--out", data, "--samples", "16384", "--shape", "8", "--classes", "10",
+    subprocess.run(shlex.split(a.data_tool) + ["synthetic", "--out", data, "--samples", "16384", "--shape", "8", "--classes", "10",
                     "--dtype", "f32"], check=True, capture_output=True)
     print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage; "
           f"medians of {a.repeats} runs per case")

@@ -10,7 +10,8 @@ foreach(_target train strata-data test_cuda_ops test_cuda_dnn test_nccl)
   endif()
 endforeach()
 set(_strata_bundle_extras
-  --extra jobs/gpu-check.sh --extra bench/torch_train_step.py --extra bench/torch_models.py)
+  --extra jobs/gpu-check.sh --extra bench/torch_train_step.py --extra bench/torch_models.py
+  --extra bench/pipeline_bubble.py)
 add_custom_target(bundle
   COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/bundle.sh --out ${CMAKE_BINARY_DIR}/bundle
           --src ${PROJECT_SOURCE_DIR} ${_strata_bundle_bins} ${_strata_bundle_extras}

@@ -13,10 +13,13 @@
 #    then 2 ranks of `train --device cuda --comm mpi` sharing the GPU;
 # 3. benchmark: `train --device cuda` on Fashion-MNIST-shaped synthetic data, mlp and cnn, fp32
 #    and bf16, and the same models in PyTorch on the same GPU when `import torch` works there
-#    (bench/torch_train_step.py --device cuda --dtype ...), as a table of samples/s.
+#    (bench/torch_train_step.py --device cuda --dtype ...), as a table of samples/s;
+# 4. the pipeline bubble for P = 4 on the machine's CPU cores (bench/pipeline_bubble.py:
+#    the P = 4 table needs a core per stage, more than the 2-core development machines have).
 # Output goes to stdout and, when OUT is set, to $OUT/gpu-check.log.
 # Knobs (environment): BATCH (256), STEPS (400), LOG_EVERY (50), MODELS ("mlp cnn"),
-# PRECISIONS ("fp32 bf16"), TORCH=0 to skip PyTorch, PYTHON (python3 with torch).
+# PRECISIONS ("fp32 bf16"), TORCH=0 to skip PyTorch, PYTHON (python3 with torch), BUBBLE_STAGES
+# ("4"; "4 2" adds P = 2; none to skip), BUBBLE_REPEATS (3).
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +28,8 @@ STEPS="${STEPS:-400}"
 LOG_EVERY="${LOG_EVERY:-50}"
 MODELS="${MODELS:-mlp cnn}"
 PRECISIONS="${PRECISIONS:-fp32 bf16}"
+BUBBLE_STAGES="${BUBBLE_STAGES:-4}"
+BUBBLE_REPEATS="${BUBBLE_REPEATS:-3}"
 TORCH="${TORCH:-1}"
 work="$(mktemp -d /tmp/strata-gpu-check.XXXXXX)"
 t_start=$SECONDS
@@ -193,6 +198,26 @@ for model in $MODELS; do
     printf '%-6s %-6s %14s %14s %14s\n' "$model" "$precision" "${s:--}" "${t:--}" "$ratio"
   done
 done
+
+# ---- 4. pipeline bubble on this machine's CPU cores ---------------------------------------------
+# The P = 4 bubble needs a core per stage, which the 2-core development machines lack (issue #4):
+# bench/pipeline_bubble.py with the bundled train and mpirun, one thread per rank, the OpenBLAS
+# kernels named as bench/lib.sh does. Runs last, so a slow CPU cannot cost the GPU results.
+bubble_py=""
+for py in python3 /usr/bin/python3; do command -v "$py" >/dev/null 2>&1 && { bubble_py="$py"; break; }; done
+if [[ -n "$bubble_py" && -x "$bundle/bin/mpirun" && "$BUBBLE_STAGES" != none ]]; then
+  blas_core=""
+  if grep -qw avx512bw /proc/cpuinfo; then blas_core=SkylakeX; elif grep -qw avx2 /proc/cpuinfo; then blas_core=Haswell; fi
+  echo "cpu: $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1), $(nproc) cores; OpenBLAS kernels: ${blas_core:-detected}"
+  # shellcheck disable=SC2086
+  # Python without the bundle's libraries; its programs get them through the bundle's `run`.
+  step "pipeline bubble, P = $BUBBLE_STAGES ($BUBBLE_REPEATS paired repeats)" 240 env -u LD_LIBRARY_PATH \
+    ${blas_core:+OPENBLAS_CORETYPE=$blas_core} OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$bubble_py" \
+    "$bundle/scripts/pipeline_bubble.py" --train "$bundle/bin/train" --data-tool "$bundle/run strata-data" \
+    --mpirun "$bundle/run mpirun" --stages $BUBBLE_STAGES --repeats "$BUBBLE_REPEATS"
+else
+  echo "pipeline bubble: skipped (no python3, no bundled mpirun, or BUBBLE_STAGES=none)"
+fi
 
 echo
 echo "=== summary ($((SECONDS - t_start)) s)"

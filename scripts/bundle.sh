@@ -119,6 +119,13 @@ run_checks() {
     else echo "FAIL train, 1 rank:"; tail -5 <<<"$out"; fail=1; fi
     if out=$(timeout 120 mpirun -np 2 train "${common[@]}" 2>&1); then echo "ok   mpirun -np 2 train: $(grep -o "final test.*" <<<"$out")"
     else echo "FAIL mpirun -np 2 train:"; tail -8 <<<"$out"; fail=1; fi
+    # The bubble benchmark as gpu-check.sh starts it: Python outside the bundle, programs through `run`.
+    if command -v python3 >/dev/null; then
+      if out=$(timeout 120 python3 "$STRATA_BUNDLE/scripts/pipeline_bubble.py" --train "$STRATA_BUNDLE/bin/train" \
+        --data-tool "$STRATA_BUNDLE/run strata-data" --mpirun "$STRATA_BUNDLE/run mpirun" --stages 2 --micro 2 \
+        --steps 2 --repeats 1 2>&1); then echo "ok   pipeline_bubble.py: $(tail -1 <<<"$out")"
+      else echo "FAIL pipeline_bubble.py:"; tail -8 <<<"$out"; fail=1; fi
+    fi
     exit $fail'
 }
 
