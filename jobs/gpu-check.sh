@@ -119,6 +119,11 @@ grep -m1 "NCCL version" "$last_out" || true
 if [[ -x "$bundle/bin/mpirun" ]]; then
   step "test_nccl, 2 ranks sharing the GPU" 240 mpirun -np 2 --oversubscribe "$bundle/bin/test_nccl" "${gtest[@]}"
 fi
+# A driver too old for this CUDA makes every GPU test skip as if there were no GPU: not a pass.
+if grep -l "no CUDA device" "$work"/test_*.out >/dev/null 2>&1; then
+  grep -h -m1 "no CUDA device" "$work"/test_*.out
+  summary+=("$(printf '%-52s %-20s' "the GPU tests used the GPU" "FAIL(skipped)")")
+fi
 
 # ---- 3. benchmark --------------------------------------------------------------------------------
 data="$work/fashion-mnist-synthetic"

@@ -36,8 +36,9 @@ Device select_device(DeviceKind kind, Transport transport, const NodeGpus& node)
   STRATA_REQUIRE(node.cuda_build,
                  "--device cuda: this build of Strata has no CUDA (configure with -DSTRATA_CUDA=ON where nvcc is "
                  "installed), or use --device cpu");
-  STRATA_REQUIRE(node.visible_gpus > 0, "--device cuda: no CUDA device on node ", node.node,
-                 " (no GPU or driver, or CUDA_VISIBLE_DEVICES hides them); use --device cpu");
+  STRATA_REQUIRE(node.visible_gpus > 0, "--device cuda: no CUDA device on node ", node.node, " (",
+                 node.cuda_error.empty() ? "no GPU or driver, or CUDA_VISIBLE_DEVICES hides them" : node.cuda_error,
+                 "); use --device cpu");
   if (transport == Transport::Nccl) {
     // Under CUDA_VISIBLE_DEVICES per rank every rank sees "GPU 0", yet they differ: count the
     // physical GPUs the node's ranks would use when known.
@@ -67,9 +68,10 @@ Device select_device(MPI_Comm world, DeviceKind kind, Transport transport) {
     constexpr int kBusIdBytes = 32;
     std::vector<char> mine(kBusIdBytes, '\0');
 #if STRATA_WITH_CUDA
-    if (cudaGetDeviceCount(&node.visible_gpus) != cudaSuccess) {
+    if (const cudaError_t rc = cudaGetDeviceCount(&node.visible_gpus); rc != cudaSuccess) {
       (void)cudaGetLastError();  // no driver or no GPU: reported below as an input error
       node.visible_gpus = 0;
+      if (rc != cudaErrorNoDevice) node.cuda_error = cudaGetErrorString(rc);  // e.g. driver older than CUDA 13
     }
     if (node.visible_gpus > 0 &&
         cudaDeviceGetPCIBusId(mine.data(), kBusIdBytes - 1, node.local_rank % node.visible_gpus) != cudaSuccess) {

@@ -31,6 +31,7 @@ struct NodeGpus {
   int visible_gpus = 0;   // CUDA devices this rank sees (0: no GPU, or a build without CUDA)
   int distinct_gpus = 0;  // physical GPUs the node's ranks would use (by PCI bus id); 0: unknown
   bool cuda_build = false;
+  std::string cuda_error;  // why CUDA saw no device, when it says more than "none" (e.g. an old driver)
 };
 
 // The device of this rank: the CPU, or GPU local_rank % visible_gpus. Input errors, the same on

@@ -165,13 +165,18 @@ class DeviceComm : public testing::TestWithParam<Transport> {
       }
       skip_[slot] = agreed(why);
       if (skip_[slot].empty()) {
-        if (transport == Transport::Nccl)
-          comms_[slot] = std::make_unique<NcclCommunicator>(MPI_COMM_WORLD, "world", device_[slot]);
-        else
-          comms_[slot] = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "world");
+        try {  // a failed creation fails every test of the transport, not a null pointer later
+          if (transport == Transport::Nccl)
+            comms_[slot] = std::make_unique<NcclCommunicator>(MPI_COMM_WORLD, "world", device_[slot]);
+          else
+            comms_[slot] = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "world");
+        } catch (const std::exception& e) {
+          failed_[slot] = e.what();
+        }
       }
     }
     if (!skip_[slot].empty()) GTEST_SKIP() << "no GPU for every rank (" << skip_[slot] << ")";
+    if (!comms_[slot]) GTEST_FAIL() << "creating the communicator failed: " << failed_[slot];
     comm_ = comms_[slot].get();
     device_here_ = device_[slot];
     rank_ = comm_->rank();
@@ -184,6 +189,7 @@ class DeviceComm : public testing::TestWithParam<Transport> {
 
   static inline bool checked_[2] = {false, false};
   static inline std::string skip_[2];
+  static inline std::string failed_[2];
   static inline Device device_[2];
   static inline std::unique_ptr<Communicator> comms_[2];
 };

@@ -79,12 +79,14 @@ enum class ConvDir { Forward, BackwardData, BackwardFilter };
 
 // The best algorithm cuDNN's heuristics rank (cudnnGet*_v7: no trial runs, so no output is
 // scribbled on and the choice is the same on every rank), preferring deterministic ones so a
-// run repeats bit for bit. `strict_f32` skips tensor-op (TF32) algorithms.
+// run repeats bit for bit. `strict_f32` skips tensor-op (TF32) algorithms; algorithms whose
+// workspace exceeds `max_workspace` are skipped too (FFT ones can ask for many times the
+// tensors, and the choice is cached, so an allocation failure would repeat every step).
 template <class Perf>
-const Perf* pick(const Perf* perf, int count, bool strict_f32) {
+const Perf* pick(const Perf* perf, int count, bool strict_f32, size_t max_workspace) {
   const Perf* fallback = nullptr;
   for (int i = 0; i < count; ++i) {
-    if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > max_workspace) continue;
     if (strict_f32 && perf[i].mathType != CUDNN_FMA_MATH && perf[i].mathType != CUDNN_DEFAULT_MATH) continue;
     if (perf[i].determinism == CUDNN_DETERMINISTIC) return &perf[i];
     if (fallback == nullptr) fallback = &perf[i];
@@ -109,12 +111,16 @@ ConvAlgo conv_algo(DeviceContext& ctx, ConvDir dir, DType t, int64_t n, const Co
   const cudnnMathType_t requested = strict_f32 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH;
   CUDNN_CHECK(cudnnSetConvolutionMathType(d.conv, requested));
   constexpr int kMaxAlgos = 16;  // more than any direction has
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const size_t max_workspace = free_bytes / 2;
   int count = 0;
   ConvAlgo a;
   // Adopts the chosen algorithm's math mode (cuDNN needs algorithm and math mode to agree).
   auto adopt = [&](const auto* perf) {
     STRATA_CHECK(perf != nullptr, "cuDNN offers no convolution algorithm for ", dtype_name(t), " input (", n, ", ",
-                 g.in_channels, ", ", g.in_h, ", ", g.in_w, "), kernel ", g.kernel_h, "x", g.kernel_w);
+                 g.in_channels, ", ", g.in_h, ", ", g.in_w, "), kernel ", g.kernel_h, "x", g.kernel_w, " within ",
+                 max_workspace >> 20, " MiB of workspace (half the free device memory)");
     a.algo = static_cast<int>(perf->algo);
     a.math = strict_f32 ? CUDNN_FMA_MATH : perf->mathType;
     CUDNN_CHECK(cudnnSetConvolutionMathType(d.conv, a.math));
@@ -123,7 +129,7 @@ ConvAlgo conv_algo(DeviceContext& ctx, ConvDir dir, DType t, int64_t n, const Co
     case ConvDir::Forward: {
       cudnnConvolutionFwdAlgoPerf_t perf[kMaxAlgos];
       CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(ctx.cudnn, d.x, d.w, d.conv, d.y, kMaxAlgos, &count, perf));
-      adopt(pick(perf, count, strict_f32));
+      adopt(pick(perf, count, strict_f32, max_workspace));
       CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
           ctx.cudnn, d.x, d.w, d.conv, d.y, static_cast<cudnnConvolutionFwdAlgo_t>(a.algo), &a.workspace_bytes));
       break;
@@ -132,7 +138,7 @@ ConvAlgo conv_algo(DeviceContext& ctx, ConvDir dir, DType t, int64_t n, const Co
       cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxAlgos];
       CUDNN_CHECK(
           cudnnGetConvolutionBackwardDataAlgorithm_v7(ctx.cudnn, d.w, d.y, d.conv, d.x, kMaxAlgos, &count, perf));
-      adopt(pick(perf, count, strict_f32));
+      adopt(pick(perf, count, strict_f32, max_workspace));
       CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
           ctx.cudnn, d.w, d.y, d.conv, d.x, static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo), &a.workspace_bytes));
       break;
@@ -141,7 +147,7 @@ ConvAlgo conv_algo(DeviceContext& ctx, ConvDir dir, DType t, int64_t n, const Co
       cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxAlgos];
       CUDNN_CHECK(
           cudnnGetConvolutionBackwardFilterAlgorithm_v7(ctx.cudnn, d.x, d.y, d.conv, d.w, kMaxAlgos, &count, perf));
-      adopt(pick(perf, count, strict_f32));
+      adopt(pick(perf, count, strict_f32, max_workspace));
       CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
           ctx.cudnn, d.x, d.y, d.conv, d.w, static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo), &a.workspace_bytes));
       break;
