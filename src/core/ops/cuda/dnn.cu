@@ -171,37 +171,29 @@ struct AddChannelBias {
   }
 };
 
-// out[c] += sum over samples and positions of x (n, channels, hw)[:, c, :]; one block per
-// channel, fixed order (deterministic).
-template <class T, class G>
-__global__ void channel_sum_kernel(const T* x, int64_t n, int64_t channels, int64_t hw, G* out) {
-  __shared__ float shared[32];
-  const int64_t c = blockIdx.x;
-  float acc = 0.0f;
-  for (int64_t i = threadIdx.x; i < n * hw; i += blockDim.x) {
-    const int64_t s = i / hw, j = i - s * hw;
-    acc += fn::to_f32(x[(s * channels + c) * hw + j]);
-  }
-  acc = block_sum(acc, shared);
-  if (threadIdx.x == 0) out[c] = fn::from_f32<G>(fn::to_f32(out[c]) + acc);
-}
-
-template <class T, class G>
-void channel_sum(const OnDevice& on, const T* x, int64_t n, int64_t channels, int64_t hw, G* out) {
-  if (channels == 0) return;
-  channel_sum_kernel<<<static_cast<unsigned>(channels), row_threads(n * hw), 0, on.stream>>>(x, n, channels, hw, out);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// y (planes, hw) -> mean of each plane; one block per plane.
-template <class T>
-__global__ void plane_mean_kernel(const T* x, int64_t hw, T* y) {
+// y[plane] = the sum of each plane of x (planes, hw), in f32, divided by `divisor` (hw for the
+// mean, 1 for the sum); one block per plane.
+template <class T, class Y>
+__global__ void plane_sum_kernel(const T* x, int64_t hw, float divisor, Y* y) {
   __shared__ float shared[32];
   const T* in = x + static_cast<int64_t>(blockIdx.x) * hw;
   float acc = 0.0f;
   for (int64_t i = threadIdx.x; i < hw; i += blockDim.x) acc += fn::to_f32(in[i]);
   acc = block_sum(acc, shared);
-  if (threadIdx.x == 0) y[blockIdx.x] = fn::from_f32<T>(acc / static_cast<float>(hw));
+  if (threadIdx.x == 0) y[blockIdx.x] = fn::from_f32<Y>(acc / divisor);
+}
+
+// out[c] += sum over samples and positions of x (n, channels, hw)[:, c, :]: the planes' sums
+// (n * channels blocks: one block per channel would leave most of the GPU idle), then the
+// column sums of the (n, channels) partials. Fixed shapes and order: deterministic.
+template <class T, class G>
+void channel_sum(const OnDevice& on, const T* x, int64_t n, int64_t channels, int64_t hw, G* out) {
+  if (channels == 0 || n == 0) return;
+  const Tensor s = scratch(on, static_cast<size_t>(n * channels) * sizeof(float));
+  float* sums = scratch_at<float>(s, 0);
+  plane_sum_kernel<<<static_cast<unsigned>(n * channels), row_threads(hw), 0, on.stream>>>(x, hw, 1.0f, sums);
+  CUDA_CHECK(cudaGetLastError());
+  column_sum(on, n, channels, ReadAt<float>{sums, channels}, out);
 }
 
 // ---- pooling (same windows, order and tie rules as cpu/pool.cpp) --------------------------------
@@ -494,7 +486,8 @@ void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
   const OnDevice on(y);
   with_float_type(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    plane_mean_kernel<<<static_cast<unsigned>(planes), row_threads(hw), 0, on.stream>>>(x.data<T>(), hw, y.data<T>());
+    plane_sum_kernel<<<static_cast<unsigned>(planes), row_threads(hw), 0, on.stream>>>(
+        x.data<T>(), hw, static_cast<float>(hw), y.data<T>());
     CUDA_CHECK(cudaGetLastError());
   });
 }
