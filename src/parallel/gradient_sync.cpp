@@ -58,7 +58,11 @@ void GradientSync::broadcast_parameters() {
   if (dp_.size() == 1) return;
   // ZeRO 3: each replica holds a different shard, initialised identically by construction.
   if (!store_.sharded_params() && store_.params().numel() > 0) dp_.broadcast(store_.params(), 0);
-  if (store_.buffers().numel() > 0) dp_.broadcast(store_.buffers(), 0);
+  broadcast_buffers();
+}
+
+void GradientSync::broadcast_buffers() {
+  if (dp_.size() > 1 && store_.buffers().numel() > 0) dp_.broadcast(store_.buffers(), 0);
 }
 
 int64_t GradientSync::allocated_bytes() const {

@@ -47,6 +47,8 @@ class GradientSync {
   // Makes parameters (unless sharded: ZeRO 3) and buffers identical on every replica:
   // broadcast from replica 0.
   void broadcast_parameters();
+  // Only the buffers (BatchNorm's running statistics): replica 0's, before an evaluation.
+  void broadcast_buffers();
   // Before a backward whose gradients are synchronised (ZeRO 0/1: the step's last; ZeRO 2:
   // every one).
   void begin();

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <thread>
 
@@ -58,6 +59,8 @@ int run_collectively(MPI_Comm comm, const std::function<void()>& phase) {
   std::string message;
   try {
     phase();
+  } catch (const PeerFailed&) {
+    // the failing rank reports
   } catch (const Error& e) {
     code = e.kind() == ErrorKind::Input ? kExitBadInput : kExitFailure;
     message = format_error(e);
@@ -81,6 +84,19 @@ int run_collectively(MPI_Comm comm, const std::function<void()>& phase) {
     std::fflush(stderr);
   }
   return agreed;
+}
+
+void agree(MPI_Comm comm, const std::function<void()>& part) {
+  std::exception_ptr error;
+  try {
+    part();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  int mine = error ? 1 : 0, any = 0;
+  MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm);
+  if (error) std::rethrow_exception(error);
+  if (any) throw PeerFailed();
 }
 
 void abort_world(const std::string& message, int code) {

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <functional>
+#include <stdexcept>
 #include <string>
 
 #include "core/error.hpp"
@@ -49,6 +50,15 @@ class MpiRuntime {
 // rank prints its one-line message and every rank returns the exit code (2 for bad input, 1
 // otherwise). Returns kExitOk when the phase succeeded everywhere.
 int run_collectively(MPI_Comm comm, const std::function<void()>& phase);
+
+// Inside such a phase, a part that may fail on some ranks only (a checkpoint tensor only one
+// stage reads, a directory only rank 0 creates) while the others would go on into the next
+// collective and wait there forever: every rank learns whether any failed. The failing ranks
+// rethrow their error; the others throw PeerFailed, which run_collectively does not report.
+void agree(MPI_Comm comm, const std::function<void()>& part);
+struct PeerFailed : std::runtime_error {
+  PeerFailed() : std::runtime_error("another rank failed") {}
+};
 
 // Reports an error raised where the other ranks may be inside a collective, then ends the
 // whole job: the message names the rank and MPI_Abort stops every process.

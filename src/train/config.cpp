@@ -3,6 +3,7 @@
 #include "train/config.hpp"
 
 #include <boost/program_options.hpp>
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -137,7 +138,17 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   STRATA_REQUIRE(c.global_batch > 0, "--global-batch must be positive, found ", c.global_batch);
   STRATA_REQUIRE(c.micro_batch >= 0, "--micro-batch must be positive, found ", c.micro_batch);
   STRATA_REQUIRE(c.epochs >= 0 && c.steps >= 0, "--epochs and --steps must not be negative");
-  STRATA_REQUIRE(c.schedule.lr > 0, "--lr must be positive, found ", c.schedule.lr);
+  STRATA_REQUIRE(c.schedule.lr > 0 && std::isfinite(c.schedule.lr), "--lr must be positive and finite, found ",
+                 c.schedule.lr);
+  STRATA_REQUIRE(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "--momentum must be in [0, 1), found ",
+                 c.optimizer.momentum);
+  STRATA_REQUIRE(c.optimizer.weight_decay >= 0 && std::isfinite(c.optimizer.weight_decay),
+                 "--weight-decay must not be negative, found ", c.optimizer.weight_decay);
+  STRATA_REQUIRE(c.schedule.warmup_steps >= 0, "--warmup-steps must not be negative, found ", c.schedule.warmup_steps);
+  STRATA_REQUIRE(c.schedule.gamma > 0 && c.schedule.gamma <= 1, "--lr-gamma must be in (0, 1], found ",
+                 c.schedule.gamma);
+  STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
+                 c.schedule.lr, "], found ", c.schedule.min_lr);
   STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
   STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
   STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);

@@ -1,5 +1,6 @@
 #include "train/trainer.hpp"
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -170,7 +171,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     config_.schedule.total_steps = total_steps_;  // cosine decays over the whole run
   }
 
-  if (!config_.init_from.empty()) load_model(io::CheckpointReader(config_.init_from));
+  // Each stage reads its own tensors: a bad one fails that stage's ranks only.
+  parallel::agree(world, [&] {
+    if (!config_.init_from.empty()) load_model(io::CheckpointReader(config_.init_from));
+  });
   if (config_.resume == "auto") {
     // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
     std::vector<double> step{0.0};
@@ -182,16 +186,16 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     if (step[0] < 0)
       log::info("--resume auto: no complete checkpoint in ", config_.checkpoint_dir, ", starting from step 0");
     else
-      resume_from(io::checkpoint_path(config_.checkpoint_dir, static_cast<int64_t>(step[0])));
+      parallel::agree(world,
+                      [&] { resume_from(io::checkpoint_path(config_.checkpoint_dir, static_cast<int64_t>(step[0]))); });
   } else if (config_.resume != "none") {
-    resume_from(config_.resume);
+    parallel::agree(world, [&] { resume_from(config_.resume); });
   }
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
-  if (!config_.checkpoint_dir.empty() && rank_ == 0 && !config_.dry_run) {
-    std::error_code ec;
-    fs::create_directories(config_.checkpoint_dir, ec);
-    STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", config_.checkpoint_dir, "': ", ec.message());
-  }
+  // What rank 0 writes during training, checked now rather than after hours of it.
+  parallel::agree(world, [&] {
+    if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
+  });
 
   log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", info.num_classes,
             " classes\n", model_->summary());
@@ -200,6 +204,26 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
               config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_, " per replica); ",
               config_.dry_run ? "--dry-run: not training" : detail::cat("training ", total_steps_, " steps"));
+}
+
+void Trainer::check_output_paths() const {
+  if (!config_.checkpoint_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(config_.checkpoint_dir, ec);
+    STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", config_.checkpoint_dir, "': ", ec.message());
+    const fs::path probe = fs::path(config_.checkpoint_dir) / ".strata-write-test";
+    STRATA_REQUIRE(std::ofstream(probe).good(), "--checkpoint-dir: cannot write in '", config_.checkpoint_dir,
+                   "': ", std::strerror(errno));
+    fs::remove(probe, ec);
+  }
+  for (const auto& [flag, path] : {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}}) {
+    if (path.empty()) continue;
+    STRATA_REQUIRE(!fs::is_directory(path), flag, " must name a file, found the directory '", path, "'");
+    const bool existed = fs::exists(path);
+    STRATA_REQUIRE(std::ofstream(path, std::ios::app).good(), flag, ": cannot write '", path,
+                   "': ", std::strerror(errno));
+    if (!existed) fs::remove(path);  // --timeline writes it later; --metrics appends to it
+  }
 }
 
 void Trainer::load_model(const io::CheckpointReader& reader) {
@@ -248,10 +272,17 @@ void Trainer::resume_from(const std::string& path) {
   if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale"))
     scaler_.restore(reader.attr_double("loss_scale"), reader.attr_int("loss_scale_good_steps"));
   start_step_ = reader.attr_int("step");
+  if (reader.has_attr("log_window_steps")) {
+    window_loss_ = reader.attr_double("log_window_loss");
+    window_steps_ = reader.attr_int("log_window_steps");
+  }
   optimizer_->set_steps_taken(reader.attr_int("optimizer_step"));
   next_epoch_ = reader.attr_int("epoch");
   next_in_epoch_ = reader.attr_int("step_in_epoch");
   const int64_t saved_batch = reader.attr_int("global_batch");
+  STRATA_REQUIRE(start_step_ >= 0 && next_epoch_ >= 0 && next_in_epoch_ >= 0 && saved_batch > 0, "checkpoint ", path,
+                 " has a bad position: step ", start_step_, ", epoch ", next_epoch_, ", step_in_epoch ", next_in_epoch_,
+                 ", global_batch ", saved_batch, " (expected steps >= 0 and a positive batch)");
   if (saved_batch != config_.global_batch) {
     // Same samples seen, counted in this run's batches: the position is approximate.
     next_in_epoch_ = next_in_epoch_ * saved_batch / config_.global_batch;
@@ -337,8 +368,9 @@ bool Trainer::unscale_and_check(const Tensor& grads, int64_t step) {
   sum_over_world(overflow);
   const double scale = scaler_.scale();
   if (!scaler_.update(overflow[0] > 0)) {
-    log::warn("step ", step + 1, ": gradients overflowed at loss scale ", scale, "; step skipped, loss scale now ",
-              scaler_.scale());
+    if (rank_ == 0)  // the same on every rank: agreed above
+      log::warn("step ", step + 1, ": gradients overflowed at loss scale ", scale, "; step skipped, loss scale now ",
+                scaler_.scale());
     return false;
   }
   if (owned.numel() > 0) ops::scale(owned, static_cast<float>(1.0 / scale));
@@ -501,28 +533,29 @@ bool Trainer::train() {
   normalise(next_epoch_, next_in_epoch_);
   loader.start(next_epoch_, next_in_epoch_);
 
-  double window_loss = 0;
-  int64_t window_steps = 0;
+  int64_t timed_steps = 0;  // of the window, run by this process (a resumed window began earlier)
   auto window_start = clock::now();
   const auto run_start = clock::now();
   for (int64_t step = start_step_; step < total_steps_; ++step) {
     const io::Batch& batch = loader.next();
-    window_loss += train_step(batch, step) / static_cast<double>(config_.global_batch);
+    window_loss_ += train_step(batch, step) / static_cast<double>(config_.global_batch);
     next_epoch_ = batch.epoch;
     next_in_epoch_ = batch.step_in_epoch + 1;
     normalise(next_epoch_, next_in_epoch_);
-    ++window_steps;
+    ++window_steps_;
+    ++timed_steps;
     const int64_t done = step + 1;
     if (done % config_.log_every == 0 || done == total_steps_) {
       const double seconds = std::chrono::duration<double>(clock::now() - window_start).count();
-      const double rate = static_cast<double>(window_steps * config_.global_batch) / std::max(seconds, 1e-9);
+      const double rate = static_cast<double>(timed_steps * config_.global_batch) / std::max(seconds, 1e-9);
       const double elapsed = std::chrono::duration<double>(clock::now() - run_start).count();
       const double eta = elapsed / static_cast<double>(done - start_step_) * static_cast<double>(total_steps_ - done);
-      log_progress(done, batch.epoch, window_loss / static_cast<double>(window_steps),
+      log_progress(done, batch.epoch, window_loss_ / static_cast<double>(window_steps_),
                    layers::learning_rate(config_.schedule, step), rate, exposed_comm_s_ / std::max(seconds, 1e-9), eta);
       exposed_comm_s_ = 0;
-      window_loss = 0;
-      window_steps = 0;
+      window_loss_ = 0;
+      window_steps_ = 0;
+      timed_steps = 0;
       window_start = clock::now();
     }
     if (config_.eval_every > 0 && done % config_.eval_every == 0 && done != total_steps_ && val_data_) {
@@ -555,14 +588,22 @@ bool Trainer::train() {
 EvalResult Trainer::evaluate(const io::Dataset& data) {
   // Every sample is evaluated exactly once: replica r takes a contiguous slice of the dataset,
   // runs it forward through the pipeline, and the last stages' sums are reduced.
+  // Every replica evaluates with replica 0's BatchNorm statistics (the ones checkpoints keep,
+  // as PyTorch DDP broadcasts its buffers), so the metric is the saved model's.
+  sync_->broadcast_buffers();
   const int64_t n = data.size();
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
-  const int64_t chunk = std::max<int64_t>(micro_batch_, 256);
+  // The same number of chunks on every replica: ZeRO 3 gathers each layer's parameters across
+  // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
+  const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(micro_batch_, 256);
+  const int64_t chunks = std::max<int64_t>(1, (largest_slice + most - 1) / most);
   parallel::Communicator& pipe = grid_->pp();
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
-  for (int64_t b = begin; b < end; b += chunk) {
-    const int64_t count = std::min(chunk, end - b);
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t first = begin + (end - begin) * k / chunks, last = begin + (end - begin) * (k + 1) / chunks;
+    const bool counted = last > first;
+    const int64_t b = counted ? first : 0, count = counted ? last - first : 1;
     Tensor x = first_stage() ? Tensor::empty(layers::batch_shape(count, model_->shape(begin_)))
                              : Tensor::empty(layers::batch_shape(count, model_->shape(begin_)), dtype_, device_);
     Tensor y = last_stage() ? Tensor::empty({count}, DType::I32) : Tensor();
@@ -577,6 +618,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
       pipe.send(out, stage_ + 1, 0);
       continue;
     }
+    if (!counted) continue;
     layers::Context loss_ctx;
     sums[0] += loss_.forward(out, y, loss_ctx);
     sums[1] += static_cast<double>(ops::count_correct(out, y));
@@ -656,6 +698,9 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->set_attr("precision", config_.precision);
   writer->set_attr("loss_scale", scaler_.scale());
   writer->set_attr("loss_scale_good_steps", scaler_.good_steps());
+  // The progress line's loss averages the steps since the last one: a resumed run logs the same.
+  writer->set_attr("log_window_loss", window_loss_);
+  writer->set_attr("log_window_steps", window_steps_);
   std::string effective;
   for (const auto& [key, value] : config_.effective) effective += key + " = " + value + "\n";
   writer->set_attr("config", effective);

@@ -86,6 +86,7 @@ class Trainer {
   void write_timeline(const std::vector<parallel::TimelineEvent>& mine);
   // This rank's parameters and buffers from /model (each tensor read whole, crc-checked, and
   // the owned part kept).
+  void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
   void load_model(const io::CheckpointReader& reader);
   // --resume: the model, this rank's optimizer-state shard, the step count and data position.
   void resume_from(const std::string& path);
@@ -124,6 +125,8 @@ class Trainer {
   std::vector<parallel::TimelineEvent> timeline_;
 
   bool stop_agreed_ = false;       // some rank received a preemption signal (agreed by all)
+  double window_loss_ = 0;         // loss summed over the steps since the last progress line
+  int64_t window_steps_ = 0;       // and their count (both saved in checkpoints)
   double exposed_comm_s_ = 0;      // waiting for gradient buckets since the last progress line
   int64_t dp_bytes_per_step_ = 0;  // sent on the dp communicator by this rank in the last step
 };

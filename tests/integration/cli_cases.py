@@ -493,6 +493,77 @@ def case_checkpoint_bad(args):
     print(f"--resume auto: {skipped[0]}")
 
 
+def final_metric(out, what="final test"):
+    m = re.search(what + r": loss ([0-9.]+)  accuracy ([0-9.]+)%  \((\d+) samples\)", out)
+    assert m, out
+    return float(m.group(1)), float(m.group(2)), int(m.group(3))
+
+
+def case_setup_on_some_ranks(args):
+    """Failures only some ranks see at setup, and evaluation edges that once hung or disagreed:
+    a corrupt checkpoint tensor that only one pipeline stage reads, a checkpoint directory or
+    --metrics file rank 0 cannot write (found before training, not at the first save), optimizer
+    values that failed only inside the first step: one line, exit 2 on every rank, no hang.
+    An evaluation set smaller than the replicas under ZeRO 3; BatchNorm replicas evaluating with
+    replica 0's statistics (the saved model's metric); the logged losses of a run resumed between
+    two progress lines equal the uninterrupted run's."""
+    import shutil
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "some.h5"), n=512)
+    ck = os.path.join(w, "ck-some")
+    shutil.rmtree(ck, ignore_errors=True)
+    base = ["--model", "mlp", "--hidden", "16,16", "--data", data, "--global-batch", "16", "--micro-batch", "8"]
+    train_ranks(args, 2, base + ["--pp", "2", "--steps", "4", "--checkpoint-dir", ck])
+    good = os.path.join(ck, "step-00000004.h5")
+    for tensor in ("model/fc1/weight", "model/fc3/bias"):  # stage 0's, stage 1's
+        bad = os.path.join(w, "some-" + tensor.replace("/", "-") + ".h5")
+        shutil.copyfile(good, bad)
+        with h5py.File(bad, "r+") as f:
+            f[tensor][0] += 1.0
+        for flags in (["--resume", bad, "--steps", "8"], ["--eval-only", "--init-from", bad]):
+            expect_bad_input(args, base + ["--pp", "2"] + flags, tensor + r".*corrupt", ranks=2)
+    expect_bad_input(args, base + ["--steps", "2", "--checkpoint-dir", os.path.join(data, "ck")],
+                     r"--checkpoint-dir: cannot create", ranks=2)
+    expect_bad_input(args, base + ["--steps", "2", "--metrics", w], r"--metrics must name a file", ranks=2)
+    expect_bad_input(args, base + ["--steps", "2", "--momentum", "-1"], r"--momentum must be in \[0, 1\), found -1",
+                     ranks=2)
+    expect_bad_input(args, base + ["--steps", "2", "--lr-schedule", "cosine", "--min-lr", "1"], r"--min-lr", ranks=2)
+
+    tiny = write_dataset(os.path.join(w, "tiny.h5"), n=3, seed=5)
+    out = train_ranks(args, 4, base[:-2] + ["--zero", "3", "--val-data", tiny, "--steps", "4", "--checkpoint-dir",
+                                            os.path.join(w, "ck-tiny")], timeout=120)
+    alone = train_ranks(args, 1, ["--model", "mlp", "--hidden", "16,16", "--eval-only", "--init-from",
+                                  os.path.join(w, "ck-tiny", "step-00000004.h5"), "--val-data", tiny], timeout=120)
+    assert final_metric(out)[2] == 3
+    assert abs(final_metric(out)[0] - final_metric(alone, "evaluation")[0]) <= 2e-6, (out, alone)
+    print(f"3 samples on 4 ZeRO-3 replicas: {final_metric(out)} (1 rank: {final_metric(alone, 'evaluation')})")
+
+    resnet = ["--model", "resnet", "--depth", "8", "--width", "4", "--data", data, "--global-batch", "16",
+              "--val-data", data, "--steps", "6"]
+    out = train_ranks(args, 2, resnet + ["--checkpoint-dir", os.path.join(w, "ck-bn")])
+    alone = train_ranks(args, 1, resnet + ["--eval-only", "--init-from", os.path.join(w, "ck-bn", "step-00000006.h5")])
+    trained, evaluated = final_metric(out), final_metric(alone, "evaluation")
+    assert abs(trained[0] - evaluated[0]) <= 1e-5 * trained[0] and trained[1] == evaluated[1], (trained, evaluated)
+    print(f"resnet, 2 replicas: final test {trained} = its checkpoint evaluated on 1 rank {evaluated}")
+
+    logged = base + ["--steps", "20", "--log-every", "5", "--checkpoint-dir"]
+    shutil.rmtree(os.path.join(w, "ck-log"), ignore_errors=True)
+    for name in ("log-whole.jsonl", "log-resumed.jsonl"):
+        if os.path.exists(os.path.join(w, name)):
+            os.remove(os.path.join(w, name))
+    train_ranks(args, 2, logged + [os.path.join(w, "ck-log-whole"), "--metrics", os.path.join(w, "log-whole.jsonl")])
+    resumed = logged + [os.path.join(w, "ck-log"), "--metrics", os.path.join(w, "log-resumed.jsonl")]
+    # Saved at step 7, killed at step 9 (logged: step 5), resumed from step 7 (logs 10, 15, 20).
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + resumed + ["--save-every", "7",
+                                                                               "--debug-fail-step", "9", "--debug-fail-rank", "1"]
+    rc, out, err = run(args, cmd)
+    assert rc != 0 and "injected failure" in err, f"{out}\n{err}"
+    train_ranks(args, 2, resumed + ["--resume", "auto"])
+    losses = [[json.loads(l)["loss"] for l in open(os.path.join(w, n))] for n in ("log-whole.jsonl", "log-resumed.jsonl")]
+    assert len(losses[0]) == 4 and losses[0] == losses[1], losses
+    print(f"logged losses, uninterrupted vs resumed from step 7: {losses[0]} == {losses[1]}")
+
+
 def train_processes(root_pid, train):
     """PIDs of the train processes under `root_pid` (mpirun's children or deeper), by /proc."""
     children = {}

@@ -3,8 +3,10 @@
 // and that a pp which does not divide the world is an Input error on every rank.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
+#include "parallel/mpi.hpp"
 #include "parallel/process_grid.hpp"
 
 namespace strata::parallel {
@@ -111,6 +113,29 @@ TEST(ProcessGrid, BadPpIsAnInputErrorOnEveryRank) {
   // The world is still in step: a collective after the errors completes.
   MpiCommunicator world(MPI_COMM_WORLD, "world");
   world.barrier();
+}
+
+// A setup part that fails on the last rank only (a stage's checkpoint tensor): that rank
+// rethrows its error, the others throw PeerFailed instead of going on into the next collective,
+// and run_collectively returns the failing rank's exit code on every rank.
+TEST(ProcessGrid, AgreeEndsAPartThatFailedOnOneRankEverywhere) {
+  const int rank = world_rank(), last = world_size() - 1;
+  const auto part = [&] {
+    if (rank == last) STRATA_THROW_INPUT("bad tensor on rank ", last);
+  };
+  if (rank == last)
+    EXPECT_THROW(agree(MPI_COMM_WORLD, part), Error);
+  else
+    EXPECT_THROW(agree(MPI_COMM_WORLD, part), PeerFailed);
+  testing::internal::CaptureStderr();
+  const int code = run_collectively(MPI_COMM_WORLD, [&] {
+    agree(MPI_COMM_WORLD, part);
+    ADD_FAILURE() << "the phase went on after a failed part";
+  });
+  const std::string printed = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(code, kExitBadInput);
+  EXPECT_EQ(printed, rank == last ? "error: bad tensor on rank " + std::to_string(last) + "\n" : "");
+  EXPECT_NO_THROW(agree(MPI_COMM_WORLD, [] {}));  // all ranks still in step
 }
 
 }  // namespace
