@@ -106,6 +106,8 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   h5::quiet_errors();
   std::error_code ec;
   STRATA_REQUIRE(fs::exists(path_, ec), "checkpoint '", path_, "' does not exist");
+  STRATA_REQUIRE(!fs::is_directory(path_, ec), "checkpoint '", path_,
+                 "' is a directory; expected a step-NNNNNNNN.h5 file (or --resume auto with --checkpoint-dir)");
   htri_t is_h5 = H5Fis_hdf5(path_.c_str());
   STRATA_REQUIRE(is_h5 >= 0, "checkpoint '", path_, "' cannot be read (", h5::last_error(), ")");
   STRATA_REQUIRE(is_h5 > 0, "checkpoint '", path_, "' is not an HDF5 file");

@@ -1,6 +1,8 @@
 // HDF5 helpers: error handling, paths, shapes and attributes.
 #include "io/hdf5.hpp"
 
+#include <algorithm>
+
 namespace strata::io::h5 {
 
 void quiet_errors() {
@@ -22,6 +24,8 @@ std::string last_error() {
         return 0;
       },
       &msg);
+  // Some descriptions embed a ctime() with its newline: errors are one line.
+  std::replace(msg.begin(), msg.end(), '\n', ' ');
   return msg;
 }
 

@@ -522,6 +522,8 @@ def case_setup_on_some_ranks(args):
             f[tensor][0] += 1.0
         for flags in (["--resume", bad, "--steps", "8"], ["--eval-only", "--init-from", bad]):
             expect_bad_input(args, base + ["--pp", "2"] + flags, tensor + r".*corrupt", ranks=2)
+    expect_bad_input(args, base + ["--steps", "8", "--resume", ck], r"is a directory; expected a step-NNNNNNNN\.h5",
+                     ranks=2)
     expect_bad_input(args, base + ["--steps", "2", "--checkpoint-dir", os.path.join(data, "ck")],
                      r"--checkpoint-dir: cannot create", ranks=2)
     expect_bad_input(args, base + ["--steps", "2", "--metrics", w], r"--metrics must name a file", ranks=2)
