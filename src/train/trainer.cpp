@@ -283,6 +283,9 @@ void Trainer::resume_from(const std::string& path) {
   STRATA_REQUIRE(start_step_ >= 0 && next_epoch_ >= 0 && next_in_epoch_ >= 0 && saved_batch > 0, "checkpoint ", path,
                  " has a bad position: step ", start_step_, ", epoch ", next_epoch_, ", step_in_epoch ", next_in_epoch_,
                  ", global_batch ", saved_batch, " (expected steps >= 0 and a positive batch)");
+  STRATA_REQUIRE(!train_data_ || next_in_epoch_ * saved_batch <= train_data_->size(), "checkpoint ", path,
+                 " is at step ", next_in_epoch_, " of an epoch of batches of ", saved_batch, ", beyond the ",
+                 train_data_->size(), " samples of --data");
   if (saved_batch != config_.global_batch) {
     // Same samples seen, counted in this run's batches: the position is approximate.
     next_in_epoch_ = next_in_epoch_ * saved_batch / config_.global_batch;
