@@ -223,14 +223,18 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 
 namespace {
 
+// step-NNNNNNNN.h5, the names checkpoint_path gives.
+bool is_step_file_name(const std::string& name) {
+  return name.size() == 16 && name.starts_with("step-") && name.ends_with(".h5") &&
+         std::all_of(name.begin() + 5, name.begin() + 13, [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // step-*.h5 files of `dir`, newest (highest step) first.
 std::vector<fs::path> step_files(const std::string& dir) {
   std::vector<fs::path> files;
   std::error_code ec;
-  for (const fs::directory_entry& d : fs::directory_iterator(dir, ec)) {
-    const std::string name = d.path().filename().string();
-    if (name.size() == 16 && name.starts_with("step-") && name.ends_with(".h5")) files.push_back(d.path());
-  }
+  for (const fs::directory_entry& d : fs::directory_iterator(dir, ec))
+    if (is_step_file_name(d.path().filename().string())) files.push_back(d.path());
   std::sort(files.rbegin(), files.rend());  // zero-padded steps sort by name
   return files;
 }
@@ -265,7 +269,16 @@ std::string newest_checkpoint(const std::string& dir) {
   std::vector<std::string> candidates;
   std::ifstream latest(fs::path(dir) / "latest");
   std::string name;
-  if (latest >> name) candidates.push_back((fs::path(dir) / name).string());
+  if (latest >> name) {
+    if (is_step_file_name(name)) {
+      candidates.push_back((fs::path(dir) / name).string());
+    } else {  // e.g. a path written by hand: the step files of the directory decide
+      std::replace_if(
+          name.begin(), name.end(), [](unsigned char c) { return c < 32 || c > 126; }, '?');
+      log::warn("ignoring ", (fs::path(dir) / "latest").string(), ": it holds '", name.substr(0, 80),
+                "', expected the name of a step-NNNNNNNN.h5 file in that directory");
+    }
+  }
   for (const fs::path& p : step_files(dir))
     if (candidates.empty() || p.string() != candidates.front()) candidates.push_back(p.string());
   for (const std::string& path : candidates) {

@@ -548,6 +548,14 @@ def case_setup_on_some_ranks(args):
     assert abs(trained[0] - evaluated[0]) <= 1e-5 * trained[0] and trained[1] == evaluated[1], (trained, evaluated)
     print(f"resnet, 2 replicas: final test {trained} = its checkpoint evaluated on 1 rank {evaluated}")
 
+    # `latest` edited by hand to point elsewhere: ignored with a warning, the directory's files decide.
+    with open(os.path.join(ck, "latest"), "w") as f:
+        f.write(os.path.join(w, "ck-bn", "step-00000006.h5") + "\n")
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + base + ["--pp", "2", "--steps", "6",
+                                                                           "--checkpoint-dir", ck, "--resume", "auto"]
+    rc, out, err = run(args, cmd)
+    assert rc == 0 and "ignoring" in err and f"resuming from {good} at step 4" in out, f"{out}\n{err}"
+
     logged = base + ["--steps", "20", "--log-every", "5", "--checkpoint-dir"]
     shutil.rmtree(os.path.join(w, "ck-log"), ignore_errors=True)
     for name in ("log-whole.jsonl", "log-resumed.jsonl"):
