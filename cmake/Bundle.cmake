@@ -11,7 +11,7 @@ foreach(_target train strata-data test_cuda_ops test_cuda_dnn test_nccl)
 endforeach()
 set(_strata_bundle_extras
   --extra jobs/gpu-check.sh --extra bench/torch_train_step.py --extra bench/torch_models.py
-  --extra bench/pipeline_bubble.py)
+  --extra bench/pipeline_bubble.py --extra bench/lib.sh)
 add_custom_target(bundle
   COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/bundle.sh --out ${CMAKE_BINARY_DIR}/bundle
           --src ${PROJECT_SOURCE_DIR} ${_strata_bundle_bins} ${_strata_bundle_extras}

@@ -238,13 +238,15 @@ done
 bubble_py=""
 for py in python3 /usr/bin/python3; do command -v "$py" >/dev/null 2>&1 && { bubble_py="$py"; break; }; done
 if [[ -n "$bubble_py" && -x "$bundle/bin/mpirun" && "$BUBBLE_STAGES" != none ]]; then
-  blas_core=""
-  if grep -qw avx512bw /proc/cpuinfo; then blas_core=SkylakeX; elif grep -qw avx2 /proc/cpuinfo; then blas_core=Haswell; fi
-  echo "cpu: $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1), $(nproc) cores; OpenBLAS kernels: ${blas_core:-detected}"
-  # shellcheck disable=SC2086
+  lib="$root/bench/lib.sh"
+  [[ -f "$lib" ]] || lib="$bundle/scripts/lib.sh"
+  # shellcheck source=/dev/null
+  source "$lib"  # run_env: the kernels and threads every benchmark runs with
+  echo "cpu: $(cpu_model), $(nproc) cores; OpenBLAS kernels: $(best_blas_core)"
   # Python without the bundle's libraries; its programs get them through the bundle's `run`.
+  # shellcheck disable=SC2086
   step "pipeline bubble, P = $BUBBLE_STAGES ($BUBBLE_REPEATS paired repeats)" 240 env -u LD_LIBRARY_PATH \
-    ${blas_core:+OPENBLAS_CORETYPE=$blas_core} OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$bubble_py" \
+    "${run_env[@]}" "$bubble_py" \
     "$bundle/scripts/pipeline_bubble.py" --train "$bundle/bin/train" --data-tool "$bundle/run strata-data" \
     --mpirun "$bundle/run mpirun" --stages $BUBBLE_STAGES --repeats "$BUBBLE_REPEATS"
 else
