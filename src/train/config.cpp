@@ -64,7 +64,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("dropout", po::value(&c.model.dropout)->default_value(0.0f), "dropout after hidden activations (mlp, cnn)")
     ("data", po::value(&c.data), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
     ("val-data", po::value(&c.val_data), "evaluation data, same forms as --data")
-    ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps)")
+    ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps; both: whichever ends first)")
     ("steps", po::value(&c.steps)->default_value(0), "optimizer steps from the start (0: use --epochs)")
     ("global-batch", po::value(&c.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
     ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: the global batch); gradients accumulate over global/micro steps")
@@ -111,8 +111,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
     ("loss-scale-window", po::value(&c.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
     ("tf32", po::value(&c.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
-    ("debug-overflow-step", po::value(&c.debug_overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step")
-    ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step ...")
+    ("debug-overflow-step", po::value(&c.debug_overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step (1 = the first)")
+    ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step (1 = the first) ...")
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank");
   // clang-format on
 

@@ -49,7 +49,8 @@ struct Config {
   double loss_scale_init = 65536.0;  // dynamic loss scaling starts here
   int64_t loss_scale_window = 2000;  // good steps before the scale doubles
   bool tf32 = false;                 // allow TF32 tensor cores for f32 GPU matrix products
-  // Testing aids: rank debug_fail_rank throws during step debug_fail_step.
+  // Testing aids, steps numbered as logged (1 = the first): rank debug_fail_rank throws during
+  // step debug_fail_step.
   int64_t debug_fail_step = -1;
   int debug_fail_rank = -1;
   // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).

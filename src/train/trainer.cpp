@@ -231,6 +231,9 @@ void Trainer::load_model(const io::CheckpointReader& reader) {
     const std::string name = "model/" + e.name;
     STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
                    " (was it saved from a different --model?)");
+    // The model's shape is checked first so that a mismatch names the model tensor.
+    STRATA_REQUIRE(reader.shape(name) == e.shape, "checkpoint '", reader.path(), "': tensor '", name, "' has shape ",
+                   shape_str(reader.shape(name)), " but the model expects ", shape_str(e.shape));
     // Read whole (the crc covers the whole tensor), kept whole or (ZeRO 3) only this rank's part.
     // A mixed-precision run saved its f32 master weights too: the full-precision values.
     const std::string master = "optimizer/master/" + e.name;
@@ -365,7 +368,7 @@ bool Trainer::unscale_and_check(const Tensor& grads, int64_t step) {
   // Only the owned part is stepped, and every element is owned by some rank: checking the
   // owned parts and agreeing over the world covers all gradients once.
   const Tensor owned = optimizer_->owned_grads(grads);
-  if (step == config_.debug_overflow_step && rank_ == 0 && owned.numel() > 0)
+  if (step + 1 == config_.debug_overflow_step && rank_ == 0 && owned.numel() > 0)
     ops::fill(owned.view(0, {1}), std::numeric_limits<float>::infinity());
   std::vector<double> overflow{owned.numel() > 0 && !ops::all_finite(owned) ? 1.0 : 0.0};
   sum_over_world(overflow);
@@ -461,8 +464,8 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   }
   for (parallel::WorkPtr& w : sends_) w->wait();
   sends_.clear();
-  if (step == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
-    STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
+  if (step + 1 == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
+    STRATA_THROW("injected failure at step ", step + 1, " (--debug-fail-step)");
 
   if (unscale_and_check(grads, step)) {
     if (config_.clip_grad > 0) {

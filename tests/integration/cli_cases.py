@@ -482,6 +482,12 @@ def case_checkpoint_bad(args):
         assert open(path, "rb").read() == file_before, f"{path} changed"
         print(f"{os.path.basename(path)} {model[-1]}: rejected as expected, nothing changed")
 
+    # A mixed-precision checkpoint also holds f32 master weights; a shape mismatch names the model's.
+    ck16 = os.path.join(w, "ck-bad-bf16")
+    train_ranks(args, 1, base[:-1] + [ck16, "--steps", "2", "--precision", "bf16"])
+    expect_bad_input(args, ["--model", "mlp", "--hidden", "32", "--data", data, "--eval-only", "--init-from",
+                            os.path.join(ck16, "step-00000002.h5")], r"tensor 'model/fc1/weight' has shape", ranks=2)
+
     # The newest checkpoint corrupt: --resume auto warns once and continues from step 10.
     corrupt(os.path.join(ck, "step-00000020.h5"))
     cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + base + ["--steps", "30", "--resume", "auto"]
@@ -983,7 +989,7 @@ def case_mixed_precision(args):
               "--seed", "3", "--log-every", "1"]
     fp16 = ["--precision", "fp16", "--loss-scale-init", "1024", "--loss-scale-window", "3"]
     runs = {}
-    for steps, extra in ((6, []), (7, ["--debug-overflow-step", "6"])):
+    for steps, extra in ((6, []), (7, ["--debug-overflow-step", "7"])):
         ck = os.path.join(args.workdir, f"ck-mp-{steps}")
         cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + common + fp16 + [
             "--steps", str(steps), "--checkpoint-dir", ck] + extra
