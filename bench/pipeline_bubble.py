@@ -12,6 +12,10 @@ shared-memory mailboxes), the baseline columns.
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
 Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
+
+With --sleep-ms T, every stage sleeps T ms per micro-batch forward and 2T per backward
+(train --bench-stage-ms) and the layers are 64 wide, so compute takes no core: the schedule's
+bubble and the hand-offs are measured with more stages than cores (P = 4 on 2 cores).
 """
 import argparse
 import os
@@ -25,14 +29,14 @@ EVENT = re.compile(r"<title>stage (\d+) ([FB])(\d+): ([0-9.e+-]+) - ([0-9.e+-]+)
 
 
 def run_case(args, data, stages, m, kind, work, extra=()):
-    hidden = ",".join(["1024"] * (stages + 1))
+    hidden = ",".join([str(args.width)] * (stages + 1))
     # layers: flatten, (fc_i, relu_i) x (stages+1), fc_out; stage 0 = fc1 + fc2, then one fc each
     cuts = ",".join(str(5 + 2 * k) for k in range(stages - 1))
     svg = os.path.join(work, f"tl-{kind}-{stages}-{m}.svg")
     cmd = shlex.split(args.mpirun) + ["-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
            "--hidden", hidden, "--data", data, "--steps", str(args.steps), "--global-batch", str(m * args.micro_batch),
            "--micro-batch", str(args.micro_batch), "--pp", str(stages), "--partition", cuts, "--schedule", kind,
-           "--threads", "1", "--log-every", "1000", "--timeline", svg] + list(extra)
+           "--threads", "1", "--log-every", "1000", "--timeline", svg, "--bench-stage-ms", str(args.sleep_ms)] + list(extra)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
@@ -62,13 +66,17 @@ def main():
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7, help="runs per case; medians reported (one step is noisy)")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in compute per micro-batch forward (2x backward), no core used")
     a = p.parse_args()
+    a.width = 64 if a.sleep_ms > 0 else 1024
     work = tempfile.mkdtemp(prefix="strata-bubble-")
     data = os.path.join(work, "features")
     subprocess.run(shlex.split(a.data_tool) + ["synthetic", "--out", data, "--samples", "16384", "--shape", "8", "--classes", "10",
                     "--dtype", "f32"], check=True, capture_output=True)
-    print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-1024x(P+1)-10, one 1024x1024 layer per stage; "
-          f"medians of {a.repeats} runs per case")
+    compute = (f"stand-in compute: sleeps of {a.sleep_ms:g} ms per forward, {2 * a.sleep_ms:g} ms per backward"
+               if a.sleep_ms > 0 else "real compute")
+    print(f"cores: {os.cpu_count()}; micro-batch {a.micro_batch}; MLP 8-{a.width}x(P+1)-10, one {a.width}x{a.width} layer "
+          f"per stage; {compute}; medians of {a.repeats} runs per case")
     print("Messages through shared-memory mailboxes (train's default on one node); baseline: the same runs with "
           "--shared-memory false (MPI point-to-point), interleaved")
     print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per "
@@ -90,7 +98,7 @@ def main():
 
                 bubbles, worst, gap, step = summary(runs)
                 _, base_worst, base_gap, _ = summary(base)
-                note = " (oversubscribed)" if stages > (os.cpu_count() or 1) else ""
+                note = " (oversubscribed)" if stages > (os.cpu_count() or 1) and a.sleep_ms == 0 else ""
                 print(f"| {stages}{note} | {m} | {kind} | {100 * formula:.1f}% | "
                       f"{' '.join(f'{100 * b:.1f}%' for b in bubbles)} | {100 * worst:.1f} pt | "
                       f"{1e6 * gap:.0f} µs | {1e3 * step:.1f} ms | {100 * base_worst:.1f} pt | {1e6 * base_gap:.0f} µs |",

@@ -15,8 +15,9 @@
 # 3. benchmark: `train --device cuda` on Fashion-MNIST-shaped synthetic data, mlp and cnn, fp32
 #    and bf16, and the same models in PyTorch on the same GPU when `import torch` works there
 #    (bench/torch_train_step.py --device cuda --dtype ...), as a table of samples/s;
-# 4. the pipeline bubble for P = 4 on the machine's CPU cores (bench/pipeline_bubble.py:
-#    the P = 4 table needs a core per stage, more than the 2-core development machines have).
+# 4. the pipeline bubble for P = 4 with real compute on the machine's CPU cores
+#    (bench/pipeline_bubble.py: a core per stage, more than the 2-core development machines
+#    have; they measure P = 4 with stand-in compute, --sleep-ms).
 # Output goes to stdout and, when OUT is set, to $OUT/gpu-check.log.
 # Knobs (environment): BATCH (256), STEPS (400), LOG_EVERY (50), MODELS ("mlp cnn"),
 # PRECISIONS ("fp32 bf16"), TORCH=0 to skip PyTorch, PYTHON (python3 with torch), BUBBLE_STAGES

@@ -53,6 +53,13 @@ std::string fmt(double v) {
   return buf;
 }
 
+// Event times to the microsecond: tools read the gaps between stages back from the SVG.
+std::string fmt_us(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6f", seconds);
+  return buf;
+}
+
 // [first start, last end] over all events; {0, 0} when there are none.
 std::pair<double, double> time_window(const std::vector<TimelineEvent>& events) {
   if (events.empty()) return {0.0, 0.0};
@@ -464,9 +471,9 @@ std::string render_svg(const std::vector<TimelineEvent>& events, int stages) {
     const double y = kTop + e.stage * (kRowH + kRowGap);
     std::string label(1, fwd ? 'F' : 'B');
     label += std::to_string(e.micro_batch);
-    os << "<g><title>stage " << e.stage << ' ' << label << ": " << fmt(e.start_s - t0) << " - " << fmt(e.end_s - t0)
-       << " s</title><rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << kRowH << "\" fill=\""
-       << (fwd ? kForwardFill : kBackwardFill) << "\" stroke=\"white\" stroke-width=\"1\"/>";
+    os << "<g><title>stage " << e.stage << ' ' << label << ": " << fmt_us(e.start_s - t0) << " - "
+       << fmt_us(e.end_s - t0) << " s</title><rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\""
+       << kRowH << "\" fill=\"" << (fwd ? kForwardFill : kBackwardFill) << "\" stroke=\"white\" stroke-width=\"1\"/>";
     // Labels only where they fit (about 7 px per character).
     if (w >= 7.0 * label.size() + 4)
       os << "<text x=\"" << x + w / 2 << "\" y=\"" << y + kRowH / 2 + 4 << "\" text-anchor=\"middle\" fill=\"white\">"

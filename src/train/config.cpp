@@ -113,7 +113,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("tf32", po::value(&c.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
     ("debug-overflow-step", po::value(&c.debug_overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step (1 = the first)")
     ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step (1 = the first) ...")
-    ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank");
+    ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank")
+    ("bench-stage-ms", po::value(&c.bench_stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");
   // clang-format on
 
   po::variables_map vm;
@@ -149,6 +150,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                  c.schedule.gamma);
   STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
                  c.schedule.lr, "], found ", c.schedule.min_lr);
+  STRATA_REQUIRE(c.bench_stage_ms >= 0 && c.bench_stage_ms <= 60000, "--bench-stage-ms must be in [0, 60000], found ",
+                 c.bench_stage_ms);
   STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
   STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
   STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);

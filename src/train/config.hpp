@@ -55,6 +55,9 @@ struct Config {
   int debug_fail_rank = -1;
   // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).
   int64_t debug_overflow_step = -1;
+  // Benchmark aid: every stage also sleeps this long per micro-batch forward (twice per
+  // backward): compute that takes no core, to measure the bubble with more stages than cores.
+  double bench_stage_ms = 0;
 
   // "key = value" lines of every option, for the start-of-run printout.
   std::vector<std::pair<std::string, std::string>> effective;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -50,6 +51,11 @@ Tensor host_f32(const Tensor& t) {
   const Tensor h = Tensor::empty(t.shape());
   ops::copy(t, h);
   return h;
+}
+
+// --bench-stage-ms: a stand-in for compute that leaves the core to the other ranks.
+void simulated_compute(double ms) {
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
 }
 
 }  // namespace
@@ -430,6 +436,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
           outputs_[i] = loss_.backward(loss_ctx, scale);
         }
         peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
+        simulated_compute(config_.bench_stage_ms);
         break;
       }
       case parallel::Op::Backward: {
@@ -456,6 +463,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
           exposed_comm_s_ += std::chrono::duration<double>(clock::now() - wait_start).count();
         }
         --in_flight;
+        simulated_compute(2 * config_.bench_stage_ms);
         break;
       }
     }

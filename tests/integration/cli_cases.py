@@ -288,6 +288,19 @@ def case_pipeline_memory(args):
         assert peaks == expected, f"{kind}: peaks {peaks}, expected {expected}"
         print(f"{kind}: peak in flight per stage {peaks}")
 
+    # --bench-stage-ms (stand-in compute for bench/pipeline_bubble.py): every forward lasts at
+    # least the given time and every backward twice that, and the model is unchanged by it.
+    svg = os.path.join(args.workdir, "standin.svg")
+    plain, standin = (2, 8, ("--pp", "2")), (2, 8, ("--pp", "2", "--bench-stage-ms", "15", "--timeline", svg))
+    runs = equivalence_runs(args, ["--model", "mlp", "--hidden", "32,32,32"], [plain, standin], steps=2)
+    assert_same_model(runs[standin], runs[plain], "--bench-stage-ms 15 vs without", rtol=0.0)
+    events = re.findall(r"<title>stage (\d) ([FB])(\d+): ([0-9.]+) - ([0-9.]+) s</title>", open(svg).read())
+    assert len(events) == 2 * 2 * 4, events  # 2 stages x forward and backward x 4 micro-batches
+    for stage, op, i, start, end in events:
+        least = 0.015 if op == "F" else 0.030
+        assert float(end) - float(start) >= least, f"stage {stage} {op}{i} took {float(end) - float(start)} s < {least}"
+    print(f"--bench-stage-ms 15: {len(events)} timeline events, each at least its stand-in time; same model")
+
 
 def case_pipeline_bad_inputs(args):
     """Pipeline layouts that cannot work: one line each, exit 2 on every rank."""
@@ -302,6 +315,7 @@ def case_pipeline_bad_inputs(args):
     expect_bad_input(args, base + ["--pp", "2", "--partition", "3,2"], r"increase", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--micro-batch", "3"], r"micro-batch \(3\)", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--schedule", "interleaved"], r"interleaved", ranks=2)
+    expect_bad_input(args, base + ["--pp", "2", "--bench-stage-ms", "-1"], r"--bench-stage-ms must be in", ranks=2)
 
 
 ZERO_MLP = ["--model", "mlp", "--hidden", "64,32"]

@@ -308,6 +308,10 @@ TEST(Timeline, RenderSvgStructure) {
   EXPECT_NE(svg.find("time (s)"), std::string::npos);
   EXPECT_NE(svg.find("forward"), std::string::npos);
   EXPECT_NE(svg.find("backward"), std::string::npos);
+  // Event times to the microsecond, for tools that read the hand-off gaps back.
+  const std::string fine = render_svg({{0, F, 0, 0.0, 0.0123456}, {1, F, 0, 0.0123471, 0.5}}, 2);
+  EXPECT_NE(fine.find("<title>stage 0 F0: 0.000000 - 0.012346 s</title>"), std::string::npos) << fine;
+  EXPECT_NE(fine.find("<title>stage 1 F0: 0.012347 - 0.500000 s</title>"), std::string::npos) << fine;
 }
 
 TEST(Timeline, BubbleFractionsOfAHandMadeTimeline) {
