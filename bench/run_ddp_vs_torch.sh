@@ -14,10 +14,10 @@
 #
 # BUCKET_MB is Strata's --bucket-mb; torch keeps DDP's default bucket_cap_mb=25 unless
 # TORCH_BUCKET_MB is set. Environment for BOTH sides: the same OpenBLAS kernels (bench/lib.sh),
-# OMP/OpenBLAS/MKL one thread. Strata runs twice at 2 ranks: as train does (gradients in shared
+# OMP/OpenBLAS/MKL one thread. Strata runs four times at 2 ranks: as train does (gradients in shared
 # memory, all-reduce in place), with --no-shared-memory (all-reduce through MPI's ring), with
 # --zero 1 (train's ZeRO 1: reduce to the shards' owners, sharded SGD, parameter all-gather), and
-# once with --no-sync (no communication at all: the scaling this machine allows two busy ranks).
+# with --no-sync (no communication at all: the scaling this machine allows two busy ranks).
 # Scaling is printed twice: from the medians, and as the median of each repetition's ratio
 # (its runs back to back, so load that drifts during the benchmark cancels out).
 # MPI: --oversubscribe --bind-to none (set OMPI_ALLOW_RUN_AS_ROOT=1

@@ -8,8 +8,9 @@
 #
 # 1. unpacks the bundle into /tmp; finds cuBLAS/cuDNN/NCCL (site-packages nvidia/*/lib, then
 #    /usr/local/cuda) and prints nvidia-smi, the libraries used and their versions;
-# 2. GPU tests: test_cuda_ops, test_cuda_dnn, test_nccl on 1 rank, and on 2 ranks sharing the
-#    GPU (the MPI transport staging through pinned memory; NCCL parts skip with one GPU);
+# 2. GPU tests: test_cuda_ops, test_cuda_dnn and test_nccl on 1 rank, and test_nccl on 2 ranks
+#    sharing the GPU (its MPI-transport cases stage through pinned memory; NCCL parts skip with
+#    one GPU);
 #    then 2 ranks of `train --device cuda --comm mpi` sharing the GPU, and the same 2-rank runs
 #    (2 pipeline stages; 2 replicas under ZeRO 3) on the GPU and on the CPU, whose losses must agree;
 # 3. benchmark: `train --device cuda` on Fashion-MNIST-shaped synthetic data, mlp and cnn, fp32

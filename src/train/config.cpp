@@ -67,7 +67,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps; both: whichever ends first)")
     ("steps", po::value(&c.steps)->default_value(0), "optimizer steps from the start (0: use --epochs)")
     ("global-batch", po::value(&c.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
-    ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: the global batch); gradients accumulate over global/micro steps")
+    ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: global batch / replicas, no accumulation); gradients accumulate over global / (micro x replicas) micro-batches")
     ("optimizer", po::value(&c.optimizer.name)->default_value("sgd"), "sgd | adamw")
     ("lr", po::value(&c.schedule.lr)->default_value(0.05f), "peak learning rate")
     ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f), "sgd momentum")

@@ -257,7 +257,9 @@ def case_pipeline_equivalence(args):
     schedules, on the MLP and the CNN: pp=2, pp=4 and pp=2 x dp=2 on 4 ranks, after 50 steps,
     with the one-node shared-memory transports and with --shared-memory false (all MPI).
     Checkpoints are gathered from every stage to rank 0, so this also checks the gathering."""
-    for model in (["--model", "mlp", "--hidden", "64,32,16", "--dropout", "0.1"], ["--model", "cnn"]):
+    # One thread per rank everywhere: thread count splits the convolution sums differently.
+    for model in (["--model", "mlp", "--hidden", "64,32,16", "--dropout", "0.1", "--threads", "1"],
+                  ["--model", "cnn", "--threads", "1"]):
         layouts = [(1, 8)]
         for schedule in ("gpipe", "1f1b"):
             s = ("--schedule", schedule)
@@ -270,7 +272,9 @@ def case_pipeline_equivalence(args):
         runs = equivalence_runs(args, model, layouts)
         for layout, tensors in runs.items():
             if layout != (1, 8):
-                assert_same_model(tensors, runs[(1, 8)], f"{model[1]} {layout} vs 1 rank")
+                # A pure pipeline (one replica) adds in the same order as 1 stage: bit for bit.
+                pure = layout[0] == int(layout[2][layout[2].index("--pp") + 1])
+                assert_same_model(tensors, runs[(1, 8)], f"{model[1]} {layout} vs 1 rank", rtol=0.0 if pure else 1e-5)
 
 
 def case_pipeline_memory(args):
@@ -664,7 +668,7 @@ def case_checkpoint_preempt(args):
     assert f"at step {step}" in out, out
     assert_same_model(read_model(os.path.join(ck, f"step-{steps:08d}.h5")),
                       read_model(os.path.join(ref_ck, f"step-{steps:08d}.h5")), "preempted + resumed vs uninterrupted",
-                      rtol=1e-6)
+                      rtol=0.0)  # the same layout: bit for bit
 
 
 def rank_of(pid):
