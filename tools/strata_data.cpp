@@ -115,12 +115,13 @@ void write_shards(const std::string& prefix, int shards, const Tensor& inputs, c
   }
 }
 
-// Normalisation attributes computed over the data, so training inputs are standardised.
-ShardAttrs stats_attrs(const Tensor& inputs, float scale, const std::vector<int32_t>& labels) {
+// Normalisation attributes computed over the data, so training inputs are standardised, and
+// the class count (the labels' highest + 1 unless the generator says more).
+ShardAttrs stats_attrs(const Tensor& inputs, float scale, const std::vector<int32_t>& labels, int classes = 0) {
   ShardAttrs attrs;
   attrs.scale = scale;
   io::channel_stats(inputs, scale, inputs.dim(1), attrs.mean, attrs.std);
-  attrs.num_classes = *std::max_element(labels.begin(), labels.end()) + 1;
+  attrs.num_classes = std::max(classes, *std::max_element(labels.begin(), labels.end()) + 1);
   return attrs;
 }
 
@@ -225,7 +226,7 @@ int synthetic(const std::vector<std::string>& args) {
         floats[i * numel + j] = v;
     }
   }
-  write_shards(out, shards, inputs, labels, stats_attrs(inputs, u8 ? 1.0f / 255.0f : 1.0f, labels));
+  write_shards(out, shards, inputs, labels, stats_attrs(inputs, u8 ? 1.0f / 255.0f : 1.0f, labels, classes));
   return 0;
 }
 

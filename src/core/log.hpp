@@ -24,6 +24,10 @@ void warn(const Args&... args) {
   if (enabled(Level::Warn)) write(Level::Warn, detail::cat(args...));
 }
 template <class... Args>
+void error(const Args&... args) {
+  if (enabled(Level::Error)) write(Level::Error, detail::cat(args...));
+}
+template <class... Args>
 void debug(const Args&... args) {
   if (enabled(Level::Debug)) write(Level::Debug, detail::cat(args...));
 }

@@ -255,13 +255,15 @@ void update_latest(const std::string& dir, const std::string& path) {
   fsync_path(dir, O_RDONLY | O_DIRECTORY);
 }
 
-void prune_checkpoints(const std::string& dir, int64_t keep) {
+void prune_checkpoints(const std::string& dir, int64_t keep, const std::string& newest) {
   if (keep <= 0) return;
-  const std::vector<fs::path> files = step_files(dir);
-  for (size_t k = static_cast<size_t>(keep); k < files.size(); ++k) {
+  const std::string name = fs::path(newest).filename().string();
+  int64_t kept = 0;  // of the files up to and including `newest`, newest first
+  for (const fs::path& file : step_files(dir)) {
+    if (file.filename().string() > name || ++kept <= keep) continue;  // zero-padded: names sort by step
     std::error_code ec;
-    fs::remove(files[k], ec);
-    if (ec) log::warn("cannot remove old checkpoint ", files[k].string(), ": ", ec.message());
+    fs::remove(file, ec);
+    if (ec) log::warn("cannot remove old checkpoint ", file.string(), ": ", ec.message());
   }
 }
 

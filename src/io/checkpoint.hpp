@@ -91,8 +91,10 @@ class CheckpointReader {
 std::string checkpoint_path(const std::string& dir, int64_t step);
 // Points DIR/latest at `path` (a file in DIR): writes latest.tmp, fsyncs, renames, fsyncs DIR.
 void update_latest(const std::string& dir, const std::string& path);
-// Removes all but the newest `keep` step-*.h5 files of DIR (keep <= 0: removes nothing).
-void prune_checkpoints(const std::string& dir, int64_t keep);
+// Keeps `newest` (the checkpoint just written, a file in DIR) and the keep - 1 step-*.h5 files
+// of DIR before it, and removes the older ones (keep <= 0: removes nothing). Files of higher
+// steps, another run's, are left alone: they are not this run's to delete.
+void prune_checkpoints(const std::string& dir, int64_t keep, const std::string& newest);
 // The newest complete checkpoint of DIR: the one `latest` names, else step-*.h5 from the
 // highest step down; each candidate is opened and verified, and a bad one is skipped with a
 // one-line warning. Empty when there is none.

@@ -119,6 +119,8 @@ Shard open_shard(const std::string& path) {
   s.count = idims[0];
   STRATA_REQUIRE(s.count > 0, "is empty: 'inputs' have 0 samples");
   s.sample_shape.assign(idims.begin() + 1, idims.end());
+  STRATA_REQUIRE(shape_numel(s.sample_shape) > 0, "'inputs' have shape ", shape_str(idims),
+                 "; expected samples of at least one value");
 
   h5::DataSet labels(H5Dopen2(s.file, "labels", H5P_DEFAULT));
   STRATA_REQUIRE(labels.valid(), "'labels' is not a dataset");
@@ -159,7 +161,12 @@ Shard open_shard(const std::string& path) {
     STRATA_REQUIRE(v->size() == 1 || v->size() == channels, "attribute '", name, "' has ", v->size(),
                    " values; expected 1 or ", channels, " (one per channel)");
   }
-  for (float sd : s.std) STRATA_REQUIRE(sd > 0, "attribute 'std' holds ", sd, "; expected values > 0");
+  // Normalisation (x * scale - mean) / std must keep every value finite and informative.
+  STRATA_REQUIRE(std::isfinite(s.scale) && s.scale > 0, "attribute 'scale' is ", s.scale,
+                 "; expected a finite value > 0");
+  for (float m : s.mean) STRATA_REQUIRE(std::isfinite(m), "attribute 'mean' holds ", m, "; expected finite values");
+  for (float sd : s.std)
+    STRATA_REQUIRE(std::isfinite(sd) && sd > 0, "attribute 'std' holds ", sd, "; expected finite values > 0");
   // Both to the same length: the normalisation kernels take C values or 1 for each.
   if (s.mean.size() != s.std.size()) {
     if (s.mean.size() == 1) s.mean.assign(channels, s.mean[0]);
@@ -171,6 +178,7 @@ Shard open_shard(const std::string& path) {
 }  // namespace
 
 struct Dataset::Impl {
+  std::string flag;  // --data or --val-data, for messages
   DatasetInfo info;
   std::vector<int32_t> labels;
   std::vector<Shard> shards;
@@ -186,6 +194,17 @@ struct Dataset::Impl {
   mutable std::vector<uint8_t> run_buf;                    // rows as read from one shard
   mutable std::vector<std::pair<int64_t, int64_t>> order;  // (global index, batch position)
 
+  // The shard holding global sample i.
+  size_t shard_of(int64_t i) const {
+    return static_cast<size_t>(std::upper_bound(shard_begin.begin(), shard_begin.end(), i) - shard_begin.begin() - 1);
+  }
+  // A NaN or inf in the data would spread through the model: name the sample instead.
+  void require_finite(const float* sample, int64_t i) const {
+    if (std::all_of(sample, sample + sample_numel, [](float v) { return std::isfinite(v); })) return;
+    const size_t s = shard_of(i);
+    STRATA_THROW_INPUT(flag, ": sample ", i - shard_begin[s], " of '", shards[s].path,
+                       "' holds a non-finite input value (NaN or inf)");
+  }
   void gather_from_memory(std::span<const int64_t> indices) const;
   void gather_from_files(std::span<const int64_t> indices) const;
   void normalise(const Tensor& x) const;
@@ -204,6 +223,7 @@ bool Dataset::in_memory() const { return impl_->in_memory; }
 Dataset Dataset::open(const std::string& spec, const std::string& flag, const DatasetOptions& options) {
   h5::quiet_errors();
   auto impl = std::make_unique<Impl>();
+  impl->flag = flag;
   DatasetInfo& info = impl->info;
   info.files = resolve_spec(spec, flag);
   int attr_classes = 0;
@@ -262,6 +282,10 @@ Dataset Dataset::open(const std::string& spec, const std::string& flag, const Da
       s.file.reset();
     }
     impl->in_memory = true;
+    if (info.input_dtype == DType::F32) {
+      const auto* values = reinterpret_cast<const float*>(impl->memory.data());
+      for (int64_t i = 0; i < info.num_samples; ++i) impl->require_finite(values + i * impl->sample_numel, i);
+    }
   }
   return Dataset(std::move(impl));
 }
@@ -285,8 +309,7 @@ void Dataset::Impl::gather_from_files(std::span<const int64_t> indices) const {
 
   size_t i = 0;
   while (i < order.size()) {
-    const size_t shard = static_cast<size_t>(std::upper_bound(shard_begin.begin(), shard_begin.end(), order[i].first) -
-                                             shard_begin.begin() - 1);
+    const size_t shard = shard_of(order[i].first);
     const Shard& s = shards[shard];
     const int64_t begin = shard_begin[shard], end = begin + s.count;
     size_t j = i;
@@ -365,6 +388,10 @@ void Dataset::read(std::span<const int64_t> indices, const Tensor& x, const Tens
     d.gather_from_memory(indices);
   else
     d.gather_from_files(indices);
+  // Data loaded at open was checked there.
+  if (d.info.input_dtype == DType::F32 && !d.in_memory)
+    for (int64_t b = 0; b < batch; ++b)
+      d.require_finite(d.batch_raw.data<float>() + b * d.sample_numel, indices[static_cast<size_t>(b)]);
   d.normalise(x);
 }
 

@@ -4,6 +4,7 @@
 
 #include <boost/program_options.hpp>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -93,15 +94,15 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
     ("resume", po::value(&c.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
     ("keep", po::value(&c.keep)->default_value(0), "keep only the newest K checkpoints in --checkpoint-dir (0: all)")
-    ("eval-only", po::bool_switch(&c.eval_only), "evaluate --init-from on --val-data (or --data) and exit")
+    ("eval-only", po::value(&c.eval_only)->default_value(false)->implicit_value(true), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
-    ("log-all-ranks", po::bool_switch(&c.log_all_ranks), "every rank prints, prefixed with its rank (default: rank 0 only)")
+    ("log-all-ranks", po::value(&c.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
     ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp (dp = ranks / pp)")
     ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
     ("schedule", po::value(&c.schedule_kind)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
-    ("dry-run", po::bool_switch(&c.dry_run), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
+    ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&c.device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&c.comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
@@ -119,7 +120,15 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(desc).run();
+    // Boost keeps words that follow no flag and store() drops them: an unquoted glob would
+    // silently train on its first file.
+    for (const po::option& o : parsed.options)
+      if (o.position_key >= 0)
+        STRATA_THROW_INPUT("unexpected argument '", o.value.empty() ? o.string_key : o.value.front(),
+                           "': every flag takes one value (quote a glob: --data 'dir/*.h5'; turn a switch off "
+                           "with --dry-run=false)");
+    po::store(parsed, vm);
     if (vm.count("help")) {
       if (print_help) std::cout << desc << "\n";
       return std::nullopt;
@@ -127,7 +136,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     if (vm.count("config")) {
       const std::string path = vm["config"].as<std::string>();
       std::ifstream in(path);
-      STRATA_REQUIRE(in.good(), "--config: cannot read '", path, "'");
+      STRATA_REQUIRE(in.good() && !std::filesystem::is_directory(path), "--config: cannot read '", path,
+                     "' (expected an INI file)");
       po::store(po::parse_config_file(in, desc), vm);  // earlier (command-line) values win
     }
     po::notify(vm);

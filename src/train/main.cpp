@@ -38,7 +38,9 @@ int main(int argc, char** argv) {
   try {
     if (!config->eval_only) {
       train::install_preemption_handlers();
-      if (!trainer->train()) return train::kExitPreempted;  // saved; the batch script requeues
+      const train::TrainEnd end = trainer->train();
+      if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
+      if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;   // rank 0 said why
     }
     if (const io::Dataset* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);

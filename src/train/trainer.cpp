@@ -53,6 +53,31 @@ Tensor host_f32(const Tensor& t) {
   return h;
 }
 
+// A resumed run logs again the steps after its checkpoint: their earlier lines go (written
+// to a new file, then renamed), so --metrics reads as one uninterrupted run.
+void drop_metrics_after(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  std::string kept, line;
+  bool dropped = false;
+  while (std::getline(in, line)) {
+    long long logged = 0;
+    if (std::sscanf(line.c_str(), "{\"step\": %lld", &logged) == 1 && logged > step) {
+      dropped = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (!dropped) return;
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::trunc);
+  out << kept;
+  out.close();
+  STRATA_REQUIRE(out.good(), "--metrics: cannot write '", tmp, "': ", std::strerror(errno));
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  STRATA_REQUIRE(!ec, "--metrics: cannot replace '", path, "': ", ec.message());
+}
+
 // --bench-stage-ms: a stand-in for compute that leaves the core to the other ranks.
 void simulated_compute(double ms) {
   if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
@@ -98,7 +123,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
                    " but --data has only ", info.num_classes, " classes");
   }
 
-  model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, info.num_classes));
+  // The classes are the data's; a checkpoint to start from knows its model's, which evaluation
+  // data (a subset without the highest labels) may not show.
+  num_classes_ = info.num_classes;
+  parallel::agree(world, [&] {
+    if (config_.init_from.empty()) return;
+    const io::CheckpointReader reader(config_.init_from);
+    if (reader.has_attr("num_classes")) num_classes_ = std::max(num_classes_, reader.attr_int("num_classes"));
+  });
+  model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   begin_ = stages_[static_cast<size_t>(stage_)].begin;
   end_ = stages_[static_cast<size_t>(stage_)].end;
@@ -197,13 +230,16 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   } else if (config_.resume != "none") {
     parallel::agree(world, [&] { resume_from(config_.resume); });
   }
+  parallel::agree(world, [&] {
+    if (start_step_ > 0 && rank_ == 0 && !config_.metrics.empty()) drop_metrics_after(config_.metrics, start_step_);
+  });
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(world, [&] {
     if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
   });
 
-  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", info.num_classes,
+  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", num_classes_,
             " classes\n", model_->summary());
   print_plan();
   if (train_data_)
@@ -533,7 +569,7 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
   }
 }
 
-bool Trainer::train() {
+TrainEnd Trainer::train() {
   using clock = std::chrono::steady_clock;
   const int64_t per_epoch = sampler_->steps_per_epoch();
   // Only the first stage reads inputs and only the last reads labels; middle stages read
@@ -552,7 +588,14 @@ bool Trainer::train() {
   const auto run_start = clock::now();
   for (int64_t step = start_step_; step < total_steps_; ++step) {
     const io::Batch& batch = loader.next();
-    window_loss_ += train_step(batch, step) / static_cast<double>(config_.global_batch);
+    const double loss = train_step(batch, step) / static_cast<double>(config_.global_batch);
+    if (!std::isfinite(loss)) {  // all-reduced: the same on every rank
+      if (rank_ == 0)
+        log::error("the loss of step ", step + 1, " is ", std::isnan(loss) ? "nan" : loss > 0 ? "inf" : "-inf",
+                   ": training stopped without saving this state; lower --lr, clip (--clip-grad) or check the data");
+      return TrainEnd::Diverged;
+    }
+    window_loss_ += loss;
     next_epoch_ = batch.epoch;
     next_in_epoch_ = batch.step_in_epoch + 1;
     normalise(next_epoch_, next_in_epoch_);
@@ -581,7 +624,7 @@ bool Trainer::train() {
                 config_.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
       if (!config_.checkpoint_dir.empty()) save_checkpoint(done);
       grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
-      return false;
+      return TrainEnd::Preempted;
     }
     if (config_.save_every > 0 && done % config_.save_every == 0 && done != total_steps_ &&
         !config_.checkpoint_dir.empty())
@@ -596,7 +639,7 @@ bool Trainer::train() {
   for (double p : peaks) os << " " << p;
   log::info("peak micro-batches in flight per stage:", os.str(), " (", config_.schedule_kind, ", ", micro_batches_,
             " micro-batches)");
-  return true;
+  return TrainEnd::Finished;
 }
 
 EvalResult Trainer::evaluate(const io::Dataset& data) {
@@ -710,6 +753,7 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->set_attr("model", config_.model.name);
   writer->set_attr("optimizer", config_.optimizer.name);
   writer->set_attr("precision", config_.precision);
+  writer->set_attr("num_classes", num_classes_);
   writer->set_attr("loss_scale", scaler_.scale());
   writer->set_attr("loss_scale_good_steps", scaler_.good_steps());
   // The progress line's loss averages the steps since the last one: a resumed run logs the same.
@@ -721,7 +765,7 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->commit();
   // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
   io::update_latest(config_.checkpoint_dir, path);
-  io::prune_checkpoints(config_.checkpoint_dir, config_.keep);
+  io::prune_checkpoints(config_.checkpoint_dir, config_.keep, path);
   log::info("saved checkpoint ", path);
 }
 

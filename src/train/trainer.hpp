@@ -29,6 +29,10 @@ namespace strata::train {
 // script requeues the job, which continues with --resume auto (docs/checkpoints.md).
 constexpr int kExitPreempted = 3;
 
+// How train() ended. Diverged: a step's loss was not finite; nothing after the last checkpoint
+// was saved, and every rank exits 1.
+enum class TrainEnd { Finished, Preempted, Diverged };
+
 // Installs async-signal-safe handlers for SIGTERM, SIGUSR1 and SIGINT that only set a flag;
 // train() acts on it at the next step boundary.
 void install_preemption_handlers();
@@ -46,10 +50,10 @@ class Trainer {
   // found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
-  // Trains (nothing with --dry-run: setup has printed the memory table). Returns false when a
-  // preemption signal stopped it early (all ranks agree; a checkpoint was saved if
-  // --checkpoint-dir is set).
-  bool train();
+  // Trains (nothing with --dry-run: setup has printed the memory table). All ranks agree on
+  // how it ended: a preemption signal stops it early (a checkpoint saved if --checkpoint-dir is
+  // set), a non-finite loss stops it without saving.
+  TrainEnd train();
   // Collective over the world: every rank calls it.
   EvalResult evaluate(const io::Dataset& data);
   // The dataset evaluated at the end and by --eval-only; none with --dry-run.
@@ -111,6 +115,7 @@ class Trainer {
   std::unique_ptr<parallel::ParameterGather> gather_;  // ZeRO 3 only
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
+  int64_t num_classes_ = 0;  // the model's output classes
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
   int64_t next_epoch_ = 0, next_in_epoch_ = 0;
 

@@ -333,6 +333,22 @@ TEST(Ops, Pool2d) {
   check_pools(1, 1, 6, 6, {2, 1, 1});  // stride 1, padded
 }
 
+TEST(Ops, ReluPropagatesNanAsTorch) {  // torch.relu(nan) = nan; its gradient there is 0
+  Tensor x = Tensor::empty({3}), y = Tensor::empty({3}), dy = Tensor::empty({3}), dx = Tensor::empty({3});
+  x.data<float>()[0] = std::nanf("");
+  x.data<float>()[1] = -2.0f;
+  x.data<float>()[2] = 3.0f;
+  ops::fill(dy, 1.0f);
+  ops::relu_forward(x, y);
+  EXPECT_TRUE(std::isnan(y.data<float>()[0]));
+  EXPECT_EQ(y.data<float>()[1], 0.0f);
+  EXPECT_EQ(y.data<float>()[2], 3.0f);
+  ops::relu_backward(y, dy, dx);
+  EXPECT_EQ(dx.data<float>()[0], 0.0f);
+  EXPECT_EQ(dx.data<float>()[1], 0.0f);
+  EXPECT_EQ(dx.data<float>()[2], 1.0f);
+}
+
 TEST(Ops, MaxPoolPropagatesNan) {
   Tensor x = Tensor::zeros({1, 1, 2, 2}), y = Tensor::empty({1, 1, 1, 1}),
          arg = Tensor::empty({1, 1, 1, 1}, DType::I32);

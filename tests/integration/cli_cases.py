@@ -8,6 +8,7 @@ stderr naming what was expected and what was found, no crash or traceback.
 """
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -69,6 +70,10 @@ def case_bad_inputs(args):
     expect_bad_input(args, base[:-2] + ["--data", good, "--global-batch", "8", "--micro-batch", "3"], r"micro-batch.*3|3.*micro-batch")
     expect_bad_input(args, ["--data", good, "--model", "mlp"], r"--epochs or --steps")
     expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16,x"], r"--hidden.*16,x")
+    # Words that follow no flag (an unquoted glob's other files, a list with spaces): not ignored.
+    expect_bad_input(args, base + ["--data", good, os.path.join(w, "other.h5")], r"unexpected argument '.*other\.h5'")
+    expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16", "16"],
+                     r"unexpected argument '16'")
 
     text = os.path.join(w, "not-hdf5.h5")
     with open(text, "w") as f:
@@ -169,6 +174,57 @@ def case_train_h5py(args):
     assert rc == 0, err
     m2 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out2)
     assert m2 and m2.groups() == m.groups(), (m.groups(), out2)
+    # Evaluation data without the highest class: the model keeps the checkpoint's 4 classes.
+    subset = os.path.join(w, "test-no-class-3.h5")
+    with h5py.File(test, "r") as f, h5py.File(subset, "w") as g:
+        keep = f["labels"][...] < 3
+        g["inputs"], g["labels"] = f["inputs"][...][keep], f["labels"][...][keep]
+    rc, out3, err = run(args, [args.train, "--model", "mlp", "--hidden", "32", "--val-data", subset, "--eval-only",
+                               "--init-from", os.path.join(ckdir, "step-00000060.h5")])
+    m3 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%\s+\((\d+) samples\)", out3)
+    assert rc == 0 and m3 and int(m3.group(3)) == int(keep.sum()) and float(m3.group(2)) >= 90.0, f"{out3}\n{err}"
+    # A switch set in the file is turned off on the command line.
+    with open(config, "a") as f:
+        f.write("dry-run = true\n")
+    rc, out, err = run(args, [args.train, "--config", config])
+    assert rc == 0 and "--dry-run: not training" in out and "final test" not in out, f"{out}\n{err}"
+    rc, out, err = run(args, [args.train, "--config", config, "--dry-run", "false"])
+    assert rc == 0 and "--dry-run: not training" not in out and "final test" in out, f"{out}\n{err}"
+
+
+def case_divergence(args):
+    """A step whose loss is not finite stops the run on every rank (exit 1, one line from rank
+    0) without saving that state: the last checkpoint stays the newest, and --metrics stays
+    valid JSON. A NaN in the data is named at setup instead (exit 2)."""
+    import shutil
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "diverge.h5"), n=512)
+    ck = os.path.join(w, "ck-diverge")
+    shutil.rmtree(ck, ignore_errors=True)
+    metrics = os.path.join(w, "diverge.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    base = ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16", "--checkpoint-dir", ck,
+            "--metrics", metrics, "--log-every", "1"]
+    train_ranks(args, 2, base + ["--steps", "3"])  # a good checkpoint at step 3
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--quiet", args.train] + base + [
+        "--steps", "20", "--lr", "1e30", "--resume", "auto"]
+    rc, out, err = run(args, cmd)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 1 and len(lines) == 1 and re.match(r"error: the loss of step \d+ is nan", lines[0]), f"{rc}\n{out}\n{err}"
+    assert sorted(os.listdir(ck)) == ["latest", "step-00000003.h5"], os.listdir(ck)
+    records = [json.loads(l) for l in open(metrics)]  # every line parses
+    assert all(math.isfinite(r["loss"]) for r in records), records
+    print(f"--lr 1e30: {lines[0]}; checkpoints {sorted(os.listdir(ck))}; {len(records)} metrics lines, all finite")
+
+    bad = os.path.join(w, "nan-sample.h5")
+    x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+    x[37, 2] = np.nan
+    with h5py.File(bad, "w") as f:
+        f["inputs"] = x
+        f["labels"] = np.arange(64) % 4
+    expect_bad_input(args, ["--model", "mlp", "--hidden", "16", "--data", bad, "--steps", "2", "--global-batch", "8"],
+                     r"--data: sample 37 of '.*nan-sample\.h5' holds a non-finite input value", ranks=2)
 
 
 def case_train_two_ranks(args):
@@ -587,9 +643,10 @@ def case_setup_on_some_ranks(args):
             os.remove(os.path.join(w, name))
     train_ranks(args, 2, logged + [os.path.join(w, "ck-log-whole"), "--metrics", os.path.join(w, "log-whole.jsonl")])
     resumed = logged + [os.path.join(w, "ck-log"), "--metrics", os.path.join(w, "log-resumed.jsonl")]
-    # Saved at step 7, killed at step 9 (logged: step 5), resumed from step 7 (logs 10, 15, 20).
+    # Saved at step 7, killed at step 12 (logged: steps 5 and 10), resumed from step 7: the
+    # line of step 10 is dropped and logged again, so the file reads as one run.
     cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + resumed + ["--save-every", "7",
-                                                                               "--debug-fail-step", "9", "--debug-fail-rank", "1"]
+                                                                               "--debug-fail-step", "12", "--debug-fail-rank", "1"]
     rc, out, err = run(args, cmd)
     assert rc != 0 and "injected failure" in err, f"{out}\n{err}"
     train_ranks(args, 2, resumed + ["--resume", "auto"])

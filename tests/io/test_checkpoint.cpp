@@ -141,10 +141,17 @@ TEST(CheckpointDir, LatestKeepAndNewest) {
   std::string latest;
   std::ifstream(dir / "latest") >> latest;
   EXPECT_EQ(latest, "step-00000040.h5");
-  prune_checkpoints(d, 3);
+  prune_checkpoints(d, 3, checkpoint_path(d, 40));
   EXPECT_FALSE(fs::exists(checkpoint_path(d, 10)));
   EXPECT_TRUE(fs::exists(checkpoint_path(d, 20)));
   EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 40));
+  // A run that starts again below another run's files prunes only up to its own newest.
+  write_known(checkpoint_path(d, 5));
+  write_known(checkpoint_path(d, 6));
+  prune_checkpoints(d, 1, checkpoint_path(d, 6));
+  EXPECT_TRUE(fs::exists(checkpoint_path(d, 6)));
+  EXPECT_FALSE(fs::exists(checkpoint_path(d, 5)));
+  for (int64_t step : {20, 30, 40}) EXPECT_TRUE(fs::exists(checkpoint_path(d, step))) << step;
   // Truncate the newest (named by latest) and corrupt the next: the third is chosen.
   fs::resize_file(checkpoint_path(d, 40), fs::file_size(checkpoint_path(d, 40)) / 2);
   {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 #include <numeric>
 
 #include "io/dataset.hpp"
@@ -97,6 +98,23 @@ TEST_P(DatasetModes, ReadsF32FeaturesWithDefaults) {
   EXPECT_EQ(ds.info().input_dtype, DType::F32);
   EXPECT_EQ(ds.info().scale, 1.0f);
   expect_batch(ds, {8, 2, 3, 2}, 1.0f, {0.0f}, {1.0f});
+}
+
+TEST_P(DatasetModes, NonFiniteInputIsNamedNotTrainedOn) {
+  TempDir dir;
+  Tensor x = Tensor::zeros({6, 3});
+  x.data<float>()[4 * 3 + 1] = std::numeric_limits<float>::quiet_NaN();  // sample 4 of the second shard
+  const std::vector<int32_t> y(6, 0);
+  write_shard(dir / "a.h5", Tensor::zeros({2, 3}), std::span(y).first(2), {});
+  write_shard(dir / "b.h5", x, y, {});
+  const auto open_and_read = [&] {
+    Dataset ds = Dataset::open(dir.path().string(), "--data", options());
+    Tensor xb = Tensor::empty({3, 3}), yb = Tensor::empty({3}, DType::I32);
+    ds.read(std::vector<int64_t>{0, 1, 3}, xb, yb);  // finite samples read fine
+    ds.read(std::vector<int64_t>{0, 6, 1}, xb, yb);  // global 6 = sample 4 of b.h5
+  };
+  // Loaded at open: found there; read per batch: found in the batch that holds it.
+  expect_input_error(open_and_read, {"--data: sample 4 of '", "b.h5", "non-finite"});
 }
 
 INSTANTIATE_TEST_SUITE_P(InMemoryAndFromFile, DatasetModes, ::testing::Bool());
@@ -216,6 +234,17 @@ TEST(DatasetBadInput, UnsupportedTypesAndAttributes) {
                      {"m.h5", "'mean' has 3 values", "expected 1 or 2"});
   make_shard(dir / "z.h5", 0, 3, {2, 4}, DType::U8, {0.0f, {}, {0.0f}, 0});
   expect_input_error([&] { Dataset::open(dir / "z.h5", "--data"); }, {"z.h5", "'std'", "> 0"});
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  make_shard(dir / "i.h5", 0, 3, {2, 4}, DType::U8, {0.0f, {}, {inf}, 0});
+  expect_input_error([&] { Dataset::open(dir / "i.h5", "--data"); }, {"i.h5", "'std' holds inf", "finite"});
+  make_shard(dir / "n.h5", 0, 3, {2, 4}, DType::U8, {0.0f, {nan}, {}, 0});
+  expect_input_error([&] { Dataset::open(dir / "n.h5", "--data"); }, {"n.h5", "'mean' holds nan", "finite"});
+  make_shard(dir / "s.h5", 0, 3, {2, 4}, DType::U8, {-1.0f, {}, {}, 0});
+  expect_input_error([&] { Dataset::open(dir / "s.h5", "--data"); }, {"s.h5", "'scale' is -1", "> 0"});
+  std::vector<float> none;
+  write_raw(dir / "e.h5", "inputs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {4, 0}, none.data());
+  write_raw(dir / "e.h5", "labels", H5T_STD_I32LE, H5T_NATIVE_INT32, {4}, y.data());
+  expect_input_error([&] { Dataset::open(dir / "e.h5", "--data"); }, {"e.h5", "[4, 0]", "at least one value"});
 }
 
 }  // namespace

@@ -91,7 +91,7 @@ struct ReluForward {
   T* y;
   STRATA_HD void operator()(int64_t i) const {
     const float v = to_f32(x[i]);
-    y[i] = from_f32<T>(v > 0.0f ? v : 0.0f);
+    y[i] = from_f32<T>(v <= 0.0f ? 0.0f : v);  // NaN stays NaN, as in torch: divergence must show
   }
 };
 
