@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
       train::install_preemption_handlers();
       const train::TrainEnd end = trainer->train();
       if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
-      if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;   // rank 0 said why
+      if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;  // rank 0 said why
     }
     if (const io::Dataset* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);

@@ -239,8 +239,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
   });
 
-  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", num_classes_,
-            " classes\n", model_->summary());
+  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", num_classes_, " classes\n",
+            model_->summary());
   print_plan();
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
@@ -591,7 +591,10 @@ TrainEnd Trainer::train() {
     const double loss = train_step(batch, step) / static_cast<double>(config_.global_batch);
     if (!std::isfinite(loss)) {  // all-reduced: the same on every rank
       if (rank_ == 0)
-        log::error("the loss of step ", step + 1, " is ", std::isnan(loss) ? "nan" : loss > 0 ? "inf" : "-inf",
+        log::error("the loss of step ", step + 1, " is ",
+                   std::isnan(loss) ? "nan"
+                   : loss > 0       ? "inf"
+                                    : "-inf",
                    ": training stopped without saving this state; lower --lr, clip (--clip-grad) or check the data");
       return TrainEnd::Diverged;
     }
