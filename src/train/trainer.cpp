@@ -591,10 +591,7 @@ TrainEnd Trainer::train() {
     const double loss = train_step(batch, step) / static_cast<double>(config_.global_batch);
     if (!std::isfinite(loss)) {  // all-reduced: the same on every rank
       if (rank_ == 0)
-        log::error("the loss of step ", step + 1, " is ",
-                   std::isnan(loss) ? "nan"
-                   : loss > 0       ? "inf"
-                                    : "-inf",
+        log::error("the loss of step ", step + 1, " is ", std::isnan(loss) ? "nan" : "infinite",
                    ": training stopped without saving this state; lower --lr, clip (--clip-grad) or check the data");
       return TrainEnd::Diverged;
     }
