@@ -85,8 +85,19 @@ Idx read_idx(const std::string& path, int ndims, const std::string& flag) {
     total *= idx.dims.back();
   }
   STRATA_REQUIRE(idx.dims[0] > 0, flag, ": '", path, "' holds 0 items");
+  for (size_t d = 1; d < idx.dims.size(); ++d)
+    STRATA_REQUIRE(idx.dims[d] > 0, flag, ": '", path, "' has items of size 0 (dimension ", d, ")");
+  // gzip compresses at most ~1032:1: a header that claims more than that cannot be whole, and
+  // must not make us allocate it.
+  std::error_code ec;
+  const auto on_disk = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+  STRATA_REQUIRE(ec || total <= 1100 * on_disk, flag, ": '", path, "' is truncated: its header claims ", total,
+                 " bytes of data, more than a ", on_disk, "-byte file can hold");
   idx.data.resize(static_cast<size_t>(total));
   read_exact(idx.data.data(), idx.data.size(), "data");
+  uint8_t extra = 0;
+  STRATA_REQUIRE(gzread(f, &extra, 1) == 0, flag, ": '", path, "' has data beyond the ", total,
+                 " bytes its header describes");
   return idx;
 }
 
@@ -100,6 +111,9 @@ std::vector<int64_t> shard_sizes(int64_t n, int shards) {
 // Writes inputs (N, ...) and labels as `shards` files named from `prefix`; prints their names.
 void write_shards(const std::string& prefix, int shards, const Tensor& inputs, const std::vector<int32_t>& labels,
                   const ShardAttrs& attrs) {
+  STRATA_REQUIRE(!prefix.empty() && prefix.back() != '/' && !std::filesystem::is_directory(prefix),
+                 "--out: expected a file prefix (PREFIX.h5 or PREFIX-00000-of-0000N.h5 are written), found '", prefix,
+                 "'");
   std::filesystem::path parent = std::filesystem::path(prefix).parent_path();
   std::error_code ec;
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
@@ -272,6 +286,7 @@ int bench(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("spec", 1);
   parse(args, desc, pos);
+  STRATA_REQUIRE(batch > 0 && steps > 0, "--batch and --steps must be positive, found ", batch, " and ", steps);
 
   using Clock = std::chrono::steady_clock;
   auto report = [&](const char* what, Clock::time_point t0, size_t sample_bytes) {

@@ -135,8 +135,9 @@ Shard open_shard(const std::string& path) {
   H5_CHECK(H5Dread(labels, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()), "reading labels of ", path);
   s.labels.resize(raw.size());
   for (size_t i = 0; i < raw.size(); ++i) {
-    STRATA_REQUIRE(raw[i] >= 0 && raw[i] <= std::numeric_limits<int32_t>::max(), "label ", raw[i], " at index ", i,
-                   " is out of range; expected a class index >= 0");
+    // The class count, highest label + 1, must fit an int32 too.
+    STRATA_REQUIRE(raw[i] >= 0 && raw[i] < std::numeric_limits<int32_t>::max(), "label ", raw[i], " at index ", i,
+                   " is out of range; expected a class index in [0, ", std::numeric_limits<int32_t>::max() - 1, "]");
     s.labels[i] = static_cast<int32_t>(raw[i]);
   }
   if (h5::has_attr(labels, "num_classes")) {

@@ -62,4 +62,27 @@ bad(["--images", "cannot open"], "convert-idx", "--images", "/nope.gz", "--label
 bad(["classes"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4")
 bad(["--shape"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4,x", "--classes", "2")
 bad(["unknown command"], "frobnicate")
+bad(["--out", "expected a file prefix"], "synthetic", "--out", work + "/", "--samples", "10", "--shape", "4", "--classes", "2")
+bad(["--batch and --steps must be positive"], "bench", os.path.join(work, "f/feat.h5"), "--steps", "-5")
+# num_classes is --classes even when a small file lacks the highest labels.
+run("synthetic", "--out", os.path.join(work, "few"), "--samples", "3", "--shape", "4", "--classes", "10")
+assert h5py.File(os.path.join(work, "few.h5"), "r")["labels"].attrs["num_classes"] == 10
+
+
+def idx(path, magic, dims, body):
+    """A gzip'd IDX file of unsigned bytes: its header claims `dims`, `body` follows."""
+    import gzip
+    import struct
+    with gzip.open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in dims) + body)
+    return path
+
+
+images = idx(os.path.join(work, "huge-images.gz"), 0x803, [100000, 10000, 10000], b"\0")
+good_labels = idx(os.path.join(work, "labels.gz"), 0x801, [2], bytes([0, 1]))
+bad(["--images", "truncated", "claims 10000000000000 bytes"], "convert-idx", "--images", images, "--labels", good_labels,
+    "--out", work + "/x")
+images = idx(os.path.join(work, "long-images.gz"), 0x803, [2, 2, 2], bytes(9))
+bad(["--images", "data beyond the 8 bytes"], "convert-idx", "--images", images, "--labels", good_labels, "--out",
+    work + "/x")
 print(f"ok: synthetic accuracy {acc:.3f}")
