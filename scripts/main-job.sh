@@ -13,8 +13,9 @@ if [ ! -f "$out/test.h5" ]; then
   mkdir -p "$out/train"
   ./build/strata-data convert-idx --images "$idx/train-images-idx3-ubyte.gz" \
     --labels "$idx/train-labels-idx1-ubyte.gz" --out "$out/train/train" --shards 4
+  # The test split is normalised with the training split's statistics, as the model saw them.
   ./build/strata-data convert-idx --images "$idx/t10k-images-idx3-ubyte.gz" \
-    --labels "$idx/t10k-labels-idx1-ubyte.gz" --out "$out/test" --shards 1
+    --labels "$idx/t10k-labels-idx1-ubyte.gz" --out "$out/test" --shards 1 --stats-from "$out/train"
 fi
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -1,5 +1,6 @@
 // strata-data: makes and checks datasets in Strata's HDF5 format (docs/formats.md).
-//   strata-data convert-idx --images X-images-idx3-ubyte.gz --labels X-labels-idx1-ubyte.gz --out PREFIX [--shards N]
+//   strata-data convert-idx --images X-images-idx3-ubyte.gz --labels X-labels-idx1-ubyte.gz --out PREFIX
+//                           [--shards N] [--stats-from DATA]
 //   strata-data synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]
 //   strata-data inspect SPEC
 //   strata-data bench SPEC [--batch B] [--steps N]
@@ -33,7 +34,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: strata-data <command> [options]\n"
     "commands:\n"
-    "  convert-idx --images FILE.gz --labels FILE.gz --out PREFIX [--shards N]\n"
+    "  convert-idx --images FILE.gz --labels FILE.gz --out PREFIX [--shards N] [--stats-from DATA]\n"
     "      convert (Fashion-)MNIST IDX files to HDF5 shards\n"
     "  synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]\n"
     "      write a small learnable dataset (class patterns plus noise)\n"
@@ -160,12 +161,15 @@ po::variables_map parse(const std::vector<std::string>& args, const po::options_
 }
 
 int convert_idx(const std::vector<std::string>& args) {
-  std::string images_path, labels_path, out;
+  std::string images_path, labels_path, out, stats_from;
   int shards = 1;
   po::options_description desc("convert-idx options");
   desc.add_options()("images", po::value(&images_path)->required(), "images IDX file (.gz)")(
       "labels", po::value(&labels_path)->required(), "labels IDX file (.gz)")(
-      "out", po::value(&out)->required(), "output prefix")("shards", po::value(&shards), "number of shards");
+      "out", po::value(&out)->required(), "output prefix")("shards", po::value(&shards), "number of shards")(
+      "stats-from", po::value(&stats_from),
+      "normalise with this dataset's scale, mean and std (a test split with its training split's) instead of "
+      "its own");
   parse(args, desc);
 
   Idx images = read_idx(images_path, 3, "--images");
@@ -178,7 +182,17 @@ int convert_idx(const std::vector<std::string>& args) {
   Tensor inputs = Tensor::empty({n, 1, images.dims[1], images.dims[2]}, DType::U8);
   std::copy(images.data.begin(), images.data.end(), inputs.data<uint8_t>());
   std::vector<int32_t> labels(labels_idx.data.begin(), labels_idx.data.end());
-  write_shards(out, shards, inputs, labels, stats_attrs(inputs, 1.0f / 255.0f, labels));
+  ShardAttrs attrs = stats_attrs(inputs, 1.0f / 255.0f, labels);
+  if (!stats_from.empty()) {
+    const io::DatasetInfo from = io::Dataset::open(stats_from, "--stats-from").info();
+    STRATA_REQUIRE(from.sample_shape == Shape(inputs.shape().begin() + 1, inputs.shape().end()), "--stats-from: '",
+                   stats_from, "' has samples ", shape_str(from.sample_shape), " but --images has ",
+                   shape_str(Shape(inputs.shape().begin() + 1, inputs.shape().end())));
+    attrs.scale = from.scale;
+    attrs.mean = from.mean;
+    attrs.std = from.std;
+  }
+  write_shards(out, shards, inputs, labels, attrs);
   return 0;
 }
 

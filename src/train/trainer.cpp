@@ -121,6 +121,18 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
                    " but --data samples have shape ", shape_str(info.sample_shape));
     STRATA_REQUIRE(v.num_classes <= info.num_classes, "--val-data has labels up to ", v.num_classes - 1,
                    " but --data has only ", info.num_classes, " classes");
+    // Each file says how to normalise it; a split converted with its own statistics is
+    // evaluated on inputs scaled unlike the training data.
+    if ((v.scale != info.scale || v.mean != info.mean || v.std != info.std) && rank_ == 0) {
+      const auto str = [](const std::vector<float>& x) {
+        std::ostringstream os;
+        for (size_t i = 0; i < x.size(); ++i) os << (i ? "," : "") << x[i];
+        return os.str();
+      };
+      log::warn("--val-data is normalised with mean ", str(v.mean), " std ", str(v.std), " but --data with mean ",
+                str(info.mean), " std ", str(info.std),
+                ": evaluation sees inputs scaled unlike training's (strata-data convert-idx --stats-from)");
+    }
   }
 
   // The classes are the data's; a checkpoint to start from knows its model's, which evaluation

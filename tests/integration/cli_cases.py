@@ -1003,10 +1003,11 @@ def fashion_mnist(args):
     idx = "/usr/share/datasets/fashion-mnist"
     if not os.path.exists(os.path.join(out, "test.h5")):
         os.makedirs(os.path.join(out, "train"), exist_ok=True)
-        for split, prefix, shards in (("train", "train/train", 4), ("t10k", "test", 1)):
+        for split, prefix, extra in (("train", "train/train", ["--shards", "4"]),
+                                     ("t10k", "test", ["--stats-from", os.path.join(out, "train")])):
             rc, o, e = run(args, [args.data_tool, "convert-idx", "--images", f"{idx}/{split}-images-idx3-ubyte.gz",
                                   "--labels", f"{idx}/{split}-labels-idx1-ubyte.gz", "--out",
-                                  os.path.join(out, prefix), "--shards", str(shards)])
+                                  os.path.join(out, prefix)] + extra)
             assert rc == 0, e
     return os.path.join(out, "train"), os.path.join(out, "test.h5")
 

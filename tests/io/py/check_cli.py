@@ -62,6 +62,22 @@ bad(["--images", "cannot open"], "convert-idx", "--images", "/nope.gz", "--label
 bad(["classes"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4")
 bad(["--shape"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4,x", "--classes", "2")
 bad(["unknown command"], "frobnicate")
+# --stats-from: a split normalised with another dataset's statistics (a test split with its
+# training split's); the values themselves are unchanged.
+images = "/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz"
+if os.path.exists(images):
+    run("synthetic", "--out", os.path.join(work, "stats"), "--samples", "50", "--shape", "1,28,28", "--classes", "2")
+    run("convert-idx", "--images", images, "--labels", labels, "--out", os.path.join(work, "own"))
+    run("convert-idx", "--images", images, "--labels", labels, "--out", os.path.join(work, "borrowed"), "--stats-from",
+        os.path.join(work, "stats.h5"))
+    with h5py.File(os.path.join(work, "stats.h5"), "r") as a, h5py.File(os.path.join(work, "borrowed.h5"), "r") as b, \
+            h5py.File(os.path.join(work, "own.h5"), "r") as c:
+        for key in ("scale", "mean", "std"):
+            assert np.allclose(a["inputs"].attrs[key], b["inputs"].attrs[key], rtol=1e-6), key
+        assert not np.allclose(c["inputs"].attrs["mean"], b["inputs"].attrs["mean"])
+        assert np.array_equal(c["inputs"][...], b["inputs"][...])
+    bad(["--stats-from", "has samples [6]", "[1, 28, 28]"], "convert-idx", "--images", images, "--labels", labels, "--out",
+        os.path.join(work, "x"), "--stats-from", os.path.join(work, "f/feat.h5"))
 bad(["--out", "expected a file prefix"], "synthetic", "--out", work + "/", "--samples", "10", "--shape", "4", "--classes", "2")
 bad(["--batch and --steps must be positive"], "bench", os.path.join(work, "f/feat.h5"), "--steps", "-5")
 # num_classes is --classes even when a small file lacks the highest labels.
