@@ -2,6 +2,7 @@
 //   strata-data convert-idx --images X-images-idx3-ubyte.gz --labels X-labels-idx1-ubyte.gz --out PREFIX
 //                           [--shards N] [--stats-from DATA]
 //   strata-data synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]
+//                         [--first-sample I] [--stats-from DATA]
 //   strata-data inspect SPEC
 //   strata-data bench SPEC [--batch B] [--steps N]
 // Bad input exits with code 2 and one line on stderr; other failures with code 1.
@@ -37,6 +38,7 @@ constexpr const char* kUsage =
     "  convert-idx --images FILE.gz --labels FILE.gz --out PREFIX [--shards N] [--stats-from DATA]\n"
     "      convert (Fashion-)MNIST IDX files to HDF5 shards\n"
     "  synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]\n"
+    "            [--first-sample I] [--stats-from DATA]\n"
     "      write a small learnable dataset (class patterns plus noise)\n"
     "  inspect SPEC\n"
     "      describe a dataset: a file, a directory of .h5 files, or a glob pattern\n"
@@ -130,13 +132,26 @@ void write_shards(const std::string& prefix, int shards, const Tensor& inputs, c
   }
 }
 
-// Normalisation attributes computed over the data, so training inputs are standardised, and
-// the class count (the labels' highest + 1 unless the generator says more).
-ShardAttrs stats_attrs(const Tensor& inputs, float scale, const std::vector<int32_t>& labels, int classes = 0) {
+// Normalisation attributes computed over the data, so training inputs are standardised, or
+// taken from the dataset `stats_from` (--stats-from: a test split with its training split's);
+// and the class count (the labels' highest + 1 unless the generator says more).
+ShardAttrs stats_attrs(const Tensor& inputs, float scale, const std::vector<int32_t>& labels, int classes,
+                       const std::string& stats_from) {
   ShardAttrs attrs;
-  attrs.scale = scale;
-  io::channel_stats(inputs, scale, inputs.dim(1), attrs.mean, attrs.std);
   attrs.num_classes = std::max(classes, *std::max_element(labels.begin(), labels.end()) + 1);
+  if (stats_from.empty()) {
+    attrs.scale = scale;
+    io::channel_stats(inputs, scale, inputs.dim(1), attrs.mean, attrs.std);
+    return attrs;
+  }
+  const io::DatasetInfo from = io::Dataset::open(stats_from, "--stats-from").info();
+  const Shape sample(inputs.shape().begin() + 1, inputs.shape().end());
+  STRATA_REQUIRE(from.sample_shape == sample && from.input_dtype == inputs.dtype(), "--stats-from: '", stats_from,
+                 "' has samples ", shape_str(from.sample_shape), " ", dtype_name(from.input_dtype), " but these are ",
+                 shape_str(sample), " ", dtype_name(inputs.dtype()));
+  attrs.scale = from.scale;
+  attrs.mean = from.mean;
+  attrs.std = from.std;
   return attrs;
 }
 
@@ -182,17 +197,7 @@ int convert_idx(const std::vector<std::string>& args) {
   Tensor inputs = Tensor::empty({n, 1, images.dims[1], images.dims[2]}, DType::U8);
   std::copy(images.data.begin(), images.data.end(), inputs.data<uint8_t>());
   std::vector<int32_t> labels(labels_idx.data.begin(), labels_idx.data.end());
-  ShardAttrs attrs = stats_attrs(inputs, 1.0f / 255.0f, labels);
-  if (!stats_from.empty()) {
-    const io::DatasetInfo from = io::Dataset::open(stats_from, "--stats-from").info();
-    STRATA_REQUIRE(from.sample_shape == Shape(inputs.shape().begin() + 1, inputs.shape().end()), "--stats-from: '",
-                   stats_from, "' has samples ", shape_str(from.sample_shape), " but --images has ",
-                   shape_str(Shape(inputs.shape().begin() + 1, inputs.shape().end())));
-    attrs.scale = from.scale;
-    attrs.mean = from.mean;
-    attrs.std = from.std;
-  }
-  write_shards(out, shards, inputs, labels, attrs);
+  write_shards(out, shards, inputs, labels, stats_attrs(inputs, 1.0f / 255.0f, labels, 0, stats_from));
   return 0;
 }
 
@@ -212,8 +217,8 @@ Shape parse_shape(const std::string& s) {
 }
 
 int synthetic(const std::vector<std::string>& args) {
-  std::string out, shape_arg, dtype_arg = "u8";
-  int64_t samples = 0;
+  std::string out, shape_arg, dtype_arg = "u8", stats_from;
+  int64_t samples = 0, first = 0;
   int classes = 0, shards = 1;
   uint64_t seed = 0;
   po::options_description desc("synthetic options");
@@ -222,9 +227,12 @@ int synthetic(const std::vector<std::string>& args) {
                                                                        "sample shape: C,H,W or F")(
       "classes", po::value(&classes)->required(), "number of classes")(
       "shards", po::value(&shards), "number of shards")("seed", po::value(&seed), "random seed")(
-      "dtype", po::value(&dtype_arg), "u8 or f32");
+      "dtype", po::value(&dtype_arg), "u8 or f32")("first-sample", po::value(&first),
+                                                   "index of the first sample: a held-out split with the same classes")(
+      "stats-from", po::value(&stats_from), "normalise with this dataset's scale, mean and std");
   parse(args, desc);
   STRATA_REQUIRE(samples >= 1, "--samples: expected >= 1, found ", samples);
+  STRATA_REQUIRE(first >= 0, "--first-sample: expected >= 0, found ", first);
   STRATA_REQUIRE(classes >= 2, "--classes: expected >= 2, found ", classes);
   STRATA_REQUIRE(dtype_arg == "u8" || dtype_arg == "f32", "--dtype: expected u8 or f32, found '", dtype_arg, "'");
   check_shards(shards, samples);
@@ -243,18 +251,20 @@ int synthetic(const std::vector<std::string>& args) {
   uint8_t* bytes = u8 ? inputs.data<uint8_t>() : nullptr;
   float* floats = u8 ? nullptr : inputs.data<float>();
   for (int64_t i = 0; i < samples; ++i) {
-    const auto label = static_cast<int32_t>(rng::bits64(key, kLabelStream, static_cast<uint64_t>(i)) % classes);
+    const auto index = static_cast<uint64_t>(first + i);  // which sample of the generator's sequence
+    const auto label = static_cast<int32_t>(rng::bits64(key, kLabelStream, index) % classes);
     labels[static_cast<size_t>(i)] = label;
     for (int64_t j = 0; j < numel; ++j) {
       const float v = 0.6f * rng::uniform(key, static_cast<uint64_t>(label), static_cast<uint64_t>(j)) +
-                      0.4f * rng::uniform(key, kNoiseStream + static_cast<uint64_t>(i), static_cast<uint64_t>(j));
+                      0.4f * rng::uniform(key, kNoiseStream + index, static_cast<uint64_t>(j));
       if (u8)
         bytes[i * numel + j] = static_cast<uint8_t>(std::lround(v * 255.0f));
       else
         floats[i * numel + j] = v;
     }
   }
-  write_shards(out, shards, inputs, labels, stats_attrs(inputs, u8 ? 1.0f / 255.0f : 1.0f, labels, classes));
+  write_shards(out, shards, inputs, labels,
+               stats_attrs(inputs, u8 ? 1.0f / 255.0f : 1.0f, labels, classes, stats_from));
   return 0;
 }
 

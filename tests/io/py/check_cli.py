@@ -42,6 +42,20 @@ run("synthetic", "--out", os.path.join(work, "f/feat"), "--samples", "10", "--sh
     "--dtype", "f32")
 assert h5py.File(os.path.join(work, "f/feat.h5"), "r")["inputs"].dtype == np.float32
 
+# --first-sample: samples 300.. of the same sequence (the same class patterns), so a held-out
+# split is disjoint from the training one and equal to the sequence's continuation.
+run("synthetic", "--out", os.path.join(work, "tail/s"), "--samples", "300", "--first-sample", "300", "--shape", "2,4,4",
+    "--classes", "3", "--seed", "5")
+tail = h5py.File(os.path.join(work, "tail/s.h5"), "r")
+assert np.array_equal(tail["inputs"][...].astype(np.float64), x[300:]) and np.array_equal(tail["labels"][...], y[300:])
+run("synthetic", "--out", os.path.join(work, "held/s"), "--samples", "300", "--first-sample", "600", "--shape", "2,4,4",
+    "--classes", "3", "--seed", "5")
+held = h5py.File(os.path.join(work, "held/s.h5"), "r")
+hx, hy = held["inputs"][...].astype(np.float64).reshape(300, -1), held["labels"][...]
+assert not any(np.array_equal(hx[i], flat[j]) for i in range(20) for j in range(600)), "held-out repeats training"
+held_acc = (np.argmin(((hx[:, None, :] - means[None]) ** 2).sum(-1), axis=1) == hy).mean()
+assert held_acc > 0.9, held_acc
+
 out = run("inspect", os.path.join(work, "syn")).stdout
 assert "samples:       600" in out and "[2, 4, 4]" in out and "classes:       3" in out, out
 
