@@ -138,7 +138,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
       std::ifstream in(path);
       STRATA_REQUIRE(in.good() && !std::filesystem::is_directory(path), "--config: cannot read '", path,
                      "' (expected an INI file)");
-      po::store(po::parse_config_file(in, desc), vm);  // earlier (command-line) values win
+      const po::parsed_options from_file = po::parse_config_file(in, desc);
+      for (const po::option& o : from_file.options)
+        STRATA_REQUIRE(o.string_key != "config", "--config: '", path,
+                       "' sets config = ...; a config file cannot include another");
+      po::store(from_file, vm);  // earlier (command-line) values win
     }
     po::notify(vm);
   } catch (const po::error& e) {

@@ -70,6 +70,10 @@ def case_bad_inputs(args):
     expect_bad_input(args, base[:-2] + ["--data", good, "--global-batch", "8", "--micro-batch", "3"], r"micro-batch.*3|3.*micro-batch")
     expect_bad_input(args, ["--data", good, "--model", "mlp"], r"--epochs or --steps")
     expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16,x"], r"--hidden.*16,x")
+    nested = os.path.join(w, "nested.ini")
+    with open(nested, "w") as f:
+        f.write(f"data = {good}\nconfig = other.ini\n")
+    expect_bad_input(args, base + ["--config", nested], r"cannot include another")
     # Words that follow no flag (an unquoted glob's other files, a list with spaces): not ignored.
     expect_bad_input(args, base + ["--data", good, os.path.join(w, "other.h5")], r"unexpected argument '.*other\.h5'")
     expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16", "16"],
