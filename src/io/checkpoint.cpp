@@ -50,7 +50,11 @@ std::string join(const std::string& group, const char* name) {
 CheckpointWriter::CheckpointWriter(std::string path) : path_(std::move(path)), tmp_path_(path_ + ".tmp") {
   h5::quiet_errors();
   file_ = h5::File(H5Fcreate(tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
-  STRATA_REQUIRE(file_.valid(), "cannot create checkpoint '", tmp_path_, "' (", h5::last_error(), ")");
+  if (!file_.valid()) {  // e.g. a full disk: no half-made file stays behind (the destructor won't run)
+    const std::string why = h5::last_error();
+    std::remove(tmp_path_.c_str());
+    STRATA_THROW("cannot create checkpoint '", tmp_path_, "' (", why, ")");
+  }
   h5::write_attr(file_, "format_version", kCheckpointFormatVersion);
 }
 
@@ -77,7 +81,8 @@ void CheckpointWriter::write_tensor(const std::string& name, const Tensor& t) {
                                                     : H5T_STD_U8LE;
   h5::DataSet ds(H5_CHECK(H5Dcreate2(file_, name.c_str(), file_type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
                           "creating checkpoint tensor ", name));
-  H5_CHECK(H5Dwrite(ds, h5::native_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), "writing ", name);
+  H5_CHECK(H5Dwrite(ds, h5::native_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), "writing ", name, " to ",
+           tmp_path_);
   h5::write_attr_u32(ds, "crc32", crc32_of(t));
 }
 
@@ -247,7 +252,12 @@ void update_latest(const std::string& dir, const std::string& path) {
     std::ofstream out(tmp, std::ios::trunc);
     out << fs::path(path).filename().string() << "\n";
     out.flush();
-    STRATA_CHECK(out.good(), "cannot write '", tmp, "'");
+    if (!out.good()) {  // `latest` still names the previous checkpoint
+      const std::string why = std::strerror(errno);
+      out.close();
+      std::remove(tmp.c_str());
+      STRATA_THROW("cannot write '", tmp, "': ", why);
+    }
   }
   fsync_path(tmp, O_RDONLY);
   STRATA_CHECK(std::rename(tmp.c_str(), latest.c_str()) == 0, "cannot rename '", tmp, "' to '", latest,

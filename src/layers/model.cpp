@@ -134,6 +134,7 @@ Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
   STRATA_REQUIRE(spec.depth >= 8 && (spec.depth - 2) % 6 == 0,
                  "--depth for resnet must be 6n+2 (8, 14, 20, 32, 56, ...), found ", spec.depth);
   STRATA_REQUIRE(spec.width > 0, "--width must be positive, found ", spec.width);
+  STRATA_REQUIRE(spec.dropout == 0, "--dropout applies to mlp and cnn; resnet has no dropout, found ", spec.dropout);
   const int blocks = (spec.depth - 2) / 6;
   Builder b(input);
   b.add<Conv2d>("conv1", input[0], spec.width, 3, 1, 1, false);

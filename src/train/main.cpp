@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
+    // From here: a signal while loading data or a checkpoint stops after the first step (saved).
+    if (!config->eval_only && !config->dry_run) train::install_preemption_handlers();
     log::set_all_ranks(config->log_all_ranks);
     const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
     ops::set_num_threads(threads);
@@ -37,7 +39,6 @@ int main(int argc, char** argv) {
 
   try {
     if (!config->eval_only) {
-      train::install_preemption_handlers();
       const train::TrainEnd end = trainer->train();
       if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
       if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;  // rank 0 said why

@@ -243,7 +243,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     parallel::agree(world, [&] { resume_from(config_.resume); });
   }
   parallel::agree(world, [&] {
-    if (start_step_ > 0 && rank_ == 0 && !config_.metrics.empty()) drop_metrics_after(config_.metrics, start_step_);
+    // Also when --resume auto found nothing: the run starts again from step 0.
+    if (config_.resume != "none" && rank_ == 0 && !config_.metrics.empty())
+      drop_metrics_after(config_.metrics, start_step_);
   });
   sync_->broadcast_parameters();  // every replica starts from replica 0's values
   // What rank 0 writes during training, checked now rather than after hours of it.
@@ -326,7 +328,9 @@ void Trainer::resume_from(const std::string& path) {
       local.view(o.in_range, {o.size}).copy_from(full.view(o.in_entry, {o.size}));
     }
   }
-  if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale"))
+  // Only an fp16 run's scale was adapted; another precision's (1) would start this one at 1.
+  if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale") &&
+      reader.attr_string("precision") == "fp16")
     scaler_.restore(reader.attr_double("loss_scale"), reader.attr_int("loss_scale_good_steps"));
   start_step_ = reader.attr_int("step");
   if (reader.has_attr("log_window_steps")) {
@@ -570,7 +574,6 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
   log::info(line);
   if (!config_.metrics.empty() && rank_ == 0) {
     std::ofstream out(config_.metrics, std::ios::app);
-    STRATA_CHECK(out.good(), "cannot append to --metrics file ", config_.metrics);
     char json[256];
     std::snprintf(json, sizeof json,
                   "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
@@ -578,6 +581,12 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
                   static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s, comm_json,
                   static_cast<long long>(dp_bytes_per_step_));
     out << json;
+    out.flush();
+    if (!out.good() && !metrics_lost_) {  // metrics are lost, not the training: warn once, go on
+      metrics_lost_ = true;
+      log::warn("--metrics: cannot write '", config_.metrics, "' (", std::strerror(errno),
+                "): its lines are being lost");
+    }
   }
 }
 

@@ -115,7 +115,8 @@ class Trainer {
   std::unique_ptr<parallel::ParameterGather> gather_;  // ZeRO 3 only
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
-  int64_t num_classes_ = 0;  // the model's output classes
+  int64_t num_classes_ = 0;            // the model's output classes
+  mutable bool metrics_lost_ = false;  // a --metrics write failed (warned once)
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
   int64_t next_epoch_ = 0, next_in_epoch_ = 0;
 

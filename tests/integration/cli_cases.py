@@ -70,6 +70,8 @@ def case_bad_inputs(args):
     expect_bad_input(args, base[:-2] + ["--data", good, "--global-batch", "8", "--micro-batch", "3"], r"micro-batch.*3|3.*micro-batch")
     expect_bad_input(args, ["--data", good, "--model", "mlp"], r"--epochs or --steps")
     expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16,x"], r"--hidden.*16,x")
+    expect_bad_input(args, ["--model", "resnet", "--steps", "2", "--data", good, "--dropout", "0.5"],
+                     r"--dropout applies to mlp and cnn")
     nested = os.path.join(w, "nested.ini")
     with open(nested, "w") as f:
         f.write(f"data = {good}\nconfig = other.ini\n")
@@ -220,6 +222,16 @@ def case_divergence(args):
     records = [json.loads(l) for l in open(metrics)]  # every line parses
     assert all(math.isfinite(r["loss"]) for r in records), records
     print(f"--lr 1e30: {lines[0]}; checkpoints {sorted(os.listdir(ck))}; {len(records)} metrics lines, all finite")
+
+    # A metrics file that cannot take the lines (a full disk: /dev/full): one warning, training goes on.
+    rc, out, err = run(args, [args.train, "--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16",
+                              "--steps", "4", "--log-every", "1", "--metrics", "/dev/full"])
+    warnings = [l for l in err.splitlines() if "--metrics: cannot write '/dev/full'" in l]
+    assert rc == 0 and len(warnings) == 1 and "final test" in out, f"{rc}\n{out}\n{err}"
+    # --resume auto that finds no checkpoint starts again: the old run's lines go.
+    shutil.rmtree(ck, ignore_errors=True)
+    train_ranks(args, 1, base + ["--steps", "3", "--resume", "auto"])
+    assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3], open(metrics).read()
 
     bad = os.path.join(w, "nan-sample.h5")
     x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
@@ -1111,6 +1123,13 @@ def case_mixed_precision(args):
     model, _ = resumed_run(args, RESUME_MLP, (1, tuple(fp16_resume)), (1, tuple(fp16_resume)), ("--optimizer", "sgd"),
                            steps=30, split=10)
     assert_same_model(model, reference, "fp16 resumed at step 10 vs uninterrupted", rtol=0.0)
+    # An fp32 checkpoint resumed as fp16: the scale starts at --loss-scale-init, not at fp32's 1.
+    ck32 = os.path.join(args.workdir, "ck-mp-fp32")
+    train_ranks(args, 1, common + ["--steps", "2", "--checkpoint-dir", ck32])
+    train_ranks(args, 1, common + ["--precision", "fp16", "--loss-scale-init", "1024", "--steps", "3",
+                                   "--checkpoint-dir", ck32, "--resume", "auto"])
+    with h5py.File(os.path.join(ck32, "step-00000003.h5"), "r") as f:
+        assert f.attrs["loss_scale"] == 1024.0 and f.attrs["precision"] == "fp16", dict(f.attrs)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -3,7 +3,9 @@
 // STRATA_CHECKPOINT_ORACLE=PATH set, CheckpointOracle.Write writes a known checkpoint there
 // for tests/io/py/check_checkpoint.py to read with h5py.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -161,6 +163,48 @@ TEST(CheckpointDir, LatestKeepAndNewest) {
     ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), 0);
   }
   EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 20));
+}
+
+// A full disk while saving, emulated by a file-size limit: an error that says which file, no
+// `.tmp` left behind, and `latest` still naming the previous checkpoint.
+TEST(CheckpointDir, FullDiskKeepsThePreviousCheckpoint) {
+  test::TempDir dir;
+  const std::string d = dir.path().string();
+  write_known(checkpoint_path(d, 1));
+  update_latest(d, checkpoint_path(d, 1));
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);  // writes past the limit fail with EFBIG
+  const auto limit_to = [&](rlim_t bytes) {
+    rlimit small = old;
+    small.rlim_cur = bytes;
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  };
+  const auto expect_failure = [](auto&& fn, const std::string& words) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one mentioning " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(e.kind(), ErrorKind::Input) << e.what();  // the disk, not the user's input
+      EXPECT_NE(e.message().find(words), std::string::npos) << e.message();
+    }
+  };
+  {
+    CheckpointWriter w(checkpoint_path(d, 2));
+    limit_to(16 << 10);
+    expect_failure([&] { w.write_tensor("model/big", Tensor::zeros({int64_t{64} << 10})); }, "step-00000002.h5.tmp");
+    // The limit goes before the writer is destroyed: an HDF5 file whose close failed would
+    // crash this test process's exit (train itself leaves through MPI_Abort or _exit).
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  }
+  limit_to(0);
+  expect_failure([&] { update_latest(d, checkpoint_path(d, 1)); }, "latest.tmp");
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_FALSE(fs::exists(checkpoint_path(d, 2) + ".tmp"));
+  EXPECT_FALSE(fs::exists(checkpoint_path(d, 2)));
+  EXPECT_FALSE(fs::exists(dir / "latest.tmp"));
+  EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 1));
 }
 
 TEST(CheckpointOracle, Write) {
