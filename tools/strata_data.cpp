@@ -144,7 +144,8 @@ ShardAttrs stats_attrs(const Tensor& inputs, float scale, const std::vector<int3
     io::channel_stats(inputs, scale, inputs.dim(1), attrs.mean, attrs.std);
     return attrs;
   }
-  const io::DatasetInfo from = io::Dataset::open(stats_from, "--stats-from").info();
+  // Only the attributes are wanted: a zero in-memory limit keeps the samples on disk.
+  const io::DatasetInfo from = io::Dataset::open(stats_from, "--stats-from", {0}).info();
   const Shape sample(inputs.shape().begin() + 1, inputs.shape().end());
   STRATA_REQUIRE(from.sample_shape == sample && from.input_dtype == inputs.dtype(), "--stats-from: '", stats_from,
                  "' has samples ", shape_str(from.sample_shape), " ", dtype_name(from.input_dtype), " but these are ",

@@ -152,13 +152,16 @@ DType CheckpointReader::dtype(const std::string& name) const {
   return DType::I32;
 }
 
+void CheckpointReader::require_shape(const std::string& name, const Shape& expected) const {
+  const Shape found = shape(name);
+  STRATA_REQUIRE(found == expected, "checkpoint '", path_, "': tensor '", name, "' has shape ", shape_str(found),
+                 " but the model expects ", shape_str(expected));
+}
+
 void CheckpointReader::read_tensor(const std::string& name, const Tensor& out) const {
   STRATA_CHECK(out.device().is_cpu(), "read_tensor needs a host tensor for '", name, "'");
+  require_shape(name, out.shape());
   h5::DataSet ds = open_tensor(name);
-  h5::Space space(H5_CHECK(H5Dget_space(ds), "space of ", name));
-  const Shape found = h5::dims(space);
-  STRATA_REQUIRE(found == out.shape(), "checkpoint '", path_, "': tensor '", name, "' has shape ", shape_str(found),
-                 " but the model expects ", shape_str(out.shape()));
   STRATA_REQUIRE(dtype(name) == out.dtype(), "checkpoint '", path_, "': tensor '", name, "' holds ",
                  dtype_name(dtype(name)), " but the model expects ", dtype_name(out.dtype()));
   H5_CHECK(H5Dread(ds, h5::native_type(out.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.raw()), "reading ", name,

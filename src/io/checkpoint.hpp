@@ -63,6 +63,8 @@ class CheckpointReader {
   bool has(const std::string& name) const;
   Shape shape(const std::string& name) const;
   DType dtype(const std::string& name) const;
+  // Input error naming expected and found when `name` does not have shape `expected`.
+  void require_shape(const std::string& name, const Shape& expected) const;
   // Reads `name` into `out` (a host tensor of the stored shape and dtype); Input error naming
   // expected and found on a shape mismatch, or when the data fails its crc32.
   void read_tensor(const std::string& name, const Tensor& out) const;

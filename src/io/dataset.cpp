@@ -71,12 +71,6 @@ std::vector<float> attr_floats(hid_t obj, const std::string& name, std::vector<f
   return std::vector<float>(v.begin(), v.end());
 }
 
-std::string values_str(const std::vector<float>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
 // One shard as found on disk, validated on its own.
 struct Shard {
   std::string path;
@@ -177,6 +171,12 @@ Shard open_shard(const std::string& path) {
 }
 
 }  // namespace
+
+std::string values_str(const std::vector<float>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
 
 struct Dataset::Impl {
   std::string flag;  // --data or --val-data, for messages

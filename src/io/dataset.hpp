@@ -78,5 +78,7 @@ std::string shard_path(const std::string& prefix, int shard, int num_shards);
 // std 1.
 void channel_stats(const Tensor& inputs, float scale, int64_t channels, std::vector<float>& mean,
                    std::vector<float>& std);
+// "[a, b, ...]": normalisation values in messages.
+std::string values_str(const std::vector<float>& v);
 
 }  // namespace strata::io

@@ -123,25 +123,21 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
                    " but --data has only ", info.num_classes, " classes");
     // Each file says how to normalise it; a split converted with its own statistics is
     // evaluated on inputs scaled unlike the training data.
-    if ((v.scale != info.scale || v.mean != info.mean || v.std != info.std) && rank_ == 0) {
-      const auto str = [](const std::vector<float>& x) {
-        std::ostringstream os;
-        for (size_t i = 0; i < x.size(); ++i) os << (i ? "," : "") << x[i];
-        return os.str();
-      };
-      log::warn("--val-data is normalised with mean ", str(v.mean), " std ", str(v.std), " but --data with mean ",
-                str(info.mean), " std ", str(info.std),
+    if ((v.scale != info.scale || v.mean != info.mean || v.std != info.std) && rank_ == 0)
+      log::warn("--val-data is normalised with mean ", io::values_str(v.mean), " std ", io::values_str(v.std),
+                " but --data with mean ", io::values_str(info.mean), " std ", io::values_str(info.std),
                 ": evaluation sees inputs scaled unlike training's (strata-data convert-idx --stats-from)");
-    }
   }
 
   // The classes are the data's; a checkpoint to start from knows its model's, which evaluation
   // data (a subset without the highest labels) may not show.
+  // Opened once: its classes size the model, its tensors fill it below.
+  std::unique_ptr<io::CheckpointReader> init_from;
   num_classes_ = info.num_classes;
   parallel::agree(world, [&] {
     if (config_.init_from.empty()) return;
-    const io::CheckpointReader reader(config_.init_from);
-    if (reader.has_attr("num_classes")) num_classes_ = std::max(num_classes_, reader.attr_int("num_classes"));
+    init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
+    if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
   model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
@@ -224,7 +220,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
 
   // Each stage reads its own tensors: a bad one fails that stage's ranks only.
   parallel::agree(world, [&] {
-    if (!config_.init_from.empty()) load_model(io::CheckpointReader(config_.init_from));
+    if (init_from) load_model(*init_from);
   });
   if (config_.resume == "auto") {
     // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
@@ -287,9 +283,7 @@ void Trainer::load_model(const io::CheckpointReader& reader) {
     const std::string name = "model/" + e.name;
     STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
                    " (was it saved from a different --model?)");
-    // The model's shape is checked first so that a mismatch names the model tensor.
-    STRATA_REQUIRE(reader.shape(name) == e.shape, "checkpoint '", reader.path(), "': tensor '", name, "' has shape ",
-                   shape_str(reader.shape(name)), " but the model expects ", shape_str(e.shape));
+    reader.require_shape(name, e.shape);  // first, so that a mismatch names the model tensor
     // Read whole (the crc covers the whole tensor), kept whole or (ZeRO 3) only this rank's part.
     // A mixed-precision run saved its f32 master weights too: the full-precision values.
     const std::string master = "optimizer/master/" + e.name;
