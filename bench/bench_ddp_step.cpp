@@ -105,7 +105,8 @@ struct Bench {
               [&](int64_t numel, DType dtype) {
                 return g.dp().allocate(numel, dtype, Device::cpu());  // ordinary memory with --no-shared-memory
               }),
-        optimizer(layers::OptimizerConfig{"sgd", 0.9f}, opt.zero, g.dp(), store),
+        optimizer(layers::OptimizerConfig{"sgd", 0.9f}, parallel::Ownership(opt.zero, g.dp_size(), store.used_numel()),
+                  g.dp(), store),
         sync(g.dp(), store, static_cast<int64_t>(opt.bucket_mb * (1 << 20)),
              opt.zero == 1 ? optimizer.shard().size : 0),
         o(opt) {

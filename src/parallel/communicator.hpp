@@ -12,7 +12,10 @@
 
 namespace strata::parallel {
 
-enum class ReduceOp { Sum, Avg };  // Avg = Sum / size(), float dtypes only
+enum class ReduceOp { Sum, Avg };
+
+// The largest message tag every MPI implementation accepts (the standard's smallest MPI_TAG_UB).
+constexpr int kMaxTag = 32767;  // Avg = Sum / size(), float dtypes only
 
 // A started operation. wait() blocks until it is complete (and rethrows its error);
 // test() returns whether it is complete without blocking (and may make progress).

@@ -10,13 +10,13 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "parallel/communicator.hpp"
 
 namespace strata::parallel {
 
 namespace {
 
 constexpr int kNumOps = 6;
-constexpr int kMaxTag = 32767;  // the smallest MPI_TAG_UB the MPI standard allows
 
 bool is_compute(Op op) { return op == Op::Forward || op == Op::Backward; }
 bool is_send(Op op) { return op == Op::SendActivation || op == Op::SendGrad; }

@@ -20,15 +20,22 @@ Shard shard_of(int64_t used, int dp, int rank) {
   return s;
 }
 
+Ownership::Ownership(int zero, int dp, int64_t used) : zero_(zero), dp_(dp), used_(used) {
+  STRATA_CHECK(zero >= 0 && zero <= 3 && dp >= 1 && used >= 0, "no ZeRO stage ", zero, " over ", dp, " replicas");
+}
+
+int64_t Ownership::pad_multiple() const { return shards_state() ? shard_pad_multiple(dp_) : kShardAlign; }
+
+Shard Ownership::state(int replica) const { return shards_state() ? shard(replica) : Shard{used_, 0, used_}; }
+
 namespace {
 
-Shard whole_or_shard(int zero_stage, const Communicator& dp, const layers::ParameterStore& store) {
-  STRATA_REQUIRE(zero_stage >= 0 && zero_stage <= 3, "--zero ", zero_stage, " is not implemented");
-  if (zero_stage == 0) {
+Shard whole_or_shard(const Ownership& ownership, const Communicator& dp, const layers::ParameterStore& store) {
+  if (!ownership.shards_state()) {  // the whole padded buffer: one fused step over all of it
     const int64_t n = store.params().numel();
     return {n, 0, n};
   }
-  const Shard s = shard_of(store.used_numel(), dp.size(), dp.rank());
+  const Shard s = ownership.shard(dp.rank());
   STRATA_CHECK(store.flat_numel() == s.size * dp.size(), "ZeRO needs the store padded to ", dp.size(), " x ", s.size,
                " elements, it has ", store.flat_numel());
   return s;
@@ -36,11 +43,11 @@ Shard whole_or_shard(int zero_stage, const Communicator& dp, const layers::Param
 
 }  // namespace
 
-ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, int zero_stage, Communicator& dp,
+ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, const Ownership& ownership, Communicator& dp,
                                    const layers::ParameterStore& store)
-    : stage_(zero_stage),
+    : ownership_(ownership),
       dp_(dp),
-      shard_(whole_or_shard(zero_stage, dp, store)),
+      shard_(whole_or_shard(ownership, dp, store)),
       inner_(config, shard_.numel(), store.params().device()) {
   const Tensor& params = store.params();
   if (params.dtype() == DType::F32) return;
@@ -63,17 +70,17 @@ void ShardedOptimizer::set_master(const layers::ParamEntry& e, const Tensor& ful
 
 Tensor ShardedOptimizer::owned(const Tensor& flat) const {
   // Stage 3's parameter shard starts at this rank's first owned element.
-  return flat.view(stage_ == 3 ? 0 : shard_.begin, {shard_.numel()});
+  return flat.view(ownership_.shards_params() ? 0 : shard_.begin, {shard_.numel()});
 }
 
 Tensor ShardedOptimizer::owned_grads(const Tensor& grads) const {
   // Stage 2's and 3's gradient shard starts at this rank's first owned element.
-  return stage_ >= 2 ? grads.view(0, {shard_.numel()}) : owned(grads);
+  return ownership_.shards_grads() ? grads.view(0, {shard_.numel()}) : owned(grads);
 }
 
 double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
   const double local = shard_.numel() > 0 ? ops::sum_squares(owned_grads(grads)) : 0.0;
-  if (stage_ == 0 || dp_.size() == 1) return local;
+  if (!ownership_.shards_state() || dp_.size() == 1) return local;
   std::vector<double> sum{local};
   all_reduce_sum(dp_, sum);
   return sum[0];
@@ -95,7 +102,7 @@ void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr)
     inner_.step(owned(params), owned_grads(grads), lr);
   }
   // Stage 3 keeps parameters sharded: layers gather them when they run.
-  if (stage_ == 0 || stage_ == 3 || dp_.size() == 1) return;
+  if (!ownership_.gathers_params_after_step() || dp_.size() == 1) return;
   // Every chunk is S long (the store is padded), this rank's chunk is gathered in place.
   dp_.all_gather(params.view(dp_.rank() * shard_.size, {shard_.size}), params);
 }

@@ -39,16 +39,47 @@ int64_t shard_pad_multiple(int dp);
 // Rank `rank`'s shard of `used` elements over `dp` ranks.
 Shard shard_of(int64_t used, int dp, int rank);
 
+// Who owns what of one stage's flat layout (`used` elements) under ZeRO stage `zero` over `dp`
+// replicas: the one place a ZeRO stage is interpreted. DataParallel holds its stage's; the
+// checkpoint gather asks it about every stage.
+class Ownership {
+ public:
+  // Internal error unless 0 <= zero <= 3 (the flag is validated with the configuration).
+  Ownership(int zero, int dp, int64_t used);
+
+  int zero() const { return zero_; }
+  int dp() const { return dp_; }
+  int64_t used() const { return used_; }
+  bool shards_state() const { return zero_ >= 1; }
+  bool shards_grads() const { return zero_ >= 2; }
+  bool shards_params() const { return zero_ == 3; }
+  // Stages 1 and 2 all-gather the updated parameter shards after each step.
+  bool gathers_params_after_step() const { return zero_ == 1 || zero_ == 2; }
+  // The ParameterStore pad_multiple: dp equal shards with ZeRO, 64-byte alignment without.
+  int64_t pad_multiple() const;
+  // Replica r's shard of the used elements (whatever the stage: stage 0 reduces nothing to it).
+  Shard shard(int replica) const { return shard_of(used_, dp_, replica); }
+  // The flat range of optimizer state replica r holds: its shard with ZeRO, every used element
+  // without (each replica holds a copy; replica 0's is the one saved).
+  Shard state(int replica) const;
+  // Replicas whose state() together covers every element once: dp with ZeRO, 1 without.
+  int state_owners() const { return shards_state() ? dp_ : 1; }
+
+ private:
+  int zero_, dp_;
+  int64_t used_;
+};
+
 class ShardedOptimizer {
  public:
-  // An optimizer for this rank's shard of `store` (zero_stage 1-3) or of all of it (0), over
-  // the data-parallel group `dp`. For stages 1-3 the store's layout must be padded to dp * S
-  // (shard_pad_multiple).
+  // An optimizer for this rank's shard of `store` (ZeRO 1-3) or of all of it (0), over the
+  // data-parallel group `dp`. With ZeRO the store's layout must be padded to dp * S
+  // (Ownership::pad_multiple).
   //
   // `grads` below is the flat gradient buffer (stages 0, 1) or this rank's gradient shard of
   // S elements (stages 2, 3: GradientSync::shard_grads()); `params` is the flat parameter
   // buffer, or with stage 3 this rank's S-element parameter shard.
-  ShardedOptimizer(const layers::OptimizerConfig& config, int zero_stage, Communicator& dp,
+  ShardedOptimizer(const layers::OptimizerConfig& config, const Ownership& ownership, Communicator& dp,
                    const layers::ParameterStore& store);
 
   // Sum of squares of this stage's gradients (replicas hold the same summed gradients):
@@ -63,7 +94,6 @@ class ShardedOptimizer {
   // (stages 1, 2) all-gathers the updated shards in place so every replica holds all parameters.
   void step(const Tensor& params, const Tensor& grads, float lr);
 
-  int zero_stage() const { return stage_; }
   const Shard& shard() const { return shard_; }
   // Bytes of optimizer state this rank allocated (the real tensors).
   int64_t state_bytes() const;
@@ -84,7 +114,7 @@ class ShardedOptimizer {
   void set_steps_taken(int64_t steps);
 
  private:
-  int stage_;
+  Ownership ownership_;
   Communicator& dp_;
   Shard shard_;
   layers::Optimizer inner_;  // state for shard_ only

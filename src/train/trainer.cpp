@@ -15,6 +15,8 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
+#include "io/training_state.hpp"
+#include "parallel/values.hpp"
 
 namespace strata::train {
 
@@ -38,49 +40,8 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
 
-// Optimizer-state messages cycle through tags below MPI's guaranteed minimum MPI_TAG_UB.
-constexpr int kMaxTag = 32000;
-
 DType precision_dtype(const std::string& precision) {
   return precision == "bf16" ? DType::BF16 : precision == "fp16" ? DType::F16 : DType::F32;
-}
-
-// Checkpoints hold f32 host tensors whatever the precision and device of the run.
-Tensor host_f32(const Tensor& t) {
-  if (!t.defined() || (t.dtype() == DType::F32 && t.device().is_cpu())) return t;
-  const Tensor h = Tensor::empty(t.shape());
-  ops::copy(t, h);
-  return h;
-}
-
-// A resumed run logs again the steps after its checkpoint: their earlier lines go (written
-// to a new file, then renamed), so --metrics reads as one uninterrupted run.
-void drop_metrics_after(const std::string& path, int64_t step) {
-  std::ifstream in(path);
-  std::string kept, line;
-  bool dropped = false;
-  while (std::getline(in, line)) {
-    long long logged = 0;
-    if (std::sscanf(line.c_str(), "{\"step\": %lld", &logged) == 1 && logged > step) {
-      dropped = true;
-      continue;
-    }
-    kept += line + "\n";
-  }
-  if (!dropped) return;
-  const std::string tmp = path + ".tmp";
-  std::ofstream out(tmp, std::ios::trunc);
-  out << kept;
-  out.close();
-  STRATA_REQUIRE(out.good(), "--metrics: cannot write '", tmp, "': ", std::strerror(errno));
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  STRATA_REQUIRE(!ec, "--metrics: cannot replace '", path, "': ", ec.message());
-}
-
-// --bench-stage-ms: a stand-in for compute that leaves the core to the other ranks.
-void simulated_compute(double ms) {
-  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
 }
 
 }  // namespace
@@ -141,29 +102,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   });
   model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
-  begin_ = stages_[static_cast<size_t>(stage_)].begin;
-  end_ = stages_[static_cast<size_t>(stage_)].end;
-  // ZeRO pads the flat buffers to dp equal shards so the parameter all-gather has equal chunks.
-  const int64_t pad = config_.zero > 0 ? parallel::shard_pad_multiple(dp_) : parallel::kShardAlign;
-  // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
-  // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
-  // S-element shard (elements replica*S onwards) and ParameterGather the windows.
-  const bool sharded_grads = config_.zero >= 2, sharded_params = config_.zero == 3;
-  const parallel::Shard shard = parallel::shard_of(
-      layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, begin_, end_)), dp_, replica_);
-  // The full buffers come from the data-parallel communicator: on one node, shared memory that
-  // the bucket all-reduces (and ZeRO's reduces and parameter all-gather) read in place.
-  store_ = std::make_unique<layers::ParameterStore>(
-      *model_, config_.seed, begin_, end_, pad, !sharded_grads, !sharded_params, replica_ * shard.size, shard.size,
-      dtype_, device_, [this](int64_t numel, DType dtype) { return grid_->dp().allocate(numel, dtype, device_); });
-  optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
+  range_ = stages_[static_cast<size_t>(stage_)];
   STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
-  const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));
-  sync_ = sharded_grads ? std::make_unique<parallel::GradientSync>(grid_->dp(), *model_, *store_, bucket_bytes,
-                                                                   optimizer_->shard().size)
-                        : std::make_unique<parallel::GradientSync>(grid_->dp(), *store_, bucket_bytes,
-                                                                   config_.zero == 1 ? optimizer_->shard().size : 0);
-  if (sharded_params) gather_ = std::make_unique<parallel::ParameterGather>(grid_->dp(), *model_, *store_, shard.size);
+  replica_state_ = std::make_unique<parallel::DataParallel>(
+      grid_->dp(), *model_, range_,
+      parallel::DataParallelConfig{config_.zero, static_cast<int64_t>(config_.bucket_mb * (1 << 20)), config_.seed,
+                                   dtype_, device_, config_.optimizer});
+  state_gather_ = std::make_unique<parallel::StateGather>(*grid_, *model_, stages_, *replica_state_);
 
   // Batch arithmetic: global = micro * micro-batches * dp.
   STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
@@ -176,36 +121,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   micro_batches_ = local_batch_ / micro_batch_;
 
   // The schedule is generated and checked (matching messages, no deadlock) before any step.
-  const parallel::ScheduleKind schedule_kind = parallel::parse_schedule_kind(config_.schedule_kind);
-  const std::vector<parallel::StageProgram> programs =
-      parallel::make_schedule(schedule_kind, grid_->pp_size(), static_cast<int>(micro_batches_));
-  parallel::check_schedule(programs);
-  program_ = programs[static_cast<size_t>(stage_)];
-  for (size_t k = 0; k < program_.size(); ++k)
-    if (program_[k].op == parallel::Op::Backward) last_backward_ = k;
-  const size_t m = static_cast<size_t>(micro_batches_);
-  contexts_.resize(m);
-  outputs_.resize(m);
-  input_grads_.resize(m);
-  // Shape inference sizes every receive buffer once.
-  for (size_t i = 0; i < m; ++i) {
-    if (!first_stage())
-      received_activations_.push_back(
-          Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(begin_)), dtype_, device_));
-    if (!last_stage())
-      received_grads_.push_back(Tensor::empty(layers::batch_shape(micro_batch_, model_->shape(end_)), dtype_, device_));
-  }
-  // Every stage receives what its neighbours send; GPipe has up to m messages in flight per
-  // direction, 1F1B up to P. One slot more than that: a full inbox never holds up a sender, so
-  // no message has to be moved aside (shared_memory.hpp).
-  int64_t largest_message = 0;
-  for (const auto* received : {&received_activations_, &received_grads_})
-    for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
-  const int64_t in_flight = schedule_kind == parallel::ScheduleKind::GPipe
-                                ? micro_batches_
-                                : std::min<int64_t>(micro_batches_, grid_->pp_size());
-  if (grid_->pp_size() > 1 && device_.is_cpu())
-    grid_->pp().reserve_messages(largest_message, static_cast<int>(in_flight + 1));
+  pipeline_ = std::make_unique<parallel::PipelineExecutor>(
+      grid_->pp(), parallel::parse_schedule_kind(config_.schedule_kind), static_cast<int>(micro_batches_),
+      layers::batch_shape(micro_batch_, model_->shape(range_.begin)),
+      layers::batch_shape(micro_batch_, model_->shape(range_.end)), dtype_, device_, config_.bench_stage_ms);
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
@@ -220,7 +139,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
 
   // Each stage reads its own tensors: a bad one fails that stage's ranks only.
   parallel::agree(world, [&] {
-    if (init_from) load_model(*init_from);
+    if (init_from)
+      state_gather_->load_model([&](const std::string&, const layers::ParamEntry& e, const Tensor& out) {
+        io::read_model_value(*init_from, e.name, e.trainable, out);
+      });
   });
   if (config_.resume == "auto") {
     // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
@@ -238,12 +160,12 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   } else if (config_.resume != "none") {
     parallel::agree(world, [&] { resume_from(config_.resume); });
   }
+  if (rank_ == 0) metrics_ = io::MetricsWriter(config_.metrics);
   parallel::agree(world, [&] {
     // Also when --resume auto found nothing: the run starts again from step 0.
-    if (config_.resume != "none" && rank_ == 0 && !config_.metrics.empty())
-      drop_metrics_after(config_.metrics, start_step_);
+    if (config_.resume != "none") metrics_.drop_after(start_step_);
   });
-  sync_->broadcast_parameters();  // every replica starts from replica 0's values
+  replica_state_->broadcast_parameters();  // every replica starts from replica 0's values
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(world, [&] {
     if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
@@ -278,63 +200,31 @@ void Trainer::check_output_paths() const {
   }
 }
 
-void Trainer::load_model(const io::CheckpointReader& reader) {
-  for (const layers::ParamEntry& e : store_->entries()) {
-    const std::string name = "model/" + e.name;
-    STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
-                   " (was it saved from a different --model?)");
-    reader.require_shape(name, e.shape);  // first, so that a mismatch names the model tensor
-    // Read whole (the crc covers the whole tensor), kept whole or (ZeRO 3) only this rank's part.
-    // A mixed-precision run saved its f32 master weights too: the full-precision values.
-    const std::string master = "optimizer/master/" + e.name;
-    const Tensor t = Tensor::empty(e.shape);
-    reader.read_tensor(e.trainable && reader.has(master) ? master : name, t);
-    store_->set_value(e, t);
-    optimizer_->set_master(e, t);
-  }
-}
-
-parallel::Shard Trainer::state_range(int s, int r) const {
-  const parallel::StageRange range = stages_[static_cast<size_t>(s)];
-  const int64_t used =
-      layers::ParameterStore::layout_numel(layers::ParameterStore::layout(*model_, range.begin, range.end));
-  if (config_.zero == 0) return {used, 0, used};
-  return parallel::shard_of(used, dp_, r);
-}
-
 void Trainer::resume_from(const std::string& path) {
   const io::CheckpointReader reader(path);
   STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint ", path,
                  " holds no training state (format_version 1): use --init-from to start from its model");
-  const std::string saved_optimizer = reader.attr_string("optimizer");
-  STRATA_REQUIRE(saved_optimizer == config_.optimizer.name, "checkpoint ", path, " was saved with --optimizer ",
-                 saved_optimizer, " but this run uses --optimizer ", config_.optimizer.name);
-  load_model(reader);
-  // This rank's shard of each state tensor: read the tensor whole (crc), keep the owned range.
-  const parallel::Shard mine = state_range(stage_, replica_);
-  for (const auto& [state, local] : optimizer_->state()) {
-    if (state == "master") continue;  // set by load_model, also from checkpoints of f32 runs
-    for (const layers::ParamEntry& e : store_->entries()) {
-      const layers::Overlap o = layers::overlap(e, mine.begin, mine.end);
-      if (!e.trainable || o.size == 0) continue;
-      const Tensor full = Tensor::empty(e.shape);
-      reader.read_tensor("optimizer/" + state + "/" + e.name, full);
-      local.view(o.in_range, {o.size}).copy_from(full.view(o.in_entry, {o.size}));
-    }
-  }
+  const io::RunState saved = io::read_run_state(reader);
+  STRATA_REQUIRE(saved.optimizer == config_.optimizer.name, "checkpoint ", path, " was saved with --optimizer ",
+                 saved.optimizer, " but this run uses --optimizer ", config_.optimizer.name);
+  const auto read = [&](const std::string& state, const layers::ParamEntry& e, const Tensor& out) {
+    if (state.empty())
+      io::read_model_value(reader, e.name, e.trainable, out);
+    else
+      reader.read_tensor(io::optimizer_tensor(state, e.name), out);
+  };
+  state_gather_->load_model(read);
+  state_gather_->load_optimizer(read);
   // Only an fp16 run's scale was adapted; another precision's (1) would start this one at 1.
-  if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && reader.has_attr("loss_scale") &&
-      reader.attr_string("precision") == "fp16")
-    scaler_.restore(reader.attr_double("loss_scale"), reader.attr_int("loss_scale_good_steps"));
-  start_step_ = reader.attr_int("step");
-  if (reader.has_attr("log_window_steps")) {
-    window_loss_ = reader.attr_double("log_window_loss");
-    window_steps_ = reader.attr_int("log_window_steps");
-  }
-  optimizer_->set_steps_taken(reader.attr_int("optimizer_step"));
-  next_epoch_ = reader.attr_int("epoch");
-  next_in_epoch_ = reader.attr_int("step_in_epoch");
-  const int64_t saved_batch = reader.attr_int("global_batch");
+  if (scaler_.mode() == layers::LossScaler::Mode::Dynamic && saved.has_loss_scale && saved.precision == "fp16")
+    scaler_.restore(saved.loss_scale, saved.loss_scale_good_steps);
+  start_step_ = saved.step;
+  window_loss_ = saved.log_window_loss;
+  window_steps_ = saved.log_window_steps;
+  replica_state_->optimizer().set_steps_taken(saved.optimizer_step);
+  next_epoch_ = saved.epoch;
+  next_in_epoch_ = saved.step_in_epoch;
+  const int64_t saved_batch = saved.global_batch;
   STRATA_REQUIRE(start_step_ >= 0 && next_epoch_ >= 0 && next_in_epoch_ >= 0 && saved_batch > 0, "checkpoint ", path,
                  " has a bad position: step ", start_step_, ", epoch ", next_epoch_, ", step_in_epoch ", next_in_epoch_,
                  ", global_batch ", saved_batch, " (expected steps >= 0 and a positive batch)");
@@ -370,27 +260,17 @@ void Trainer::print_plan() {
        << " .. " << model_->layer(r.end - 1).name() << "), " << trainable << " parameters";
   }
 
-  // Each rank reports its own allocations; int64 rows travel as bytes (collectives carry no i64).
-  constexpr int64_t kColumns = 4;
+  // Each rank reports its own allocations.
   int64_t activations = 0;
-  for (size_t i = begin_; i < end_; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
-  const int64_t window_bytes = gather_ ? gather_->allocated_bytes() : 0;  // ZeRO 3's two window slots
-  const int64_t mine[kColumns] = {
-      static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()) + window_bytes,
-      static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes(), optimizer_->state_bytes(),
-      activations * static_cast<int64_t>(dtype_size(dtype_))};
+  for (size_t i = range_.begin; i < range_.end; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
+  constexpr size_t kColumns = 4;
+  const std::vector<int64_t> rows = parallel::all_gather_values(
+      grid_->mpi_world(), {replica_state_->parameter_bytes(), replica_state_->gradient_bytes(),
+                           replica_state_->optimizer_bytes(), activations * static_cast<int64_t>(dtype_size(dtype_))});
   const int ranks = grid_->world().size();
-  const Tensor row = Tensor::empty({static_cast<int64_t>(sizeof mine)}, DType::U8);
-  const Tensor all = Tensor::empty({ranks * static_cast<int64_t>(sizeof mine)}, DType::U8);
-  std::memcpy(row.raw(), mine, sizeof mine);
-  if (ranks > 1)
-    grid_->world().all_gather(row, all);
-  else
-    std::memcpy(all.raw(), mine, sizeof mine);
-  const auto* rows = static_cast<const int64_t*>(all.raw());
   os << "\n  bytes per rank (params include non-trained buffers; activations per micro-batch):";
   for (int k = 0; k < ranks; ++k) {
-    const int64_t* v = rows + k * kColumns;
+    const int64_t* v = rows.data() + static_cast<size_t>(k) * kColumns;
     os << "\n  rank " << k << " (stage " << k / dp_ << ", replica " << k % dp_ << "): params " << v[0] << ", grads "
        << v[1] << ", optimizer " << v[2] << ", activations " << v[3];
   }
@@ -415,123 +295,45 @@ Tensor Trainer::to_device(const Tensor& t) const {
   return d;
 }
 
-bool Trainer::unscale_and_check(const Tensor& grads, int64_t step) {
-  if (!scaler_.enabled()) return true;
-  // Only the owned part is stepped, and every element is owned by some rank: checking the
-  // owned parts and agreeing over the world covers all gradients once.
-  const Tensor owned = optimizer_->owned_grads(grads);
-  if (step + 1 == config_.debug_overflow_step && rank_ == 0 && owned.numel() > 0)
-    ops::fill(owned.view(0, {1}), std::numeric_limits<float>::infinity());
-  std::vector<double> overflow{owned.numel() > 0 && !ops::all_finite(owned) ? 1.0 : 0.0};
-  sum_over_world(overflow);
-  const double scale = scaler_.scale();
-  if (!scaler_.update(overflow[0] > 0)) {
-    if (rank_ == 0)  // the same on every rank: agreed above
-      log::warn("step ", step + 1, ": gradients overflowed at loss scale ", scale, "; step skipped, loss scale now ",
-                scaler_.scale());
-    return false;
-  }
-  if (owned.numel() > 0) ops::scale(owned, static_cast<float>(1.0 / scale));
-  return true;
-}
-
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
-  using clock = std::chrono::steady_clock;
   const bool record = !config_.timeline.empty() && step + 1 == total_steps_;
   if (record) grid_->world().barrier();  // a common origin for every stage's clock
-  const auto step_start = clock::now();
-  const auto seconds = [&] { return std::chrono::duration<double>(clock::now() - step_start).count(); };
   const int64_t dp_bytes_before = grid_->dp().bytes_sent();
 
-  // ZeRO 0/1: the flat gradient buffer; ZeRO 2: this rank's gradient shard.
-  const Tensor& grads = sync_->sharded() ? sync_->shard_grads() : store_->grads();
-  grads.fill_zero();
+  replica_state_->zero_grads();
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
   // (times the loss scale with fp16, divided out again before the step.)
   const float scale = static_cast<float>(scaler_.scale() / static_cast<double>(config_.global_batch));
-  parallel::Communicator& pipe = grid_->pp();
-  int in_flight = 0;
-  for (size_t k = 0; k < program_.size(); ++k) {
-    const parallel::Action a = program_[k];
-    const size_t i = static_cast<size_t>(a.micro_batch);
-    const int64_t first = a.micro_batch * micro_batch_;
-    const double start = seconds();
-    switch (a.op) {
-      case parallel::Op::RecvActivation:
-        pipe.recv(received_activations_[i], stage_ - 1, parallel::message_tag(a.op, a.micro_batch));
-        break;
-      case parallel::Op::RecvGrad:
-        pipe.recv(received_grads_[i], stage_ + 1, parallel::message_tag(a.op, a.micro_batch));
-        break;
-      case parallel::Op::SendActivation:
-        sends_.push_back(pipe.send_async(outputs_[i], stage_ + 1, parallel::message_tag(a.op, a.micro_batch)));
-        break;
-      case parallel::Op::SendGrad:
-        sends_.push_back(pipe.send_async(input_grads_[i], stage_ - 1, parallel::message_tag(a.op, a.micro_batch)));
-        break;
-      case parallel::Op::Forward: {
-        const Tensor x =
-            first_stage() ? to_compute(batch.x.slice(first, first + micro_batch_)) : received_activations_[i];
-        const layers::StepInfo info{layers::Mode::Train, config_.seed, step, batch.first_sample + first};
-        outputs_[i] = forward_stage(x, contexts_[i], info);
-        if (last_stage()) {  // the loss, and its gradient to start this micro-batch's backward
-          layers::Context loss_ctx;
-          loss_sum += loss_.forward(outputs_[i], to_device(batch.y.slice(first, first + micro_batch_)), loss_ctx);
-          outputs_[i] = loss_.backward(loss_ctx, scale);
-        }
-        peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
-        simulated_compute(config_.bench_stage_ms);
-        break;
-      }
-      case parallel::Op::Backward: {
-        const Tensor dy = last_stage() ? outputs_[i] : received_grads_[i];
-        // ZeRO 2 syncs every backward: without a full gradient buffer there is nowhere to
-        // accumulate micro-batches locally, so each one's buckets go to their owners.
-        if (k != last_backward_ && !sync_->sharded()) {
-          input_grads_[i] = model_->backward(dy, contexts_[i], begin_, end_, {}, !first_stage());
-        } else {  // the step's last backward on this stage (any with ZeRO 2): buckets overlap it
-          sync_->begin();
-          if (gather_) {  // ZeRO 3: the top layer's window now, each lower one as the layer above is done
-            gather_->begin_pass(/*backward=*/true);
-            gather_->next();
-          }
-          input_grads_[i] = model_->backward(
-              dy, contexts_[i], begin_, end_,
-              [this](size_t layer) {
-                sync_->layer_done(layer);
-                if (gather_) gather_->layer_done(layer);
-              },
-              !first_stage());
-          const auto wait_start = clock::now();
-          sync_->finish();  // what backward did not hide: exposed communication
-          exposed_comm_s_ += std::chrono::duration<double>(clock::now() - wait_start).count();
-        }
-        --in_flight;
-        simulated_compute(2 * config_.bench_stage_ms);
-        break;
-      }
-    }
-    if (record && (a.op == parallel::Op::Forward || a.op == parallel::Op::Backward))
-      timeline_.push_back({stage_, a.op, a.micro_batch, start, seconds()});
-  }
-  for (parallel::WorkPtr& w : sends_) w->wait();
-  sends_.clear();
+  const auto first_of = [this](int micro) { return micro * micro_batch_; };
+  parallel::StageWork work;
+  work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + micro_batch_)); };
+  work.forward = [&](int micro, const Tensor& x, std::vector<layers::Context>& ctx) {
+    return replica_state_->forward(x, ctx,
+                                   {layers::Mode::Train, config_.seed, step, batch.first_sample + first_of(micro)});
+  };
+  work.loss = [&](int micro, const Tensor& y) {
+    layers::Context loss_ctx;
+    loss_sum += loss_.forward(y, to_device(batch.y.slice(first_of(micro), first_of(micro) + micro_batch_)), loss_ctx);
+    return loss_.backward(loss_ctx, scale);
+  };
+  work.backward = [&](int, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
+    return replica_state_->backward(dy, ctx, last_of_step, !first_stage());
+  };
+  pipeline_->run_step(work, record);
+  exposed_comm_s_ += replica_state_->take_exposed_comm_seconds();
   if (step + 1 == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step + 1, " (--debug-fail-step)");
 
-  if (unscale_and_check(grads, step)) {
-    if (config_.clip_grad > 0) {
-      // The global norm spans every stage; within a stage the optimizer sums its dp shards.
-      std::vector<double> squares{optimizer_->grad_sum_squares(grads)};
-      parallel::all_reduce_sum(pipe, squares);
-      layers::clip_by_global_norm(optimizer_->owned_grads(grads), squares[0],
-                                  config_.clip_grad);  // only what is stepped
-    }
-    optimizer_->step(store_->params(), grads, layers::learning_rate(config_.schedule, step));
-  }
-  if (record) write_timeline(timeline_);
+  const double loss_scale = scaler_.scale();
+  const bool overflow_injected = step + 1 == config_.debug_overflow_step && rank_ == 0;
+  if (!replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_, config_.clip_grad, grid_->world(),
+                            grid_->pp(), overflow_injected) &&
+      rank_ == 0)  // the same on every rank: agreed over the world
+    log::warn("step ", step + 1, ": gradients overflowed at loss scale ", loss_scale, "; step skipped, loss scale now ",
+              scaler_.scale());
+  if (record) write_timeline();
   dp_bytes_per_step_ = grid_->dp().bytes_sent() - dp_bytes_before;
   // The preemption flag rides on the all-reduce every step does anyway: all ranks agree
   // at the same step boundary without an extra collective.
@@ -541,47 +343,19 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   return loss[0];
 }
 
-Tensor Trainer::forward_stage(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info) {
-  if (!gather_) return model_->forward(x, ctx, info, begin_, end_);
-  gather_->begin_pass(/*backward=*/false);
-  Tensor h = x;
-  for (size_t i = begin_; i < end_; ++i) {
-    if (gather_->has_params(i)) gather_->next();
-    h = model_->forward(h, ctx, info, i, i + 1);
-  }
-  return h;
-}
-
 void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s,
-                           double comm_fraction, double eta_s) const {
+                           double comm_fraction, double eta_s) {
   // NCCL's waits order streams and return at once: the host's wait measures nothing there.
   const bool comm_measured = grid_->transport() != parallel::Transport::Nccl || dp_ == 1;
-  char comm[32] = "n/a (NCCL)", comm_json[32] = "null";
-  if (comm_measured) {
-    std::snprintf(comm, sizeof comm, "%.1f%%", 100.0 * comm_fraction);
-    std::snprintf(comm_json, sizeof comm_json, "%.4f", comm_fraction);
-  }
+  char comm[32] = "n/a (NCCL)";
+  if (comm_measured) std::snprintf(comm, sizeof comm, "%.1f%%", 100.0 * comm_fraction);
   char line[256];
   std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %.0f samples/s  comm %s  eta %s",
                 static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch), loss,
                 lr, samples_per_s, comm, format_duration(eta_s).c_str());
   log::info(line);
-  if (!config_.metrics.empty() && rank_ == 0) {
-    std::ofstream out(config_.metrics, std::ios::app);
-    char json[256];
-    std::snprintf(json, sizeof json,
-                  "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                  "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld}\n",
-                  static_cast<long long>(step), static_cast<long long>(epoch), loss, lr, samples_per_s, comm_json,
-                  static_cast<long long>(dp_bytes_per_step_));
-    out << json;
-    out.flush();
-    if (!out.good() && !metrics_lost_) {  // metrics are lost, not the training: warn once, go on
-      metrics_lost_ = true;
-      log::warn("--metrics: cannot write '", config_.metrics, "' (", std::strerror(errno),
-                "): its lines are being lost");
-    }
-  }
+  metrics_.append({step, epoch, loss, lr, samples_per_s,
+                   comm_measured ? std::optional<double>(comm_fraction) : std::nullopt, dp_bytes_per_step_});
 }
 
 TrainEnd Trainer::train() {
@@ -648,7 +422,7 @@ TrainEnd Trainer::train() {
   if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_);
   // Peak micro-batches in flight per stage (activation memory), from replica 0 of each.
   std::vector<double> peaks(static_cast<size_t>(grid_->pp_size()), 0.0);
-  if (replica_ == 0) peaks[static_cast<size_t>(stage_)] = peak_in_flight_;
+  if (replica_ == 0) peaks[static_cast<size_t>(stage_)] = pipeline_->peak_in_flight();
   sum_over_world(peaks);
   std::ostringstream os;
   for (double p : peaks) os << " " << p;
@@ -662,7 +436,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   // runs it forward through the pipeline, and the last stages' sums are reduced.
   // Every replica evaluates with replica 0's BatchNorm statistics (the ones checkpoints keep,
   // as PyTorch DDP broadcasts its buffers), so the metric is the saved model's.
-  sync_->broadcast_buffers();
+  replica_state_->broadcast_buffers();
   const int64_t n = data.size();
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
   // The same number of chunks on every replica: ZeRO 3 gathers each layer's parameters across
@@ -676,8 +450,8 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
     const int64_t first = begin + (end - begin) * k / chunks, last = begin + (end - begin) * (k + 1) / chunks;
     const bool counted = last > first;
     const int64_t b = counted ? first : 0, count = counted ? last - first : 1;
-    Tensor x = first_stage() ? Tensor::empty(layers::batch_shape(count, model_->shape(begin_)))
-                             : Tensor::empty(layers::batch_shape(count, model_->shape(begin_)), dtype_, device_);
+    Tensor x = first_stage() ? Tensor::empty(layers::batch_shape(count, model_->shape(range_.begin)))
+                             : Tensor::empty(layers::batch_shape(count, model_->shape(range_.begin)), dtype_, device_);
     Tensor y = last_stage() ? Tensor::empty({count}, DType::I32) : Tensor();
     if (first_stage())
       io::read_range(data, b, b + count, x, last_stage() ? y : Tensor::empty({count}, DType::I32));
@@ -685,7 +459,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
       pipe.recv(x, stage_ - 1, 0);
     if (last_stage() && !first_stage()) io::read_range(data, b, b + count, Tensor(), y);
     y = to_device(y);
-    const Tensor out = forward_stage(to_compute(x), ctx, {layers::Mode::Eval, config_.seed, 0, b});
+    const Tensor out = replica_state_->forward(to_compute(x), ctx, {layers::Mode::Eval, config_.seed, 0, b});
     if (!last_stage()) {
       pipe.send(out, stage_ + 1, 0);
       continue;
@@ -700,83 +474,31 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
 }
 
 void Trainer::save_checkpoint(int64_t step) {
-  // Rank 0 writes; the others send it one tensor (or their piece of one) at a time, so no rank
-  // ever holds more than its own stage plus one full tensor.
-  parallel::Communicator& world = grid_->world();
-  std::unique_ptr<io::CheckpointWriter> writer;
   const std::string path = io::checkpoint_path(config_.checkpoint_dir, step);
+  std::unique_ptr<io::CheckpointWriter> writer;
   if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);
-  for (int s = 0; s < grid_->pp_size(); ++s) {
-    const int owner = grid_->rank_of(s, 0);
-    // ZeRO 3: every replica of stage s takes part in gathering each of its tensors.
-    const bool gathers = gather_ && stage_ == s;
-    if (rank_ != 0 && rank_ != owner && !gathers) continue;
-    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
-    int tag = 0;
-    for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
-      const Tensor value = host_f32(gathers && e.trainable ? gather_->gather(e)
-                                    : stage_ == s          ? store_->value(e)
-                                                           : Tensor());
-      if (rank_ == owner && owner == 0) {
-        writer->write_tensor("model/" + e.name, value);
-      } else if (rank_ == owner) {
-        world.send(value, 0, tag++);
-      } else if (rank_ == 0) {
-        const Tensor t = Tensor::empty(e.shape);
-        world.recv(t, owner, tag++);
-        writer->write_tensor("model/" + e.name, t);
-      }
-    }
-  }
-
-  // Optimizer state: every rank owning part of a tensor's flat range sends that piece; rank 0
-  // assembles the full tensor. Everyone walks the same (stage, state, entry, replica) order, so
-  // sends and receives pair up in order; the tags only need to differ between neighbours.
-  const std::vector<std::pair<std::string, Tensor>> states = optimizer_->state();
-  int tag = 0;
-  for (int s = 0; s < grid_->pp_size(); ++s) {
-    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
-    const int owners = config_.zero == 0 ? 1 : dp_;  // without ZeRO replica 0's copy is the state
-    for (const auto& [state, local] : states)
-      for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end)) {
-        if (!e.trainable) continue;
-        const Tensor full = rank_ == 0 ? Tensor::empty(e.shape) : Tensor();
-        for (int q = 0; q < owners; ++q) {
-          const parallel::Shard range = state_range(s, q);
-          const layers::Overlap o = layers::overlap(e, range.begin, range.end);
-          if (o.size == 0) continue;
-          const int from = grid_->rank_of(s, q);
-          tag = (tag + 1) % kMaxTag;
-          if (from == rank_ && rank_ == 0)
-            full.view(o.in_entry, {o.size}).copy_from(local.view(o.in_range, {o.size}));
-          else if (from == rank_)
-            world.send(host_f32(local.view(o.in_range, {o.size})), 0, tag);
-          else if (rank_ == 0)
-            world.recv(full.view(o.in_entry, {o.size}), from, tag);
-        }
-        if (writer) writer->write_tensor("optimizer/" + state + "/" + e.name, full);
-      }
-  }
+  state_gather_->gather([&](const std::string& state, const layers::ParamEntry& e, const Tensor& full) {
+    writer->write_tensor(io::state_tensor(state, e.name), full);
+  });
   if (!writer) return;
   const int64_t per_epoch = sampler_->steps_per_epoch();
-  writer->set_attr("step", step);
-  writer->set_attr("optimizer_step", optimizer_->steps_taken());
-  writer->set_attr("epoch", next_epoch_ + next_in_epoch_ / per_epoch);
-  writer->set_attr("step_in_epoch", next_in_epoch_ % per_epoch);
-  writer->set_attr("seed", config_.seed);
-  writer->set_attr("global_batch", config_.global_batch);
-  writer->set_attr("model", config_.model.name);
-  writer->set_attr("optimizer", config_.optimizer.name);
-  writer->set_attr("precision", config_.precision);
-  writer->set_attr("num_classes", num_classes_);
-  writer->set_attr("loss_scale", scaler_.scale());
-  writer->set_attr("loss_scale_good_steps", scaler_.good_steps());
-  // The progress line's loss averages the steps since the last one: a resumed run logs the same.
-  writer->set_attr("log_window_loss", window_loss_);
-  writer->set_attr("log_window_steps", window_steps_);
-  std::string effective;
-  for (const auto& [key, value] : config_.effective) effective += key + " = " + value + "\n";
-  writer->set_attr("config", effective);
+  io::RunState saved;
+  saved.step = step;
+  saved.optimizer_step = replica_state_->optimizer().steps_taken();
+  saved.epoch = next_epoch_ + next_in_epoch_ / per_epoch;
+  saved.step_in_epoch = next_in_epoch_ % per_epoch;
+  saved.seed = config_.seed;
+  saved.global_batch = config_.global_batch;
+  saved.model = config_.model.name;
+  saved.optimizer = config_.optimizer.name;
+  saved.precision = config_.precision;
+  saved.num_classes = num_classes_;
+  saved.loss_scale = scaler_.scale();
+  saved.loss_scale_good_steps = scaler_.good_steps();
+  saved.log_window_loss = window_loss_;
+  saved.log_window_steps = window_steps_;
+  for (const auto& [key, value] : config_.effective) saved.config += key + " = " + value + "\n";
+  io::write_run_state(*writer, saved);
   writer->commit();
   // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
   io::update_latest(config_.checkpoint_dir, path);
@@ -784,41 +506,12 @@ void Trainer::save_checkpoint(int64_t step) {
   log::info("saved checkpoint ", path);
 }
 
-void Trainer::write_timeline(const std::vector<parallel::TimelineEvent>& mine) {
-  // Replica 0 of every stage sends its events (5 floats each) to rank 0, which renders them.
-  const int pp = grid_->pp_size();
+void Trainer::write_timeline() {
+  // Replica 0 of every stage sends its events to rank 0, which renders them.
   if (replica_ != 0) return;
-  parallel::Communicator& pipe = grid_->pp();  // replica 0's pipeline: ranks 0 .. pp-1 by stage
-  const auto pack = [](const std::vector<parallel::TimelineEvent>& events) {
-    const Tensor t = Tensor::empty({static_cast<int64_t>(events.size()), 5});
-    float* p = t.data<float>();
-    for (const parallel::TimelineEvent& e : events) {
-      *p++ = static_cast<float>(e.stage);
-      *p++ = static_cast<float>(static_cast<int>(e.op));
-      *p++ = static_cast<float>(e.micro_batch);
-      *p++ = static_cast<float>(e.start_s);
-      *p++ = static_cast<float>(e.end_s);
-    }
-    return t;
-  };
-  if (stage_ != 0) {
-    const Tensor count = Tensor::empty({1}, DType::I32);
-    count.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
-    pipe.send(count, 0, 0);
-    pipe.send(pack(mine), 0, 1);
-    return;
-  }
-  std::vector<parallel::TimelineEvent> all = mine;
-  for (int s = 1; s < pp; ++s) {
-    const Tensor count = Tensor::empty({1}, DType::I32);
-    pipe.recv(count, s, 0);
-    const Tensor t = Tensor::empty({count.data<int32_t>()[0], 5});
-    pipe.recv(t, s, 1);
-    const float* p = t.data<float>();
-    for (int64_t k = 0; k < t.dim(0); ++k, p += 5)
-      all.push_back({static_cast<int>(p[0]), static_cast<parallel::Op>(static_cast<int>(p[1])), static_cast<int>(p[2]),
-                     p[3], p[4]});
-  }
+  const std::vector<parallel::TimelineEvent> all = pipeline_->gather_timeline(grid_->mpi_pp());
+  if (stage_ != 0) return;
+  const int pp = grid_->pp_size();
   std::ofstream(config_.timeline) << parallel::render_svg(all, pp);
   std::ostringstream os;
   os << "timeline of the last step (" << config_.schedule_kind << ", " << pp << " stages, " << micro_batches_

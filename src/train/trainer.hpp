@@ -1,26 +1,27 @@
-// The training loop over a pp x dp process grid: this rank runs one pipeline stage (a range of
-// the model's layers) for one data-parallel replica. A step runs the stage's checked schedule
-// of micro-batch forwards, backwards and activation/gradient messages; the stage's gradient
-// buckets are all-reduced over its replicas during the step's last backward; then the
-// optimizer steps. Evaluation, metrics and checkpoints (gathered to rank 0) are here too.
+// The training program's wiring and epoch loop over a pp x dp process grid: this rank runs one
+// pipeline stage (a range of the model's layers) for one data-parallel replica. The parallel
+// logic has its owners in src/parallel — the pipeline executor runs the stage's schedule,
+// DataParallel syncs gradients and steps the (ZeRO-sharded) optimizer, StateGather assembles
+// checkpoints — and the file formats theirs in src/io; the trainer supplies data, loss and
+// logging to them.
 #pragma once
 
 #include <memory>
 
-#include "io/checkpoint.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
+#include "io/metrics.hpp"
 #include "io/sampler.hpp"
 #include "layers/loss.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
-#include "parallel/gradient_sync.hpp"
+#include "parallel/data_parallel.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/pipeline.hpp"
 #include "parallel/process_grid.hpp"
-#include "parallel/schedule.hpp"
-#include "parallel/zero.hpp"
+#include "parallel/state_gather.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -45,9 +46,9 @@ struct EvalResult {
 
 class Trainer {
  public:
-  // Setup: opens the data, builds the model, cuts it into stages, builds this stage's
-  // parameters, checks batch sizes and the schedule, loads --init-from. Every bad input is
-  // found here, before the first step.
+  // Setup: opens the data, builds the model, cuts it into stages, assembles this stage's
+  // data-parallel replica and pipeline executor, checks batch sizes, loads --init-from or
+  // --resume. Every bad input is found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
   // Trains (nothing with --dry-run: setup has printed the memory table). All ranks agree on
@@ -58,9 +59,8 @@ class Trainer {
   EvalResult evaluate(const io::Dataset& data);
   // The dataset evaluated at the end and by --eval-only; none with --dry-run.
   const io::Dataset* eval_data() const;
-  // Collective: replica 0 of every stage sends its parameters and buffers, and every rank
-  // owning part of a tensor's optimizer state sends its piece, to rank 0, which assembles and
-  // writes one full tensor at a time; then `latest` is updated and --keep applied.
+  // Collective: rank 0 writes the full training state (StateGather), then `latest` is updated
+  // and --keep applied.
   void save_checkpoint(int64_t step);
 
  private:
@@ -69,34 +69,21 @@ class Trainer {
   // One optimizer step over this replica's slice of the global batch; returns the global
   // batch's summed loss (on every rank) and sets stop_agreed_ when any rank was signalled.
   double train_step(const io::Batch& batch, int64_t step);
-  // Forward through this stage's layers; with ZeRO 3 one layer at a time, each bound to its
-  // gathered parameters just before it runs.
-  Tensor forward_stage(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info);
   // Sums values over every rank of the world (stages that have no value contribute 0).
   void sum_over_world(std::vector<double>& values);
   // x in the compute dtype on this rank's device (x itself when it already is).
   Tensor to_compute(const Tensor& x) const;
   // Labels (or any tensor) on this rank's device.
   Tensor to_device(const Tensor& t) const;
-  // Mixed precision: checks the summed gradients for inf/NaN on every rank together and
-  // unscales them; returns whether the optimizer may step (see LossScaler).
-  bool unscale_and_check(const Tensor& grads, int64_t step);
   // Rank 0 prints each stage's layers and, gathered from every rank, the bytes of its real
-  // allocations: parameters (+ buffers), gradients, optimizer state; activations per
-  // micro-batch from shape inference. Collective over the world.
+  // allocations. Collective over the world.
   void print_plan();
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
-                    double eta_s) const;
-  void write_timeline(const std::vector<parallel::TimelineEvent>& mine);
-  // This rank's parameters and buffers from /model (each tensor read whole, crc-checked, and
-  // the owned part kept).
+                    double eta_s);
+  void write_timeline();
   void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
-  void load_model(const io::CheckpointReader& reader);
   // --resume: the model, this rank's optimizer-state shard, the step count and data position.
   void resume_from(const std::string& path);
-  // The flat-layout range of stage s's optimizer state that replica r owns ({0, used} for
-  // every replica without ZeRO).
-  parallel::Shard state_range(int s, int r) const;
 
   Config config_;
   DType dtype_ = DType::F32;       // parameters and activations (--precision)
@@ -108,27 +95,16 @@ class Trainer {
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
   std::vector<parallel::StageRange> stages_;
-  size_t begin_ = 0, end_ = 0;  // this stage's layers
-  std::unique_ptr<layers::ParameterStore> store_;
-  std::unique_ptr<parallel::ShardedOptimizer> optimizer_;  // the whole buffer with --zero 0
-  std::unique_ptr<parallel::GradientSync> sync_;
-  std::unique_ptr<parallel::ParameterGather> gather_;  // ZeRO 3 only
+  parallel::StageRange range_;  // this stage's layers
+  std::unique_ptr<parallel::DataParallel> replica_state_;
+  std::unique_ptr<parallel::PipelineExecutor> pipeline_;
+  std::unique_ptr<parallel::StateGather> state_gather_;
   layers::SoftmaxCrossEntropy loss_;
   int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
-  int64_t num_classes_ = 0;            // the model's output classes
-  mutable bool metrics_lost_ = false;  // a --metrics write failed (warned once)
+  int64_t num_classes_ = 0;  // the model's output classes
+  io::MetricsWriter metrics_{""};
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
   int64_t next_epoch_ = 0, next_in_epoch_ = 0;
-
-  // Pipeline state, sized once: one entry per micro-batch.
-  parallel::StageProgram program_;
-  size_t last_backward_ = 0;  // position of the step's last Backward in program_
-  std::vector<std::vector<layers::Context>> contexts_;
-  std::vector<Tensor> received_activations_, received_grads_;  // reused receive buffers
-  std::vector<Tensor> outputs_, input_grads_;                  // what this stage sends
-  std::vector<parallel::WorkPtr> sends_;
-  int peak_in_flight_ = 0;  // measured: micro-batches forwarded but not yet backwarded
-  std::vector<parallel::TimelineEvent> timeline_;
 
   bool stop_agreed_ = false;       // some rank received a preemption signal (agreed by all)
   double window_loss_ = 0;         // loss summed over the steps since the last progress line

@@ -1,0 +1,57 @@
+#include "io/metrics.hpp"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+
+namespace strata::io {
+
+void MetricsWriter::append(const ProgressRecord& r) {
+  if (path_.empty()) return;
+  char comm[32] = "null";
+  if (r.exposed_comm_fraction) std::snprintf(comm, sizeof comm, "%.4f", *r.exposed_comm_fraction);
+  char json[256];
+  std::snprintf(json, sizeof json,
+                "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
+                "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld}\n",
+                static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, comm,
+                static_cast<long long>(r.dp_bytes_per_step));
+  std::ofstream out(path_, std::ios::app);
+  out << json;
+  out.flush();
+  if (!out.good() && !lost_) {  // metrics are lost, not the training: warn once, go on
+    lost_ = true;
+    log::warn("--metrics: cannot write '", path_, "' (", std::strerror(errno), "): its lines are being lost");
+  }
+}
+
+void MetricsWriter::drop_after(int64_t step) const {
+  if (path_.empty()) return;
+  std::ifstream in(path_);
+  std::string kept, line;
+  bool dropped = false;
+  while (std::getline(in, line)) {
+    long long logged = 0;
+    if (std::sscanf(line.c_str(), "{\"step\": %lld", &logged) == 1 && logged > step) {
+      dropped = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (!dropped) return;
+  const std::string tmp = path_ + ".tmp";
+  std::ofstream out(tmp, std::ios::trunc);
+  out << kept;
+  out.close();
+  STRATA_REQUIRE(out.good(), "--metrics: cannot write '", tmp, "': ", std::strerror(errno));
+  std::error_code ec;
+  std::filesystem::rename(tmp, path_, ec);
+  STRATA_REQUIRE(!ec, "--metrics: cannot replace '", path_, "': ", ec.message());
+}
+
+}  // namespace strata::io

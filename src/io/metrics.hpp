@@ -1,0 +1,33 @@
+// --metrics: one JSON object per logged step, appended to a file (JSON lines; fields in
+// docs/formats.md). Losing a line must not stop training: a failed write is warned about once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace strata::io {
+
+struct ProgressRecord {
+  int64_t step = 0, epoch = 0;
+  double loss = 0, lr = 0, samples_per_s = 0;
+  std::optional<double> exposed_comm_fraction;  // null where it is not measured (NCCL)
+  int64_t dp_bytes_per_step = 0;
+};
+
+class MetricsWriter {
+ public:
+  // An empty path writes nothing.
+  explicit MetricsWriter(std::string path) : path_(std::move(path)) {}
+
+  void append(const ProgressRecord& record);
+  // A resumed run logs again the steps after its checkpoint: their earlier lines go (written
+  // to a new file, then renamed), so the file reads as one uninterrupted run.
+  void drop_after(int64_t step) const;
+
+ private:
+  std::string path_;
+  bool lost_ = false;  // a write failed (warned once)
+};
+
+}  // namespace strata::io

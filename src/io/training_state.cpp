@@ -1,0 +1,69 @@
+#include "io/training_state.hpp"
+
+namespace strata::io {
+
+std::string model_tensor(const std::string& entry) { return "model/" + entry; }
+
+std::string optimizer_tensor(const std::string& state, const std::string& entry) {
+  return "optimizer/" + state + "/" + entry;
+}
+
+std::string state_tensor(const std::string& state, const std::string& entry) {
+  return state.empty() ? model_tensor(entry) : optimizer_tensor(state, entry);
+}
+
+void read_model_value(const CheckpointReader& reader, const std::string& entry, bool trainable, const Tensor& out) {
+  const std::string name = model_tensor(entry);
+  STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
+                 " (was it saved from a different --model?)");
+  reader.require_shape(name, out.shape());  // first, so that a mismatch names the model tensor
+  // A mixed-precision run saved its f32 master weights too: the full-precision values.
+  const std::string master = optimizer_tensor("master", entry);
+  reader.read_tensor(trainable && reader.has(master) ? master : name, out);
+}
+
+void write_run_state(CheckpointWriter& writer, const RunState& s) {
+  writer.set_attr("step", s.step);
+  writer.set_attr("optimizer_step", s.optimizer_step);
+  writer.set_attr("epoch", s.epoch);
+  writer.set_attr("step_in_epoch", s.step_in_epoch);
+  writer.set_attr("seed", s.seed);
+  writer.set_attr("global_batch", s.global_batch);
+  writer.set_attr("model", s.model);
+  writer.set_attr("optimizer", s.optimizer);
+  writer.set_attr("precision", s.precision);
+  writer.set_attr("num_classes", s.num_classes);
+  writer.set_attr("loss_scale", s.loss_scale);
+  writer.set_attr("loss_scale_good_steps", s.loss_scale_good_steps);
+  writer.set_attr("log_window_loss", s.log_window_loss);
+  writer.set_attr("log_window_steps", s.log_window_steps);
+  writer.set_attr("config", s.config);
+}
+
+RunState read_run_state(const CheckpointReader& reader) {
+  RunState s;
+  s.step = reader.attr_int("step");
+  s.optimizer_step = reader.attr_int("optimizer_step");
+  s.epoch = reader.attr_int("epoch");
+  s.step_in_epoch = reader.attr_int("step_in_epoch");
+  s.global_batch = reader.attr_int("global_batch");
+  s.optimizer = reader.attr_string("optimizer");
+  // Attributes added after format version 2 first shipped.
+  if (reader.has_attr("seed")) s.seed = static_cast<uint64_t>(reader.attr_int("seed"));
+  if (reader.has_attr("model")) s.model = reader.attr_string("model");
+  if (reader.has_attr("precision")) s.precision = reader.attr_string("precision");
+  if (reader.has_attr("num_classes")) s.num_classes = reader.attr_int("num_classes");
+  s.has_loss_scale = reader.has_attr("loss_scale");
+  if (s.has_loss_scale) {
+    s.loss_scale = reader.attr_double("loss_scale");
+    s.loss_scale_good_steps = reader.attr_int("loss_scale_good_steps");
+  }
+  if (reader.has_attr("log_window_steps")) {
+    s.log_window_loss = reader.attr_double("log_window_loss");
+    s.log_window_steps = reader.attr_int("log_window_steps");
+  }
+  if (reader.has_attr("config")) s.config = reader.attr_string("config");
+  return s;
+}
+
+}  // namespace strata::io

@@ -1,0 +1,134 @@
+// DataParallel: the assembly of a stage's buffers, gradient sync, ZeRO-3 gather and sharded
+// optimizer, chosen once from the ZeRO stage (Ownership).
+#include "parallel/data_parallel.hpp"
+
+#include <chrono>
+#include <limits>
+
+#include "core/ops.hpp"
+
+namespace strata::parallel {
+
+namespace {
+
+int64_t used_elements(const layers::Model& model, StageRange stage) {
+  return layers::ParameterStore::layout_numel(layers::ParameterStore::layout(model, stage.begin, stage.end));
+}
+
+}  // namespace
+
+DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRange stage,
+                           const DataParallelConfig& config)
+    : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
+  // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
+  // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
+  // S-element shard (elements replica*S onwards) and ParameterGather the windows. The full
+  // buffers come from the communicator: on one node, shared memory that the bucket
+  // all-reduces (and ZeRO's reduces and parameter all-gather) read in place.
+  const Shard shard = ownership_.shard(dp.rank());
+  store_ = std::make_unique<layers::ParameterStore>(
+      model, config.seed, stage.begin, stage.end, ownership_.pad_multiple(), !ownership_.shards_grads(),
+      !ownership_.shards_params(), dp.rank() * shard.size, shard.size, config.dtype, config.device,
+      [&dp, device = config.device](int64_t numel, DType dtype) { return dp.allocate(numel, dtype, device); });
+  optimizer_ = std::make_unique<ShardedOptimizer>(config.optimizer, ownership_, dp, *store_);
+  if (ownership_.shards_grads())
+    sync_ = std::make_unique<GradientSync>(dp, model, *store_, config.bucket_bytes, shard.size);
+  else
+    sync_ =
+        std::make_unique<GradientSync>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
+  if (ownership_.shards_params()) gather_ = std::make_unique<ParameterGather>(dp, model, *store_, shard.size);
+}
+
+Ownership DataParallel::ownership_of(StageRange stage) const {
+  return Ownership(ownership_.zero(), ownership_.dp(), used_elements(model_, stage));
+}
+
+const Tensor& DataParallel::grads() const { return sync_->sharded() ? sync_->shard_grads() : store_->grads(); }
+
+void DataParallel::zero_grads() { grads().fill_zero(); }
+
+Tensor DataParallel::forward(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info) {
+  if (!gather_) return model_.forward(x, ctx, info, stage_.begin, stage_.end);
+  gather_->begin_pass(/*backward=*/false);
+  Tensor h = x;
+  for (size_t i = stage_.begin; i < stage_.end; ++i) {
+    if (gather_->has_params(i)) gather_->next();
+    h = model_.forward(h, ctx, info, i, i + 1);
+  }
+  return h;
+}
+
+Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step, bool input_grad) {
+  // ZeRO 0/1 accumulate the micro-batches of a step locally and sync once, at the last.
+  if (!last_of_step && !sync_->sharded()) return model_.backward(dy, ctx, stage_.begin, stage_.end, {}, input_grad);
+  sync_->begin();
+  if (gather_) {  // ZeRO 3: the top layer's window now, each lower one as the layer above is done
+    gather_->begin_pass(/*backward=*/true);
+    gather_->next();
+  }
+  const Tensor dx = model_.backward(
+      dy, ctx, stage_.begin, stage_.end,
+      [this](size_t layer) {
+        sync_->layer_done(layer);
+        if (gather_) gather_->layer_done(layer);
+      },
+      input_grad);
+  const auto wait_start = std::chrono::steady_clock::now();
+  sync_->finish();  // what backward did not hide: exposed communication
+  exposed_comm_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  return dx;
+}
+
+bool DataParallel::step(float lr, layers::LossScaler& scaler, float clip, Communicator& world, Communicator& pipeline,
+                        bool inject_overflow) {
+  const Tensor& g = grads();
+  // Only the owned part is stepped, and every element is owned by some rank: checking the
+  // owned parts and agreeing over the world covers all gradients once.
+  const Tensor owned = optimizer_->owned_grads(g);
+  if (scaler.enabled()) {
+    if (inject_overflow && owned.numel() > 0) ops::fill(owned.view(0, {1}), std::numeric_limits<float>::infinity());
+    std::vector<double> overflow{owned.numel() > 0 && !ops::all_finite(owned) ? 1.0 : 0.0};
+    all_reduce_sum(world, overflow);
+    const double scale = scaler.scale();
+    if (!scaler.update(overflow[0] > 0)) return false;
+    if (owned.numel() > 0) ops::scale(owned, static_cast<float>(1.0 / scale));
+  }
+  if (clip > 0) {
+    // The global norm spans every stage; within a stage the optimizer sums its dp shards.
+    std::vector<double> squares{optimizer_->grad_sum_squares(g)};
+    all_reduce_sum(pipeline, squares);
+    layers::clip_by_global_norm(owned, squares[0], clip);  // only what is stepped
+  }
+  optimizer_->step(store_->params(), g, lr);
+  return true;
+}
+
+void DataParallel::broadcast_parameters() { sync_->broadcast_parameters(); }
+
+void DataParallel::broadcast_buffers() { sync_->broadcast_buffers(); }
+
+Tensor DataParallel::full_value(const layers::ParamEntry& e) {
+  return gather_ && e.trainable ? gather_->gather(e) : store_->value(e);
+}
+
+void DataParallel::set_value(const layers::ParamEntry& e, const Tensor& full) {
+  store_->set_value(e, full);
+  optimizer_->set_master(e, full);
+}
+
+double DataParallel::take_exposed_comm_seconds() {
+  const double s = exposed_comm_s_;
+  exposed_comm_s_ = 0;
+  return s;
+}
+
+int64_t DataParallel::parameter_bytes() const {
+  const int64_t window_bytes = gather_ ? gather_->allocated_bytes() : 0;  // ZeRO 3's two window slots
+  return static_cast<int64_t>(store_->params().nbytes() + store_->buffers().nbytes()) + window_bytes;
+}
+
+int64_t DataParallel::gradient_bytes() const {
+  return static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes();
+}
+
+}  // namespace strata::parallel

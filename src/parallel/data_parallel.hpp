@@ -1,0 +1,95 @@
+// DataParallel: one pipeline stage replicated over a data-parallel group, and the one owner of
+// everything the ZeRO stage decides. Given the stage's layers, the dp communicator and the
+// ZeRO stage it lays out the flat buffers (ParameterStore), builds the bucketed gradient sync,
+// the ZeRO-3 parameter gather and the sharded optimizer; runs the stage's forward and backward
+// with their hooks (buckets started as layers finish, ZeRO-3 windows gathered just in time);
+// steps the optimizer; and answers "who owns what" (Ownership) for checkpoints and memory
+// tables. Nothing outside it branches on the ZeRO stage.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "layers/loss_scaler.hpp"
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+#include "parallel/communicator.hpp"
+#include "parallel/gradient_sync.hpp"
+#include "parallel/partition.hpp"
+#include "parallel/zero.hpp"
+
+namespace strata::parallel {
+
+struct DataParallelConfig {
+  int zero = 0;  // ZeRO stage 0-3 (validated with the configuration)
+  int64_t bucket_bytes = 25 << 20;
+  uint64_t seed = 0;  // parameter initialisation
+  DType dtype = DType::F32;
+  Device device = Device::cpu();
+  layers::OptimizerConfig optimizer;
+};
+
+class DataParallel {
+ public:
+  // Collective over `dp` (the full buffers may be shared memory it hands out). `stage`: the
+  // layers [begin, end) of `model` this stage holds.
+  DataParallel(Communicator& dp, const layers::Model& model, StageRange stage, const DataParallelConfig& config);
+
+  const Ownership& ownership() const { return ownership_; }
+  // The Ownership of another stage of the same model under this group's ZeRO stage and size.
+  Ownership ownership_of(StageRange stage) const;
+  const layers::ParameterStore& store() const { return *store_; }
+  const ShardedOptimizer& optimizer() const { return *optimizer_; }
+  ShardedOptimizer& optimizer() { return *optimizer_; }
+  Communicator& comm() { return dp_; }
+
+  // Zeroes the gradients the step accumulates: the flat buffer (ZeRO 0, 1) or this replica's
+  // shard (2, 3).
+  void zero_grads();
+  // Forward through the stage's layers; with ZeRO 3 one layer at a time, each bound to its
+  // gathered parameters just before it runs.
+  Tensor forward(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info);
+  // Backward through the stage's layers. The step's last backward (`last_of_step`) reduces the
+  // gradient buckets over the replicas as layers finish (ZeRO 2 and 3: every backward, since
+  // there is no full buffer to accumulate in); the wait for what backward did not hide is
+  // added to exposed_comm_seconds(). Returns the input's gradient where `input_grad`.
+  Tensor backward(const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step, bool input_grad);
+  // The optimizer step after the step's backwards. With loss scaling the owned gradients are
+  // checked for inf/NaN (agreed over `world`, so every rank skips alike) and unscaled;
+  // `clip` > 0 clips to the global norm over the `pipeline` stages. Returns whether it stepped.
+  // `inject_overflow`: a testing aid that puts an inf into this rank's gradients.
+  bool step(float lr, layers::LossScaler& scaler, float clip, Communicator& world, Communicator& pipeline,
+            bool inject_overflow = false);
+
+  // Every replica takes replica 0's parameters (unless sharded) and buffers.
+  void broadcast_parameters();
+  // Only the buffers (BatchNorm statistics), before an evaluation.
+  void broadcast_buffers();
+  // The full value of entry e (collective over dp for sharded parameters; the stored dtype).
+  Tensor full_value(const layers::ParamEntry& e);
+  // Sets entry e (and its f32 master copy) from its full value, keeping this replica's part.
+  void set_value(const layers::ParamEntry& e, const Tensor& full);
+
+  // Seconds spent waiting for gradient buckets since the last call.
+  double take_exposed_comm_seconds();
+  // Bytes this rank allocated: parameters (+ buffers, + ZeRO-3 windows), gradients (+ sync
+  // slots), optimizer state (+ master weights).
+  int64_t parameter_bytes() const;
+  int64_t gradient_bytes() const;
+  int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }
+
+ private:
+  const Tensor& grads() const;
+
+  Communicator& dp_;
+  const layers::Model& model_;
+  StageRange stage_;
+  Ownership ownership_;
+  std::unique_ptr<layers::ParameterStore> store_;
+  std::unique_ptr<ShardedOptimizer> optimizer_;
+  std::unique_ptr<GradientSync> sync_;
+  std::unique_ptr<ParameterGather> gather_;  // ZeRO 3 only
+  double exposed_comm_s_ = 0;
+};
+
+}  // namespace strata::parallel

@@ -1,0 +1,46 @@
+// StateGather: a model's training state as full tensors, whatever the layout. For a
+// checkpoint, every tensor is assembled on rank 0 from the pipeline stage that holds it and,
+// for sharded parameters and optimizer state, from the ZeRO shards of that stage's replicas;
+// on resume each rank reads the full tensors of its stage and keeps what it owns. Who owns what
+// is DataParallel's answer (Ownership), never recomputed here. Tensors are named by their
+// entry's stable name and an optimizer state ("" for the model's own values); the file's
+// schema is io's (io/training_state.hpp).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "parallel/data_parallel.hpp"
+#include "parallel/partition.hpp"
+#include "parallel/process_grid.hpp"
+
+namespace strata::parallel {
+
+class StateGather {
+ public:
+  // `state`: "" for a parameter or buffer, else the optimizer state ("momentum", "master", ...).
+  using Write = std::function<void(const std::string& state, const layers::ParamEntry& e, const Tensor& full)>;
+  // Fills `out` (a host f32 tensor of e's shape) with the full value.
+  using Read = std::function<void(const std::string& state, const layers::ParamEntry& e, const Tensor& out)>;
+
+  // `stages`: every stage's layers; `mine`: this rank's stage's DataParallel.
+  StateGather(ProcessGrid& grid, const layers::Model& model, std::vector<StageRange> stages, DataParallel& mine);
+
+  // Collective over the world: rank 0 gets every model tensor (stage by stage, in layout
+  // order), then every optimizer state tensor, as full f32 host tensors, one at a time, so no
+  // rank holds more than its own stage plus one full tensor.
+  void gather(const Write& write);
+  // This rank's parameters, buffers and f32 master weights from the full tensors of its stage.
+  void load_model(const Read& read);
+  // This rank's part of the optimizer state (all but the master weights, set by load_model).
+  void load_optimizer(const Read& read);
+
+ private:
+  ProcessGrid& grid_;
+  const layers::Model& model_;
+  std::vector<StageRange> stages_;
+  DataParallel& mine_;
+};
+
+}  // namespace strata::parallel

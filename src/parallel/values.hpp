@@ -1,0 +1,19 @@
+// Host values between ranks with their own MPI types (MPI_INT64_T, MPI_DOUBLE): byte counts,
+// metrics and timeline times, which the tensor collectives (f32, bf16, f16, i32, u8) cannot
+// carry without disguising them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "parallel/mpi_communicator.hpp"
+
+namespace strata::parallel {
+
+// Every rank's `mine` (the same length on every rank), concatenated in rank order.
+std::vector<int64_t> all_gather_values(MpiCommunicator& comm, const std::vector<int64_t>& mine);
+// Point-to-point, any length: the receiver learns it from the message.
+void send_values(MpiCommunicator& comm, const std::vector<double>& values, int peer, int tag);
+std::vector<double> recv_values(MpiCommunicator& comm, int peer, int tag);
+
+}  // namespace strata::parallel
