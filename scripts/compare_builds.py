@@ -192,6 +192,7 @@ def main():
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--new-flags", default="", help="debug: flags appended to NEW's train runs (shows a difference)")
     ARGS = p.parse_args()
+    ARGS.old, ARGS.new = os.path.abspath(ARGS.old), os.path.abspath(ARGS.new)
     for build in (ARGS.old, ARGS.new):
         for program in ("train", "strata-data"):
             if not os.access(os.path.join(build, program), os.X_OK):
