@@ -1,8 +1,8 @@
 // Pipeline schedules as data: the list of actions each pipeline stage runs for one training
 // step, generated for GPipe or 1F1B (PipeDream-flush) and checked before anything runs —
 // every send has its receive, every micro-batch goes forward and backward exactly once, and
-// the programs cannot deadlock under the executor's execution model (below). Also renders an
-// event timeline (ASCII for logs and docs, SVG for docs) and simulates one for tests.
+// the programs cannot deadlock under the executor's execution model (below). Also measures an
+// event timeline's idle fractions and simulates one for tests (io/timeline.hpp renders them).
 //
 // Execution model (what the pipeline executor does, and what check_schedule proves safe):
 //  - The model's layers are cut into P contiguous stages, one per rank of a pipeline group;
@@ -21,6 +21,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace strata::parallel {
@@ -88,14 +89,8 @@ struct TimelineEvent {
   double start_s, end_s;
 };
 
-// ASCII chart: one row per stage, time quantised to `columns` characters; Forward of
-// micro-batch i drawn as the digit i mod 10, Backward as the letter 'a' + i mod 10, idle as
-// '.'; each row ends with the stage's idle fraction; a time axis and a legend follow.
-std::string render_ascii(const std::vector<TimelineEvent>& events, int stages, int columns = 100);
-
-// A standalone SVG document: one row per stage, one labelled rectangle per Forward/Backward
-// event (forward blue, backward orange), a time axis in seconds and a legend.
-std::string render_svg(const std::vector<TimelineEvent>& events, int stages);
+// [first start, last end] over all events; {0, 0} when there are none.
+std::pair<double, double> timeline_window(const std::vector<TimelineEvent>& events);
 
 // Idle (bubble) fraction of each stage over [first start, last end] of all events: 1 minus the
 // stage's Forward/Backward time (overlaps counted once) over the window. All zeros when there

@@ -15,6 +15,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
+#include "io/timeline.hpp"
 #include "io/training_state.hpp"
 #include "parallel/values.hpp"
 
@@ -512,11 +513,11 @@ void Trainer::write_timeline() {
   const std::vector<parallel::TimelineEvent> all = pipeline_->gather_timeline(grid_->mpi_pp());
   if (stage_ != 0) return;
   const int pp = grid_->pp_size();
-  std::ofstream(config_.timeline) << parallel::render_svg(all, pp);
+  std::ofstream(config_.timeline) << io::render_svg(all, pp);
   std::ostringstream os;
   os << "timeline of the last step (" << config_.schedule_kind << ", " << pp << " stages, " << micro_batches_
      << " micro-batches) written to " << config_.timeline << "\n"
-     << parallel::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
+     << io::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
   for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
   os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1)
      << ")";
