@@ -65,7 +65,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   const DeviceKind kind = parallel::parse_device_kind(config_.device);
   const parallel::Transport transport = parallel::parse_transport(config_.comm, kind);
   device_ = parallel::select_device(world, kind, transport);
-  grid_ = std::make_unique<parallel::ProcessGrid>(world, config_.pp, transport, device_, config_.shared_memory);
+  // Pipeline stages slowest, data-parallel replicas fastest: gradient traffic stays in a node.
+  grid_ = std::make_unique<parallel::ProcessGrid>(
+      world, std::vector<parallel::ProcessGrid::Axis>{{"pp", config_.pp}, {"dp", std::nullopt}}, transport, device_,
+      config_.shared_memory);
   ops::set_allow_tf32(config_.tf32);
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
@@ -251,7 +254,8 @@ void Trainer::print_plan() {
   os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
      << micro_batches_ << " micro-batch(es) of " << micro_batch_ << ", zero " << config_.zero << ", optimizer "
      << config_.optimizer.name << ", " << config_.device << " " << config_.precision << " (loss scale "
-     << scaler_.describe() << "):";
+     << scaler_.describe() << "):\n"
+     << grid_->describe();
   for (int s = 0; s < pp; ++s) {
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
     int64_t trainable = 0;
