@@ -15,6 +15,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
+#include "parallel/batch_plan.hpp"
 
 namespace strata::train {
 
@@ -40,10 +41,6 @@ extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
 
 // Optimizer-state messages cycle through tags below MPI's guaranteed minimum MPI_TAG_UB.
 constexpr int kMaxTag = 32000;
-
-DType precision_dtype(const std::string& precision) {
-  return precision == "bf16" ? DType::BF16 : precision == "fp16" ? DType::F16 : DType::F32;
-}
 
 // Checkpoints hold f32 host tensors whatever the precision and device of the run.
 Tensor host_f32(const Tensor& t) {
@@ -95,13 +92,13 @@ void install_preemption_handlers() {
 
 Trainer::Trainer(const Config& config, MPI_Comm world)
     : config_(config),
-      dtype_(precision_dtype(config.precision)),
-      scaler_(layers::LossScaler::from_flags(config.loss_scale, config.precision, config.loss_scale_init,
-                                             config.loss_scale_window)) {
+      dtype_(config.precision),
+      scaler_(layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
+                                             config.loss_scale_init, config.loss_scale_window)) {
   // The device first (collective: ranks of a node agree on their GPUs), then the grid's
   // communicators over it: NCCL ids are broadcast over MPI.
-  const DeviceKind kind = parallel::parse_device_kind(config_.device);
-  const parallel::Transport transport = parallel::parse_transport(config_.comm, kind);
+  const DeviceKind kind = config_.device;
+  const parallel::Transport transport = config_.comm;
   device_ = parallel::select_device(world, kind, transport);
   grid_ = std::make_unique<parallel::ProcessGrid>(world, config_.pp, transport, device_, config_.shared_memory);
   ops::set_allow_tf32(config_.tf32);
@@ -157,7 +154,6 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
       *model_, config_.seed, begin_, end_, pad, !sharded_grads, !sharded_params, replica_ * shard.size, shard.size,
       dtype_, device_, [this](int64_t numel, DType dtype) { return grid_->dp().allocate(numel, dtype, device_); });
   optimizer_ = std::make_unique<parallel::ShardedOptimizer>(config_.optimizer, config_.zero, grid_->dp(), *store_);
-  STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   const auto bucket_bytes = static_cast<int64_t>(config_.bucket_mb * (1 << 20));
   sync_ = sharded_grads ? std::make_unique<parallel::GradientSync>(grid_->dp(), *model_, *store_, bucket_bytes,
                                                                    optimizer_->shard().size)
@@ -166,17 +162,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   if (sharded_params) gather_ = std::make_unique<parallel::ParameterGather>(grid_->dp(), *model_, *store_, shard.size);
 
   // Batch arithmetic: global = micro * micro-batches * dp.
-  STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
-                 dp_, " data-parallel ranks");
-  local_batch_ = config_.global_batch / dp_;
-  micro_batch_ = config_.micro_batch > 0 ? config_.micro_batch : local_batch_;
-  STRATA_REQUIRE(local_batch_ % micro_batch_ == 0, "--global-batch ", config_.global_batch,
-                 " must equal --micro-batch (", micro_batch_, ") x micro-batches x ", dp_, " data-parallel ranks; ",
-                 local_batch_, " samples per replica is not a multiple of ", micro_batch_);
-  micro_batches_ = local_batch_ / micro_batch_;
+  const parallel::BatchPlan plan = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
+  local_batch_ = plan.local;
+  micro_batch_ = plan.micro;
+  micro_batches_ = plan.count;
 
   // The schedule is generated and checked (matching messages, no deadlock) before any step.
-  const parallel::ScheduleKind schedule_kind = parallel::parse_schedule_kind(config_.schedule_kind);
+  const parallel::ScheduleKind schedule_kind = config_.schedule_kind;
   const std::vector<parallel::StageProgram> programs =
       parallel::make_schedule(schedule_kind, grid_->pp_size(), static_cast<int>(micro_batches_));
   parallel::check_schedule(programs);
@@ -357,9 +349,10 @@ void Trainer::resume_from(const std::string& path) {
 void Trainer::print_plan() {
   const int pp = grid_->pp_size();
   std::ostringstream os;
-  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
-     << micro_batches_ << " micro-batch(es) of " << micro_batch_ << ", zero " << config_.zero << ", optimizer "
-     << config_.optimizer.name << ", " << config_.device << " " << config_.precision << " (loss scale "
+  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule "
+     << parallel::to_string(config_.schedule_kind) << ", " << micro_batches_ << " micro-batch(es) of " << micro_batch_
+     << ", zero " << config_.zero << ", optimizer " << config_.optimizer.name << ", "
+     << parallel::device_kind_name(config_.device) << " " << precision_name(config_.precision) << " (loss scale "
      << scaler_.describe() << "):";
   for (int s = 0; s < pp; ++s) {
     const parallel::StageRange r = stages_[static_cast<size_t>(s)];
@@ -652,8 +645,8 @@ TrainEnd Trainer::train() {
   sum_over_world(peaks);
   std::ostringstream os;
   for (double p : peaks) os << " " << p;
-  log::info("peak micro-batches in flight per stage:", os.str(), " (", config_.schedule_kind, ", ", micro_batches_,
-            " micro-batches)");
+  log::info("peak micro-batches in flight per stage:", os.str(), " (", parallel::to_string(config_.schedule_kind), ", ",
+            micro_batches_, " micro-batches)");
   return TrainEnd::Finished;
 }
 
@@ -767,7 +760,7 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->set_attr("global_batch", config_.global_batch);
   writer->set_attr("model", config_.model.name);
   writer->set_attr("optimizer", config_.optimizer.name);
-  writer->set_attr("precision", config_.precision);
+  writer->set_attr("precision", precision_name(config_.precision));
   writer->set_attr("num_classes", num_classes_);
   writer->set_attr("loss_scale", scaler_.scale());
   writer->set_attr("loss_scale_good_steps", scaler_.good_steps());
@@ -821,8 +814,8 @@ void Trainer::write_timeline(const std::vector<parallel::TimelineEvent>& mine) {
   }
   std::ofstream(config_.timeline) << parallel::render_svg(all, pp);
   std::ostringstream os;
-  os << "timeline of the last step (" << config_.schedule_kind << ", " << pp << " stages, " << micro_batches_
-     << " micro-batches) written to " << config_.timeline << "\n"
+  os << "timeline of the last step (" << parallel::to_string(config_.schedule_kind) << ", " << pp << " stages, "
+     << micro_batches_ << " micro-batches) written to " << config_.timeline << "\n"
      << parallel::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
   for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
   os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1)
