@@ -40,11 +40,12 @@ struct Config {
   bool eval_only = false;
   int prefetch = 2;
   bool log_all_ranks = false;
-  float bucket_mb = 25;                                                     // gradient all-reduce bucket size
-  int pp = 1;                                                               // pipeline stages; dp = world size / pp
-  std::string partition = "balanced";                                       // or cut points "3,7"
-  parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;  // --schedule gpipe | 1f1b
-  std::string timeline;                                                     // SVG of the last step's pipeline timeline
+  float bucket_mb = 25;                // gradient all-reduce bucket size
+  int pp = 1;                          // pipeline stages; dp = world size / pp
+  std::string partition = "balanced";  // or cut points "3,7"
+  // --schedule gpipe | 1f1b
+  parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
+  std::string timeline;  // SVG of the last step's pipeline timeline
   int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
   bool dry_run = false;  // print the per-rank memory table and exit before training
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
