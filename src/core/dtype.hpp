@@ -34,6 +34,12 @@ constexpr size_t dtype_size(DType t) {
 
 const char* dtype_name(DType t);
 
+// The --precision spellings of the float dtypes, as logged and stored in checkpoints:
+// "fp32" | "bf16" | "fp16" (an Input error naming `flag` and the accepted values otherwise).
+DType parse_precision(const std::string& text, const std::string& flag = "--precision");
+// "fp32", "bf16" or "fp16"; dtype_name() for the other dtypes.
+const char* precision_name(DType t);
+
 // bfloat16: the top half of an IEEE float32, rounded to nearest even.
 struct bf16 {
   uint16_t bits = 0;

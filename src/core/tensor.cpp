@@ -3,6 +3,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/error.hpp"
 #include "core/ops.hpp"
 #if STRATA_WITH_CUDA
 #include "core/ops/cuda/context.hpp"
@@ -25,6 +26,26 @@ const char* dtype_name(DType t) {
       return "u8";
   }
   return "?";
+}
+
+DType parse_precision(const std::string& text, const std::string& flag) {
+  if (text == "fp32") return DType::F32;
+  if (text == "bf16") return DType::BF16;
+  if (text == "fp16") return DType::F16;
+  STRATA_THROW_INPUT(flag, " must be fp32, bf16 or fp16, found '", text, "'");
+}
+
+const char* precision_name(DType t) {
+  switch (t) {
+    case DType::F32:
+      return "fp32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "fp16";
+    default:
+      return dtype_name(t);
+  }
 }
 
 std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }

@@ -18,6 +18,8 @@ DeviceKind parse_device_kind(const std::string& text, const std::string& flag) {
   STRATA_THROW_INPUT(flag, " must be cpu or cuda, found '", text, "'");
 }
 
+const char* device_kind_name(DeviceKind kind) { return kind == DeviceKind::CUDA ? "cuda" : "cpu"; }
+
 Transport parse_transport(const std::string& text, DeviceKind kind, const std::string& flag) {
   if (text == "mpi") return Transport::Mpi;
   if (text == "nccl") return Transport::Nccl;

@@ -18,6 +18,8 @@ enum class Transport { Mpi, Nccl };
 
 // "cpu" or "cuda" (input error otherwise, naming `flag`).
 DeviceKind parse_device_kind(const std::string& text, const std::string& flag = "--device");
+// "cpu" or "cuda", as parse_device_kind reads them.
+const char* device_kind_name(DeviceKind kind);
 // "mpi", "nccl" or "auto" (NCCL for CUDA, MPI for the CPU); input error otherwise.
 Transport parse_transport(const std::string& text, DeviceKind kind, const std::string& flag = "--comm");
 const char* transport_name(Transport transport);

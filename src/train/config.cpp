@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "layers/loss_scaler.hpp"
 
 namespace po = boost::program_options;
 
@@ -50,9 +51,62 @@ std::string any_to_string(const boost::any& v) {
 
 }  // namespace
 
+void validate(const Config& c) {
+  STRATA_REQUIRE(c.global_batch > 0, "--global-batch must be positive, found ", c.global_batch);
+  STRATA_REQUIRE(c.micro_batch >= 0, "--micro-batch must be positive, found ", c.micro_batch);
+  STRATA_REQUIRE(c.epochs >= 0 && c.steps >= 0, "--epochs and --steps must not be negative");
+  STRATA_REQUIRE(c.schedule.lr > 0 && std::isfinite(c.schedule.lr), "--lr must be positive and finite, found ",
+                 c.schedule.lr);
+  STRATA_REQUIRE(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "--momentum must be in [0, 1), found ",
+                 c.optimizer.momentum);
+  STRATA_REQUIRE(c.optimizer.weight_decay >= 0 && std::isfinite(c.optimizer.weight_decay),
+                 "--weight-decay must not be negative, found ", c.optimizer.weight_decay);
+  STRATA_REQUIRE(c.schedule.warmup_steps >= 0, "--warmup-steps must not be negative, found ", c.schedule.warmup_steps);
+  STRATA_REQUIRE(c.schedule.gamma > 0 && c.schedule.gamma <= 1, "--lr-gamma must be in (0, 1], found ",
+                 c.schedule.gamma);
+  STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
+                 c.schedule.lr, "], found ", c.schedule.min_lr);
+  STRATA_REQUIRE(c.bench_stage_ms >= 0 && c.bench_stage_ms <= 60000, "--bench-stage-ms must be in [0, 60000], found ",
+                 c.bench_stage_ms);
+  STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
+  STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
+  STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);
+  STRATA_REQUIRE(c.prefetch >= 1, "--prefetch must be at least 1, found ", c.prefetch);
+  STRATA_REQUIRE(c.save_every >= 0 && c.eval_every >= 0, "--save-every and --eval-every must not be negative");
+  STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
+                 c.optimizer.name, "'");
+  STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
+                 "--lr-schedule must be constant, step or cosine, found '", c.schedule.kind, "'");
+  STRATA_REQUIRE(c.schedule.kind != "step" || c.schedule.step_size > 0,
+                 "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
+  STRATA_REQUIRE(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
+                 "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
+  STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
+  STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
+  STRATA_REQUIRE(c.keep >= 0, "--keep must not be negative, found ", c.keep);
+  STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
+  STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
+  STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
+  STRATA_REQUIRE(c.bucket_mb > 0, "--bucket-mb must be positive, found ", c.bucket_mb);
+  // parallel::select_device checks this too; here it is found before any communicator exists.
+  STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
+                 "--comm nccl needs --device cuda (NCCL moves GPU memory); use --comm mpi or auto with --device cpu");
+  // --loss-scale, --loss-scale-init and --loss-scale-window, as the trainer's scaler reads them.
+  layers::LossScaler::from_flags(c.loss_scale, precision_name(c.precision), c.loss_scale_init, c.loss_scale_window);
+  if (c.eval_only) {
+    STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
+    STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");
+  } else {
+    STRATA_REQUIRE(!c.data.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
+    STRATA_REQUIRE(c.epochs > 0 || c.steps > 0 || c.dry_run, "give --epochs or --steps (how long to train)");
+  }
+}
+
 std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help) {
   Config c;
   std::string hidden = "1024,1024", config_file;
+  // Enumerated options, read as text and parsed below.
+  std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32";
   po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
   // clang-format off
   desc.add_options()
@@ -99,15 +153,15 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("log-all-ranks", po::value(&c.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
     ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp (dp = ranks / pp)")
     ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
-    ("schedule", po::value(&c.schedule_kind)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
+    ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
-    ("device", po::value(&c.device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
-    ("comm", po::value(&c.comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
+    ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
+    ("comm", po::value(&comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
     ("shared-memory", po::value(&c.shared_memory)->default_value(true), "on one node, all-reduce, ZeRO's reduce and all-gather and the pipeline's messages go through shared memory; false: everything through MPI")
-    ("precision", po::value(&c.precision)->default_value("fp32"), "fp32 | bf16 | fp16: parameters and activations (fp32 master weights, gradients and optimizer state)")
+    ("precision", po::value(&precision)->default_value("fp32"), "fp32 | bf16 | fp16: parameters and activations (fp32 master weights, gradients and optimizer state)")
     ("loss-scale", po::value(&c.loss_scale)->default_value("auto"), "auto (dynamic for fp16, none otherwise) | dynamic | none | a fixed number")
     ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
     ("loss-scale-window", po::value(&c.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
@@ -150,51 +204,12 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   }
 
   c.model.hidden = parse_int_list(hidden, "--hidden");
-  STRATA_REQUIRE(c.global_batch > 0, "--global-batch must be positive, found ", c.global_batch);
-  STRATA_REQUIRE(c.micro_batch >= 0, "--micro-batch must be positive, found ", c.micro_batch);
-  STRATA_REQUIRE(c.epochs >= 0 && c.steps >= 0, "--epochs and --steps must not be negative");
-  STRATA_REQUIRE(c.schedule.lr > 0 && std::isfinite(c.schedule.lr), "--lr must be positive and finite, found ",
-                 c.schedule.lr);
-  STRATA_REQUIRE(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "--momentum must be in [0, 1), found ",
-                 c.optimizer.momentum);
-  STRATA_REQUIRE(c.optimizer.weight_decay >= 0 && std::isfinite(c.optimizer.weight_decay),
-                 "--weight-decay must not be negative, found ", c.optimizer.weight_decay);
-  STRATA_REQUIRE(c.schedule.warmup_steps >= 0, "--warmup-steps must not be negative, found ", c.schedule.warmup_steps);
-  STRATA_REQUIRE(c.schedule.gamma > 0 && c.schedule.gamma <= 1, "--lr-gamma must be in (0, 1], found ",
-                 c.schedule.gamma);
-  STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
-                 c.schedule.lr, "], found ", c.schedule.min_lr);
-  STRATA_REQUIRE(c.bench_stage_ms >= 0 && c.bench_stage_ms <= 60000, "--bench-stage-ms must be in [0, 60000], found ",
-                 c.bench_stage_ms);
-  STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
-  STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
-  STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);
-  STRATA_REQUIRE(c.prefetch >= 1, "--prefetch must be at least 1, found ", c.prefetch);
-  STRATA_REQUIRE(c.save_every >= 0 && c.eval_every >= 0, "--save-every and --eval-every must not be negative");
-  STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
-                 c.optimizer.name, "'");
-  STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
-                 "--lr-schedule must be constant, step or cosine, found '", c.schedule.kind, "'");
-  STRATA_REQUIRE(c.schedule.kind != "step" || c.schedule.step_size > 0,
-                 "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
-  STRATA_REQUIRE(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
-                 "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
-  STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
-  STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
-  STRATA_REQUIRE(c.keep >= 0, "--keep must not be negative, found ", c.keep);
-  STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
-  STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
-  STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
-  // --device and --comm are parsed where the device is chosen (parallel/device.hpp).
-  STRATA_REQUIRE(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
-                 "--precision must be fp32, bf16 or fp16, found '", c.precision, "'");
-  if (c.eval_only) {
-    STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
-    STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");
-  } else {
-    STRATA_REQUIRE(!c.data.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
-    STRATA_REQUIRE(c.epochs > 0 || c.steps > 0 || c.dry_run, "give --epochs or --steps (how long to train)");
-  }
+  // The lower layers' parsers: one-line Input errors naming the flag and the accepted values.
+  c.device = parallel::parse_device_kind(device);
+  c.comm = parallel::parse_transport(comm, c.device);
+  c.schedule_kind = parallel::parse_schedule_kind(schedule);
+  c.precision = parse_precision(precision);
+  validate(c);
 
   for (const auto& [name, value] : vm)
     if (name != "help") c.effective.emplace_back(name, any_to_string(value.value()));

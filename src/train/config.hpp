@@ -1,5 +1,8 @@
 // The train program's configuration: Boost.Program_options over the command line and an INI
-// file (--config); command-line values override the file's.
+// file (--config); command-line values override the file's. Enumerated options are parsed
+// once, here, into the lower layers' types (their names for logs and checkpoints:
+// parallel::device_kind_name, parallel::transport_name, parallel::to_string(ScheduleKind),
+// precision_name); every rule that does not need the world size is checked by validate().
 #pragma once
 
 #include <cstdint>
@@ -7,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "parallel/device.hpp"
+#include "parallel/schedule.hpp"
 
 namespace strata::train {
 
@@ -37,18 +43,19 @@ struct Config {
   float bucket_mb = 25;                // gradient all-reduce bucket size
   int pp = 1;                          // pipeline stages; dp = world size / pp
   std::string partition = "balanced";  // or cut points "3,7"
-  std::string schedule_kind = "1f1b";  // gpipe | 1f1b
-  std::string timeline;                // SVG of the last step's pipeline timeline
-  int zero = 0;                // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;        // print the per-rank memory table and exit before training
-  std::string device = "cpu";  // cpu | cuda
-  std::string comm = "auto";   // auto (nccl on cuda, mpi on cpu) | nccl | mpi
-  bool shared_memory = true;   // one node: collectives and pipeline messages in shared memory
-  std::string precision = "fp32";    // fp32 | bf16 | fp16: parameters and activations
-  std::string loss_scale = "auto";   // auto (dynamic for fp16) | dynamic | none | a number
-  double loss_scale_init = 65536.0;  // dynamic loss scaling starts here
-  int64_t loss_scale_window = 2000;  // good steps before the scale doubles
-  bool tf32 = false;                 // allow TF32 tensor cores for f32 GPU matrix products
+  // --schedule gpipe | 1f1b
+  parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
+  std::string timeline;  // SVG of the last step's pipeline timeline
+  int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  bool dry_run = false;  // print the per-rank memory table and exit before training
+  DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
+  parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
+  bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory
+  DType precision = DType::F32;                         // --precision fp32 | bf16 | fp16: parameters and activations
+  std::string loss_scale = "auto";                      // auto (dynamic for fp16) | dynamic | none | a number
+  double loss_scale_init = 65536.0;                     // dynamic loss scaling starts here
+  int64_t loss_scale_window = 2000;                     // good steps before the scale doubles
+  bool tf32 = false;                                    // allow TF32 tensor cores for f32 GPU matrix products
   // Testing aids, steps numbered as logged (1 = the first): rank debug_fail_rank throws during
   // step debug_fail_step.
   int64_t debug_fail_step = -1;
@@ -63,9 +70,16 @@ struct Config {
   std::vector<std::pair<std::string, std::string>> effective;
 };
 
-// Parses argv (and the --config file). Returns nullopt after printing --help. Throws an
-// Input error with one line for unknown options, bad values and inconsistent settings.
+// Parses argv (and the --config file), then validate()s. Returns nullopt after printing
+// --help. Throws an Input error with one line for unknown options, bad values and inconsistent
+// settings.
 std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help);
+
+// Every check of a parsed Config that does not need the world size (value ranges and the rules
+// between options); the first broken one is thrown as a one-line Input error. What needs the
+// world (--pp against the ranks, the batch split: parallel::make_batch_plan) or the data is
+// checked by the trainer.
+void validate(const Config& c);
 
 // Parses "1024,1024" into sizes; throws an Input error naming the flag otherwise.
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag);

@@ -41,10 +41,6 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
 
-DType precision_dtype(const std::string& precision) {
-  return precision == "bf16" ? DType::BF16 : precision == "fp16" ? DType::F16 : DType::F32;
-}
-
 }  // namespace
 
 void install_preemption_handlers() {
@@ -57,13 +53,13 @@ void install_preemption_handlers() {
 
 Trainer::Trainer(const Config& config, MPI_Comm world)
     : config_(config),
-      dtype_(precision_dtype(config.precision)),
-      scaler_(layers::LossScaler::from_flags(config.loss_scale, config.precision, config.loss_scale_init,
-                                             config.loss_scale_window)) {
+      dtype_(config.precision),
+      scaler_(layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
+                                             config.loss_scale_init, config.loss_scale_window)) {
   // The device first (collective: ranks of a node agree on their GPUs), then the grid's
   // communicators over it: NCCL ids are broadcast over MPI.
-  const DeviceKind kind = parallel::parse_device_kind(config_.device);
-  const parallel::Transport transport = parallel::parse_transport(config_.comm, kind);
+  const DeviceKind kind = config_.device;
+  const parallel::Transport transport = config_.comm;
   device_ = parallel::select_device(world, kind, transport);
   // Pipeline stages slowest, data-parallel replicas fastest: gradient traffic stays in a node.
   grid_ = std::make_unique<parallel::ProcessGrid>(
@@ -107,28 +103,19 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   range_ = stages_[static_cast<size_t>(stage_)];
-  STRATA_REQUIRE(config_.bucket_mb > 0, "--bucket-mb must be positive, found ", config_.bucket_mb);
   replica_state_ = std::make_unique<parallel::DataParallel>(
       grid_->dp(), *model_, range_,
       parallel::DataParallelConfig{config_.zero, static_cast<int64_t>(config_.bucket_mb * (1 << 20)), config_.seed,
                                    dtype_, device_, config_.optimizer});
   state_gather_ = std::make_unique<parallel::StateGather>(*grid_, *model_, stages_, *replica_state_);
 
-  // Batch arithmetic: global = micro * micro-batches * dp.
-  STRATA_REQUIRE(config_.global_batch % dp_ == 0, "--global-batch ", config_.global_batch, " must be divisible by the ",
-                 dp_, " data-parallel ranks");
-  local_batch_ = config_.global_batch / dp_;
-  micro_batch_ = config_.micro_batch > 0 ? config_.micro_batch : local_batch_;
-  STRATA_REQUIRE(local_batch_ % micro_batch_ == 0, "--global-batch ", config_.global_batch,
-                 " must equal --micro-batch (", micro_batch_, ") x micro-batches x ", dp_, " data-parallel ranks; ",
-                 local_batch_, " samples per replica is not a multiple of ", micro_batch_);
-  micro_batches_ = local_batch_ / micro_batch_;
+  plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
 
   // The schedule is generated and checked (matching messages, no deadlock) before any step.
   pipeline_ = std::make_unique<parallel::PipelineExecutor>(
-      grid_->pp(), parallel::parse_schedule_kind(config_.schedule_kind), static_cast<int>(micro_batches_),
-      layers::batch_shape(micro_batch_, model_->shape(range_.begin)),
-      layers::batch_shape(micro_batch_, model_->shape(range_.end)), dtype_, device_, config_.bench_stage_ms);
+      grid_->pp(), config_.schedule_kind, static_cast<int>(plan_.count),
+      layers::batch_shape(plan_.micro, model_->shape(range_.begin)),
+      layers::batch_shape(plan_.micro, model_->shape(range_.end)), dtype_, device_, config_.bench_stage_ms);
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
@@ -180,7 +167,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   print_plan();
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
-              config_.global_batch, " (", micro_batches_, " micro-batch(es) of ", micro_batch_, " per replica); ",
+              config_.global_batch, " (", plan_.count, " micro-batch(es) of ", plan_.micro, " per replica); ",
               config_.dry_run ? "--dry-run: not training" : detail::cat("training ", total_steps_, " steps"));
 }
 
@@ -251,9 +238,10 @@ void Trainer::resume_from(const std::string& path) {
 void Trainer::print_plan() {
   const int pp = grid_->pp_size();
   std::ostringstream os;
-  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule " << config_.schedule_kind << ", "
-     << micro_batches_ << " micro-batch(es) of " << micro_batch_ << ", zero " << config_.zero << ", optimizer "
-     << config_.optimizer.name << ", " << config_.device << " " << config_.precision << " (loss scale "
+  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule "
+     << parallel::to_string(config_.schedule_kind) << ", " << plan_.count << " micro-batch(es) of " << plan_.micro
+     << ", zero " << config_.zero << ", optimizer " << config_.optimizer.name << ", "
+     << parallel::device_kind_name(config_.device) << " " << precision_name(config_.precision) << " (loss scale "
      << scaler_.describe() << "):\n"
      << grid_->describe();
   for (int s = 0; s < pp; ++s) {
@@ -267,7 +255,7 @@ void Trainer::print_plan() {
 
   // Each rank reports its own allocations.
   int64_t activations = 0;
-  for (size_t i = range_.begin; i < range_.end; ++i) activations += shape_numel(model_->shape(i + 1)) * micro_batch_;
+  for (size_t i = range_.begin; i < range_.end; ++i) activations += shape_numel(model_->shape(i + 1)) * plan_.micro;
   constexpr size_t kColumns = 4;
   const std::vector<int64_t> rows = parallel::all_gather_values(
       grid_->mpi_world(), {replica_state_->parameter_bytes(), replica_state_->gradient_bytes(),
@@ -311,16 +299,16 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
   // (times the loss scale with fp16, divided out again before the step.)
   const float scale = static_cast<float>(scaler_.scale() / static_cast<double>(config_.global_batch));
-  const auto first_of = [this](int micro) { return micro * micro_batch_; };
+  const auto first_of = [this](int micro) { return micro * plan_.micro; };
   parallel::StageWork work;
-  work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + micro_batch_)); };
+  work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + plan_.micro)); };
   work.forward = [&](int micro, const Tensor& x, std::vector<layers::Context>& ctx) {
     return replica_state_->forward(x, ctx,
                                    {layers::Mode::Train, config_.seed, step, batch.first_sample + first_of(micro)});
   };
   work.loss = [&](int micro, const Tensor& y) {
     layers::Context loss_ctx;
-    loss_sum += loss_.forward(y, to_device(batch.y.slice(first_of(micro), first_of(micro) + micro_batch_)), loss_ctx);
+    loss_sum += loss_.forward(y, to_device(batch.y.slice(first_of(micro), first_of(micro) + plan_.micro)), loss_ctx);
     return loss_.backward(loss_ctx, scale);
   };
   work.backward = [&](int, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
@@ -368,7 +356,7 @@ TrainEnd Trainer::train() {
   const int64_t per_epoch = sampler_->steps_per_epoch();
   // Only the first stage reads inputs and only the last reads labels; middle stages read
   // nothing but still follow the sampler (the loader of labels is cheap).
-  io::Loader loader(*train_data_, *sampler_, replica_ * local_batch_, local_batch_, config_.prefetch, first_stage());
+  io::Loader loader(*train_data_, *sampler_, replica_ * plan_.local, plan_.local, config_.prefetch, first_stage());
   // A resumed run continues mid-epoch exactly where the checkpoint's batches stopped.
   const auto normalise = [per_epoch](int64_t& epoch, int64_t& in_epoch) {
     epoch += in_epoch / per_epoch;
@@ -431,8 +419,8 @@ TrainEnd Trainer::train() {
   sum_over_world(peaks);
   std::ostringstream os;
   for (double p : peaks) os << " " << p;
-  log::info("peak micro-batches in flight per stage:", os.str(), " (", config_.schedule_kind, ", ", micro_batches_,
-            " micro-batches)");
+  log::info("peak micro-batches in flight per stage:", os.str(), " (", parallel::to_string(config_.schedule_kind), ", ",
+            plan_.count, " micro-batches)");
   return TrainEnd::Finished;
 }
 
@@ -446,7 +434,7 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
   // The same number of chunks on every replica: ZeRO 3 gathers each layer's parameters across
   // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
-  const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(micro_batch_, 256);
+  const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(plan_.micro, 256);
   const int64_t chunks = std::max<int64_t>(1, (largest_slice + most - 1) / most);
   parallel::Communicator& pipe = grid_->pp();
   std::vector<double> sums{0, 0};  // loss, correct
@@ -496,7 +484,7 @@ void Trainer::save_checkpoint(int64_t step) {
   saved.global_batch = config_.global_batch;
   saved.model = config_.model.name;
   saved.optimizer = config_.optimizer.name;
-  saved.precision = config_.precision;
+  saved.precision = precision_name(config_.precision);
   saved.num_classes = num_classes_;
   saved.loss_scale = scaler_.scale();
   saved.loss_scale_good_steps = scaler_.good_steps();
@@ -519,12 +507,11 @@ void Trainer::write_timeline() {
   const int pp = grid_->pp_size();
   std::ofstream(config_.timeline) << io::render_svg(all, pp);
   std::ostringstream os;
-  os << "timeline of the last step (" << config_.schedule_kind << ", " << pp << " stages, " << micro_batches_
-     << " micro-batches) written to " << config_.timeline << "\n"
+  os << "timeline of the last step (" << parallel::to_string(config_.schedule_kind) << ", " << pp << " stages, "
+     << plan_.count << " micro-batches) written to " << config_.timeline << "\n"
      << io::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
   for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
-  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(micro_batches_ + pp - 1)
-     << ")";
+  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(plan_.count + pp - 1) << ")";
   log::info(os.str());
 }
 

@@ -16,6 +16,7 @@
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "parallel/batch_plan.hpp"
 #include "parallel/data_parallel.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/partition.hpp"
@@ -100,7 +101,8 @@ class Trainer {
   std::unique_ptr<parallel::PipelineExecutor> pipeline_;
   std::unique_ptr<parallel::StateGather> state_gather_;
   layers::SoftmaxCrossEntropy loss_;
-  int64_t local_batch_ = 0, micro_batch_ = 0, micro_batches_ = 0, total_steps_ = 0, start_step_ = 0;
+  parallel::BatchPlan plan_;  // global = micro x count x dp
+  int64_t total_steps_ = 0, start_step_ = 0;
   int64_t num_classes_ = 0;  // the model's output classes
   io::MetricsWriter metrics_{""};
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/error.hpp"
 
 using namespace strata;
 
@@ -129,4 +130,21 @@ TEST(BF16, RoundingMatchesNearestEven) {
   }
   // Signalling NaN with payload only in the low half must stay NaN.
   EXPECT_TRUE(std::isnan(bf16::from_float(float_of(0x7f800001u)).to_float()));
+}
+
+TEST(Precision, ParseAndNameRoundTrip) {
+  EXPECT_EQ(parse_precision("fp32"), DType::F32);
+  EXPECT_EQ(parse_precision("bf16"), DType::BF16);
+  EXPECT_EQ(parse_precision("fp16"), DType::F16);
+  for (const char* name : {"fp32", "bf16", "fp16"}) EXPECT_STREQ(precision_name(parse_precision(name)), name);
+  EXPECT_STREQ(precision_name(DType::I32), "i32");
+  for (const char* bad : {"f32", "FP32", "fp64", ""}) {
+    try {
+      parse_precision(bad, "--precision");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Input);
+      EXPECT_EQ(e.message(), std::string("--precision must be fp32, bf16 or fp16, found '") + bad + "'");
+    }
+  }
 }

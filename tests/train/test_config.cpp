@@ -1,0 +1,271 @@
+// Tests of the train program's options: parse_config on argv arrays (defaults, enumerated
+// options parsed into the lower layers' types, a --config INI file under the command line) and
+// validate()'s rules, each a one-line Input error.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "train/config.hpp"
+
+namespace strata::train {
+namespace {
+
+using parallel::ScheduleKind;
+using parallel::Transport;
+
+using Args = std::vector<std::string>;
+
+// parse_config on "train" + args (help never printed).
+std::optional<Config> parse(const Args& args) {
+  std::vector<const char*> argv{"train"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return parse_config(static_cast<int>(argv.size()), argv.data(), false);
+}
+
+// The smallest valid command line plus `extra`.
+Config parse_valid(const Args& extra = {}) {
+  Args args{"--data", "train.h5", "--steps", "1"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const std::optional<Config> c = parse(args);
+  EXPECT_TRUE(c.has_value());
+  return c.value_or(Config{});
+}
+
+// Asserts that parsing `args` throws an Input error of one line containing `part`.
+void expect_rejected(const Args& args, const std::string& part) {
+  std::string line;
+  for (const std::string& a : args) line += " " + a;
+  try {
+    parse(args);
+    ADD_FAILURE() << "accepted:" << line;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Input) << line << ": " << e.message();
+    EXPECT_NE(e.message().find(part), std::string::npos)
+        << line << "\nmessage: " << e.message() << "\nmissing: " << part;
+    EXPECT_EQ(e.message().find('\n'), std::string::npos) << line << ": not one line: " << e.message();
+  }
+}
+
+// `args` after the smallest valid command line.
+void expect_rejected_with_data(const Args& args, const std::string& part) {
+  Args all{"--data", "train.h5", "--steps", "1"};
+  all.insert(all.end(), args.begin(), args.end());
+  expect_rejected(all, part);
+}
+
+std::string effective(const Config& c, const std::string& key) {
+  for (const auto& [k, v] : c.effective)
+    if (k == key) return v;
+  return "<unset>";
+}
+
+// A file in a fresh temporary directory, removed with it.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& text) {
+    static int made = 0;
+    dir_ = std::filesystem::temp_directory_path() /
+           ("strata_test_config_" + std::to_string(::getpid()) + "_" + std::to_string(made++));
+    std::filesystem::create_directories(dir_);
+    path_ = (dir_ / "run.ini").string();
+    std::ofstream(path_) << text;
+  }
+  ~TempFile() { std::filesystem::remove_all(dir_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::string path_;
+};
+
+TEST(Config, HelpReturnsNothing) { EXPECT_FALSE(parse({"--help"}).has_value()); }
+
+TEST(Config, Defaults) {
+  const Config c = parse_valid();
+  EXPECT_EQ(c.data, "train.h5");
+  EXPECT_EQ(c.steps, 1);
+  EXPECT_EQ(c.epochs, 0);
+  EXPECT_EQ(c.model.name, "cnn");
+  EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{1024, 1024}));
+  EXPECT_EQ(c.model.depth, 20);
+  EXPECT_EQ(c.model.width, 16);
+  EXPECT_EQ(c.global_batch, 64);
+  EXPECT_EQ(c.micro_batch, 0);
+  EXPECT_EQ(c.optimizer.name, "sgd");
+  EXPECT_FLOAT_EQ(c.optimizer.momentum, 0.9f);
+  EXPECT_EQ(c.schedule.kind, "constant");
+  EXPECT_FLOAT_EQ(c.schedule.lr, 0.05f);
+  EXPECT_EQ(c.resume, "none");
+  EXPECT_EQ(c.log_every, 100);
+  EXPECT_EQ(c.prefetch, 2);
+  EXPECT_EQ(c.pp, 1);
+  EXPECT_EQ(c.partition, "balanced");
+  EXPECT_EQ(c.zero, 0);
+  EXPECT_FLOAT_EQ(c.bucket_mb, 25.0f);
+  EXPECT_TRUE(c.shuffle);
+  EXPECT_TRUE(c.shared_memory);
+  EXPECT_FALSE(c.dry_run);
+  EXPECT_FALSE(c.eval_only);
+  EXPECT_EQ(c.loss_scale, "auto");
+  EXPECT_DOUBLE_EQ(c.loss_scale_init, 65536.0);
+  EXPECT_EQ(c.loss_scale_window, 2000);
+  // The enumerated options, typed.
+  EXPECT_EQ(c.schedule_kind, ScheduleKind::OneFOneB);
+  EXPECT_EQ(c.device, DeviceKind::CPU);
+  EXPECT_EQ(c.comm, Transport::Mpi);  // auto on the CPU
+  EXPECT_EQ(c.precision, DType::F32);
+  // The start-of-run printout keeps the spellings given.
+  EXPECT_EQ(effective(c, "schedule"), "1f1b");
+  EXPECT_EQ(effective(c, "device"), "cpu");
+  EXPECT_EQ(effective(c, "comm"), "auto");
+  EXPECT_EQ(effective(c, "precision"), "fp32");
+  EXPECT_EQ(effective(c, "global-batch"), "64");
+  EXPECT_EQ(effective(c, "help"), "<unset>");
+}
+
+TEST(Config, EnumeratedOptionsParsed) {
+  const Config a = parse_valid({"--schedule", "gpipe", "--precision", "bf16", "--optimizer", "adamw", "--lr-schedule",
+                                "cosine", "--device", "cuda"});
+  EXPECT_EQ(a.schedule_kind, ScheduleKind::GPipe);
+  EXPECT_EQ(a.precision, DType::BF16);
+  EXPECT_EQ(a.optimizer.name, "adamw");
+  EXPECT_EQ(a.schedule.kind, "cosine");
+  EXPECT_EQ(a.device, DeviceKind::CUDA);
+  EXPECT_EQ(a.comm, Transport::Nccl);  // auto with cuda
+  EXPECT_EQ(effective(a, "comm"), "auto");
+
+  const Config b = parse_valid({"--device", "cuda", "--comm", "mpi", "--precision", "fp16"});
+  EXPECT_EQ(b.comm, Transport::Mpi);
+  EXPECT_EQ(b.precision, DType::F16);
+  EXPECT_EQ(parse_valid({"--comm", "mpi"}).comm, Transport::Mpi);
+  EXPECT_EQ(parse_valid({"--lr-schedule", "step", "--lr-step-size", "10"}).schedule.kind, "step");
+}
+
+TEST(Config, EnumNamesRoundTrip) {
+  for (const char* p : {"fp32", "bf16", "fp16"}) EXPECT_STREQ(precision_name(parse_precision(p)), p);
+  for (const char* d : {"cpu", "cuda"}) EXPECT_STREQ(parallel::device_kind_name(parallel::parse_device_kind(d)), d);
+  for (const char* s : {"gpipe", "1f1b"}) EXPECT_EQ(parallel::to_string(parallel::parse_schedule_kind(s)), s);
+  for (const char* t : {"mpi", "nccl"})
+    EXPECT_STREQ(parallel::transport_name(parallel::parse_transport(t, DeviceKind::CUDA)), t);
+}
+
+TEST(Config, BadEnumsAreOneLineInputErrors) {
+  expect_rejected_with_data({"--device", "gpu"}, "--device must be cpu or cuda, found 'gpu'");
+  expect_rejected_with_data({"--comm", "tcp"}, "--comm must be auto, nccl or mpi, found 'tcp'");
+  expect_rejected_with_data({"--schedule", "interleaved"},
+                            "pipeline schedule: expected \"gpipe\" or \"1f1b\", got \"interleaved\"");
+  expect_rejected_with_data({"--precision", "fp64"}, "--precision must be fp32, bf16 or fp16, found 'fp64'");
+  expect_rejected_with_data({"--optimizer", "adam"}, "--optimizer must be sgd or adamw, found 'adam'");
+  expect_rejected_with_data({"--lr-schedule", "linear"},
+                            "--lr-schedule must be constant, step or cosine, found 'linear'");
+}
+
+TEST(Config, ValidateRules) {
+  const std::vector<std::pair<Args, std::string>> cases = {
+      {{"--bucket-mb", "0"}, "--bucket-mb must be positive, found 0"},
+      {{"--bucket-mb=-1"}, "--bucket-mb must be positive, found -1"},
+      {{"--zero", "4"}, "--zero must be 0, 1, 2 or 3, found 4"},
+      {{"--zero=-1"}, "--zero must be 0, 1, 2 or 3, found -1"},
+      {{"--comm", "nccl"}, "--comm nccl needs --device cuda (NCCL moves GPU memory)"},
+      {{"--loss-scale", "big"}, "--loss-scale must be auto, dynamic, none or a positive number, found 'big'"},
+      {{"--loss-scale", "0"}, "--loss-scale must be auto, dynamic, none or a positive number, found '0'"},
+      {{"--precision", "fp16", "--loss-scale-window", "0"}, "--loss-scale-window must be positive, found 0"},
+      {{"--loss-scale", "dynamic", "--loss-scale-init", "0"}, "the loss scale must be a positive number, found 0"},
+      {{"--global-batch", "0"}, "--global-batch must be positive, found 0"},
+      {{"--micro-batch=-1"}, "--micro-batch must be positive, found -1"},
+      {{"--lr", "0"}, "--lr must be positive and finite, found 0"},
+      {{"--momentum", "1"}, "--momentum must be in [0, 1), found 1"},
+      {{"--weight-decay=-0.5"}, "--weight-decay must not be negative, found -0.5"},
+      {{"--warmup-steps=-1"}, "--warmup-steps must not be negative, found -1"},
+      {{"--lr-gamma", "2"}, "--lr-gamma must be in (0, 1], found 2"},
+      {{"--min-lr", "1"}, "--min-lr must be in [0, --lr 0.05], found 1"},
+      {{"--bench-stage-ms=-1"}, "--bench-stage-ms must be in [0, 60000], found -1"},
+      {{"--clip-grad=-1"}, "--clip-grad must not be negative, found -1"},
+      {{"--threads=-1"}, "--threads must not be negative, found -1"},
+      {{"--log-every", "0"}, "--log-every must be positive, found 0"},
+      {{"--prefetch", "0"}, "--prefetch must be at least 1, found 0"},
+      {{"--save-every=-1"}, "--save-every and --eval-every must not be negative"},
+      {{"--lr-schedule", "step"}, "--lr-schedule step needs --lr-step-size > 0, found 0"},
+      {{"--beta1", "1"}, "--beta1 and --beta2 must be in [0, 1), found 1 and 0.999"},
+      {{"--eps", "0"}, "--eps must be positive, found 0"},
+      {{"--dropout", "1"}, "--dropout must be in [0, 1), found 1"},
+      {{"--keep=-1"}, "--keep must not be negative, found -1"},
+      {{"--resume", "auto"}, "--resume auto needs --checkpoint-dir"},
+      {{"--resume", "ck.h5", "--init-from", "a.h5"}, "give --resume or --init-from, not both"},
+      {{"--hidden", "64,x"},
+       "--hidden expects a comma-separated list of positive integers (e.g. 1024,1024), found "
+       "'64,x'"},
+      {{"--eval-only"}, "--eval-only needs --init-from CHECKPOINT"},
+  };
+  for (const auto& [args, part] : cases) expect_rejected_with_data(args, part);
+}
+
+TEST(Config, RequiredOptions) {
+  expect_rejected({"--steps", "1"}, "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
+  expect_rejected({"--data", "train.h5"}, "give --epochs or --steps (how long to train)");
+  expect_rejected({"--data", "train.h5", "--steps=-1"}, "--epochs and --steps must not be negative");
+  EXPECT_TRUE(parse({"--data", "train.h5", "--dry-run"}).has_value());
+  EXPECT_TRUE(parse({"--eval-only", "--init-from", "ck.h5", "--val-data", "val.h5"}).has_value());
+  expect_rejected({"--steps", "1", "--bogus", "1"}, "(see --help)");
+  expect_rejected({"--data", "a.h5", "b.h5", "--steps", "1"}, "unexpected argument 'b.h5'");
+}
+
+TEST(Config, ValidateAConfigBuiltInCode) {
+  Config c;
+  c.data = "train.h5";
+  c.steps = 1;
+  EXPECT_NO_THROW(validate(c));
+  c.bucket_mb = 0;
+  EXPECT_THROW(validate(c), Error);
+  c.bucket_mb = 1;
+  c.zero = 3;
+  EXPECT_NO_THROW(validate(c));
+  c.comm = Transport::Nccl;
+  EXPECT_THROW(validate(c), Error);
+  c.device = DeviceKind::CUDA;
+  EXPECT_NO_THROW(validate(c));
+}
+
+TEST(Config, CommandLineOverridesTheConfigFile) {
+  const TempFile ini(
+      "data = file.h5\nsteps = 7\nglobal-batch = 32\nprecision = bf16\nschedule = gpipe\noptimizer = adamw\n");
+  const std::optional<Config> from_file = parse({"--config", ini.path()});
+  ASSERT_TRUE(from_file.has_value());
+  EXPECT_EQ(from_file->data, "file.h5");
+  EXPECT_EQ(from_file->steps, 7);
+  EXPECT_EQ(from_file->global_batch, 32);
+  EXPECT_EQ(from_file->precision, DType::BF16);
+  EXPECT_EQ(from_file->schedule_kind, ScheduleKind::GPipe);
+  EXPECT_EQ(from_file->optimizer.name, "adamw");
+  EXPECT_EQ(effective(*from_file, "precision"), "bf16");
+
+  const std::optional<Config> c =
+      parse({"--config", ini.path(), "--global-batch", "16", "--precision", "fp16", "--schedule", "1f1b"});
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->global_batch, 16);
+  EXPECT_EQ(c->precision, DType::F16);
+  EXPECT_EQ(c->schedule_kind, ScheduleKind::OneFOneB);
+  EXPECT_EQ(c->data, "file.h5");  // not given on the command line: the file's
+  EXPECT_EQ(c->steps, 7);
+  EXPECT_EQ(effective(*c, "precision"), "fp16");
+
+  // A bad value in the file is the same error as on the command line; the command line wins.
+  const TempFile bad("data = file.h5\nsteps = 1\nprecision = fp8\n");
+  expect_rejected({"--config", bad.path()}, "--precision must be fp32, bf16 or fp16, found 'fp8'");
+  EXPECT_EQ(parse({"--config", bad.path(), "--precision", "bf16"})->precision, DType::BF16);
+}
+
+TEST(Config, ConfigFileErrors) {
+  expect_rejected({"--config", "/nonexistent/run.ini"}, "--config: cannot read '/nonexistent/run.ini'");
+  const TempFile nested("config = other.ini\n");
+  expect_rejected({"--config", nested.path()}, "a config file cannot include another");
+}
+
+}  // namespace
+}  // namespace strata::train
