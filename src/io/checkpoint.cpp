@@ -223,6 +223,15 @@ void CheckpointReader::verify() const {
 
 // ---- checkpoint directories ------------------------------------------------------------------
 
+void require_writable_directory(const std::string& dir, const std::string& flag) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  STRATA_REQUIRE(!ec, flag, ": cannot create '", dir, "': ", ec.message());
+  const fs::path probe = fs::path(dir) / ".strata-write-test";
+  STRATA_REQUIRE(std::ofstream(probe).good(), flag, ": cannot write in '", dir, "': ", std::strerror(errno));
+  fs::remove(probe, ec);
+}
+
 std::string checkpoint_path(const std::string& dir, int64_t step) {
   char name[64];
   std::snprintf(name, sizeof name, "step-%08lld.h5", static_cast<long long>(step));

@@ -89,6 +89,9 @@ class CheckpointReader {
 
 // ---- checkpoint directories ------------------------------------------------------------------
 
+// Creates `dir` if needed and proves a file can be written in it; an Input error naming `flag`
+// otherwise (checked at setup, not at the first save hours later).
+void require_writable_directory(const std::string& dir, const std::string& flag);
 // DIR/step-NNNNNNNN.h5.
 std::string checkpoint_path(const std::string& dir, int64_t step);
 // Points DIR/latest at `path` (a file in DIR): writes latest.tmp, fsyncs, renames, fsyncs DIR.

@@ -11,6 +11,15 @@
 
 namespace strata::io {
 
+void require_writable_file(const std::string& path, const std::string& flag) {
+  namespace fs = std::filesystem;
+  STRATA_REQUIRE(!fs::is_directory(path), flag, " must name a file, found the directory '", path, "'");
+  const bool existed = fs::exists(path);
+  STRATA_REQUIRE(std::ofstream(path, std::ios::app).good(), flag, ": cannot write '", path,
+                 "': ", std::strerror(errno));
+  if (!existed) fs::remove(path);  // --timeline writes it later; --metrics appends to it
+}
+
 void MetricsWriter::append(const ProgressRecord& r) {
   if (path_.empty()) return;
   char comm[32] = "null";

@@ -8,6 +8,10 @@
 
 namespace strata::io {
 
+// `path` names a file that can be written (created, or appended to, and left as it was); an
+// Input error naming `flag` otherwise. For --metrics and --timeline, checked at setup.
+void require_writable_file(const std::string& path, const std::string& flag);
+
 struct ProgressRecord {
   int64_t step = 0, epoch = 0;
   double loss = 0, lr = 0, samples_per_s = 0;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <sstream>
 
 #include "core/error.hpp"
@@ -134,6 +135,19 @@ std::string render_svg(const std::vector<TimelineEvent>& events, int stages) {
   }
   os << "<text x=\"" << kLeft + kChartW / 2 << "\" y=\"" << axis_y + 38 << "\" text-anchor=\"middle\">time (s)</text>\n"
      << "</svg>\n";
+  return os.str();
+}
+
+std::string write_timeline(const std::string& path, const std::vector<TimelineEvent>& events, int stages,
+                           int64_t micro_batches, const std::string& schedule) {
+  std::ofstream(path) << render_svg(events, stages);
+  std::ostringstream os;
+  os << "timeline of the last step (" << schedule << ", " << stages << " stages, " << micro_batches
+     << " micro-batches) written to " << path << "\n"
+     << render_ascii(events, stages) << "\nbubble (idle) fraction per stage:";
+  for (double f : parallel::bubble_fractions(events, stages)) os << " " << f;
+  os << "  (formula (P-1)/(m+P-1) = "
+     << static_cast<double>(stages - 1) / static_cast<double>(micro_batches + stages - 1) << ")";
   return os.str();
 }
 

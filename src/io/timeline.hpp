@@ -2,6 +2,7 @@
 // for people: an ASCII chart for logs and an SVG for docs.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -17,5 +18,10 @@ std::string render_ascii(const std::vector<parallel::TimelineEvent>& events, int
 // A standalone SVG document: one row per stage, one labelled rectangle per Forward/Backward
 // event (forward blue, backward orange), a time axis in seconds and a legend.
 std::string render_svg(const std::vector<parallel::TimelineEvent>& events, int stages);
+
+// Writes the SVG of a step's `events` to `path` and returns the text for the log: what was
+// written, the ASCII chart, and each stage's idle fraction beside the formula (P-1)/(m+P-1).
+std::string write_timeline(const std::string& path, const std::vector<parallel::TimelineEvent>& events, int stages,
+                           int64_t micro_batches, const std::string& schedule);
 
 }  // namespace strata::io

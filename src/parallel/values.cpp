@@ -11,6 +11,11 @@ std::vector<int64_t> all_gather_values(MpiCommunicator& comm, const std::vector<
   return all;
 }
 
+int64_t broadcast_value(MpiCommunicator& comm, int64_t value, int root) {
+  MPI_CHECK(MPI_Bcast(&value, 1, MPI_INT64_T, root, comm.comm()));
+  return value;
+}
+
 void send_values(MpiCommunicator& comm, const std::vector<double>& values, int peer, int tag) {
   MPI_CHECK(MPI_Send(values.data(), static_cast<int>(values.size()), MPI_DOUBLE, peer, tag, comm.comm()));
 }

@@ -12,6 +12,8 @@ namespace strata::parallel {
 
 // Every rank's `mine` (the same length on every rank), concatenated in rank order.
 std::vector<int64_t> all_gather_values(MpiCommunicator& comm, const std::vector<int64_t>& mine);
+// `value` of rank `root`, on every rank.
+int64_t broadcast_value(MpiCommunicator& comm, int64_t value, int root);
 // Point-to-point, any length: the receiver learns it from the message.
 void send_values(MpiCommunicator& comm, const std::vector<double>& values, int peer, int tag);
 std::vector<double> recv_values(MpiCommunicator& comm, int peer, int tag);

@@ -1,16 +1,11 @@
 #include "train/trainer.hpp"
 
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
-#include <limits>
 #include <sstream>
-#include <thread>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -20,8 +15,6 @@
 #include "parallel/values.hpp"
 
 namespace strata::train {
-
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -137,17 +130,16 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   });
   if (config_.resume == "auto") {
     // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
-    std::vector<double> step{0.0};
+    int64_t step = -1;
     if (rank_ == 0) {
       const std::string path = io::newest_checkpoint(config_.checkpoint_dir);
-      step[0] = path.empty() ? -1.0 : static_cast<double>(io::CheckpointReader(path).attr_int("step"));
+      if (!path.empty()) step = io::CheckpointReader(path).attr_int("step");
     }
-    sum_over_world(step);
-    if (step[0] < 0)
+    step = parallel::broadcast_value(grid_->mpi_world(), step, 0);
+    if (step < 0)
       log::info("--resume auto: no complete checkpoint in ", config_.checkpoint_dir, ", starting from step 0");
     else
-      parallel::agree(world,
-                      [&] { resume_from(io::checkpoint_path(config_.checkpoint_dir, static_cast<int64_t>(step[0]))); });
+      parallel::agree(world, [&] { resume_from(io::checkpoint_path(config_.checkpoint_dir, step)); });
   } else if (config_.resume != "none") {
     parallel::agree(world, [&] { resume_from(config_.resume); });
   }
@@ -172,23 +164,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
 }
 
 void Trainer::check_output_paths() const {
-  if (!config_.checkpoint_dir.empty()) {
-    std::error_code ec;
-    fs::create_directories(config_.checkpoint_dir, ec);
-    STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", config_.checkpoint_dir, "': ", ec.message());
-    const fs::path probe = fs::path(config_.checkpoint_dir) / ".strata-write-test";
-    STRATA_REQUIRE(std::ofstream(probe).good(), "--checkpoint-dir: cannot write in '", config_.checkpoint_dir,
-                   "': ", std::strerror(errno));
-    fs::remove(probe, ec);
-  }
-  for (const auto& [flag, path] : {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}}) {
-    if (path.empty()) continue;
-    STRATA_REQUIRE(!fs::is_directory(path), flag, " must name a file, found the directory '", path, "'");
-    const bool existed = fs::exists(path);
-    STRATA_REQUIRE(std::ofstream(path, std::ios::app).good(), flag, ": cannot write '", path,
-                   "': ", std::strerror(errno));
-    if (!existed) fs::remove(path);  // --timeline writes it later; --metrics appends to it
-  }
+  if (!config_.checkpoint_dir.empty()) io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
+  for (const auto& [flag, path] : {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}})
+    if (!path.empty()) io::require_writable_file(path, flag);
 }
 
 void Trainer::resume_from(const std::string& path) {
@@ -504,15 +482,8 @@ void Trainer::write_timeline() {
   if (replica_ != 0) return;
   const std::vector<parallel::TimelineEvent> all = pipeline_->gather_timeline(grid_->mpi_pp());
   if (stage_ != 0) return;
-  const int pp = grid_->pp_size();
-  std::ofstream(config_.timeline) << io::render_svg(all, pp);
-  std::ostringstream os;
-  os << "timeline of the last step (" << parallel::to_string(config_.schedule_kind) << ", " << pp << " stages, "
-     << plan_.count << " micro-batches) written to " << config_.timeline << "\n"
-     << io::render_ascii(all, pp) << "\nbubble (idle) fraction per stage:";
-  for (double f : parallel::bubble_fractions(all, pp)) os << " " << f;
-  os << "  (formula (P-1)/(m+P-1) = " << static_cast<double>(pp - 1) / static_cast<double>(plan_.count + pp - 1) << ")";
-  log::info(os.str());
+  log::info(io::write_timeline(config_.timeline, all, grid_->pp_size(), plan_.count,
+                               parallel::to_string(config_.schedule_kind)));
 }
 
 }  // namespace strata::train
