@@ -24,6 +24,8 @@ PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micr
       stage_(pp.rank()),
       stages_(pp.size()),
       micro_batches_(micro_batches),
+      dtype_(dtype),
+      device_(device),
       stand_in_ms_(stand_in_ms) {
   // Generated and checked (matching messages, no deadlock) before any step runs.
   const std::vector<StageProgram> programs = make_schedule(kind, stages_, micro_batches);
@@ -95,6 +97,22 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
   }
   for (WorkPtr& w : sends_) w->wait();
   sends_.clear();
+}
+
+Tensor PipelineExecutor::forward_only(const std::function<Tensor()>& input, const Shape& input_shape,
+                                      const std::function<Tensor(const Tensor& x)>& forward) {
+  constexpr int kTag = 0;  // between steps: no training message is in flight
+  Tensor x;
+  if (first_stage()) {
+    x = input();
+  } else {
+    x = Tensor::empty(input_shape, dtype_, device_);
+    pp_.recv(x, stage_ - 1, kTag);
+  }
+  const Tensor y = forward(x);
+  if (last_stage()) return y;
+  pp_.send(y, stage_ + 1, kTag);
+  return Tensor();
 }
 
 std::vector<TimelineEvent> PipelineExecutor::gather_timeline(MpiCommunicator& pp) {

@@ -46,6 +46,13 @@ class PipelineExecutor {
   // `record`: keep a timeline of its Forward/Backward events (seconds from the call).
   void run_step(const StageWork& work, bool record = false);
 
+  // A forward pass through the pipeline outside the schedule (evaluation): the first stage
+  // forwards input(), the others receive a tensor of `input_shape` from the stage before;
+  // every stage but the last sends its output on. Returns the last stage's output (undefined
+  // elsewhere). Collective over the pipeline group.
+  Tensor forward_only(const std::function<Tensor()>& input, const Shape& input_shape,
+                      const std::function<Tensor(const Tensor& x)>& forward);
+
   int stage() const { return stage_; }
   int stages() const { return stages_; }
   bool first_stage() const { return stage_ == 0; }
@@ -65,6 +72,8 @@ class PipelineExecutor {
   Communicator& pp_;
   ScheduleKind kind_;
   int stage_, stages_, micro_batches_;
+  DType dtype_;
+  Device device_;
   double stand_in_ms_;
   StageProgram program_;
   size_t last_backward_ = 0;  // position of the step's last Backward in program_

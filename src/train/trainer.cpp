@@ -414,31 +414,30 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
   // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
   const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(plan_.micro, 256);
   const int64_t chunks = std::max<int64_t>(1, (largest_slice + most - 1) / most);
-  parallel::Communicator& pipe = grid_->pp();
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t first = begin + (end - begin) * k / chunks, last = begin + (end - begin) * (k + 1) / chunks;
     const bool counted = last > first;
     const int64_t b = counted ? first : 0, count = counted ? last - first : 1;
-    Tensor x = first_stage() ? Tensor::empty(layers::batch_shape(count, model_->shape(range_.begin)))
-                             : Tensor::empty(layers::batch_shape(count, model_->shape(range_.begin)), dtype_, device_);
-    Tensor y = last_stage() ? Tensor::empty({count}, DType::I32) : Tensor();
-    if (first_stage())
-      io::read_range(data, b, b + count, x, last_stage() ? y : Tensor::empty({count}, DType::I32));
-    else
-      pipe.recv(x, stage_ - 1, 0);
-    if (last_stage() && !first_stage()) io::read_range(data, b, b + count, Tensor(), y);
-    y = to_device(y);
-    const Tensor out = replica_state_->forward(to_compute(x), ctx, {layers::Mode::Eval, config_.seed, 0, b});
-    if (!last_stage()) {
-      pipe.send(out, stage_ + 1, 0);
-      continue;
-    }
-    if (!counted) continue;
+    const Shape input_shape = layers::batch_shape(count, model_->shape(range_.begin));
+    const Tensor y = Tensor::empty({count}, DType::I32);
+    const Tensor out = pipeline_->forward_only(
+        [&] {
+          const Tensor x = Tensor::empty(input_shape);
+          io::read_range(data, b, b + count, x, y);
+          return to_compute(x);
+        },
+        input_shape,
+        [&](const Tensor& x) {
+          return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
+        });
+    if (!last_stage() || !counted) continue;
+    if (!first_stage()) io::read_range(data, b, b + count, Tensor(), y);
+    const Tensor labels = to_device(y);
     layers::Context loss_ctx;
-    sums[0] += loss_.forward(out, y, loss_ctx);
-    sums[1] += static_cast<double>(ops::count_correct(out, y));
+    sums[0] += loss_.forward(out, labels, loss_ctx);
+    sums[1] += static_cast<double>(ops::count_correct(out, labels));
   }
   sum_over_world(sums);
   return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n), n};
