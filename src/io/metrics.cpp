@@ -24,7 +24,7 @@ void MetricsWriter::append(const ProgressRecord& r) {
   if (path_.empty()) return;
   char comm[32] = "null";
   if (r.exposed_comm_fraction) std::snprintf(comm, sizeof comm, "%.4f", *r.exposed_comm_fraction);
-  char json[256];
+  char json[1024];  // room for any finite double in %f (up to 317 characters each)
   std::snprintf(json, sizeof json,
                 "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
                 "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld}\n",

@@ -1,0 +1,308 @@
+// The training checkpoint schema (io/training_state.hpp) through real checkpoint files: the
+// run state's root attributes round trip, tensor names, and read_model_value's choice between
+// the model tensor and the f32 master weights. And the --metrics writer: the exact JSON line,
+// drop_after on resume, and a failed write that warns once and goes on.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "io/checkpoint.hpp"
+#include "io/metrics.hpp"
+#include "io/training_state.hpp"
+#include "io_test_util.hpp"
+
+namespace strata::io {
+namespace {
+
+Tensor arange(Shape shape, float start) {
+  Tensor t = Tensor::empty(std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = start + 0.25f * static_cast<float>(i);
+  return t;
+}
+
+bool equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) return false;
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (a.data<float>()[i] != b.data<float>()[i]) return false;
+  return true;
+}
+
+// ---- names ---------------------------------------------------------------------------------
+
+TEST(TrainingState, TensorNames) {
+  EXPECT_EQ(model_tensor("fc1/weight"), "model/fc1/weight");
+  EXPECT_EQ(optimizer_tensor("momentum", "fc1/weight"), "optimizer/momentum/fc1/weight");
+  EXPECT_EQ(optimizer_tensor("master", "block2_1/conv1/weight"), "optimizer/master/block2_1/conv1/weight");
+  EXPECT_EQ(state_tensor("", "fc1/weight"), "model/fc1/weight");
+  EXPECT_EQ(state_tensor("exp_avg_sq", "fc1/bias"), "optimizer/exp_avg_sq/fc1/bias");
+}
+
+// ---- run state -----------------------------------------------------------------------------
+
+RunState known_state() {
+  RunState s;
+  s.step = 1200;
+  s.optimizer_step = 1187;
+  s.epoch = 3;
+  s.step_in_epoch = 41;
+  s.seed = 0xFEDCBA9876543210ull;  // above INT64_MAX: stored as int64, must come back unchanged
+  s.global_batch = 256;
+  s.model = "resnet";
+  s.optimizer = "adamw";
+  s.precision = "fp16";
+  s.num_classes = 10;
+  s.loss_scale = 32768.0;
+  s.loss_scale_good_steps = 517;
+  s.has_loss_scale = true;
+  s.log_window_loss = 0.4375;
+  s.log_window_steps = 7;
+  s.config = "lr = 0.1\nzero = 2\n";
+  return s;
+}
+
+void expect_same(const RunState& got, const RunState& want) {
+  EXPECT_EQ(got.step, want.step);
+  EXPECT_EQ(got.optimizer_step, want.optimizer_step);
+  EXPECT_EQ(got.epoch, want.epoch);
+  EXPECT_EQ(got.step_in_epoch, want.step_in_epoch);
+  EXPECT_EQ(got.seed, want.seed);
+  EXPECT_EQ(got.global_batch, want.global_batch);
+  EXPECT_EQ(got.model, want.model);
+  EXPECT_EQ(got.optimizer, want.optimizer);
+  EXPECT_EQ(got.precision, want.precision);
+  EXPECT_EQ(got.num_classes, want.num_classes);
+  EXPECT_EQ(got.loss_scale, want.loss_scale);
+  EXPECT_EQ(got.loss_scale_good_steps, want.loss_scale_good_steps);
+  EXPECT_EQ(got.has_loss_scale, want.has_loss_scale);
+  EXPECT_EQ(got.log_window_loss, want.log_window_loss);
+  EXPECT_EQ(got.log_window_steps, want.log_window_steps);
+  EXPECT_EQ(got.config, want.config);
+}
+
+TEST(TrainingState, RunStateRoundTripsThroughACheckpoint) {
+  test::TempDir dir;
+  const std::string path = dir / "step-00001200.h5";
+  {
+    CheckpointWriter w(path);
+    write_run_state(w, known_state());
+    w.commit();
+  }
+  const CheckpointReader r(path);
+  EXPECT_EQ(r.attr_int("format_version"), kCheckpointFormatVersion);
+  expect_same(read_run_state(r), known_state());
+}
+
+TEST(TrainingState, RunStateWithoutALossScaleStillWritesOne) {
+  // Every run writes its loss scale (1 without scaling), so has_loss_scale reads back true.
+  test::TempDir dir;
+  RunState s = known_state();
+  s.loss_scale = 1.0;
+  s.loss_scale_good_steps = 0;
+  s.has_loss_scale = false;
+  {
+    CheckpointWriter w(dir / "c.h5");
+    write_run_state(w, s);
+    w.commit();
+  }
+  const RunState got = read_run_state(CheckpointReader(dir / "c.h5"));
+  EXPECT_TRUE(got.has_loss_scale);
+  EXPECT_EQ(got.loss_scale, 1.0);
+  EXPECT_EQ(got.loss_scale_good_steps, 0);
+}
+
+TEST(TrainingState, OlderFilesReadWithDefaults) {
+  // The attributes of the first version-2 files only.
+  test::TempDir dir;
+  {
+    CheckpointWriter w(dir / "old.h5");
+    w.set_attr("step", 50);
+    w.set_attr("optimizer_step", 50);
+    w.set_attr("epoch", 1);
+    w.set_attr("step_in_epoch", 2);
+    w.set_attr("global_batch", 64);
+    w.set_attr("optimizer", "sgd");
+    w.commit();
+  }
+  const RunState got = read_run_state(CheckpointReader(dir / "old.h5"));
+  RunState want;
+  want.step = 50;
+  want.optimizer_step = 50;
+  want.epoch = 1;
+  want.step_in_epoch = 2;
+  want.global_batch = 64;
+  want.optimizer = "sgd";
+  expect_same(got, want);
+}
+
+TEST(TrainingState, MissingRequiredAttributeIsAnInputErrorNamingIt) {
+  test::TempDir dir;
+  {
+    CheckpointWriter w(dir / "c.h5");
+    w.set_attr("step", 50);
+    w.set_attr("optimizer_step", 50);
+    w.set_attr("epoch", 1);
+    w.set_attr("global_batch", 64);  // no step_in_epoch
+    w.set_attr("optimizer", "sgd");
+    w.commit();
+  }
+  const CheckpointReader r(dir / "c.h5");
+  test::expect_input_error([&] { read_run_state(r); }, {"step_in_epoch"});
+}
+
+// ---- read_model_value ----------------------------------------------------------------------
+
+// A checkpoint with fc1/weight (model and master), fc1/bias (model only), fc2/weight (model,
+// and a master of the wrong shape).
+std::string write_model_checkpoint(const test::TempDir& dir) {
+  const std::string path = dir / "model.h5";
+  CheckpointWriter w(path);
+  w.write_tensor(model_tensor("fc1/weight"), arange({3, 2}, 1.0f));
+  w.write_tensor(optimizer_tensor("master", "fc1/weight"), arange({3, 2}, 1.0625f));
+  w.write_tensor(optimizer_tensor("momentum", "fc1/weight"), arange({3, 2}, -7.0f));
+  w.write_tensor(model_tensor("fc1/bias"), arange({3}, -1.0f));
+  w.write_tensor(model_tensor("fc2/weight"), arange({2, 3}, 5.0f));
+  w.write_tensor(optimizer_tensor("master", "fc2/weight"), arange({3, 2}, 5.0f));
+  w.commit();
+  return path;
+}
+
+TEST(TrainingState, ReadModelValuePrefersTheMasterWeightsOfTrainableEntries) {
+  test::TempDir dir;
+  const CheckpointReader r(write_model_checkpoint(dir));
+  Tensor out = Tensor::empty({3, 2});
+  read_model_value(r, "fc1/weight", /*trainable=*/true, out);
+  EXPECT_TRUE(equal(out, arange({3, 2}, 1.0625f))) << "the f32 master weights";
+  read_model_value(r, "fc1/weight", /*trainable=*/false, out);
+  EXPECT_TRUE(equal(out, arange({3, 2}, 1.0f))) << "the model tensor (not trainable: no master)";
+  Tensor bias = Tensor::empty({3});
+  read_model_value(r, "fc1/bias", /*trainable=*/true, bias);
+  EXPECT_TRUE(equal(bias, arange({3}, -1.0f))) << "no master saved: the model tensor";
+}
+
+TEST(TrainingState, ReadModelValueErrorsNameTheTensor) {
+  test::TempDir dir;
+  const CheckpointReader r(write_model_checkpoint(dir));
+  Tensor out = Tensor::empty({3, 2});
+  test::expect_input_error([&] { read_model_value(r, "fc3/weight", true, out); },
+                           {"model/fc3/weight", "different --model"});
+  // Misshapen: the model tensor is named (checked before any master is looked at).
+  Tensor wrong = Tensor::empty({2, 2});
+  test::expect_input_error([&] { read_model_value(r, "fc1/weight", true, wrong); }, {"model/fc1/weight"});
+  test::expect_input_error([&] { read_model_value(r, "fc1/weight", false, wrong); }, {"model/fc1/weight"});
+  // A master of another shape than its model tensor is a broken file: an Input error too.
+  Tensor fc2 = Tensor::empty({2, 3});
+  test::expect_input_error([&] { read_model_value(r, "fc2/weight", true, fc2); }, {"optimizer/master/fc2/weight"});
+  // Nothing was written into `out` by the failed reads.
+  Tensor untouched = arange({3, 2}, 100.0f);
+  test::expect_input_error([&] { read_model_value(r, "fc3/weight", true, untouched); }, {"model/fc3/weight"});
+  EXPECT_TRUE(equal(untouched, arange({3, 2}, 100.0f)));
+}
+
+// ---- metrics -------------------------------------------------------------------------------
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
+  test::TempDir dir;
+  const std::string path = dir / "metrics.jsonl";
+  MetricsWriter w(path);
+  w.append({3, 1, 0.1234567, 0.001, 1234.56, std::nullopt, 4096});
+  w.append({4, 2, 2.5, 0.05, 10.0, 0.123456, 0});
+  EXPECT_EQ(read_all(path),
+            "{\"step\": 3, \"epoch\": 1, \"loss\": 0.123457, \"lr\": 0.001, \"samples_per_s\": 1234.6, "
+            "\"exposed_comm_fraction\": null, \"dp_bytes_per_step\": 4096}\n"
+            "{\"step\": 4, \"epoch\": 2, \"loss\": 2.500000, \"lr\": 0.05, \"samples_per_s\": 10.0, "
+            "\"exposed_comm_fraction\": 0.1235, \"dp_bytes_per_step\": 0}\n");
+}
+
+TEST(Metrics, EmptyPathWritesNothing) {
+  MetricsWriter w("");
+  EXPECT_NO_THROW(w.append({1, 0, 1.0, 0.1, 1.0, 0.5, 1}));
+  EXPECT_NO_THROW(w.drop_after(0));
+}
+
+TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
+  test::TempDir dir;
+  const std::string path = dir / "metrics.jsonl";
+  MetricsWriter w(path);
+  for (int64_t step : {10, 20, 30, 40}) w.append({step, 0, 1.0, 0.1, 100.0, 0.0, 8});
+  const std::string all = read_all(path);
+  const auto line_of = [&](int64_t step) {
+    std::ostringstream os;
+    os << "{\"step\": " << step << ", \"epoch\": 0, \"loss\": 1.000000, \"lr\": 0.1, \"samples_per_s\": 100.0, "
+       << "\"exposed_comm_fraction\": 0.0000, \"dp_bytes_per_step\": 8}\n";
+    return os.str();
+  };
+  ASSERT_EQ(all, line_of(10) + line_of(20) + line_of(30) + line_of(40));
+
+  w.drop_after(40);  // nothing later: the file is left as it is
+  EXPECT_EQ(read_all(path), all);
+  w.drop_after(20);  // a resume from step 20 logs 30 and 40 again
+  EXPECT_EQ(read_all(path), line_of(10) + line_of(20));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  w.append({30, 0, 1.0, 0.1, 100.0, 0.0, 8});  // appending continues after the kept lines
+  EXPECT_EQ(read_all(path), line_of(10) + line_of(20) + line_of(30));
+  w.drop_after(0);
+  EXPECT_EQ(read_all(path), "");
+}
+
+TEST(Metrics, DropAfterKeepsLinesItDoesNotRecognise) {
+  test::TempDir dir;
+  const std::string path = dir / "metrics.jsonl";
+  {
+    std::ofstream out(path);
+    out << "{\"step\": 5}\nnot json\n{\"step\": 9}\n\n{\"step\": 2}\n";
+  }
+  MetricsWriter(path).drop_after(5);
+  EXPECT_EQ(read_all(path), "{\"step\": 5}\nnot json\n\n{\"step\": 2}\n");
+}
+
+TEST(Metrics, DropAfterOnAMissingFileDoesNothing) {
+  test::TempDir dir;
+  const std::string path = dir / "none.jsonl";
+  EXPECT_NO_THROW(MetricsWriter(path).drop_after(3));
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+// Every record is one complete line, whatever its values: a huge (finite) loss or rate must not
+// truncate the line and glue the next record onto it.
+TEST(Metrics, HugeValuesStillMakeCompleteLines) {
+  test::TempDir dir;
+  const std::string path = dir / "metrics.jsonl";
+  MetricsWriter w(path);
+  w.append({1, 0, 1e300, 0.1, 1e300, 0.5, std::numeric_limits<int64_t>::max()});
+  w.append({2, 0, 1.0, 0.1, 1.0, 0.5, 1});
+  const std::string all = read_all(path);
+  ASSERT_FALSE(all.empty());
+  size_t lines = 0;
+  for (char c : all) lines += c == '\n';
+  EXPECT_EQ(lines, 2u) << all.size() << " bytes";
+  EXPECT_EQ(all.substr(all.find('\n') - 1, 2), "}\n") << "the first line is cut short";
+  EXPECT_NE(all.find("\"dp_bytes_per_step\": 9223372036854775807}\n"), std::string::npos);
+}
+
+TEST(Metrics, UnwritablePathWarnsOnceAndGoesOn) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  MetricsWriter w("/dev/full");
+  testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(w.append({1, 0, 1.0, 0.1, 1.0, 0.5, 1}));
+  EXPECT_NO_THROW(w.append({2, 0, 1.0, 0.1, 1.0, 0.5, 1}));
+  EXPECT_NO_THROW(w.append({3, 0, 1.0, 0.1, 1.0, std::nullopt, 1}));
+  const std::string err = testing::internal::GetCapturedStderr();
+  size_t warnings = 0;
+  for (size_t at = err.find("--metrics"); at != std::string::npos; at = err.find("--metrics", at + 1)) ++warnings;
+  EXPECT_EQ(warnings, 1u) << err;
+  EXPECT_NE(err.find("/dev/full"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace strata::io
