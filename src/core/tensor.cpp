@@ -6,8 +6,8 @@
 #include "core/error.hpp"
 #include "core/ops.hpp"
 #if STRATA_WITH_CUDA
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 #endif
 
 namespace strata {
@@ -160,7 +160,7 @@ void Tensor::fill_zero() const {
   }
 #if STRATA_WITH_CUDA
   // Ordered with every other kernel on this GPU: no synchronisation.
-  CUDA_CHECK(cudaMemsetAsync(raw(), 0, nbytes(), ops::cuda::compute_stream(device().index)));
+  CUDA_CHECK(cudaMemsetAsync(raw(), 0, nbytes(), cuda::compute_stream(device().index)));
 #endif
 }
 

@@ -1,4 +1,6 @@
-// MpiCommunicator: Strata's collectives as MPI non-blocking calls over host memory.
+// MpiCommunicator: Strata's collectives as MPI non-blocking calls over host memory. The MPI
+// datatypes and sums of the dtypes are in mpi_types.cpp; device tensors are staged through
+// pinned host memory by mpi_staging.cpp.
 //
 // How a started all-reduce makes progress while backward computes. Open MPI 4.1.4 runs
 // MPI_Iallreduce & co. as libnbc schedules that advance only inside MPI calls. Measured with
@@ -40,18 +42,9 @@
 
 #include "core/log.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/mpi_staging.hpp"
+#include "parallel/mpi_types.hpp"
 #include "parallel/shared_memory.hpp"
-
-#if STRATA_WITH_CUDA
-#include <cuda_runtime.h>
-
-#include <map>
-#include <mutex>
-#include <set>
-
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
-#endif
 
 namespace strata::parallel {
 
@@ -71,111 +64,17 @@ void all_reduce_sum(Communicator& comm, std::vector<double>& values) {
   }
 }
 
-#if STRATA_WITH_CUDA
-namespace {
-
-// Device tensors travel through page-locked host memory: MPI here is not CUDA-aware, and
-// copies from pinned memory run at full PCIe/NVLink-C2C speed and asynchronously. Blocks are
-// cached by size class and reused; a block whose last use was an asynchronous copy back to the
-// device carries an event, and is handed out again only once that copy has finished.
-class PinnedPool {
- public:
-  struct Block {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    cudaEvent_t copied = nullptr;  // recorded after the last asynchronous read of the block
-    int event_device = -1;         // the device `copied` belongs to
-  };
-
-  Block take(size_t bytes) {
-    const size_t size = HostCachingAllocator::size_class(bytes);
-    Block block;
-    {
-      std::lock_guard lock(mutex_);
-      auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
-        block = it->second.back();
-        it->second.pop_back();
-      }
-    }
-    if (block.ptr == nullptr) {
-      block.bytes = size;
-      CUDA_CHECK(cudaHostAlloc(&block.ptr, size, cudaHostAllocPortable));
-    } else if (block.copied != nullptr) {
-      CUDA_CHECK(cudaEventSynchronize(block.copied));  // usually long done
-    }
-    return block;
-  }
-
-  void give(Block block) noexcept {
-    std::lock_guard lock(mutex_);
-    free_[block.bytes].push_back(block);
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<size_t, std::vector<Block>> free_;
-};
-
-// Leaked on purpose (like the tensor allocators): buffers may be returned after main, when
-// freeing pinned memory would fail.
-PinnedPool& pinned_pool() {
-  static PinnedPool* pool = new PinnedPool;
-  return *pool;
-}
-
-// A pinned block for one operation (move-only); returned to the pool when it goes away.
-class PinnedBuffer {
- public:
-  explicit PinnedBuffer(size_t bytes) : block_(pinned_pool().take(bytes)) {}
-  PinnedBuffer(PinnedBuffer&& other) noexcept : block_(std::exchange(other.block_, {})) {}
-  PinnedBuffer& operator=(PinnedBuffer&&) = delete;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (block_.ptr != nullptr) pinned_pool().give(block_);
-  }
-
-  void* data() const { return block_.ptr; }
-  // Marks the block as read by an asynchronous copy just queued on `stream` of `device`.
-  void read_by(cudaStream_t stream, int device) {
-    if (block_.event_device != device) {
-      if (block_.copied != nullptr) CUDA_CHECK_NOTHROW(cudaEventDestroy(block_.copied));
-      block_.copied = nullptr;
-      ops::cuda::DeviceGuard guard(device);
-      CUDA_CHECK(cudaEventCreateWithFlags(&block_.copied, cudaEventDisableTiming));
-      block_.event_device = device;
-    }
-    CUDA_CHECK(cudaEventRecord(block_.copied, stream));
-  }
-
- private:
-  PinnedPool::Block block_;
-};
-
-// A device tensor of an operation and the host memory MPI uses in its place.
-struct Staged {
-  Tensor device;
-  PinnedBuffer host;
-  bool copy_back = false;  // the operation writes it: copy the host memory back when complete
-};
-
-}  // namespace
-#endif
-
 // One started operation. The tensors are kept alive until MPI is done with their memory;
 // `finish` (e.g. the 1/size scaling of Avg) runs once, after completion, on the caller's thread.
-// Device tensors are staged through pinned host memory (CUDA builds); their results are copied
-// back after `finish`.
+// Device tensors are staged through pinned host memory (mpi_staging.hpp); their results are
+// copied back after `finish`.
 struct MpiOpState {
   MPI_Request request = MPI_REQUEST_NULL;  // MPI_REQUEST_NULL once complete
   std::vector<Tensor> buffers;
   std::function<void()> finish;
   bool finished = false;
   std::string what;  // "all_reduce on dp", for errors
-#if STRATA_WITH_CUDA
-  std::vector<Staged> staged;
-  std::set<int> staged_in;  // devices whose compute stream holds copies to pinned memory
-#endif
+  DeviceStaging staging;
 };
 
 namespace {
@@ -186,99 +85,10 @@ void check_mpi(int rc, const char* call, const std::string& what) {
     STRATA_THROW(what, ": ", mpi_error_string(call, rc));
 }
 
-// The 16-bit float formats have no MPI type: they travel as a 2-byte derived type, and
-// their sum is a user-defined MPI_Op that adds in f32 and rounds back once per pair.
-template <class Half>
-void half_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  const Half* a = static_cast<const Half*>(in);
-  Half* b = static_cast<Half*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] = Half::from_float(a[i].to_float() + b[i].to_float());
-}
-
-struct HalfTypes {
-  MPI_Datatype bf16 = MPI_DATATYPE_NULL, f16 = MPI_DATATYPE_NULL;
-  MPI_Op bf16_sum = MPI_OP_NULL, f16_sum = MPI_OP_NULL;
-};
-
-// Frees the half types at MPI_Finalize. Trick: MPI_Finalize first deletes the attributes of
-// MPI_COMM_SELF (MPI >= 2.2), which calls this while MPI handles may still be freed.
-int free_half_types(MPI_Comm, int, void* attribute, void*) {
-  auto* types = static_cast<HalfTypes*>(attribute);
-  MPI_Op_free(&types->bf16_sum);
-  MPI_Op_free(&types->f16_sum);
-  MPI_Type_free(&types->bf16);
-  MPI_Type_free(&types->f16);
-  delete types;
-  return MPI_SUCCESS;
-}
-
-// Created once, on the first use after MPI_Init (a function-local static: thread-safe).
-const HalfTypes& half_types() {
-  static const HalfTypes* types = [] {
-    auto* t = new HalfTypes;
-    MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &t->bf16));
-    MPI_CHECK(MPI_Type_set_name(t->bf16, "strata_bf16"));
-    MPI_CHECK(MPI_Type_commit(&t->bf16));
-    MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &t->f16));
-    MPI_CHECK(MPI_Type_set_name(t->f16, "strata_f16"));
-    MPI_CHECK(MPI_Type_commit(&t->f16));
-    MPI_CHECK(MPI_Op_create(&half_sum<bf16>, /*commute=*/1, &t->bf16_sum));
-    MPI_CHECK(MPI_Op_create(&half_sum<f16>, /*commute=*/1, &t->f16_sum));
-    int key = MPI_KEYVAL_INVALID;
-    MPI_CHECK(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &free_half_types, &key, nullptr));
-    MPI_CHECK(MPI_Comm_set_attr(MPI_COMM_SELF, key, t));
-    return t;
-  }();
-  return *types;
-}
-
-MPI_Datatype mpi_type(DType t) {
-  switch (t) {
-    case DType::F32:
-      return MPI_FLOAT;
-    case DType::BF16:
-      return half_types().bf16;
-    case DType::F16:
-      return half_types().f16;
-    case DType::I32:
-      return MPI_INT32_T;
-    case DType::U8:
-      return MPI_UINT8_T;
-  }
-  STRATA_THROW("unknown dtype ", static_cast<int>(t));
-}
-
-bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
-
-// Avg is Sum followed by this scaling, so it needs a float dtype.
-MPI_Op mpi_sum(DType t, ReduceOp op) {
-  STRATA_CHECK(op == ReduceOp::Sum || is_float(t), "ReduceOp::Avg needs a float dtype, got ", dtype_name(t));
-  if (t == DType::BF16) return half_types().bf16_sum;
-  if (t == DType::F16) return half_types().f16_sum;
-  return MPI_SUM;
-}
-
-template <class Half>
-void scale_half(void* data, int64_t n, float factor) {
-  Half* p = static_cast<Half*>(data);
-  for (int64_t i = 0; i < n; ++i) p[i] = Half::from_float(p[i].to_float() * factor);
-}
-
-// Scales the n elements of `dtype` at host memory `data` (the tensor's, or its staging copy).
-void scale(void* data, DType dtype, int64_t n, float factor) {
-  if (dtype == DType::F32) {
-    float* p = static_cast<float*>(data);
-    for (int64_t i = 0; i < n; ++i) p[i] *= factor;
-  } else if (dtype == DType::BF16) {
-    scale_half<bf16>(data, n, factor);
-  } else if (dtype == DType::F16) {
-    scale_half<f16>(data, n, factor);
-  }
-}
-
 // The 1/size scaling of Avg, applied to the host memory MPI wrote for t.
 std::function<void()> scale_after(const Tensor& t, void* host, int size) {
-  return [host, dtype = t.dtype(), n = t.numel(), f = 1.0f / static_cast<float>(size)] { scale(host, dtype, n, f); };
+  return
+      [host, dtype = t.dtype(), n = t.numel(), f = 1.0f / static_cast<float>(size)] { scale_host(host, dtype, n, f); };
 }
 
 int count_of(const Tensor& t) {
@@ -290,73 +100,6 @@ int count_of(const Tensor& t) {
 #endif
   STRATA_CHECK(t.numel() <= INT_MAX, t.str(), " has more elements than one MPI call takes");
   return static_cast<int>(t.numel());
-}
-
-// The host memory MPI reads and writes for t: t's own for a CPU tensor (no copy at all); for a
-// device tensor a pinned buffer, filled from the device when the operation reads t (`copy_in`:
-// queued on the compute stream, see wait_for_staging) and copied back when it completes if the
-// operation writes t (`copy_out`).
-void* host_memory(MpiOpState& state, const Tensor& t, bool copy_in, bool copy_out) {
-  if (t.device().is_cpu() || t.nbytes() == 0) return t.raw();
-#if STRATA_WITH_CUDA
-  const int device = t.device().index;
-  Staged& s = state.staged.emplace_back(Staged{t, PinnedBuffer(t.nbytes()), copy_out});
-  if (copy_in) {
-    ops::cuda::DeviceGuard guard(device);
-    CUDA_CHECK(
-        cudaMemcpyAsync(s.host.data(), t.raw(), t.nbytes(), cudaMemcpyDeviceToHost, ops::cuda::compute_stream(device)));
-    state.staged_in.insert(device);
-  }
-  return s.host.data();
-#else
-  STRATA_THROW("MpiCommunicator got a tensor on ", t.device().str(), " in a build without CUDA");
-#endif
-}
-
-// Copies `part` of a device tensor into `host` (part of a staging buffer), like copy_in.
-void stage_part(MpiOpState& state, const Tensor& part, void* host) {
-#if STRATA_WITH_CUDA
-  if (part.nbytes() == 0) return;
-  const int device = part.device().index;
-  ops::cuda::DeviceGuard guard(device);
-  CUDA_CHECK(
-      cudaMemcpyAsync(host, part.raw(), part.nbytes(), cudaMemcpyDeviceToHost, ops::cuda::compute_stream(device)));
-  state.staged_in.insert(device);
-#endif
-}
-
-// Before MPI reads staged memory: the copies (and the kernels that wrote the tensors before
-// them) are done. Synchronises only the compute streams of the devices involved.
-void wait_for_staging(MpiOpState& state) {
-#if STRATA_WITH_CUDA
-  for (int device : state.staged_in) CUDA_CHECK(cudaStreamSynchronize(ops::cuda::compute_stream(device)));
-  state.staged_in.clear();
-#endif
-}
-
-// After completion (and `finish`): the results go back to the device, asynchronously on the
-// compute stream, so later kernels see them without the host waiting; the pinned blocks are
-// reused only after these copies (PinnedBuffer::read_by).
-void copy_back(MpiOpState& state) {
-#if STRATA_WITH_CUDA
-  for (Staged& s : state.staged) {
-    if (!s.copy_back) continue;
-    const int device = s.device.device().index;
-    ops::cuda::DeviceGuard guard(device);
-    const cudaStream_t stream = ops::cuda::compute_stream(device);
-    CUDA_CHECK(cudaMemcpyAsync(s.device.raw(), s.host.data(), s.device.nbytes(), cudaMemcpyHostToDevice, stream));
-    s.host.read_by(stream, device);
-  }
-  state.staged.clear();
-#endif
-}
-
-bool staged(const MpiOpState& state) {
-#if STRATA_WITH_CUDA
-  return !state.staged.empty();
-#else
-  return false;
-#endif
 }
 
 bool overlaps(const Tensor& a, const Tensor& b) {
@@ -373,7 +116,7 @@ class MpiWork final : public Work {
   // the device, as MPI would have to host memory. Never throws.
   ~MpiWork() override {
     if (state_->request != MPI_REQUEST_NULL) MPI_Wait(&state_->request, MPI_STATUS_IGNORE);
-    if (!state_->finished && staged(*state_)) {
+    if (!state_->finished && state_->staging.any()) {
       try {
         finish();
       } catch (const std::exception& e) {
@@ -404,7 +147,7 @@ class MpiWork final : public Work {
     if (state_->finished) return;
     state_->finished = true;
     if (state_->finish) state_->finish();
-    copy_back(*state_);
+    state_->staging.copy_back();
     state_->buffers.clear();
   }
 
@@ -420,7 +163,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool shared_me
   MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
   MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   MPI_CHECK(MPI_Comm_size(comm_, &size_));
-  half_types();  // created here, after MPI_Init, on the thread that calls MPI
+  create_half_types();  // created here, after MPI_Init, on the thread that calls MPI
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -478,10 +221,10 @@ WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
   state->what = "all_reduce on " + name_;
   state->buffers = {t};
   const MPI_Op mpi_op = mpi_sum(t.dtype(), op);
-  void* data = host_memory(*state, t, /*copy_in=*/true, /*copy_out=*/true);
+  void* data = state->staging.host_memory(t, /*copy_in=*/true, /*copy_out=*/true);
   if (op == ReduceOp::Avg) state->finish = scale_after(t, data, size_);
   count_sent(t.nbytes(), 2 * (size_ - 1), size_);
-  wait_for_staging(*state);
+  state->staging.wait_for_copies_in();
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, count, mpi_type(t.dtype()), mpi_op, comm_, &state->request),
             "MPI_Iallreduce", state->what);
   return track(std::move(state));
@@ -498,11 +241,11 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const Tensor& in, const Tensor& ou
   state->what = "reduce_scatter on " + name_;
   state->buffers = {in, out};
   const MPI_Op mpi_op = mpi_sum(out.dtype(), op);
-  void* send = host_memory(*state, in, /*copy_in=*/true, /*copy_out=*/false);
-  void* recv = host_memory(*state, out, /*copy_in=*/false, /*copy_out=*/true);
+  void* send = state->staging.host_memory(in, /*copy_in=*/true, /*copy_out=*/false);
+  void* recv = state->staging.host_memory(out, /*copy_in=*/false, /*copy_out=*/true);
   if (op == ReduceOp::Avg) state->finish = scale_after(out, recv, size_);
   count_sent(in.nbytes(), size_ - 1, size_);
-  wait_for_staging(*state);
+  state->staging.wait_for_copies_in();
   check_mpi(MPI_Ireduce_scatter_block(send, recv, count, mpi_type(out.dtype()), mpi_op, comm_, &state->request),
             "MPI_Ireduce_scatter_block", state->what);
   return track(std::move(state));
@@ -528,14 +271,14 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   state->what = "all_gather on " + name_;
   state->buffers = {in, out};
   const MPI_Datatype type = mpi_type(in.dtype());
-  void* recv = host_memory(*state, out, /*copy_in=*/false, /*copy_out=*/true);
+  void* recv = state->staging.host_memory(out, /*copy_in=*/false, /*copy_out=*/true);
   void* send = MPI_IN_PLACE;
   if (!in_place)
-    send = host_memory(*state, in, /*copy_in=*/true, /*copy_out=*/false);
+    send = state->staging.host_memory(in, /*copy_in=*/true, /*copy_out=*/false);
   else if (recv != out.raw())  // staged in place: only this rank's chunk needs to reach the host
-    stage_part(*state, in, static_cast<char*>(recv) + static_cast<size_t>(rank_) * in.nbytes());
+    state->staging.stage_part(in, static_cast<char*>(recv) + static_cast<size_t>(rank_) * in.nbytes());
   count_sent(out.nbytes(), size_ - 1, size_);
-  wait_for_staging(*state);
+  state->staging.wait_for_copies_in();
   check_mpi(MPI_Iallgather(send, count, type, recv, count, type, comm_, &state->request), "MPI_Iallgather",
             state->what);
   return track(std::move(state));
@@ -555,11 +298,11 @@ WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
   state->buffers = {t};
   const MPI_Op mpi_op = mpi_sum(t.dtype(), op);
   const bool is_root = rank_ == root;
-  void* data = host_memory(*state, t, /*copy_in=*/true, /*copy_out=*/is_root);
+  void* data = state->staging.host_memory(t, /*copy_in=*/true, /*copy_out=*/is_root);
   // Only the root receives the result, so only it scales for Avg.
   if (op == ReduceOp::Avg && is_root) state->finish = scale_after(t, data, size_);
   if (!is_root) count_sent(t.nbytes(), 1, 1);
-  wait_for_staging(*state);
+  state->staging.wait_for_copies_in();
   // MPI_IN_PLACE is legal only on the root; elsewhere t is the send buffer and no receive
   // buffer is used.
   check_mpi(MPI_Ireduce(is_root ? MPI_IN_PLACE : data, is_root ? data : nullptr, count, mpi_type(t.dtype()), mpi_op,
@@ -575,8 +318,8 @@ WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
   state->what = "broadcast on " + name_;
   state->buffers = {t};
   if (rank_ == root) count_sent(t.nbytes(), size_ > 1 ? 1 : 0, 1);
-  void* data = host_memory(*state, t, /*copy_in=*/rank_ == root, /*copy_out=*/rank_ != root);
-  wait_for_staging(*state);
+  void* data = state->staging.host_memory(t, /*copy_in=*/rank_ == root, /*copy_out=*/rank_ != root);
+  state->staging.wait_for_copies_in();
   check_mpi(MPI_Ibcast(data, count, mpi_type(t.dtype()), root, comm_, &state->request), "MPI_Ibcast", state->what);
   return track(std::move(state));
 }
@@ -595,8 +338,8 @@ WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
   state->what = strata::detail::cat("send to ", peer, " on ", name_);
   state->buffers = {t};
   count_sent(t.nbytes(), 1, 1);
-  void* data = host_memory(*state, t, /*copy_in=*/true, /*copy_out=*/false);
-  wait_for_staging(*state);
+  void* data = state->staging.host_memory(t, /*copy_in=*/true, /*copy_out=*/false);
+  state->staging.wait_for_copies_in();
   check_mpi(MPI_Isend(data, count, mpi_type(t.dtype()), peer, tag, comm_, &state->request), "MPI_Isend", state->what);
   return track(std::move(state));
 }
@@ -611,7 +354,7 @@ WorkPtr MpiCommunicator::recv_async(const Tensor& t, int peer, int tag) {
   auto state = std::make_shared<MpiOpState>();
   state->what = strata::detail::cat("recv from ", peer, " on ", name_);
   state->buffers = {t};
-  void* data = host_memory(*state, t, /*copy_in=*/false, /*copy_out=*/true);
+  void* data = state->staging.host_memory(t, /*copy_in=*/false, /*copy_out=*/true);
   check_mpi(MPI_Irecv(data, count, mpi_type(t.dtype()), peer, tag, comm_, &state->request), "MPI_Irecv", state->what);
   return track(std::move(state));
 }

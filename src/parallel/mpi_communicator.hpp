@@ -11,10 +11,11 @@
 // size skip MPI as well.
 //
 // Device tensors (CUDA builds; `--comm mpi` on GPUs, which lets ranks share a GPU) are staged
-// through cached pinned host memory: copied from the device on its compute stream when the
-// operation starts (the host waits for that stream), and copied back asynchronously on the
-// compute stream when the operation is found complete (wait(), test(), or a dropped handle),
-// so kernels launched afterwards see the result. CPU tensors are used in place, as before.
+// through core's cached pinned host memory (mpi_staging.hpp): copied from the device on its
+// compute stream when the operation starts (the host waits for that stream), and copied back
+// asynchronously on the compute stream when the operation is found complete (wait(), test(),
+// or a dropped handle), so kernels launched afterwards see the result. CPU tensors are used in
+// place, as before.
 #pragma once
 
 #include <mpi.h>

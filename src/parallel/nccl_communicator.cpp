@@ -6,8 +6,8 @@
 #include <exception>
 #include <utility>
 
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 #include "parallel/mpi.hpp"
 
 namespace strata::parallel {
@@ -94,7 +94,7 @@ bool overlaps(const Tensor& a, const Tensor& b) {
 // Orders the compute stream after the operation, then lets its tensors go.
 void join(NcclOpState& s) {
   if (s.joined) return;
-  CUDA_CHECK(cudaStreamWaitEvent(ops::cuda::compute_stream(s.device), s.done.get(), 0));
+  CUDA_CHECK(cudaStreamWaitEvent(cuda::compute_stream(s.device), s.done.get(), 0));
   s.joined = true;
   s.tensors.clear();
 }
@@ -135,8 +135,8 @@ class NcclWork final : public Work {
 NcclCommunicator::NcclCommunicator(MPI_Comm comm, std::string name, Device device, bool p2p)
     : host_(std::make_unique<MpiCommunicator>(comm, std::move(name))), device_(device) {
   STRATA_CHECK(device.is_cuda(), "NcclCommunicator ", host_->name(), " needs a CUDA device, got ", device.str());
-  ops::cuda::DeviceGuard guard(device.index);
-  ops::cuda::compute_stream(device.index);  // the device's context exists before NCCL's
+  cuda::DeviceGuard guard(device.index);
+  cuda::compute_stream(device.index);  // the device's context exists before NCCL's
   // One lane for collectives; two more for point-to-point (see the header) when the group has
   // peers to send to.
   const size_t lanes = p2p && size() > 1 ? 3 : 1;
@@ -198,7 +198,7 @@ size_t NcclCommunicator::p2p_lane(int peer, bool sending) const {
 
 template <class Launch>
 WorkPtr NcclCommunicator::start(size_t lane, std::string what, std::vector<Tensor> tensors, Launch&& launch) {
-  ops::cuda::DeviceGuard guard(device_.index);
+  cuda::DeviceGuard guard(device_.index);
   auto state = std::make_shared<NcclOpState>();
   state->device = device_.index;
   state->what = std::move(what);
@@ -214,7 +214,7 @@ WorkPtr NcclCommunicator::start(size_t lane, std::string what, std::vector<Tenso
   // The lane's stream starts after what the compute stream has queued so far (the producer of
   // the data); the event can be re-recorded at once, a wait keeps the record it saw.
   const cudaStream_t stream = lanes_[lane].stream.get();
-  CUDA_CHECK(cudaEventRecord(compute_ready_.get(), ops::cuda::compute_stream(device_.index)));
+  CUDA_CHECK(cudaEventRecord(compute_ready_.get(), cuda::compute_stream(device_.index)));
   CUDA_CHECK(cudaStreamWaitEvent(stream, compute_ready_.get(), 0));
   launch(lanes_[lane].comm.get(), stream);
   CUDA_CHECK(cudaEventRecord(done, stream));

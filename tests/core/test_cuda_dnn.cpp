@@ -1,6 +1,7 @@
-// The library-backed CUDA ops (copy, cuBLAS GEMM, cuDNN convolution and batch norm, our
-// pooling kernels) against the CPU ops in the same binary, for f32, bf16 and f16, on ragged
-// shapes, with pre-filled parameter gradients to check that they accumulate.
+// Core's CUDA runtime (device contexts, pinned staging buffers) and the library-backed CUDA
+// ops (copy, cuBLAS GEMM, cuDNN convolution and batch norm, our pooling kernels) against the
+// CPU ops in the same binary, for f32, bf16 and f16, on ragged shapes, with pre-filled
+// parameter gradients to check that they accumulate.
 //
 // The CPU reference runs in f32 on the same inputs rounded to the tested dtype. Every element
 // must be within rtol * (|want| + max|want|) of it, with rtol by result dtype:
@@ -14,12 +15,14 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/ops.hpp"
 #if STRATA_WITH_CUDA
+#include "core/cuda/allocator.hpp"
+#include "core/cuda/runtime.hpp"
 #include "core/cuda_test_util.hpp"
-#include "core/ops/cuda/context.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
 #endif
 
@@ -75,7 +78,7 @@ Tensor rand_host(Shape shape, uint32_t seed, DType dtype = DType::F32, float lo 
 class CudaDnn : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (ops::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine (device_count() == 0)";
+    if (strata::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine (device_count() == 0)";
   }
 };
 
@@ -91,16 +94,40 @@ struct Tf32Scope {
 // ---- context and copies ----------------------------------------------------------------------
 
 TEST_F(CudaDnn, ContextIsCreatedOnceWithItsHandles) {
-  ops::cuda::DeviceContext& ctx = ops::cuda::context(0);
-  EXPECT_EQ(&ctx, &ops::cuda::context(0));
+  strata::cuda::DeviceContext& ctx = strata::cuda::context(0);
+  EXPECT_EQ(&ctx, &strata::cuda::context(0));
   EXPECT_NE(ctx.compute.get(), nullptr);
   EXPECT_NE(ctx.cublas.get(), nullptr);
   EXPECT_NE(ctx.cudnn.get(), nullptr);
-  EXPECT_EQ(ops::cuda::compute_stream(0), ctx.compute.get());
-  void* small = ops::cuda::workspace(0, 1000);
+  EXPECT_EQ(strata::cuda::compute_stream(0), ctx.compute.get());
+  void* small = strata::cuda::workspace(0, 1000);
   EXPECT_NE(small, nullptr);
-  EXPECT_EQ(ops::cuda::workspace(0, 10), small);  // never shrinks
-  EXPECT_NE(ops::cuda::workspace(0, 1 << 22), nullptr);
+  EXPECT_EQ(strata::cuda::workspace(0, 10), small);  // never shrinks
+  EXPECT_NE(strata::cuda::workspace(0, 1 << 22), nullptr);
+}
+
+TEST_F(CudaDnn, PinnedBuffersAreCachedAndWaitForTheirCopyBack) {
+  const size_t bytes = 3000;
+  void* first = nullptr;
+  {
+    strata::cuda::PinnedBuffer buffer(bytes);
+    first = buffer.data();
+    ASSERT_NE(first, nullptr);
+    cudaPointerAttributes attributes{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attributes, first), cudaSuccess);
+    EXPECT_EQ(attributes.type, cudaMemoryTypeHost);  // page-locked
+    // An asynchronous copy reads the block: it is handed out again only after that copy.
+    float* values = static_cast<float*>(first);
+    for (size_t i = 0; i < bytes / sizeof(float); ++i) values[i] = static_cast<float>(i);
+    const Tensor dev = Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::F32, kGpu);
+    const cudaStream_t stream = strata::cuda::compute_stream(0);
+    ASSERT_EQ(cudaMemcpyAsync(dev.raw(), first, dev.nbytes(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+    buffer.read_by(stream, 0);
+    strata::cuda::PinnedBuffer moved(std::move(buffer));  // the block travels with the owner
+    EXPECT_EQ(moved.data(), first);
+  }
+  strata::cuda::PinnedBuffer again(bytes - 100);  // the same size class: the cached block
+  EXPECT_EQ(again.data(), first);
 }
 
 TEST_F(CudaDnn, CopyRoundTripsBetweenHostAndDevice) {
@@ -121,7 +148,7 @@ TEST_F(CudaDnn, CopyRoundTripsBetweenHostAndDevice) {
 }
 
 TEST_F(CudaDnn, CopyBetweenTwoDevices) {
-  if (ops::cuda::device_count() < 2) GTEST_SKIP() << "needs two CUDA devices, this machine has one";
+  if (strata::cuda::device_count() < 2) GTEST_SKIP() << "needs two CUDA devices, this machine has one";
   const Tensor host = rand_host({4099}, 2);
   const Tensor a = to_gpu(host, DType::F32), b = Tensor::empty({4099}, DType::F32, Device::cuda(1));
   ops::copy(a, b);
@@ -224,7 +251,7 @@ TEST_F(CudaDnn, ConvMatchesCpuAndAccumulatesGradients) {
       }
     }
   }
-  EXPECT_FALSE(ops::cuda::context(0).conv_algos.empty()) << "algorithms are cached per shape";
+  EXPECT_FALSE(strata::cuda::context(0).conv_algos.empty()) << "algorithms are cached per shape";
 }
 
 // ---- pooling ---------------------------------------------------------------------------------

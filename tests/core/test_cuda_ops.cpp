@@ -17,6 +17,7 @@
 #include "core/ops.hpp"
 #include "core/rng.hpp"
 #if STRATA_WITH_CUDA
+#include "core/cuda/runtime.hpp"
 #include "core/cuda_test_util.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
 #endif
@@ -107,7 +108,7 @@ std::vector<DType> f32_and(DType t) {
   return {DType::F32, t};
 }
 
-bool no_gpu() { return ops::cuda::device_count() == 0; }
+bool no_gpu() { return strata::cuda::device_count() == 0; }
 constexpr const char* kNoGpu = "no CUDA device on this machine";
 
 class CudaOps : public ::testing::Test {

@@ -21,7 +21,7 @@
 #if STRATA_WITH_CUDA
 #include <cuda_runtime.h>
 
-#include "core/ops/cuda/context.hpp"
+#include "core/cuda/runtime.hpp"
 #include "parallel/nccl_communicator.hpp"
 #endif
 
@@ -126,7 +126,7 @@ Tensor to_device(const Tensor& host, Device device) {
 // result is visible only if the communicator's wait() ordered the stream after the operation.
 Tensor to_host(const Tensor& d) {
   Tensor h = Tensor::empty(d.shape(), d.dtype());
-  const cudaStream_t stream = ops::cuda::compute_stream(d.device().index);
+  const cudaStream_t stream = cuda::compute_stream(d.device().index);
   if (d.nbytes() > 0) {
     EXPECT_EQ(cudaMemcpyAsync(h.raw(), d.raw(), d.nbytes(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
   }

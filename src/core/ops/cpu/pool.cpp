@@ -1,25 +1,17 @@
 // CPU pooling: max (with argmax for backward), average (padding counted as zeros) and global
-// average. Each (N, C) plane is independent; windows are clipped to the image.
+// average. Each (N, C) plane is independent; windows are clipped to the image. The window
+// math is ops/pool_math.hpp, shared with the CUDA kernels.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/pool_math.hpp"
 
 namespace strata::ops::cpu {
 
-namespace {
-// Input rows (or columns) [lo, hi) of output position o's window.
-inline void window(int64_t o, int64_t in, const Pool2dGeometry& g, int64_t& lo, int64_t& hi) {
-  const int64_t start = o * g.stride - g.padding;
-  lo = std::max<int64_t>(start, 0);
-  hi = std::min<int64_t>(start + g.kernel, in);
-}
-}  // namespace
-
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
-  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const pool::PoolDims dims(g);
+  const int64_t h = dims.h, w = dims.w, oh_n = dims.oh, ow_n = dims.ow;
   const int64_t planes = x.numel() / (h * w);
   const float* xp = x.data<float>();
   float* yp = y.data<float>();
@@ -59,21 +51,10 @@ void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, 
       return;
     }
     for (int64_t oh = 0; oh < oh_n; ++oh) {
-      int64_t h0, h1;
-      window(oh, h, g, h0, h1);
       for (int64_t ow = 0; ow < ow_n; ++ow) {
-        int64_t w0, w1;
-        window(ow, w, g, w0, w1);
-        float best = -std::numeric_limits<float>::infinity();
-        int64_t best_i = h0 * w + w0;
-        for (int64_t ih = h0; ih < h1; ++ih) {
-          for (int64_t iw = w0; iw < w1; ++iw) {
-            const float v = in[ih * w + iw];
-            const bool take = v > best || v != v;  // NaN propagates, as in PyTorch
-            best = take ? v : best;                // selects, not branches: maxima are random
-            best_i = take ? ih * w + iw : best_i;
-          }
-        }
+        float best;
+        int64_t best_i;
+        pool::window_max(in, w, dims.window(oh, ow), best, best_i);
         out[oh * ow_n + ow] = best;
         arg[oh * ow_n + ow] = static_cast<int32_t>(best_i);
       }
@@ -97,33 +78,25 @@ void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& d
 }
 
 void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
-  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const pool::PoolDims dims(g);
+  const int64_t h = dims.h, w = dims.w, oh_n = dims.oh, ow_n = dims.ow;
   const int64_t planes = x.numel() / (h * w);
-  const float inv = 1.0f / static_cast<float>(g.kernel * g.kernel);  // padding counts
+  const float inv = dims.inv_area();  // padding counts
   const float* xp = x.data<float>();
   float* yp = y.data<float>();
   parallel_rows(planes, h * w, [&](int64_t q) {
     const float* in = xp + q * h * w;
     float* out = yp + q * oh_n * ow_n;
-    for (int64_t oh = 0; oh < oh_n; ++oh) {
-      int64_t h0, h1;
-      window(oh, h, g, h0, h1);
-      for (int64_t ow = 0; ow < ow_n; ++ow) {
-        int64_t w0, w1;
-        window(ow, w, g, w0, w1);
-        float sum = 0.0f;
-        for (int64_t ih = h0; ih < h1; ++ih)
-          for (int64_t iw = w0; iw < w1; ++iw) sum += in[ih * w + iw];
-        out[oh * ow_n + ow] = sum * inv;
-      }
-    }
+    for (int64_t oh = 0; oh < oh_n; ++oh)
+      for (int64_t ow = 0; ow < ow_n; ++ow) out[oh * ow_n + ow] = pool::window_sum(in, w, dims.window(oh, ow)) * inv;
   });
 }
 
 void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
-  const int64_t h = g.in_h, w = g.in_w, oh_n = g.out_h(), ow_n = g.out_w();
+  const pool::PoolDims dims(g);
+  const int64_t h = dims.h, w = dims.w, oh_n = dims.oh, ow_n = dims.ow;
   const int64_t planes = dx.numel() / (h * w);
-  const float inv = 1.0f / static_cast<float>(g.kernel * g.kernel);
+  const float inv = dims.inv_area();
   const float* gp = dy.data<float>();
   float* dp = dx.data<float>();
   parallel_rows(planes, h * w, [&](int64_t q) {
@@ -131,14 +104,11 @@ void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometr
     std::memset(d, 0, static_cast<size_t>(h * w) * sizeof(float));
     const float* gq = gp + q * oh_n * ow_n;
     for (int64_t oh = 0; oh < oh_n; ++oh) {
-      int64_t h0, h1;
-      window(oh, h, g, h0, h1);
       for (int64_t ow = 0; ow < ow_n; ++ow) {
-        int64_t w0, w1;
-        window(ow, w, g, w0, w1);
+        const pool::Window win = dims.window(oh, ow);
         const float v = gq[oh * ow_n + ow] * inv;
-        for (int64_t ih = h0; ih < h1; ++ih)
-          for (int64_t iw = w0; iw < w1; ++iw) d[ih * w + iw] += v;
+        for (int64_t ih = win.h0; ih < win.h1; ++ih)
+          for (int64_t iw = win.w0; iw < win.w1; ++iw) d[ih * w + iw] += v;
       }
     }
   });

@@ -2,10 +2,9 @@
 // always accumulating in f32; TF32 tensor cores for f32 only when ops::allow_tf32().
 #include <algorithm>
 
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
-#include "core/ops/cuda/cudnn_check.hpp"
 
 namespace strata::ops::cuda {
 

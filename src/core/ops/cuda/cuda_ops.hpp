@@ -2,16 +2,20 @@
 // are already checked by ops.cpp, including the dtype rules stated there: activations and
 // parameters share one float dtype (f32, bf16 or f16); parameter gradients are f32 or that
 // dtype; statistics (BatchNorm/LayerNorm mean, invstd, running stats) and optimizer buffers
-// are f32. Every kernel runs on its device's compute stream (context.hpp); ops that return a
-// host value synchronise that stream only.
+// are f32. Every kernel runs on its device's compute stream (core/cuda/runtime.hpp); ops that
+// return a host value synchronise that stream only.
 #pragma once
 
 #include "core/ops.hpp"
 
+// Core's CUDA runtime (core/cuda/runtime.hpp): the kernels use its DeviceGuard,
+// compute_stream, Owned, ... unqualified.
+namespace strata::cuda {}
 namespace strata::ops::cuda {
+using namespace ::strata::cuda;
+}  // namespace strata::ops::cuda
 
-// Number of visible CUDA devices; 0 when there is no GPU or no driver.
-int device_count();
+namespace strata::ops::cuda {
 
 // Copies between any two devices (host <-> device, device <-> device); same dtype and numel.
 // Host-to-device and device-to-device copies are asynchronous on the compute stream of the

@@ -8,10 +8,11 @@
 #include <climits>
 #include <cmath>
 
-#include "core/ops/cuda/context.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 #include "core/ops/cuda/cuda_ops.hpp"
-#include "core/ops/cuda/cudnn_check.hpp"
 #include "core/ops/cuda/launch.cuh"
+#include "core/ops/pool_math.hpp"
 
 namespace strata::ops::cuda {
 
@@ -196,27 +197,9 @@ void channel_sum(const OnDevice& on, const T* x, int64_t n, int64_t channels, in
   column_sum(on, n, channels, ReadAt<float>{sums, channels}, out);
 }
 
-// ---- pooling (same windows, order and tie rules as cpu/pool.cpp) --------------------------------
+// ---- pooling (windows, order and tie rules: ops/pool_math.hpp, shared with cpu/pool.cpp) -------
 
-struct PoolDims {
-  int64_t h, w, oh, ow, kernel, stride, padding;
-  explicit PoolDims(const Pool2dGeometry& g)
-      : h(g.in_h), w(g.in_w), oh(g.out_h()), ow(g.out_w()), kernel(g.kernel), stride(g.stride), padding(g.padding) {}
-  // Input rows (or columns) [lo, hi) of output position o's window, clipped to the image.
-  __device__ void window(int64_t o, int64_t in, int64_t& lo, int64_t& hi) const {
-    const int64_t start = o * stride - padding;
-    lo = start > 0 ? start : 0;
-    hi = start + kernel < in ? start + kernel : in;
-  }
-  // Outputs [lo, hi] whose window covers input row (or column) i: o * stride - padding <= i
-  // < o * stride - padding + kernel.
-  __device__ void covering(int64_t i, int64_t out, int64_t& lo, int64_t& hi) const {
-    const int64_t first = i + padding - kernel + 1;
-    lo = first <= 0 ? 0 : (first + stride - 1) / stride;
-    hi = (i + padding) / stride;
-    if (hi > out - 1) hi = out - 1;
-  }
-};
+using pool::PoolDims;
 
 template <class T>
 struct MaxPoolForward {  // one output element
@@ -226,20 +209,9 @@ struct MaxPoolForward {  // one output element
   PoolDims d;
   __device__ void operator()(int64_t i) const {
     const int64_t ow = i % d.ow, oh = (i / d.ow) % d.oh, plane = i / (d.ow * d.oh);
-    const T* in = x + plane * d.h * d.w;
-    int64_t h0, h1, w0, w1;
-    d.window(oh, d.h, h0, h1);
-    d.window(ow, d.w, w0, w1);
-    float best = -INFINITY;
-    int64_t best_i = h0 * d.w + w0;
-    for (int64_t ih = h0; ih < h1; ++ih) {
-      for (int64_t iw = w0; iw < w1; ++iw) {
-        const float v = fn::to_f32(in[ih * d.w + iw]);
-        const bool take = v > best || v != v;  // first maximum wins; NaN propagates
-        best = take ? v : best;
-        best_i = take ? ih * d.w + iw : best_i;
-      }
-    }
+    float best;
+    int64_t best_i;
+    pool::window_max(x + plane * d.h * d.w, d.w, d.window(oh, ow), best, best_i);
     y[i] = fn::from_f32<T>(best);  // an input value: exact in T
     argmax[i] = static_cast<int32_t>(best_i);
   }
@@ -274,14 +246,7 @@ struct AvgPoolForward {  // padding counts as zeros: always divide by kernel^2
   PoolDims d;
   __device__ void operator()(int64_t i) const {
     const int64_t ow = i % d.ow, oh = (i / d.ow) % d.oh, plane = i / (d.ow * d.oh);
-    const T* in = x + plane * d.h * d.w;
-    int64_t h0, h1, w0, w1;
-    d.window(oh, d.h, h0, h1);
-    d.window(ow, d.w, w0, w1);
-    float sum = 0.0f;
-    for (int64_t ih = h0; ih < h1; ++ih)
-      for (int64_t iw = w0; iw < w1; ++iw) sum += fn::to_f32(in[ih * d.w + iw]);
-    y[i] = fn::from_f32<T>(sum * (1.0f / static_cast<float>(d.kernel * d.kernel)));
+    y[i] = fn::from_f32<T>(pool::window_sum(x + plane * d.h * d.w, d.w, d.window(oh, ow)) * d.inv_area());
   }
 };
 
@@ -293,7 +258,7 @@ struct AvgPoolBackward {  // gather over the covering windows, in the CPU's orde
   __device__ void operator()(int64_t i) const {
     const int64_t iw = i % d.w, ih = (i / d.w) % d.h, plane = i / (d.w * d.h);
     const T* g = dy + plane * d.oh * d.ow;
-    const float inv = 1.0f / static_cast<float>(d.kernel * d.kernel);
+    const float inv = d.inv_area();
     int64_t oh0, oh1, ow0, ow1;
     d.covering(ih, d.oh, oh0, oh1);
     d.covering(iw, d.ow, ow0, ow1);

@@ -1,5 +1,5 @@
 // Launchers shared by Strata's own CUDA kernels: every launch goes to the device's compute
-// stream (context.hpp). parallel_for / parallel_for_rows apply the functors of
+// stream (core/cuda/runtime.hpp). parallel_for / parallel_for_rows apply the functors of
 // ops/functors.hpp; column_sum and the block reductions are deterministic (fixed shapes and
 // summation order, no floating-point atomics), so a run repeats bit for bit.
 #pragma once
@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 #include "core/ops/functors.hpp"
 #include "core/tensor.hpp"
 

@@ -1,13 +1,22 @@
-// DeviceContext: one per GPU, created lazily; the handle owners' destroy functions.
+// The device count; DeviceContext: one per GPU, created lazily; the handle owners' destroy
+// functions.
+#include "core/cuda/runtime.hpp"
+
 #include <memory>
 #include <mutex>
 
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
-#include "core/ops/cuda/cuda_ops.hpp"
-#include "core/ops/cuda/cudnn_check.hpp"
+#include "core/cuda/check.hpp"
 
-namespace strata::ops::cuda {
+namespace strata::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no GPU: not an error for a CPU run
+    return 0;
+  }
+  return n;
+}
 
 void destroy(cudaStream_t h) noexcept { CUDA_CHECK_NOTHROW(cudaStreamDestroy(h)); }
 void destroy(cudaEvent_t h) noexcept { CUDA_CHECK_NOTHROW(cudaEventDestroy(h)); }
@@ -67,4 +76,4 @@ DeviceContext& context(int device) {
   return *slot.ctx;
 }
 
-}  // namespace strata::ops::cuda
+}  // namespace strata::cuda

@@ -1,7 +1,8 @@
-// Per-GPU state every CUDA op uses: the compute stream and the library handles bound to it,
-// created on first use of a device and kept for the process. Every handle has a move-only
-// owner (Owned) whose destructor never throws. Includable from host C++ (no CUDA kernels here),
-// e.g. by the NCCL communicator.
+// Core's CUDA runtime (CUDA builds only; public: the kernels in ops/cuda, the allocators and
+// the communicators in parallel/ use it): the device count, DeviceGuard, and the per-GPU state
+// every CUDA op uses: the compute stream and the library handles bound to it, created on first
+// use of a device and kept for the process. Every handle has a move-only owner (Owned) whose
+// destructor never throws. Host C++ only (no kernels here). Errors: core/cuda/check.hpp.
 //
 // Ordering rule: all Strata kernels, copies and cuBLAS/cuDNN calls on a GPU go to its compute
 // stream, so they run in issue order without any synchronisation, and the caching allocator
@@ -20,9 +21,28 @@
 #include <mutex>
 #include <utility>
 
+#include "core/cuda/check.hpp"
 #include "core/tensor.hpp"
 
-namespace strata::ops::cuda {
+namespace strata::cuda {
+
+// Number of visible CUDA devices; 0 when there is no GPU or no driver.
+int device_count();
+
+// Makes `device` current for a scope and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { CUDA_CHECK_NOTHROW(cudaSetDevice(previous_)); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
 
 // Destroy one handle, reporting (never throwing) a failure; used by Owned.
 void destroy(cudaStream_t h) noexcept;
@@ -68,7 +88,7 @@ class Owned {
 Owned<cudaEvent_t> make_event();
 
 // A cuDNN convolution algorithm chosen once for a ConvKey (direction, shapes, dtype, math
-// mode; filled in by dnn.cu) and reused for every later call with that key.
+// mode; filled in by ops/cuda/dnn.cu) and reused for every later call with that key.
 using ConvKey = std::array<int, 12>;
 struct ConvAlgo {
   int algo = 0;  // cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t, by direction
@@ -108,4 +128,4 @@ inline cudaStream_t compute_stream(int device) { return context(device).compute;
 // The device's shared cuBLAS/cuDNN workspace, grown to at least `bytes` (stream-ordered).
 inline void* workspace(int device, size_t bytes) { return context(device).workspace(bytes); }
 
-}  // namespace strata::ops::cuda
+}  // namespace strata::cuda

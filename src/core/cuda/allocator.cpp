@@ -1,23 +1,24 @@
-// CUDA device memory: a caching allocator per GPU (cudaMalloc/cudaFree synchronise the device
-// and are slow, so freed blocks are kept in size-class free lists and handed out again), the
-// device count, copies between devices, and allocator_for() for every device in CUDA builds.
-#include <cstring>
+// CUDA memory (CUDA builds): a caching allocator per GPU (cudaMalloc/cudaFree synchronise the
+// device and are slow, so freed blocks are kept in size-class free lists and handed out
+// again), allocator_for() for every device, and the pinned host staging pool (allocator.hpp).
+#include "core/cuda/allocator.hpp"
+
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/allocator.hpp"
-#include "core/ops/cuda/context.hpp"
-#include "core/ops/cuda/cuda_check.hpp"
-#include "core/ops/cuda/cuda_ops.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/runtime.hpp"
 
 namespace strata {
 
 namespace {
 
 // Blocks are reused in stream order, without an event: every Strata kernel, copy and library
-// call on a GPU runs on its compute stream (context.hpp), so work queued on a reused block runs
+// call on a GPU runs on its compute stream (runtime.hpp), so work queued on a reused block runs
 // after all work queued on it before it was freed, even if that has not finished yet. Anything
 // using device memory on another stream (NCCL) must make the compute stream wait for it (an
 // event) before its tensors are freed.
@@ -39,7 +40,7 @@ class CudaCachingAllocator final : public Allocator {
         return p;
       }
     }
-    ops::cuda::DeviceGuard guard(device_);
+    cuda::DeviceGuard guard(device_);
     void* p = nullptr;
     if (cudaMalloc(&p, size) != cudaSuccess) {
       (void)cudaGetLastError();  // clear the error, give the cache back and try once more
@@ -79,76 +80,87 @@ class CudaCachingAllocator final : public Allocator {
 
 }  // namespace
 
-namespace ops::cuda {
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // no driver or no GPU: not an error for a CPU run
-    return 0;
-  }
-  return n;
-}
-
-void copy(const Tensor& src, const Tensor& dst) {
-  const size_t bytes = src.nbytes();
-  if (bytes == 0) return;
-  const Device from = src.device(), to = dst.device();
-  if (from.is_cpu() && to.is_cpu()) {
-    std::memmove(dst.raw(), src.raw(), bytes);
-    return;
-  }
-  if (from.is_cpu()) {
-    // Host memory is pageable (host caching allocator): the driver stages it before returning,
-    // so the host buffer may be reused at once while the transfer stays queued on the stream.
-    DeviceGuard guard(to.index);
-    CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, cudaMemcpyHostToDevice, compute_stream(to.index)));
-    return;
-  }
-  if (to.is_cpu()) {
-    // The caller reads the host buffer next: wait for this stream only, not the whole device.
-    DeviceGuard guard(from.index);
-    const cudaStream_t stream = compute_stream(from.index);
-    CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    return;
-  }
-  if (from == to) {
-    DeviceGuard guard(to.index);
-    CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), bytes, cudaMemcpyDeviceToDevice, compute_stream(to.index)));
-    return;
-  }
-  // Across GPUs: the copy runs on the destination's stream after the source's queued work
-  // (event), and the source's stream waits for the copy before it may reuse src's memory.
-  const cudaStream_t src_stream = compute_stream(from.index), dst_stream = compute_stream(to.index);
-  Owned<cudaEvent_t> src_ready, copied;
-  {
-    DeviceGuard guard(from.index);
-    src_ready = make_event();
-    CUDA_CHECK(cudaEventRecord(src_ready, src_stream));
-  }
-  DeviceGuard guard(to.index);
-  copied = make_event();
-  CUDA_CHECK(cudaStreamWaitEvent(dst_stream, src_ready, 0));
-  CUDA_CHECK(cudaMemcpyPeerAsync(dst.raw(), to.index, src.raw(), from.index, bytes, dst_stream));
-  CUDA_CHECK(cudaEventRecord(copied, dst_stream));
-  CUDA_CHECK(cudaStreamWaitEvent(src_stream, copied, 0));
-  // Destroying a recorded event is fine: waits already queued keep their meaning.
-}
-
-}  // namespace ops::cuda
-
 Allocator& allocator_for(Device device) {
   if (device.is_cpu()) return host_allocator();
   // One allocator per GPU, created once; leaked on purpose like the host allocator, because
   // tensors held by static objects may be freed after main returns.
   static std::vector<CudaCachingAllocator*>* allocators = [] {
     auto* v = new std::vector<CudaCachingAllocator*>();
-    for (int i = 0; i < ops::cuda::device_count(); ++i) v->push_back(new CudaCachingAllocator(i));
+    for (int i = 0; i < cuda::device_count(); ++i) v->push_back(new CudaCachingAllocator(i));
     return v;
   }();
   STRATA_REQUIRE(device.index >= 0 && device.index < static_cast<int>(allocators->size()), "device ", device.str(),
                  " requested, but this machine has ", allocators->size(), " CUDA device(s)");
   return *(*allocators)[static_cast<size_t>(device.index)];
 }
+
+namespace cuda {
+
+namespace {
+
+// The pinned blocks not in use, by size class; thread-safe.
+class PinnedPool {
+ public:
+  using Block = PinnedBuffer::Block;
+
+  Block take(size_t bytes) {
+    const size_t size = HostCachingAllocator::size_class(bytes);
+    Block block;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        block = it->second.back();
+        it->second.pop_back();
+      }
+    }
+    if (block.ptr == nullptr) {
+      block.bytes = size;
+      CUDA_CHECK(cudaHostAlloc(&block.ptr, size, cudaHostAllocPortable));
+    } else if (block.copied != nullptr) {
+      CUDA_CHECK(cudaEventSynchronize(block.copied));  // usually long done
+    }
+    return block;
+  }
+
+  void give(Block block) noexcept {
+    std::lock_guard lock(mutex_);
+    free_[block.bytes].push_back(block);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<size_t, std::vector<Block>> free_;
+};
+
+// Leaked on purpose (like the tensor allocators): buffers may be returned after main, when
+// freeing pinned memory would fail.
+PinnedPool& pinned_pool() {
+  static PinnedPool* pool = new PinnedPool;
+  return *pool;
+}
+
+}  // namespace
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : block_(pinned_pool().take(bytes)) {}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept : block_(std::exchange(other.block_, {})) {}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (block_.ptr != nullptr) pinned_pool().give(block_);
+}
+
+void PinnedBuffer::read_by(cudaStream_t stream, int device) {
+  if (block_.event_device != device) {
+    if (block_.copied != nullptr) CUDA_CHECK_NOTHROW(cudaEventDestroy(block_.copied));
+    block_.copied = nullptr;
+    DeviceGuard guard(device);
+    CUDA_CHECK(cudaEventCreateWithFlags(&block_.copied, cudaEventDisableTiming));
+    block_.event_device = device;
+  }
+  CUDA_CHECK(cudaEventRecord(block_.copied, stream));
+}
+
+}  // namespace cuda
 
 }  // namespace strata
