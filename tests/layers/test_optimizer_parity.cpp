@@ -8,15 +8,20 @@
 #include <memory>
 
 #include "layers/compare.hpp"
-#include "layers/h5_reader.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/torch_ref.hpp"
 
 namespace strata::layers {
 namespace {
 
+using testing::children;
+using testing::count_datasets;
 using testing::expect_close;
-using testing::H5File;
-using testing::H5Group;
+using testing::int_attr;
+using testing::num_attr;
+using testing::open_group;
+using testing::read_doubles;
+using testing::read_tensor;
 using testing::Tolerance;
 
 const Tolerance kOneStep{1e-6, 1e-6, 1e-6};
@@ -24,29 +29,29 @@ const Tolerance kFiveSteps{1e-5, 1e-5, 1e-5};
 
 [[maybe_unused]] auto* const kReporter = ::testing::AddGlobalTestEnvironment(new testing::WorstErrorReporter);
 
-const H5File& ref_file() {
-  static const H5File file(testing::torch_ref_path());
+const io::h5::File& ref_file() {
+  static const io::h5::File file = testing::open_torch_ref();
   return file;
 }
 
 // Runs the case's 5 steps; checks the parameters after each step when `check` is set.
 std::unique_ptr<Optimizer> run_steps(const std::string& name, bool check) {
-  const H5Group c = ref_file().root().group("optim").group(name);
+  const io::h5::Group c = open_group(ref_file(), "optim/" + name);
   OptimizerConfig cfg;
-  cfg.name = c.str_attr("name");
-  cfg.weight_decay = static_cast<float>(c.num_attr("weight_decay"));
+  cfg.name = io::h5::read_attr_string(c, "name");
+  cfg.weight_decay = static_cast<float>(num_attr(c, "weight_decay"));
   if (cfg.name == "sgd") {
-    cfg.momentum = static_cast<float>(c.num_attr("momentum"));
-    cfg.nesterov = c.int_attr("nesterov") != 0;
+    cfg.momentum = static_cast<float>(num_attr(c, "momentum"));
+    cfg.nesterov = int_attr(c, "nesterov") != 0;
   } else {
-    cfg.beta1 = c.num_attr("beta1");
-    cfg.beta2 = c.num_attr("beta2");
-    cfg.eps = static_cast<float>(c.num_attr("eps"));
+    cfg.beta1 = num_attr(c, "beta1");
+    cfg.beta2 = num_attr(c, "beta2");
+    cfg.eps = static_cast<float>(num_attr(c, "eps"));
   }
-  const float lr = static_cast<float>(c.num_attr("lr"));
-  const Tensor params = c.tensor("params0");
-  const Tensor grads = c.tensor("grads");      // (S, N)
-  const Tensor expected = c.tensor("params");  // (S, N) after each step
+  const float lr = static_cast<float>(num_attr(c, "lr"));
+  const Tensor params = read_tensor(c, "params0");
+  const Tensor grads = read_tensor(c, "grads");      // (S, N)
+  const Tensor expected = read_tensor(c, "params");  // (S, N) after each step
   const int64_t steps = grads.dim(0), n = grads.dim(1);
   EXPECT_EQ(params.numel(), n);
 
@@ -79,12 +84,12 @@ class OptimizerStateParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(OptimizerStateParity, StateAfterFiveStepsMatchesTorch) {
   const std::unique_ptr<Optimizer> opt = run_steps(GetParam(), false);
-  const H5Group state = ref_file().root().group("optim").group(GetParam()).group("state");
+  const io::h5::Group state = open_group(ref_file(), "optim/" + GetParam() + "/state");
   const auto mine = opt->state();
-  EXPECT_EQ(mine.size(), state.children().size());
+  EXPECT_EQ(mine.size(), children(state).size());
   for (const auto& [name, tensor] : mine) {
-    ASSERT_TRUE(state.has(name)) << "torch has no state " << name;
-    expect_close(GetParam() + "/state/" + name, tensor, state.tensor(name), kFiveSteps);
+    ASSERT_TRUE(io::h5::exists(state, name)) << "torch has no state " << name;
+    expect_close(GetParam() + "/state/" + name, tensor, read_tensor(state, name), kFiveSteps);
   }
 }
 
@@ -107,15 +112,15 @@ TEST(OptimizerParity, UnknownOptimizerIsAnInputError) {
 class ScheduleParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ScheduleParity, MatchesTorchScheduler) {
-  const H5Group c = ref_file().root().group("sched").group(GetParam());
+  const io::h5::Group c = open_group(ref_file(), "sched/" + GetParam());
   LrScheduleConfig cfg;
-  cfg.kind = c.str_attr("kind");
-  cfg.lr = static_cast<float>(c.num_attr("lr"));
-  if (c.has_attr("warmup_steps")) cfg.warmup_steps = c.int_attr("warmup_steps");
-  if (c.has_attr("total_steps")) cfg.total_steps = c.int_attr("total_steps");
-  if (c.has_attr("step_size")) cfg.step_size = c.int_attr("step_size");
-  if (c.has_attr("gamma")) cfg.gamma = static_cast<float>(c.num_attr("gamma"));
-  if (c.has_attr("min_lr")) cfg.min_lr = static_cast<float>(c.num_attr("min_lr"));
+  cfg.kind = io::h5::read_attr_string(c, "kind");
+  cfg.lr = static_cast<float>(num_attr(c, "lr"));
+  if (io::h5::has_attr(c, "warmup_steps")) cfg.warmup_steps = int_attr(c, "warmup_steps");
+  if (io::h5::has_attr(c, "total_steps")) cfg.total_steps = int_attr(c, "total_steps");
+  if (io::h5::has_attr(c, "step_size")) cfg.step_size = int_attr(c, "step_size");
+  if (io::h5::has_attr(c, "gamma")) cfg.gamma = static_cast<float>(num_attr(c, "gamma"));
+  if (io::h5::has_attr(c, "min_lr")) cfg.min_lr = static_cast<float>(num_attr(c, "min_lr"));
 
   auto check = [&](const std::vector<double>& want, const char* which) {
     ASSERT_FALSE(want.empty());
@@ -125,10 +130,10 @@ TEST_P(ScheduleParity, MatchesTorchScheduler) {
           << GetParam() << " (" << which << ") step " << s << ": " << got << " vs " << want[s];
     }
   };
-  check(c.doubles("lr"), c.str_attr("reference").c_str());
+  check(read_doubles(c, "lr"), io::h5::read_attr_string(c, "reference").c_str());
   // For warm-up + cosine the reference is the written-out formula; torch's own composition
   // (SequentialLR of LinearLR and CosineAnnealingLR) is recorded over the first period too.
-  if (c.has("lr_torch_sequential")) check(c.doubles("lr_torch_sequential"), "torch SequentialLR");
+  if (io::h5::exists(c, "lr_torch_sequential")) check(read_doubles(c, "lr_torch_sequential"), "torch SequentialLR");
 }
 
 INSTANTIATE_TEST_SUITE_P(Torch, ScheduleParity,
@@ -153,13 +158,13 @@ TEST(ScheduleParity, UnknownKindIsAnInputError) {
 class ClipParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ClipParity, MatchesClipGradNorm) {
-  const H5Group c = ref_file().root().group("clip").group(GetParam());
-  const Tensor grads = c.tensor("grads");
-  const float max_norm = static_cast<float>(c.num_attr("max_norm"));
+  const io::h5::Group c = open_group(ref_file(), "clip/" + GetParam());
+  const Tensor grads = read_tensor(c, "grads");
+  const float max_norm = static_cast<float>(num_attr(c, "max_norm"));
   const double norm = clip_by_global_norm(grads, ops::sum_squares(grads), max_norm);
-  const double want = c.scalar("norm");
+  const double want = read_doubles(c, "norm").at(0);
   EXPECT_LE(std::abs(norm - want), 1e-6 * want) << norm << " vs " << want;
-  expect_close(GetParam() + "/clipped", grads, c.tensor("clipped"), kOneStep);
+  expect_close(GetParam() + "/clipped", grads, read_tensor(c, "clipped"), kOneStep);
 }
 
 INSTANTIATE_TEST_SUITE_P(Torch, ClipParity, ::testing::Values("clip_active", "clip_inactive"),

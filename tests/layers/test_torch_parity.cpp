@@ -13,24 +13,29 @@
 #include "layers/basic.hpp"
 #include "layers/compare.hpp"
 #include "layers/composite.hpp"
-#include "layers/h5_reader.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
+#include "layers/torch_ref.hpp"
 
 namespace strata::layers {
 namespace {
 
+using testing::children;
+using testing::count_datasets;
 using testing::expect_close;
-using testing::H5File;
-using testing::H5Group;
+using testing::int_attr;
+using testing::num_attr;
+using testing::open_group;
+using testing::read_doubles;
+using testing::read_tensor;
 using testing::Tolerance;
 
 const Tolerance kTol{1e-5, 1e-5, 1e-5};
 
 [[maybe_unused]] auto* const kReporter = ::testing::AddGlobalTestEnvironment(new testing::WorstErrorReporter);
 
-const H5File& ref_file() {
-  static const H5File file(testing::torch_ref_path());
+const io::h5::File& ref_file() {
+  static const io::h5::File file = testing::open_torch_ref();
   return file;
 }
 
@@ -66,29 +71,32 @@ const std::vector<std::string> kLayerCases = {
 const std::vector<std::string> kModelCases = {"mlp", "cnn", "resnet8"};
 
 // A layer as described by a case group's attributes.
-LayerPtr make_layer(const H5Group& c) {
-  const std::string kind = c.str_attr("kind");
+LayerPtr make_layer(const io::h5::Group& c) {
+  const std::string kind = io::h5::read_attr_string(c, "kind");
   if (kind == "linear")
-    return std::make_unique<Linear>("linear", c.int_attr("in_features"), c.int_attr("out_features"),
-                                    c.int_attr("bias") != 0);
+    return std::make_unique<Linear>("linear", int_attr(c, "in_features"), int_attr(c, "out_features"),
+                                    int_attr(c, "bias") != 0);
   if (kind == "conv2d")
-    return std::make_unique<Conv2d>("conv", c.int_attr("in_channels"), c.int_attr("out_channels"), c.int_attr("kernel"),
-                                    c.int_attr("stride"), c.int_attr("padding"), c.int_attr("bias") != 0);
+    return std::make_unique<Conv2d>("conv", int_attr(c, "in_channels"), int_attr(c, "out_channels"),
+                                    int_attr(c, "kernel"), int_attr(c, "stride"), int_attr(c, "padding"),
+                                    int_attr(c, "bias") != 0);
   if (kind == "pool2d")
-    return std::make_unique<Pool2d>("pool", c.str_attr("pool") == "max" ? PoolKind::Max : PoolKind::Avg,
-                                    c.int_attr("kernel"), c.int_attr("stride"), c.int_attr("padding"));
+    return std::make_unique<Pool2d>("pool",
+                                    io::h5::read_attr_string(c, "pool") == "max" ? PoolKind::Max : PoolKind::Avg,
+                                    int_attr(c, "kernel"), int_attr(c, "stride"), int_attr(c, "padding"));
   if (kind == "global_avg_pool") return std::make_unique<GlobalAvgPool>("gap");
   if (kind == "relu") return std::make_unique<ActivationLayer>("relu", Activation::ReLU);
   if (kind == "gelu") return std::make_unique<ActivationLayer>("gelu", Activation::GELU);
-  if (kind == "dropout") return std::make_unique<Dropout>("dropout", static_cast<float>(c.num_attr("p")));
+  if (kind == "dropout") return std::make_unique<Dropout>("dropout", static_cast<float>(num_attr(c, "p")));
   if (kind == "flatten") return std::make_unique<Flatten>("flatten");
   if (kind == "batchnorm2d")
-    return std::make_unique<BatchNorm2d>("bn", c.int_attr("channels"), static_cast<float>(c.num_attr("momentum")),
-                                         static_cast<float>(c.num_attr("eps")));
+    return std::make_unique<BatchNorm2d>("bn", int_attr(c, "channels"), static_cast<float>(num_attr(c, "momentum")),
+                                         static_cast<float>(num_attr(c, "eps")));
   if (kind == "layernorm")
-    return std::make_unique<LayerNorm>("ln", c.int_attr("features"), static_cast<float>(c.num_attr("eps")));
+    return std::make_unique<LayerNorm>("ln", int_attr(c, "features"), static_cast<float>(num_attr(c, "eps")));
   if (kind == "residual_basic")
-    return ResidualBlock::basic("block", c.int_attr("in_channels"), c.int_attr("out_channels"), c.int_attr("stride"));
+    return ResidualBlock::basic("block", int_attr(c, "in_channels"), int_attr(c, "out_channels"),
+                                int_attr(c, "stride"));
   throw std::runtime_error("unknown layer kind " + kind);
 }
 
@@ -98,17 +106,17 @@ struct Bound {
   std::vector<Tensor> values, grads;
 };
 
-Bound bind_from_file(Layer& layer, const H5Group& c) {
+Bound bind_from_file(Layer& layer, const io::h5::Group& c) {
   Bound b;
   b.specs = layer.param_specs();
   for (const ParamSpec& s : b.specs) {
-    Tensor v = c.group("params").tensor(s.name);
+    Tensor v = read_tensor(c, "params/" + s.name);
     EXPECT_EQ(shape_str(v.shape()), shape_str(s.shape)) << "param " << s.name;
     b.values.push_back(v.reshape(s.shape));
     b.grads.push_back(s.trainable ? Tensor::zeros(s.shape) : Tensor());
   }
   // Every reference parameter is one of the layer's and the other way round.
-  const size_t n_ref = c.has("params") ? c.group("params").dataset_paths().size() : 0;
+  const size_t n_ref = io::h5::exists(c, "params") ? count_datasets(open_group(c, "params")) : 0;
   EXPECT_EQ(n_ref, b.specs.size()) << "parameters in the reference vs the layer's param_specs()";
   layer.bind(b.values, b.grads);
   return b;
@@ -118,32 +126,32 @@ class LayerParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(LayerParity, ForwardBackwardMatchTorch) {
   const std::string name = GetParam();
-  const H5Group c = ref_file().root().group("layers").group(name);
-  const Tensor x = c.tensor("input");
+  const io::h5::Group c = open_group(ref_file(), "layers/" + name);
+  const Tensor x = read_tensor(c, "input");
 
   if (name == "softmax_xent") {
     // Strata returns the sum and scales backward by 1/B; torch gives the mean.
-    const Tensor labels = c.int_tensor("labels");
+    const Tensor labels = read_tensor(c, "labels", DType::I32);
     const int64_t batch = x.dim(0);
     SoftmaxCrossEntropy loss;
     Context ctx;
     const double sum = loss.forward(x, labels, ctx);
     Tensor mean = Tensor::zeros({1});
     mean.data<float>()[0] = static_cast<float>(sum / static_cast<double>(batch));
-    expect_close(name + "/loss", mean, c.tensor("output"), kTol);
+    expect_close(name + "/loss", mean, read_tensor(c, "output"), kTol);
     const Tensor dlogits = loss.backward(ctx, 1.0f / static_cast<float>(batch));
-    expect_close(name + "/grad_input", dlogits, c.tensor("grad_input"), kTol);
+    expect_close(name + "/grad_input", dlogits, read_tensor(c, "grad_input"), kTol);
     return;
   }
 
   LayerPtr layer = make_layer(c);
   StepInfo info;
-  info.mode = c.str_attr("mode") == "train" ? Mode::Train : Mode::Eval;
-  if (c.str_attr("kind") == "dropout") {
-    layer->set_index(static_cast<int>(c.int_attr("index")));
-    info.seed = static_cast<uint64_t>(c.int_attr("seed"));
-    info.step = c.int_attr("step");
-    info.first_sample = c.int_attr("first_sample");
+  info.mode = io::h5::read_attr_string(c, "mode") == "train" ? Mode::Train : Mode::Eval;
+  if (io::h5::read_attr_string(c, "kind") == "dropout") {
+    layer->set_index(static_cast<int>(int_attr(c, "index")));
+    info.seed = static_cast<uint64_t>(int_attr(c, "seed"));
+    info.step = int_attr(c, "step");
+    info.first_sample = int_attr(c, "first_sample");
   }
   Bound bound = bind_from_file(*layer, c);
   const Shape sample(x.shape().begin() + 1, x.shape().end());
@@ -152,24 +160,25 @@ TEST_P(LayerParity, ForwardBackwardMatchTorch) {
   Context ctx;
   const Tensor y = layer->forward(x, ctx, info);
   EXPECT_EQ(shape_str(y.shape()), shape_str(batch_shape(x.dim(0), out_sample))) << "output_shape() vs forward";
-  expect_close(name + "/output", y, c.tensor("output"), kTol);
+  expect_close(name + "/output", y, read_tensor(c, "output"), kTol);
 
   for (size_t k = 0; k < bound.specs.size(); ++k)
     if (!bound.specs[k].trainable) {
       const std::string n = bound.specs[k].name;
-      expect_close(name + "/updated/" + n, bound.values[k], c.group("updated").tensor(n), kTol);
+      expect_close(name + "/updated/" + n, bound.values[k], read_tensor(c, "updated/" + n), kTol);
     }
 
   if (info.mode == Mode::Eval) {
-    EXPECT_FALSE(c.has("grad_output"));
+    EXPECT_FALSE(io::h5::exists(c, "grad_output"));
     return;
   }
-  const Tensor dx = layer->backward(c.tensor("grad_output"), ctx);
-  expect_close(name + "/grad_input", dx, c.tensor("grad_input"), kTol);
+  const Tensor dx = layer->backward(read_tensor(c, "grad_output"), ctx);
+  expect_close(name + "/grad_input", dx, read_tensor(c, "grad_input"), kTol);
   for (size_t k = 0; k < bound.specs.size(); ++k)
     if (bound.specs[k].trainable) {
       const std::string n = bound.specs[k].name;
-      expect_close(name + "/grad_" + n, bound.grads[k], c.group("grads").tensor(n).reshape(bound.specs[k].shape), kTol);
+      expect_close(name + "/grad_" + n, bound.grads[k], read_tensor(c, "grads/" + n).reshape(bound.specs[k].shape),
+                   kTol);
     }
 }
 
@@ -177,10 +186,10 @@ INSTANTIATE_TEST_SUITE_P(Torch, LayerParity, ::testing::ValuesIn(kLayerCases),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 TEST(LayerParity, ReferenceHoldsExactlyTheKnownCases) {
-  const std::vector<std::string> layers = ref_file().root().group("layers").children();
+  const std::vector<std::string> layers = children(open_group(ref_file(), "layers"));
   EXPECT_EQ(std::set<std::string>(layers.begin(), layers.end()),
             std::set<std::string>(kLayerCases.begin(), kLayerCases.end()));
-  const std::vector<std::string> models = ref_file().root().group("models").children();
+  const std::vector<std::string> models = children(open_group(ref_file(), "models"));
   EXPECT_EQ(std::set<std::string>(models.begin(), models.end()),
             std::set<std::string>(kModelCases.begin(), kModelCases.end()));
 }
@@ -188,11 +197,11 @@ TEST(LayerParity, ReferenceHoldsExactlyTheKnownCases) {
 // The dropout reference mask is Strata's documented one recomputed in python; the mask
 // must drop a plausible fraction, or the case would test little.
 TEST(LayerParity, DropoutReferenceMaskIsNotTrivial) {
-  const H5Group c = ref_file().root().group("layers").group("dropout");
-  const Tensor keep = c.tensor("keep");
+  const io::h5::Group c = open_group(ref_file(), "layers/dropout");
+  const Tensor keep = read_tensor(c, "keep");
   int64_t kept = 0;
   for (int64_t i = 0; i < keep.numel(); ++i) kept += keep.data<float>()[i] != 0.0f;
-  const double p = c.num_attr("p");
+  const double p = num_attr(c, "p");
   EXPECT_GT(kept, 0);
   EXPECT_LT(kept, keep.numel());
   EXPECT_NEAR(static_cast<double>(kept) / keep.numel(), 1.0 - p, 0.2);
@@ -211,25 +220,25 @@ std::vector<int64_t> parse_hidden(const std::string& s) {
 class ModelParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ModelParity, LogitsLossAndEveryGradientMatchTorch) {
-  const H5Group c = ref_file().root().group("models").group(GetParam());
+  const io::h5::Group c = open_group(ref_file(), "models/" + GetParam());
   ModelSpec spec;
-  spec.name = c.str_attr("model");
-  if (c.has_attr("hidden")) spec.hidden = parse_hidden(c.str_attr("hidden"));
-  if (c.has_attr("depth")) spec.depth = static_cast<int>(c.int_attr("depth"));
-  if (c.has_attr("width")) spec.width = static_cast<int>(c.int_attr("width"));
-  const Tensor x = c.tensor("input");
-  const Tensor labels = c.int_tensor("labels");
-  const int classes = static_cast<int>(c.int_attr("classes"));
+  spec.name = io::h5::read_attr_string(c, "model");
+  if (io::h5::has_attr(c, "hidden")) spec.hidden = parse_hidden(io::h5::read_attr_string(c, "hidden"));
+  if (io::h5::has_attr(c, "depth")) spec.depth = static_cast<int>(int_attr(c, "depth"));
+  if (io::h5::has_attr(c, "width")) spec.width = static_cast<int>(int_attr(c, "width"));
+  const Tensor x = read_tensor(c, "input");
+  const Tensor labels = read_tensor(c, "labels", DType::I32);
+  const int classes = static_cast<int>(int_attr(c, "classes"));
   const Model model = build_model(spec, Shape(x.shape().begin() + 1, x.shape().end()), classes);
-  const ParameterStore store(model, static_cast<uint64_t>(c.int_attr("seed")));
+  const ParameterStore store(model, static_cast<uint64_t>(int_attr(c, "seed")));
 
   // Strata's own initial values must be the ones the reference recomputed from (seed, name)
   // and loaded into torch by name; then they are copied in (a no-op when they agree).
-  const H5Group params = c.group("params");
-  EXPECT_EQ(params.dataset_paths().size(), store.entries().size()) << "parameter count, reference vs Strata";
+  const io::h5::Group params = open_group(c, "params");
+  EXPECT_EQ(count_datasets(params), store.entries().size()) << "parameter count, reference vs Strata";
   for (const ParamEntry& e : store.entries()) {
-    ASSERT_TRUE(params.has(e.name)) << "no reference parameter " << e.name;
-    const Tensor ref = params.tensor(e.name);
+    ASSERT_TRUE(io::h5::exists(params, e.name)) << "no reference parameter " << e.name;
+    const Tensor ref = read_tensor(params, e.name);
     ASSERT_EQ(ref.numel(), shape_numel(e.shape)) << e.name;
     const Tensor mine = store.value(e);
     int64_t differ = 0;
@@ -242,7 +251,7 @@ TEST_P(ModelParity, LogitsLossAndEveryGradientMatchTorch) {
   info.mode = Mode::Train;
   std::vector<Context> ctx;
   const Tensor logits = model.forward(x, ctx, info);
-  expect_close(GetParam() + "/logits", logits, c.tensor("logits"), kTol);
+  expect_close(GetParam() + "/logits", logits, read_tensor(c, "logits"), kTol);
 
   const int64_t batch = x.dim(0);
   SoftmaxCrossEntropy loss;
@@ -250,18 +259,18 @@ TEST_P(ModelParity, LogitsLossAndEveryGradientMatchTorch) {
   const double sum = loss.forward(logits, labels, lctx);
   Tensor mean = Tensor::zeros({1});
   mean.data<float>()[0] = static_cast<float>(sum / static_cast<double>(batch));
-  expect_close(GetParam() + "/loss", mean, c.tensor("loss"), kTol);
+  expect_close(GetParam() + "/loss", mean, read_tensor(c, "loss"), kTol);
 
   const Tensor dx = model.backward(loss.backward(lctx, 1.0f / static_cast<float>(batch)), ctx, 0, SIZE_MAX, {},
                                    /*input_grad=*/true);
-  expect_close(GetParam() + "/grad_input", dx, c.tensor("grad_input"), kTol);
+  expect_close(GetParam() + "/grad_input", dx, read_tensor(c, "grad_input"), kTol);
   for (const ParamEntry& e : store.entries()) {
     if (e.trainable)
-      expect_close(GetParam() + "/grad_" + e.name, store.grad(e), c.group("grads").tensor(e.name).reshape(e.shape),
+      expect_close(GetParam() + "/grad_" + e.name, store.grad(e), read_tensor(c, "grads/" + e.name).reshape(e.shape),
                    kTol);
     else
       expect_close(GetParam() + "/updated/" + e.name, store.value(e),
-                   c.group("updated").tensor(e.name).reshape(e.shape), kTol);
+                   read_tensor(c, "updated/" + e.name).reshape(e.shape), kTol);
   }
 }
 

@@ -1,0 +1,225 @@
+"""Cases of the command line itself: bad inputs, --help, training on h5py-written data (with
+checkpoints, metrics and --eval-only), a diverging loss, two ranks together and a failing rank."""
+import json
+import math
+import os
+import re
+
+import h5py
+import numpy as np
+
+from harness import write_dataset, run, expect_bad_input, train_ranks
+
+
+def case_bad_inputs(args):
+    w = args.workdir
+    good = write_dataset(os.path.join(w, "good.h5"))
+    base = ["--model", "mlp", "--hidden", "16", "--steps", "2", "--global-batch", "8"]
+    expect_bad_input(args, ["--no-such-flag"], r"no-such-flag")
+    expect_bad_input(args, base + ["--data", good, "--lr", "abc"], r"lr.*abc|abc.*lr")
+    expect_bad_input(args, base + ["--data", os.path.join(w, "missing.h5")], r"missing\.h5")
+    expect_bad_input(args, ["--data", good, "--steps", "1", "--model", "transformer"], r"mlp, cnn, resnet.*transformer")
+    expect_bad_input(args, base[:-2] + ["--data", good, "--global-batch", "8", "--micro-batch", "3"], r"micro-batch.*3|3.*micro-batch")
+    expect_bad_input(args, ["--data", good, "--model", "mlp"], r"--epochs or --steps")
+    expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16,x"], r"--hidden.*16,x")
+    expect_bad_input(args, ["--model", "resnet", "--steps", "2", "--data", good, "--dropout", "0.5"],
+                     r"--dropout applies to mlp and cnn")
+    nested = os.path.join(w, "nested.ini")
+    with open(nested, "w") as f:
+        f.write(f"data = {good}\nconfig = other.ini\n")
+    expect_bad_input(args, base + ["--config", nested], r"cannot include another")
+    # Words that follow no flag (an unquoted glob's other files, a list with spaces): not ignored.
+    expect_bad_input(args, base + ["--data", good, os.path.join(w, "other.h5")], r"unexpected argument '.*other\.h5'")
+    expect_bad_input(args, ["--model", "mlp", "--steps", "2", "--data", good, "--hidden", "16", "16"],
+                     r"unexpected argument '16'")
+
+    text = os.path.join(w, "not-hdf5.h5")
+    with open(text, "w") as f:
+        f.write("hello\n")
+    expect_bad_input(args, base + ["--data", text], r"not-hdf5\.h5")
+
+    no_labels = os.path.join(w, "no-labels.h5")
+    with h5py.File(no_labels, "w") as f:
+        f.create_dataset("inputs", data=np.zeros((10, 1, 6, 6), np.uint8))
+    expect_bad_input(args, base + ["--data", no_labels], r"labels")
+
+    empty = os.path.join(w, "empty.h5")
+    with h5py.File(empty, "w") as f:
+        f.create_dataset("inputs", shape=(0, 1, 6, 6), dtype=np.uint8)
+        f.create_dataset("labels", shape=(0,), dtype=np.int64)
+    expect_bad_input(args, base + ["--data", empty], r"empty|no samples|0 samples")
+
+    out_of_range = os.path.join(w, "out-of-range.h5")
+    with h5py.File(out_of_range, "w") as f:
+        f.create_dataset("inputs", data=np.zeros((10, 1, 6, 6), np.uint8))
+        lab = f.create_dataset("labels", data=np.array([0, 1, 2, 3, 7, 0, 1, 2, 3, 0]))
+        lab.attrs["num_classes"] = 4
+    expect_bad_input(args, base + ["--data", out_of_range], r"7")
+
+    negative = os.path.join(w, "negative.h5")
+    write_dataset(negative, n=16, labels=[0, 1, 2, 3] * 3 + [0, 1, -1, 2])
+    expect_bad_input(args, base + ["--data", negative], r"-1")
+
+    shards = os.path.join(w, "mismatched")
+    os.makedirs(shards, exist_ok=True)
+    write_dataset(os.path.join(shards, "a.h5"), shape=(1, 6, 6))
+    write_dataset(os.path.join(shards, "b.h5"), shape=(1, 7, 7))
+    expect_bad_input(args, base + ["--data", shards], r"\[1, 7, 7\].*\[1, 6, 6\]")
+
+    expect_bad_input(args, base + ["--data", os.path.join(w, "nothing-*.h5")], r"nothing-\*\.h5")
+    # Too few samples for one global batch.
+    small = write_dataset(os.path.join(w, "small.h5"), n=4)
+    expect_bad_input(args, base + ["--data", small], r"global-batch")
+    # The same under mpirun with 2 ranks: still one line, exit 2 from every rank.
+    expect_bad_input(args, base + ["--data", os.path.join(w, "missing.h5")], r"missing\.h5", ranks=2)
+    expect_bad_input(args, base[:-2] + ["--data", good, "--global-batch", "9"], r"global-batch 9.*2", ranks=2)
+    # A checkpoint from another model.
+    ckdir = os.path.join(w, "ck-mlp")
+    rc, out, err = run(args, [args.train] + base + ["--data", good, "--checkpoint-dir", ckdir])
+    assert rc == 0, err
+    ckpt = os.path.join(ckdir, "step-00000002.h5")
+    expect_bad_input(args, ["--model", "cnn", "--data", good, "--steps", "1", "--init-from", ckpt], r"no tensor model/conv1")
+    expect_bad_input(args, ["--model", "mlp", "--hidden", "32", "--data", good, "--steps", "1", "--init-from", ckpt],
+                     r"fc1/weight.*(32|16)")
+
+
+def case_help(args):
+    rc, out, err = run(args, [args.train, "--help"])
+    assert rc == 0, err
+    for flag in ("--model", "--hidden", "--data", "--val-data", "--epochs", "--steps", "--global-batch", "--micro-batch",
+                 "--optimizer", "--lr", "--momentum", "--weight-decay", "--lr-schedule", "--warmup-steps", "--clip-grad",
+                 "--seed", "--shuffle", "--threads", "--checkpoint-dir", "--save-every", "--eval-every", "--log-every",
+                 "--metrics", "--init-from", "--eval-only", "--config", "--zero", "--dry-run"):
+        assert flag in out, f"--help does not mention {flag}"
+
+
+def case_train_h5py(args):
+    """Trains on h5py-written data; checks accuracy, metrics, checkpoint (read back by h5py), eval-only."""
+    w = args.workdir
+    train = write_dataset(os.path.join(w, "train.h5"), n=1024, seed=1)
+    test = write_dataset(os.path.join(w, "test.h5"), n=256, seed=2)
+    ckdir = os.path.join(w, "ck")
+    metrics = os.path.join(w, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    config = os.path.join(w, "run.ini")
+    with open(config, "w") as f:
+        f.write(f"model = mlp\nhidden = 32\ndata = {train}\nval-data = {test}\nglobal-batch = 32\nlr = 0.05\n"
+                f"steps = 5\nlog-every = 10\n")
+    # Command-line flags override the file (--steps 60 wins over steps = 5).
+    rc, out, err = run(args, [args.train, "--config", config, "--steps", "60", "--checkpoint-dir", ckdir,
+                              "--metrics", metrics, "--save-every", "30", "--micro-batch", "8"])
+    assert rc == 0, f"rc={rc}\n{out}\n{err}"
+    assert re.search(r"steps\s*=\s*60", out), "effective configuration not printed with the override"
+    m = re.search(r"final test: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out)
+    assert m, out
+    assert float(m.group(2)) >= 90.0, f"accuracy {m.group(2)}% on a separable task"
+    records = [json.loads(l) for l in open(metrics)]
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60], records
+    assert records[-1]["loss"] < records[0]["loss"], records
+    for r in records:
+        assert set(r) >= {"step", "epoch", "loss", "lr", "samples_per_s"}, r
+    for step in (30, 60):
+        path = os.path.join(ckdir, f"step-{step:08d}.h5")
+        with h5py.File(path, "r") as f:
+            assert int(f.attrs["step"]) == step
+            assert f["model/fc1/weight"].shape == (32, 36)
+            assert f["model/fc2/bias"].shape == (4,)
+    assert not [p for p in os.listdir(ckdir) if p.endswith(".tmp")], os.listdir(ckdir)
+    # --eval-only reproduces the final evaluation exactly.
+    rc, out2, err = run(args, [args.train, "--model", "mlp", "--hidden", "32", "--val-data", test, "--eval-only",
+                               "--init-from", os.path.join(ckdir, "step-00000060.h5")])
+    assert rc == 0, err
+    m2 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out2)
+    assert m2 and m2.groups() == m.groups(), (m.groups(), out2)
+    # Evaluation data without the highest class: the model keeps the checkpoint's 4 classes.
+    subset = os.path.join(w, "test-no-class-3.h5")
+    with h5py.File(test, "r") as f, h5py.File(subset, "w") as g:
+        keep = f["labels"][...] < 3
+        g["inputs"], g["labels"] = f["inputs"][...][keep], f["labels"][...][keep]
+    rc, out3, err = run(args, [args.train, "--model", "mlp", "--hidden", "32", "--val-data", subset, "--eval-only",
+                               "--init-from", os.path.join(ckdir, "step-00000060.h5")])
+    m3 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%\s+\((\d+) samples\)", out3)
+    assert rc == 0 and m3 and int(m3.group(3)) == int(keep.sum()) and float(m3.group(2)) >= 90.0, f"{out3}\n{err}"
+    # A switch set in the file is turned off on the command line.
+    with open(config, "a") as f:
+        f.write("dry-run = true\n")
+    rc, out, err = run(args, [args.train, "--config", config])
+    assert rc == 0 and "--dry-run: not training" in out and "final test" not in out, f"{out}\n{err}"
+    rc, out, err = run(args, [args.train, "--config", config, "--dry-run", "false"])
+    assert rc == 0 and "--dry-run: not training" not in out and "final test" in out, f"{out}\n{err}"
+
+
+def case_divergence(args):
+    """A step whose loss is not finite stops the run on every rank (exit 1, one line from rank
+    0) without saving that state: the last checkpoint stays the newest, and --metrics stays
+    valid JSON. A NaN in the data is named at setup instead (exit 2)."""
+    import shutil
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "diverge.h5"), n=512)
+    ck = os.path.join(w, "ck-diverge")
+    shutil.rmtree(ck, ignore_errors=True)
+    metrics = os.path.join(w, "diverge.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    base = ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16", "--checkpoint-dir", ck,
+            "--metrics", metrics, "--log-every", "1"]
+    train_ranks(args, 2, base + ["--steps", "3"])  # a good checkpoint at step 3
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--quiet", args.train] + base + [
+        "--steps", "20", "--lr", "1e30", "--resume", "auto"]
+    rc, out, err = run(args, cmd)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 1 and len(lines) == 1 and re.match(r"error: the loss of step \d+ is nan", lines[0]), f"{rc}\n{out}\n{err}"
+    assert sorted(os.listdir(ck)) == ["latest", "step-00000003.h5"], os.listdir(ck)
+    records = [json.loads(l) for l in open(metrics)]  # every line parses
+    assert all(math.isfinite(r["loss"]) for r in records), records
+    print(f"--lr 1e30: {lines[0]}; checkpoints {sorted(os.listdir(ck))}; {len(records)} metrics lines, all finite")
+
+    # A metrics file that cannot take the lines (a full disk: /dev/full): one warning, training goes on.
+    rc, out, err = run(args, [args.train, "--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16",
+                              "--steps", "4", "--log-every", "1", "--metrics", "/dev/full"])
+    warnings = [l for l in err.splitlines() if "--metrics: cannot write '/dev/full'" in l]
+    assert rc == 0 and len(warnings) == 1 and "final test" in out, f"{rc}\n{out}\n{err}"
+    # --resume auto that finds no checkpoint starts again: the old run's lines go.
+    shutil.rmtree(ck, ignore_errors=True)
+    train_ranks(args, 1, base + ["--steps", "3", "--resume", "auto"])
+    assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3], open(metrics).read()
+
+    bad = os.path.join(w, "nan-sample.h5")
+    x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+    x[37, 2] = np.nan
+    with h5py.File(bad, "w") as f:
+        f["inputs"] = x
+        f["labels"] = np.arange(64) % 4
+    expect_bad_input(args, ["--model", "mlp", "--hidden", "16", "--data", bad, "--steps", "2", "--global-batch", "8"],
+                     r"--data: sample 37 of '.*nan-sample\.h5' holds a non-finite input value", ranks=2)
+
+
+def case_train_two_ranks(args):
+    """2 ranks train together and report one progress stream and the same final metric format."""
+    w = args.workdir
+    train = write_dataset(os.path.join(w, "train2.h5"), n=512, seed=3)
+    rc, out, err = run(args, [args.mpirun, "-np", "2", "--oversubscribe", args.train, "--model", "cnn", "--data", train,
+                              "--val-data", train, "--steps", "20", "--global-batch", "16", "--log-every", "10"])
+    assert rc == 0, f"rc={rc}\n{out}\n{err}"
+    assert len(re.findall(r"^step 10/20", out, re.M)) == 1, out
+    assert "[rank 1]" not in out, out
+    assert re.search(r"final test: loss [0-9.]+\s+accuracy [0-9.]+%\s+\(512 samples\)", out), out
+
+
+def case_rank_failure(args):
+    """A rank that throws mid-training ends every rank, non-zero, within 10 s, naming the rank."""
+    import time
+    data = write_dataset(os.path.join(args.workdir, "fail.h5"), n=4096, seed=5)
+    for ranks, failing in ((2, 1), (4, 2)):
+        cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", args.train, "--model", "mlp", "--hidden", "64",
+               "--data", data, "--steps", "100000", "--global-batch", "16", "--debug-fail-step", "20",
+               "--debug-fail-rank", str(failing)]
+        start = time.monotonic()
+        rc, out, err = run(args, cmd, timeout=60)
+        elapsed = time.monotonic() - start
+        assert rc != 0, f"exit code 0 after an injected failure\n{out}\n{err}"
+        assert elapsed < 10.0 + 3.0, f"took {elapsed:.1f} s to end the job"  # 3 s: mpirun start-up
+        ours = [l for l in err.splitlines() if "injected failure" in l]
+        assert len(ours) == 1 and f"rank {failing}" in ours[0], err
+        print(f"{ranks} ranks: rank {failing} failed, job ended in {elapsed:.1f} s with exit code {rc}: {ours[0]}")
