@@ -131,6 +131,44 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
 void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
                          const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 
+// ---- language models -------------------------------------------------------------------------
+
+// tokens i32 (B, T), wte (V, D), wpe (Tmax >= T, D) -> y (B, T, D) = wte[token] + wpe[t].
+// An Input error names the first token outside [0, V).
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y);
+// dwte[token] += dy[b, t] and dwpe[t] += dy[b, t], summed in a fixed order (deterministic).
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe);
+
+// qkv (B, T, 3 * H * Dh) as the fused projection writes it (q | k | v, each head-major) ->
+// q, k, v (B, H, T, Dh); and the reverse for their gradients (dqkv overwritten).
+void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
+void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dqkv);
+// x (B, H, T, Dh) -> y (B, T, H * Dh), and back.
+void merge_heads(const Tensor& x, const Tensor& y);
+void split_heads(const Tensor& y, const Tensor& x);
+
+// Causal scaled dot-product attention per (batch, head): position i attends to j <= i with
+// softmax(q k^T / sqrt(Dh)); q, k, v, y are (B, H, T, Dh). Dropout on the attention
+// probabilities with probability p (0: none): the keep decision for (sample b, head h, i, j)
+// is uniform(key, stream, ((first_sample + b) * H + h) * T * T + i * T + j) >= p, the same in
+// both implementations below, so they agree whatever the batch split.
+// Plain: materialises the probabilities (B, H, T, T) in `probs` (before dropout), kept for
+// backward; O(T^2) memory per head.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& probs,
+                       float p = 0.0f, const DropoutKey& key = {});
+// dq, dk, dv overwritten.
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs, const Tensor& dy,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float p = 0.0f,
+                        const DropoutKey& key = {});
+// Memory-efficient (FlashAttention's algorithm): tiles of keys with an online softmax, O(T)
+// extra memory per head; saves only each row's log-sum-exp `lse` (B, H, T) and recomputes the
+// probabilities tile by tile in backward (which also needs the output y).
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                             float p = 0.0f, const DropoutKey& key = {});
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                              const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p = 0.0f,
+                              const DropoutKey& key = {});
+
 // ---- loss and metrics ------------------------------------------------------------------------
 
 // logits (N, K), labels i32 (N). Writes softmax probabilities (N, K) and returns the SUM of
