@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "io/samples.hpp"
 
 namespace strata::io {
 
@@ -30,7 +31,7 @@ struct DatasetOptions {
   int64_t in_memory_limit_bytes = int64_t{256} << 20;
 };
 
-class Dataset {
+class Dataset final : public Samples {
  public:
   // spec: a file, a directory (all *.h5 inside, sorted by name), or a glob pattern. `flag`
   // (e.g. "--data") names the source in error messages.
@@ -41,7 +42,10 @@ class Dataset {
   ~Dataset();
 
   const DatasetInfo& info() const;
-  int64_t size() const;
+  int64_t size() const override;
+  const Shape& input_shape() const override { return info().sample_shape; }
+  DType input_dtype() const override { return DType::F32; }  // normalised
+  int64_t num_classes() const override { return info().num_classes; }
   // All labels, read and validated at open.
   const std::vector<int32_t>& labels() const;
   // True when the inputs were loaded into memory at open.
@@ -50,7 +54,7 @@ class Dataset {
   // Reads global sample `indices` (any order, duplicates allowed) into x: f32 (B, sample...)
   // normalised (undefined x: labels only), and y: i32 (B). Serialised per object by an internal mutex; different
   // objects read in parallel (HDF5 itself is the thread-safe build).
-  void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const;
+  void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const override;
 
  private:
   struct Impl;

@@ -6,7 +6,7 @@
 
 namespace strata::io {
 
-Loader::Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth,
+Loader::Loader(const Samples& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth,
                bool read_inputs)
     : dataset_(dataset),
       sampler_(sampler),
@@ -18,12 +18,14 @@ Loader::Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slic
                slice_begin, ", ", slice_begin + slice_size, ") outside a global batch of ", sampler.global_batch());
   STRATA_CHECK(dataset.size() == sampler.num_samples(), "sampler for ", sampler.num_samples(), " samples, dataset has ",
                dataset.size());
-  Shape x_shape{slice_size};
-  x_shape.insert(x_shape.end(), dataset.info().sample_shape.begin(), dataset.info().sample_shape.end());
+  Shape x_shape{slice_size}, y_shape{slice_size};
+  x_shape.insert(x_shape.end(), dataset.input_shape().begin(), dataset.input_shape().end());
+  const Shape target = dataset.target_shape();
+  y_shape.insert(y_shape.end(), target.begin(), target.end());
   slots_.resize(static_cast<size_t>(depth));
   for (Batch& b : slots_) {
-    if (read_inputs) b.x = Tensor::empty(x_shape, DType::F32);
-    b.y = Tensor::empty({slice_size}, DType::I32);
+    if (read_inputs) b.x = Tensor::empty(x_shape, dataset.input_dtype());
+    b.y = Tensor::empty(y_shape, DType::I32);
   }
   thread_ = std::thread([this] { run(); });
 }
@@ -103,7 +105,7 @@ void Loader::run() {
   }
 }
 
-void read_range(const Dataset& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y) {
+void read_range(const Samples& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y) {
   STRATA_CHECK(begin >= 0 && begin <= end && end <= dataset.size(), "read_range [", begin, ", ", end,
                ") outside a dataset of ", dataset.size());
   std::vector<int64_t> indices(static_cast<size_t>(end - begin));

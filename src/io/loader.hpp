@@ -16,8 +16,8 @@
 namespace strata::io {
 
 struct Batch {
-  Tensor x;  // f32 (slice_size, sample...) normalised
-  Tensor y;  // i32 (slice_size)
+  Tensor x;  // (slice_size, input...): f32 normalised, or i32 tokens
+  Tensor y;  // i32 (slice_size, target...)
   int64_t epoch = 0, step_in_epoch = 0;
   // Global position of this slice's first sample: global step * global_batch + slice_begin.
   // Epoch-independent and rank-independent, so dropout keys built from it are too.
@@ -30,7 +30,7 @@ class Loader {
   // buffers are allocated once: the one the caller holds plus depth - 1 being prefetched.
   // The dataset and sampler must outlive the loader.
   // read_inputs = false: batches carry labels only (x undefined), for stages that need no inputs.
-  Loader(const Dataset& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
+  Loader(const Samples& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
          bool read_inputs = true);
   ~Loader();
   Loader(const Loader&) = delete;
@@ -46,7 +46,7 @@ class Loader {
  private:
   void run();
 
-  const Dataset& dataset_;
+  const Samples& dataset_;
   const EpochSampler& sampler_;
   const int64_t slice_begin_, slice_size_;
   std::vector<Batch> slots_;
@@ -66,7 +66,7 @@ class Loader {
 };
 
 // Reads samples [begin, end) in order (every sample, no drop-last) into x (end - begin,
-// sample...) and y (end - begin): the simple path for evaluation.
-void read_range(const Dataset& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y);
+// input...) and y (end - begin, target...): the simple path for evaluation.
+void read_range(const Samples& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y);
 
 }  // namespace strata::io

@@ -1,0 +1,29 @@
+// What training and evaluation read, whatever the data: samples by global index, each an input
+// and its targets. A classification Dataset gives a normalised f32 input and one label; a token
+// dataset gives T token ids and the T tokens that follow each of them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/tensor.hpp"
+
+namespace strata::io {
+
+class Samples {
+ public:
+  virtual ~Samples() = default;
+  virtual int64_t size() const = 0;
+  // Per-sample input shape and dtype (F32 normalised values, or I32 token ids).
+  virtual const Shape& input_shape() const = 0;
+  virtual DType input_dtype() const = 0;
+  // Per-sample target shape: {} (one class label) or {T} (one per position); always I32.
+  virtual Shape target_shape() const { return {}; }
+  // The model's output width: classes, or the vocabulary.
+  virtual int64_t num_classes() const = 0;
+  // Reads global samples `indices` (any order, duplicates allowed) into x (B, input...) and y
+  // (B, target...); an undefined x reads targets only.
+  virtual void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const = 0;
+};
+
+}  // namespace strata::io
