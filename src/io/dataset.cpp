@@ -2,66 +2,20 @@
 // in-memory copy (small datasets) or with one hyperslab H5Dread per shard.
 #include "io/dataset.hpp"
 
-#include <glob.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <mutex>
 
 #include "core/ops.hpp"
 #include "io/hdf5.hpp"
+#include "io/shards.hpp"
 
 namespace strata::io {
 
-namespace fs = std::filesystem;
-
 namespace {
-
-// The files a spec names: a file, a directory's *.h5 (sorted), or a glob's matches (sorted).
-std::vector<std::string> resolve_spec(const std::string& spec, const std::string& flag) {
-  std::error_code ec;
-  if (fs::is_directory(spec, ec)) {
-    std::vector<std::string> files;
-    for (const auto& e : fs::directory_iterator(spec, ec))
-      if (e.path().extension() == ".h5" && !fs::is_directory(e.path(), ec)) files.push_back(e.path().string());
-    STRATA_REQUIRE(!files.empty(), flag, ": directory '", spec, "' contains no .h5 files");
-    std::sort(files.begin(), files.end());
-    return files;
-  }
-  if (fs::exists(spec, ec)) return {spec};
-  STRATA_REQUIRE(spec.find_first_of("*?[") != std::string::npos, flag, ": '", spec,
-                 "' does not exist (expected an .h5 file, a directory of .h5 files, or a glob pattern)");
-  glob_t g{};
-  int rc = glob(spec.c_str(), 0, nullptr, &g);  // glob sorts its matches
-  std::vector<std::string> files;
-  if (rc == 0)
-    for (size_t i = 0; i < g.gl_pathc; ++i)
-      if (!fs::is_directory(g.gl_pathv[i], ec)) files.emplace_back(g.gl_pathv[i]);
-  globfree(&g);
-  STRATA_REQUIRE(!files.empty(), flag, ": glob pattern '", spec, "' matches no files");
-  return files;
-}
-
-// A readable name for an HDF5 type, for error messages.
-std::string type_name(hid_t type) {
-  const size_t bits = H5Tget_size(type) * 8;
-  switch (H5Tget_class(type)) {
-    case H5T_INTEGER:
-      return (H5Tget_sign(type) == H5T_SGN_NONE ? "uint" : "int") + std::to_string(bits);
-    case H5T_FLOAT:
-      return "float" + std::to_string(bits);
-    case H5T_STRING:
-      return "string";
-    case H5T_COMPOUND:
-      return "compound";
-    default:
-      return "an unsupported type";
-  }
-}
 
 // Numeric attribute of `obj` as floats, or `fallback` when absent.
 std::vector<float> attr_floats(hid_t obj, const std::string& name, std::vector<float> fallback) {
@@ -105,7 +59,7 @@ Shard open_shard(const std::string& path) {
   else if (H5Tget_class(itype) == H5T_FLOAT && H5Tget_size(itype) == 4)
     s.dtype = DType::F32;
   else
-    STRATA_THROW_INPUT("'inputs' have type ", type_name(itype), "; expected uint8 or float32");
+    STRATA_THROW_INPUT("'inputs' have type ", h5::type_name(itype), "; expected uint8 or float32");
   h5::Space ispace(H5_CHECK(H5Dget_space(s.inputs), "space of inputs in ", path));
   Shape idims = h5::dims(ispace);
   STRATA_REQUIRE(idims.size() >= 2, "'inputs' have shape ", shape_str(idims),
@@ -119,7 +73,7 @@ Shard open_shard(const std::string& path) {
   h5::DataSet labels(H5Dopen2(s.file, "labels", H5P_DEFAULT));
   STRATA_REQUIRE(labels.valid(), "'labels' is not a dataset");
   h5::Type ltype(H5_CHECK(H5Dget_type(labels), "type of labels in ", path));
-  STRATA_REQUIRE(H5Tget_class(ltype) == H5T_INTEGER, "'labels' have type ", type_name(ltype),
+  STRATA_REQUIRE(H5Tget_class(ltype) == H5T_INTEGER, "'labels' have type ", h5::type_name(ltype),
                  "; expected an integer type");
   h5::Space lspace(H5_CHECK(H5Dget_space(labels), "space of labels in ", path));
   Shape ldims = h5::dims(lspace);
@@ -226,7 +180,7 @@ Dataset Dataset::open(const std::string& spec, const std::string& flag, const Da
   auto impl = std::make_unique<Impl>();
   impl->flag = flag;
   DatasetInfo& info = impl->info;
-  info.files = resolve_spec(spec, flag);
+  info.files = list_shards(spec, flag);
   int attr_classes = 0;
   for (const std::string& path : info.files) {
     Shard s;

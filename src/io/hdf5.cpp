@@ -70,6 +70,22 @@ hid_t native_type(DType dtype) {
   }
 }
 
+std::string type_name(hid_t type) {
+  const size_t bits = H5Tget_size(type) * 8;
+  switch (H5Tget_class(type)) {
+    case H5T_INTEGER:
+      return (H5Tget_sign(type) == H5T_SGN_NONE ? "uint" : "int") + std::to_string(bits);
+    case H5T_FLOAT:
+      return "float" + std::to_string(bits);
+    case H5T_STRING:
+      return "string";
+    case H5T_COMPOUND:
+      return "compound";
+    default:
+      return "an unsupported type";
+  }
+}
+
 bool has_attr(hid_t obj, const std::string& name) { return H5Aexists(obj, name.c_str()) > 0; }
 
 std::vector<double> read_attr_numbers(hid_t obj, const std::string& name) {

@@ -86,6 +86,9 @@ Shape dims(hid_t space);
 // The HDF5 memory type for a tensor dtype (F32, I32, U8).
 hid_t native_type(DType dtype);
 
+// A readable name for an HDF5 type ("uint16", "float32", "string", ...), for error messages.
+std::string type_name(hid_t type);
+
 // Attributes: read converts to the requested type; numeric arrays come back flat.
 bool has_attr(hid_t obj, const std::string& name);
 std::vector<double> read_attr_numbers(hid_t obj, const std::string& name);

@@ -1,0 +1,355 @@
+// TokenDataset: validates token shards at open (attributes, tokenizer, a scan of every id),
+// then serves windows of the token stream from memory or with hyperslab reads per shard.
+#include "io/tokens.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "io/hdf5.hpp"
+#include "io/shards.hpp"
+
+namespace strata::io {
+
+namespace {
+
+constexpr int64_t kScanChunk = int64_t{1} << 20;  // tokens per read while scanning at open
+
+// One integer attribute of the root group.
+int64_t int_attr(hid_t file, const char* name) {
+  STRATA_REQUIRE(h5::has_attr(file, name), "has no root attribute '", name, "'");
+  std::vector<double> v = h5::read_attr_numbers(file, name);
+  STRATA_REQUIRE(v.size() == 1 && v[0] == std::floor(v[0]) && std::abs(v[0]) < 9e15, "root attribute '", name,
+                 "' should be one integer");
+  return static_cast<int64_t>(v[0]);
+}
+
+struct Shard {
+  std::string path;
+  h5::File file;
+  h5::DataSet tokens;
+  int64_t count = 0;
+  std::string dtype;  // uint16 or uint32
+};
+
+// Opens and checks one shard's structure and attributes; the ids are scanned later.
+Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer) {
+  Shard s;
+  s.path = path;
+  htri_t is_h5 = H5Fis_hdf5(path.c_str());
+  STRATA_REQUIRE(is_h5 >= 0, "cannot be read (", h5::last_error(), ")");
+  STRATA_REQUIRE(is_h5 > 0, "is not an HDF5 file");
+  s.file = h5::File(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  STRATA_REQUIRE(s.file.valid(), "cannot be opened (", h5::last_error(), ")");
+  if (h5::has_attr(s.file, "kind")) {
+    const std::string kind = h5::read_attr_string(s.file, "kind");
+    STRATA_REQUIRE(kind == "tokens", "has kind '", kind, "'; expected 'tokens' (a token dataset)");
+  }
+  STRATA_REQUIRE(h5::exists(s.file, "tokens"), "has no dataset 'tokens' (expected a 1-D uint16/uint32 token array)");
+  s.tokens = h5::DataSet(H5Dopen2(s.file, "tokens", H5P_DEFAULT));
+  STRATA_REQUIRE(s.tokens.valid(), "'tokens' is not a dataset");
+  h5::Type type(H5_CHECK(H5Dget_type(s.tokens), "type of tokens in ", path));
+  const bool unsigned_int = H5Tget_class(type) == H5T_INTEGER && H5Tget_sign(type) == H5T_SGN_NONE;
+  STRATA_REQUIRE(unsigned_int && (H5Tget_size(type) == 2 || H5Tget_size(type) == 4), "'tokens' have type ",
+                 h5::type_name(type), "; expected uint16 or uint32");
+  s.dtype = h5::type_name(type);
+  h5::Space space(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", path));
+  const Shape dims = h5::dims(space);
+  STRATA_REQUIRE(dims.size() == 1, "'tokens' have shape ", shape_str(dims), "; expected 1-D [num_tokens]");
+  s.count = dims[0];
+  STRATA_REQUIRE(s.count > 0, "is empty: 'tokens' holds 0 tokens");
+  if (h5::has_attr(s.file, "num_tokens")) {
+    const int64_t n = int_attr(s.file, "num_tokens");
+    STRATA_REQUIRE(n == s.count, "has num_tokens ", n, " but 'tokens' holds ", s.count);
+  }
+
+  const int64_t vocab = int_attr(s.file, "vocab_size");
+  STRATA_REQUIRE(vocab >= 1 && vocab <= std::numeric_limits<int32_t>::max(), "has vocab_size ", vocab, "; expected 1..",
+                 std::numeric_limits<int32_t>::max());
+  const int64_t eot = int_attr(s.file, "eot");
+  STRATA_REQUIRE(eot >= 0 && eot < vocab, "has eot ", eot, " outside the vocabulary [0, ", vocab, ")");
+  STRATA_REQUIRE(h5::has_attr(s.file, "tokenizer"), "has no root attribute 'tokenizer' (byte, bpe or external)");
+  const std::string name = h5::read_attr_string(s.file, "tokenizer");
+  std::unique_ptr<Tokenizer> tok;
+  if (name == "byte") {
+    STRATA_REQUIRE(vocab == 257 && eot == 256, "has tokenizer 'byte' with vocab_size ", vocab, " and eot ", eot,
+                   "; expected 257 and 256");
+    tok = std::make_unique<Tokenizer>(Tokenizer::byte_level());
+  } else if (name == "bpe") {
+    STRATA_REQUIRE(h5::exists(s.file, "tokenizer/merges"),
+                   "has tokenizer 'bpe' but no dataset 'tokenizer/merges' (int32 [M, 2])");
+    h5::DataSet merges(H5Dopen2(s.file, "tokenizer/merges", H5P_DEFAULT));
+    STRATA_REQUIRE(merges.valid(), "'tokenizer/merges' is not a dataset");
+    h5::Type mtype(H5_CHECK(H5Dget_type(merges), "type of merges in ", path));
+    h5::Space mspace(H5_CHECK(H5Dget_space(merges), "space of merges in ", path));
+    const Shape mdims = h5::dims(mspace);
+    STRATA_REQUIRE(H5Tget_class(mtype) == H5T_INTEGER && mdims.size() == 2 && mdims[1] == 2, "'tokenizer/merges' is ",
+                   h5::type_name(mtype), " ", shape_str(mdims), "; expected int32 [M, 2]");
+    std::vector<Merge> m(static_cast<size_t>(mdims[0]));
+    if (!m.empty())
+      H5_CHECK(H5Dread(merges, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, m.data()), "reading merges of ", path);
+    tok = std::make_unique<Tokenizer>(Tokenizer::bpe(std::move(m)));
+    STRATA_REQUIRE(vocab == tok->vocab_size() && eot == tok->eot(), "has tokenizer 'bpe' with ", mdims[0],
+                   " merges, vocab_size ", vocab, " and eot ", eot, "; expected vocab_size ", tok->vocab_size(),
+                   " (257 + merges) and eot ", tok->eot(), " (256 + merges)");
+  } else if (name == "external") {
+    tok = std::make_unique<Tokenizer>(Tokenizer::external(vocab, static_cast<int32_t>(eot)));
+  } else {
+    STRATA_THROW_INPUT("has tokenizer '", name, "'; expected byte, bpe or external");
+  }
+  tokenizer = std::move(tok);
+  return s;
+}
+
+bool same_tokenizer(const Tokenizer& a, const Tokenizer& b) {
+  return a.name() == b.name() && a.vocab_size() == b.vocab_size() && a.eot() == b.eot() && a.merges() == b.merges();
+}
+
+}  // namespace
+
+struct TokenDataset::Impl {
+  std::string flag, spec;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::vector<std::string> files, dtypes;
+  std::vector<int64_t> counts;
+  std::vector<int64_t> begin;  // stream offset of each shard's first token
+  std::vector<Shard> shards;
+  int64_t num_tokens = 0;
+  bool in_memory = false;
+  std::vector<uint16_t> mem16;  // the stream, when in memory and vocab_size <= 65536
+  std::vector<int32_t> mem32;   // the stream, when in memory and larger
+
+  std::string describe() const {
+    return files.size() == 1 ? "'" + files[0] + "'" : std::to_string(files.size()) + " shards of '" + spec + "'";
+  }
+};
+
+TokenDataset::TokenDataset(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TokenDataset::TokenDataset(TokenDataset&&) noexcept = default;
+TokenDataset& TokenDataset::operator=(TokenDataset&&) noexcept = default;
+TokenDataset::~TokenDataset() = default;
+
+int64_t TokenDataset::num_tokens() const { return impl_->num_tokens; }
+int64_t TokenDataset::vocab_size() const { return impl_->tokenizer->vocab_size(); }
+const Tokenizer& TokenDataset::tokenizer() const { return *impl_->tokenizer; }
+const std::vector<std::string>& TokenDataset::files() const { return impl_->files; }
+const std::vector<int64_t>& TokenDataset::shard_tokens() const { return impl_->counts; }
+const std::vector<std::string>& TokenDataset::shard_dtypes() const { return impl_->dtypes; }
+bool TokenDataset::in_memory() const { return impl_->in_memory; }
+
+TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag, const TokenDatasetOptions& options) {
+  h5::quiet_errors();
+  auto impl = std::make_unique<Impl>();
+  impl->flag = flag;
+  impl->spec = spec;
+  impl->files = list_shards(spec, flag);
+  for (const std::string& path : impl->files) {
+    std::unique_ptr<Tokenizer> tok;
+    Shard s;
+    try {
+      s = open_shard(path, tok);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Input) throw;
+      STRATA_THROW_INPUT(flag, ": '", path, "' ", e.message());
+    }
+    if (!impl->tokenizer) {
+      impl->tokenizer = std::move(tok);
+    } else {
+      const Tokenizer& t = *impl->tokenizer;
+      STRATA_REQUIRE(same_tokenizer(t, *tok), flag, ": '", path, "' has tokenizer '", tok->name(), "' (vocab_size ",
+                     tok->vocab_size(), ", eot ", tok->eot(), ", ", tok->merges().size(), " merges) but '",
+                     impl->files[0], "' has '", t.name(), "' (vocab_size ", t.vocab_size(), ", eot ", t.eot(), ", ",
+                     t.merges().size(), " merges); all shards must agree");
+    }
+    impl->begin.push_back(impl->num_tokens);
+    impl->num_tokens += s.count;
+    impl->counts.push_back(s.count);
+    impl->dtypes.push_back(s.dtype);
+    impl->shards.push_back(std::move(s));
+  }
+
+  const int64_t vocab = impl->tokenizer->vocab_size();
+  const bool narrow = vocab <= 65536;
+  impl->in_memory = impl->num_tokens * (narrow ? 2 : 4) <= options.in_memory_limit_bytes;
+  if (impl->in_memory && narrow) impl->mem16.resize(static_cast<size_t>(impl->num_tokens));
+  if (impl->in_memory && !narrow) impl->mem32.resize(static_cast<size_t>(impl->num_tokens));
+  // Every id is checked once here, so reads never return one outside the vocabulary.
+  std::vector<uint32_t> buf;
+  for (size_t k = 0; k < impl->shards.size(); ++k) {
+    Shard& s = impl->shards[k];
+    h5::Space fspace(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", s.path));
+    for (int64_t off = 0; off < s.count; off += kScanChunk) {
+      const auto n = static_cast<hsize_t>(std::min(kScanChunk, s.count - off));
+      const auto start = static_cast<hsize_t>(off);
+      H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &n, nullptr), "selecting tokens");
+      h5::Space mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
+      buf.resize(n);
+      H5_CHECK(H5Dread(s.tokens, H5T_NATIVE_UINT32, mspace, fspace, H5P_DEFAULT, buf.data()), "reading tokens of ",
+               s.path);
+      for (size_t i = 0; i < buf.size(); ++i)
+        STRATA_REQUIRE(buf[i] < static_cast<uint64_t>(vocab), flag, ": '", s.path, "' holds token ", buf[i],
+                       " at index ", off + static_cast<int64_t>(i), ", >= vocab_size ", vocab);
+      if (impl->in_memory) {
+        const size_t at = static_cast<size_t>(impl->begin[k] + off);
+        if (narrow)
+          std::transform(buf.begin(), buf.end(), impl->mem16.begin() + at, [](uint32_t v) { return uint16_t(v); });
+        else
+          std::transform(buf.begin(), buf.end(), impl->mem32.begin() + at, [](uint32_t v) { return int32_t(v); });
+      }
+    }
+    if (impl->in_memory) {  // the files are no longer needed
+      s.tokens.reset();
+      s.file.reset();
+    }
+  }
+  return TokenDataset(std::move(impl));
+}
+
+int64_t TokenDataset::num_windows(int64_t seq_len) const {
+  const Impl& d = *impl_;
+  STRATA_REQUIRE(seq_len >= 1, d.flag, ": sequence length ", seq_len, " must be >= 1");
+  STRATA_REQUIRE(d.num_tokens >= seq_len + 1, d.flag, ": sequence length ", seq_len, " needs at least ", seq_len + 1,
+                 " tokens (inputs plus the next-token target) but ", d.describe(), " holds only ", d.num_tokens);
+  return (d.num_tokens - 1) / seq_len;
+}
+
+void TokenDataset::read_window(int64_t start, int64_t length, int32_t* out) const {
+  const Impl& d = *impl_;
+  STRATA_CHECK(start >= 0 && length >= 0 && start + length <= d.num_tokens, "read_window [", start, ", ",
+               start + length, ") outside the token stream [0, ", d.num_tokens, ")");
+  if (length == 0) return;
+  if (d.in_memory) {
+    if (!d.mem16.empty())
+      std::copy_n(d.mem16.begin() + start, length, out);
+    else
+      std::copy_n(d.mem32.begin() + start, length, out);
+    return;
+  }
+  h5::quiet_errors();
+  auto k = static_cast<size_t>(std::upper_bound(d.begin.begin(), d.begin.end(), start) - d.begin.begin() - 1);
+  int64_t done = 0;
+  while (done < length) {
+    const Shard& s = d.shards[k];
+    const int64_t off = start + done - d.begin[k];
+    const auto n = static_cast<hsize_t>(std::min(length - done, s.count - off));
+    const auto first = static_cast<hsize_t>(off);
+    h5::Space fspace(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", s.path));
+    H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &first, nullptr, &n, nullptr), "selecting tokens");
+    h5::Space mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
+    H5_CHECK(H5Dread(s.tokens, H5T_NATIVE_INT32, mspace, fspace, H5P_DEFAULT, out + done), "reading tokens of ",
+             s.path);
+    done += static_cast<int64_t>(n);
+    ++k;
+  }
+}
+
+void TokenDataset::read_sample(int64_t index, int64_t seq_len, int32_t* inputs, int32_t* targets) const {
+  const int64_t windows = num_windows(seq_len);
+  STRATA_CHECK(index >= 0 && index < windows, "window ", index, " outside [0, ", windows, ")");
+  read_window(index * seq_len, seq_len, inputs);
+  read_window(index * seq_len + 1, seq_len, targets);
+}
+
+bool is_token_dataset(const std::string& spec, const std::string& flag) {
+  h5::quiet_errors();
+  const std::string path = list_shards(spec, flag).front();
+  if (H5Fis_hdf5(path.c_str()) <= 0) return false;
+  h5::File f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  if (!f.valid()) return false;
+  if (h5::has_attr(f, "kind")) {
+    try {
+      return h5::read_attr_string(f, "kind") == "tokens";
+    } catch (const Error&) {
+      return false;
+    }
+  }
+  return h5::exists(f, "tokens");
+}
+
+// ---- writing -------------------------------------------------------------------------------
+
+struct TokenShardWriter::Impl {
+  std::string path;
+  h5::File file;
+  h5::DataSet tokens;
+  int64_t num_tokens = 0, written = 0, vocab = 0;
+  bool closed = false;
+};
+
+TokenShardWriter::TokenShardWriter(const std::string& path, int64_t num_tokens, const Tokenizer& tokenizer)
+    : impl_(std::make_unique<Impl>()) {
+  h5::quiet_errors();
+  STRATA_CHECK(num_tokens > 0, "TokenShardWriter: a shard needs at least one token, got ", num_tokens);
+  Impl& w = *impl_;
+  w.path = path;
+  w.num_tokens = num_tokens;
+  w.vocab = tokenizer.vocab_size();
+  w.file = h5::File(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
+  STRATA_REQUIRE(w.file.valid(), "cannot create '", path, "' (", h5::last_error(), ")");
+  const auto n = static_cast<hsize_t>(num_tokens);
+  h5::Space space(H5_CHECK(H5Screate_simple(1, &n, nullptr), "tokens space"));
+  const hid_t file_type = w.vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_U32LE;
+  w.tokens = h5::DataSet(H5_CHECK(H5Dcreate2(w.file, "tokens", file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                                  "creating tokens in ", path));
+  h5::write_attr(w.file, "kind", std::string("tokens"));
+  h5::write_attr(w.file, "vocab_size", w.vocab);
+  h5::write_attr(w.file, "num_tokens", num_tokens);
+  h5::write_attr(w.file, "tokenizer", tokenizer.name());
+  h5::write_attr(w.file, "eot", int64_t{tokenizer.eot()});
+  if (tokenizer.kind() == Tokenizer::Kind::Bpe) {
+    h5::Group g(H5_CHECK(H5Gcreate2(w.file, "tokenizer", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "creating group tokenizer in ", path));
+    const hsize_t mdims[2] = {tokenizer.merges().size(), 2};
+    h5::Space mspace(H5_CHECK(H5Screate_simple(2, mdims, nullptr), "merges space"));
+    h5::DataSet m(H5_CHECK(H5Dcreate2(g, "merges", H5T_STD_I32LE, mspace, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                           "creating merges in ", path));
+    if (!tokenizer.merges().empty())
+      H5_CHECK(H5Dwrite(m, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokenizer.merges().data()),
+               "writing merges to ", path);
+  }
+}
+
+TokenShardWriter::~TokenShardWriter() {
+  if (impl_->closed) return;
+  impl_->tokens.reset();
+  impl_->file.reset();
+  std::error_code ec;
+  std::filesystem::remove(impl_->path, ec);
+}
+
+void TokenShardWriter::write(std::span<const int32_t> tokens) {
+  Impl& w = *impl_;
+  STRATA_CHECK(!w.closed && w.written + static_cast<int64_t>(tokens.size()) <= w.num_tokens,
+               "TokenShardWriter: ", w.written + static_cast<int64_t>(tokens.size()), " tokens written to '", w.path,
+               "', sized for ", w.num_tokens);
+  if (tokens.empty()) return;
+  for (size_t i = 0; i < tokens.size(); ++i)
+    STRATA_REQUIRE(tokens[i] >= 0 && tokens[i] < w.vocab, "token ", tokens[i], " at index ",
+                   w.written + static_cast<int64_t>(i), " of '", w.path, "' is outside the vocabulary [0, ", w.vocab,
+                   ")");
+  const auto first = static_cast<hsize_t>(w.written), n = static_cast<hsize_t>(tokens.size());
+  h5::Space fspace(H5_CHECK(H5Dget_space(w.tokens), "space of tokens in ", w.path));
+  H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &first, nullptr, &n, nullptr), "selecting tokens");
+  h5::Space mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
+  H5_CHECK(H5Dwrite(w.tokens, H5T_NATIVE_INT32, mspace, fspace, H5P_DEFAULT, tokens.data()), "writing tokens to ",
+           w.path);
+  w.written += static_cast<int64_t>(n);
+}
+
+void TokenShardWriter::close() {
+  Impl& w = *impl_;
+  STRATA_CHECK(w.written == w.num_tokens, "TokenShardWriter: ", w.written, " of ", w.num_tokens, " tokens written to '",
+               w.path, "'");
+  w.tokens.reset();
+  H5_CHECK(H5Fclose(w.file.release()), "closing ", w.path);
+  w.closed = true;
+}
+
+void write_token_shard(const std::string& path, std::span<const int32_t> tokens, const Tokenizer& tokenizer) {
+  TokenShardWriter w(path, static_cast<int64_t>(tokens.size()), tokenizer);
+  w.write(tokens);
+  w.close();
+}
+
+}  // namespace strata::io
