@@ -251,6 +251,20 @@ void TokenDataset::read_sample(int64_t index, int64_t seq_len, int32_t* inputs, 
   read_window(index * seq_len + 1, seq_len, targets);
 }
 
+TokenSamples::TokenSamples(TokenDataset data, int64_t seq_len)
+    : data_(std::move(data)), windows_(data_.num_windows(seq_len)), shape_{seq_len} {}
+
+void TokenSamples::read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const {
+  const int64_t t = shape_[0];
+  std::vector<int32_t> inputs(static_cast<size_t>(t));
+  for (size_t k = 0; k < indices.size(); ++k) {
+    STRATA_CHECK(indices[k] >= 0 && indices[k] < windows_, "token window ", indices[k], " outside ", windows_);
+    int32_t* targets = y.data<int32_t>() + static_cast<int64_t>(k) * t;
+    int32_t* in = x.defined() ? x.data<int32_t>() + static_cast<int64_t>(k) * t : inputs.data();
+    data_.read_sample(indices[k], t, in, targets);
+  }
+}
+
 bool is_token_dataset(const std::string& spec, const std::string& flag) {
   h5::quiet_errors();
   const std::string path = list_shards(spec, flag).front();

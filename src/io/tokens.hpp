@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "io/samples.hpp"
 #include "io/tokenizer.hpp"
 
 namespace strata::io {
@@ -58,6 +59,26 @@ class TokenDataset {
   struct Impl;
   explicit TokenDataset(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+// A token dataset as training samples of sequence length T: sample i is window i (inputs and
+// the targets one token later), read as i32 (B, T) each. Holds the dataset.
+class TokenSamples final : public Samples {
+ public:
+  // An Input error (naming the data's flag) when it holds fewer than T + 1 tokens.
+  TokenSamples(TokenDataset data, int64_t seq_len);
+  const TokenDataset& data() const { return data_; }
+  int64_t size() const override { return windows_; }
+  const Shape& input_shape() const override { return shape_; }
+  DType input_dtype() const override { return DType::I32; }
+  Shape target_shape() const override { return shape_; }
+  int64_t num_classes() const override { return data_.vocab_size(); }
+  void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const override;
+
+ private:
+  TokenDataset data_;
+  int64_t windows_;
+  Shape shape_;  // {T}
 };
 
 // True when the first file `spec` names is a token dataset (root attribute kind = "tokens" or
