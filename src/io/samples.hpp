@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string>
 
 #include "core/tensor.hpp"
 
@@ -25,5 +27,15 @@ class Samples {
   // (B, target...); an undefined x reads targets only.
   virtual void read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const = 0;
 };
+
+// Opens `spec` (a file, a directory of shards or a glob; `flag` names it in errors) as a
+// token dataset (windows of `seq_len`: an Input error when it is 0, i.e. the model is not a
+// language model) or as a classification Dataset, whichever the files hold.
+std::unique_ptr<Samples> open_samples(const std::string& spec, const std::string& flag, int64_t seq_len);
+
+// Checks that --val-data `val` can evaluate a model trained on --data `train` (the same kind,
+// sample shape, classes or vocabulary): an Input error otherwise. Returns a warning, or "",
+// when the two are normalised differently.
+std::string check_evaluation_data(const Samples& train, const Samples& val);
 
 }  // namespace strata::io

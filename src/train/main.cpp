@@ -2,6 +2,7 @@
 // Setup errors are agreed on by all ranks and reported once (exit 2 for bad input); an error
 // during training is reported by the rank that hit it and ends the whole job. SIGTERM, SIGUSR1
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted).
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,12 +44,17 @@ int main(int argc, char** argv) {
       if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
       if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;  // rank 0 said why
     }
-    if (const io::Dataset* data = trainer->eval_data()) {
+    if (const io::Samples* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);
-      char line[160];
-      std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)",
-                    config->eval_only ? "evaluation" : "final test", r.loss, 100.0 * r.accuracy,
-                    static_cast<long long>(r.samples));
+      char line[200];
+      if (r.tokens)  // a language model: per-token loss, its perplexity and next-token accuracy
+        std::snprintf(line, sizeof line, "%s: loss %.6f  perplexity %.3f  next-token accuracy %.2f%%  (%lld windows)",
+                      config->eval_only ? "evaluation" : "final test", r.loss, std::exp(r.loss), 100.0 * r.accuracy,
+                      static_cast<long long>(r.samples));
+      else
+        std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)",
+                      config->eval_only ? "evaluation" : "final test", r.loss, 100.0 * r.accuracy,
+                      static_cast<long long>(r.samples));
       log::info(line);
     }
   } catch (const Error& e) {

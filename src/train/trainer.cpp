@@ -64,36 +64,26 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   replica_ = grid_->replica();
   stage_ = grid_->stage();
 
-  if (!config_.data.empty()) train_data_ = std::make_unique<io::Dataset>(io::Dataset::open(config_.data, "--data"));
-  if (!config_.val_data.empty())
-    val_data_ = std::make_unique<io::Dataset>(io::Dataset::open(config_.val_data, "--val-data"));
-  const io::Dataset& shape_source = train_data_ ? *train_data_ : *val_data_;
-  const io::DatasetInfo& info = shape_source.info();
-  if (train_data_ && val_data_) {
-    const io::DatasetInfo& v = val_data_->info();
-    STRATA_REQUIRE(v.sample_shape == info.sample_shape, "--val-data samples have shape ", shape_str(v.sample_shape),
-                   " but --data samples have shape ", shape_str(info.sample_shape));
-    STRATA_REQUIRE(v.num_classes <= info.num_classes, "--val-data has labels up to ", v.num_classes - 1,
-                   " but --data has only ", info.num_classes, " classes");
-    // Each file says how to normalise it; a split converted with its own statistics is
-    // evaluated on inputs scaled unlike the training data.
-    if ((v.scale != info.scale || v.mean != info.mean || v.std != info.std) && rank_ == 0)
-      log::warn("--val-data is normalised with mean ", io::values_str(v.mean), " std ", io::values_str(v.std),
-                " but --data with mean ", io::values_str(info.mean), " std ", io::values_str(info.std),
-                ": evaluation sees inputs scaled unlike training's (strata-data convert-idx --stats-from)");
-  }
+  const int64_t seq_len = config_.model.seq_len;  // token data: windows of the model's length
+  if (!config_.data.empty()) train_data_ = io::open_samples(config_.data, "--data", seq_len);
+  if (!config_.val_data.empty()) val_data_ = io::open_samples(config_.val_data, "--val-data", seq_len);
+  const io::Samples& shape_source = train_data_ ? *train_data_ : *val_data_;
+  if (train_data_ && val_data_)
+    if (const std::string warning = io::check_evaluation_data(*train_data_, *val_data_); !warning.empty() && rank_ == 0)
+      log::warn(warning);
 
   // The classes are the data's; a checkpoint to start from knows its model's, which evaluation
   // data (a subset without the highest labels) may not show.
   // Opened once: its classes size the model, its tensors fill it below.
   std::unique_ptr<io::CheckpointReader> init_from;
-  num_classes_ = info.num_classes;
+  num_classes_ = shape_source.num_classes();
+  targets_per_sample_ = shape_numel(shape_source.target_shape());
   parallel::agree(world, [&] {
     if (config_.init_from.empty()) return;
     init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
-  model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, info.sample_shape, num_classes_));
+  model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, shape_source.input_shape(), num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   range_ = stages_[static_cast<size_t>(stage_)];
   replica_state_ = std::make_unique<parallel::DataParallel>(
@@ -154,7 +144,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
   });
 
-  log::info("model ", config_.model.name, ", input ", shape_str(info.sample_shape), ", ", num_classes_, " classes\n",
+  log::info("model ", config_.model.name, ", input ", shape_str(shape_source.input_shape()), ", ", num_classes_,
+            " classes\n",
             model_->summary());
   print_plan();
   if (train_data_)
@@ -248,11 +239,12 @@ void Trainer::print_plan() {
   log::info(os.str());
 }
 
-const io::Dataset* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
+const io::Samples* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
 void Trainer::sum_over_world(std::vector<double>& values) { parallel::all_reduce_sum(grid_->world(), values); }
 
 Tensor Trainer::to_compute(const Tensor& x) const {
+  if (x.dtype() == DType::I32) return to_device(x);  // token ids stay ids
   if (x.dtype() == dtype_ && x.device() == device_) return x;
   const Tensor y = Tensor::empty(x.shape(), dtype_, device_);
   ops::copy(x, y);
@@ -276,7 +268,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
   // (times the loss scale with fp16, divided out again before the step.)
-  const float scale = static_cast<float>(scaler_.scale() / static_cast<double>(config_.global_batch));
+  const float scale = static_cast<float>(scaler_.scale() / static_cast<double>(targets_per_batch()));
   const auto first_of = [this](int micro) { return micro * plan_.micro; };
   parallel::StageWork work;
   work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + plan_.micro)); };
@@ -348,7 +340,7 @@ TrainEnd Trainer::train() {
   const auto run_start = clock::now();
   for (int64_t step = start_step_; step < total_steps_; ++step) {
     const io::Batch& batch = loader.next();
-    const double loss = train_step(batch, step) / static_cast<double>(config_.global_batch);
+    const double loss = train_step(batch, step) / static_cast<double>(targets_per_batch());
     if (!std::isfinite(loss)) {  // all-reduced: the same on every rank
       if (rank_ == 0)
         log::error("the loss of step ", step + 1, " is ", std::isnan(loss) ? "nan" : "infinite",
@@ -377,7 +369,9 @@ TrainEnd Trainer::train() {
     }
     if (config_.eval_every > 0 && done % config_.eval_every == 0 && done != total_steps_ && val_data_) {
       const EvalResult r = evaluate(*val_data_);
-      log::info("eval at step ", done, ": loss ", r.loss, "  accuracy ", 100.0 * r.accuracy, "%");
+      log::info("eval at step ", done, ": loss ", r.loss,
+                r.tokens ? detail::cat("  perplexity ", std::exp(r.loss)) : std::string(), "  accuracy ",
+                100.0 * r.accuracy, "%");
     }
     if (stop_agreed_ && done != total_steps_) {
       log::info("preemption signal received: stopping after step ", done,
@@ -402,7 +396,7 @@ TrainEnd Trainer::train() {
   return TrainEnd::Finished;
 }
 
-EvalResult Trainer::evaluate(const io::Dataset& data) {
+EvalResult Trainer::evaluate(const io::Samples& data) {
   // Every sample is evaluated exactly once: replica r takes a contiguous slice of the dataset,
   // runs it forward through the pipeline, and the last stages' sums are reduced.
   // Every replica evaluates with replica 0's BatchNorm statistics (the ones checkpoints keep,
@@ -421,26 +415,27 @@ EvalResult Trainer::evaluate(const io::Dataset& data) {
     const bool counted = last > first;
     const int64_t b = counted ? first : 0, count = counted ? last - first : 1;
     const Shape input_shape = layers::batch_shape(count, model_->shape(range_.begin));
-    const Tensor y = Tensor::empty({count}, DType::I32);
+    const Tensor y = Tensor::empty(layers::batch_shape(count, data.target_shape()), DType::I32);
     const Tensor out = pipeline_->forward_only(
         [&] {
-          const Tensor x = Tensor::empty(input_shape);
+          const Tensor x = Tensor::empty(input_shape, data.input_dtype());
           io::read_range(data, b, b + count, x, y);
           return to_compute(x);
         },
         input_shape,
-        [&](const Tensor& x) {
-          return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
-        });
+        [&](const Tensor& x) { return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b}); });
     if (!last_stage() || !counted) continue;
     if (!first_stage()) io::read_range(data, b, b + count, Tensor(), y);
     const Tensor labels = to_device(y);
     layers::Context loss_ctx;
     sums[0] += loss_.forward(out, labels, loss_ctx);
-    sums[1] += static_cast<double>(ops::count_correct(out, labels));
+    // Every target counts: a class label, or each next token of a window.
+    sums[1] += static_cast<double>(ops::count_correct(out.reshape({labels.numel(), out.numel() / labels.numel()}),
+                                                      labels.reshape({labels.numel()})));
   }
   sum_over_world(sums);
-  return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n), n};
+  const auto targets = static_cast<double>(n * targets_per_sample_);
+  return {sums[0] / targets, sums[1] / targets, n, targets_per_sample_ > 1};
 }
 
 void Trainer::save_checkpoint(int64_t step) {

@@ -10,6 +10,7 @@
 
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
+#include "io/samples.hpp"
 #include "io/metrics.hpp"
 #include "io/sampler.hpp"
 #include "layers/loss.hpp"
@@ -40,9 +41,10 @@ enum class TrainEnd { Finished, Preempted, Diverged };
 void install_preemption_handlers();
 
 struct EvalResult {
-  double loss = 0;  // mean over samples
+  double loss = 0;  // mean over targets: samples, or the tokens of language-model windows
   double accuracy = 0;
   int64_t samples = 0;
+  bool tokens = false;  // a language model's: perplexity = exp(loss)
 };
 
 class Trainer {
@@ -57,9 +59,9 @@ class Trainer {
   // set), a non-finite loss stops it without saving.
   TrainEnd train();
   // Collective over the world: every rank calls it.
-  EvalResult evaluate(const io::Dataset& data);
+  EvalResult evaluate(const io::Samples& data);
   // The dataset evaluated at the end and by --eval-only; none with --dry-run.
-  const io::Dataset* eval_data() const;
+  const io::Samples* eval_data() const;
   // Collective: rank 0 writes the full training state (StateGather), then `latest` is updated
   // and --keep applied.
   void save_checkpoint(int64_t step);
@@ -92,7 +94,7 @@ class Trainer {
   layers::LossScaler scaler_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0;
-  std::unique_ptr<io::Dataset> train_data_, val_data_;
+  std::unique_ptr<io::Samples> train_data_, val_data_;
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
   std::vector<parallel::StageRange> stages_;
@@ -103,7 +105,10 @@ class Trainer {
   layers::SoftmaxCrossEntropy loss_;
   parallel::BatchPlan plan_;  // global = micro x count x dp
   int64_t total_steps_ = 0, start_step_ = 0;
-  int64_t num_classes_ = 0;  // the model's output classes
+  int64_t num_classes_ = 0;         // the model's output classes (a language model's vocabulary)
+  int64_t targets_per_sample_ = 1;  // 1 label, or a window's T next tokens
+  // The loss is the mean over a global batch's targets.
+  int64_t targets_per_batch() const { return config_.global_batch * targets_per_sample_; }
   io::MetricsWriter metrics_{""};
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
   int64_t next_epoch_ = 0, next_in_epoch_ = 0;
