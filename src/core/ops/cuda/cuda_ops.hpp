@@ -64,6 +64,22 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
 void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
                          const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y);
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe);
+void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
+void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dqkv);
+void merge_heads(const Tensor& x, const Tensor& y);
+void split_heads(const Tensor& y, const Tensor& x);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& probs, float p,
+                       const DropoutKey& key);
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs, const Tensor& dy,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key);
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                             float p, const DropoutKey& key);
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                              const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
+                              const DropoutKey& key);
+
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);

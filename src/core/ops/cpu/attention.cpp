@@ -1,0 +1,406 @@
+// CPU language-model ops: token + position embedding, the head layout copies, and causal
+// scaled dot-product attention in two forms, parallel over (batch, head):
+// - plain: the (T, T) probabilities of each head are materialised (cblas_sgemm for q k^T,
+//   p v and the backward products) and kept for backward;
+// - memory-efficient (FlashAttention-2's algorithm): query tiles of kTile rows against key
+//   tiles of kTile columns with an online softmax; only each row's log-sum-exp is saved, and
+//   backward recomputes the probabilities tile by tile with D_i = rowsum(dy * y).
+// Both draw the same attention-dropout mask from (key, stream, global index); everything is
+// sequential within one head, so results do not depend on the thread count.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "core/ops/cpu/cpu_ops.hpp"
+#include "core/rng.hpp"
+
+namespace strata::ops::cpu {
+
+namespace {
+
+// ---- embedding helpers -----------------------------------------------------------------------
+
+void check_token_values(const Tensor& tokens, int64_t vocab) {
+  const int32_t* tok = tokens.data<int32_t>();
+  const int64_t t = tokens.dim(1), n = tokens.numel();
+  for (int64_t i = 0; i < n; ++i)
+    STRATA_REQUIRE(tok[i] >= 0 && tok[i] < vocab, "token ", tok[i], " at (", i / t, ", ", i % t, ") is outside [0, ",
+                   vocab, ")");
+}
+
+// ---- head layout -----------------------------------------------------------------------------
+
+// Copies run r of `count` runs: run (b, h, t) of `row` bytes between the (B, H, T, row) layout
+// and a (B, T, stride) layout where it starts at column `col` (bytes) of row (b, t).
+struct HeadRuns {
+  int64_t b, h, t, row, stride;
+  // Byte offsets of run (b, h, t) in the head-major and in the token-major layout.
+  int64_t head_major(int64_t bi, int64_t hi, int64_t ti) const { return ((bi * h + hi) * t + ti) * row; }
+  int64_t token_major(int64_t bi, int64_t hi, int64_t ti, int64_t col) const {
+    return (bi * t + ti) * stride + col + hi * row;
+  }
+};
+
+// to_heads: token-major -> head-major, else back.
+void copy_heads(const char* src, char* dst, const HeadRuns& r, int64_t col, bool to_heads) {
+  parallel_rows(r.b * r.t, r.h * r.row / 4, [&](int64_t bt) {
+    const int64_t bi = bt / r.t, ti = bt % r.t;
+    for (int64_t hi = 0; hi < r.h; ++hi) {
+      const int64_t hm = r.head_major(bi, hi, ti), tm = r.token_major(bi, hi, ti, col);
+      if (to_heads)
+        std::memcpy(dst + hm, src + tm, static_cast<size_t>(r.row));
+      else
+        std::memcpy(dst + tm, src + hm, static_cast<size_t>(r.row));
+    }
+  });
+}
+
+// ---- attention helpers -----------------------------------------------------------------------
+
+constexpr int64_t kTile = 64;  // query rows and key columns per tile of the memory-efficient kernels
+
+// c (m, n) = alpha * op(a) op(b) + beta * c, row-major with leading dimensions.
+void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+        int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
+}
+
+std::unique_ptr<float[]> buffer(int64_t n) { return std::unique_ptr<float[]>(new float[static_cast<size_t>(n)]); }
+
+// The attention-dropout mask of one head: factor(i, j) is 1 / (1 - p) where (i, j) is kept,
+// 0 where dropped; element (i, j) of head (b, h) has the global index
+// ((first_sample + b) * H + h) * T * T + i * T + j.
+struct HeadDropout {
+  bool active;
+  float p, scale;
+  uint64_t key, stream, base, t;
+
+  HeadDropout(float p_, const DropoutKey& k, int64_t bi, int64_t hi, int64_t heads, int64_t t_)
+      : active(p_ > 0.0f),
+        p(p_),
+        scale(p_ < 1.0f ? 1.0f / (1.0f - p_) : 0.0f),
+        key(k.key),
+        stream(k.stream),
+        base(static_cast<uint64_t>(((k.first_sample + bi) * heads + hi) * t_ * t_)),
+        t(static_cast<uint64_t>(t_)) {}
+
+  // f[c] = factor(i, j0 + c) for c in [0, n): one Philox call per 4 consecutive indices,
+  // the values rng::uniform(key, stream, index) would give.
+  void row(int64_t i, int64_t j0, int64_t n, float* f) const {
+    uint64_t idx = base + static_cast<uint64_t>(i) * t + static_cast<uint64_t>(j0);
+    int64_t c = 0;
+    while (c < n) {
+      uint32_t out[4];
+      rng::Philox::generate(key, static_cast<uint32_t>(idx >> 2), static_cast<uint32_t>(idx >> 34),
+                            static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32), out);
+      for (uint64_t lane = idx & 3; lane < 4 && c < n; ++lane, ++c, ++idx)
+        f[c] = rng::to_unit_float(out[lane]) >= p ? scale : 0.0f;
+    }
+  }
+};
+
+struct Heads {
+  int64_t b, h, t, dh;
+  float scale;  // 1 / sqrt(Dh)
+  explicit Heads(const Tensor& q)
+      : b(q.dim(0)), h(q.dim(1)), t(q.dim(2)), dh(q.dim(3)), scale(1.0f / std::sqrt(static_cast<float>(q.dim(3)))) {}
+  int64_t count() const { return b * h; }
+  HeadDropout dropout(int64_t bh, float p, const DropoutKey& key) const { return {p, key, bh / h, bh % h, h, t}; }
+};
+
+float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+}  // namespace
+
+// ---- embedding -------------------------------------------------------------------------------
+
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y) {
+  const int64_t t = tokens.dim(1), n = tokens.numel(), d = wte.dim(1);
+  check_token_values(tokens, wte.dim(0));
+  const int32_t* tok = tokens.data<int32_t>();
+  const float* te = wte.data<float>();
+  const float* pe = wpe.data<float>();
+  float* out = y.data<float>();
+  parallel_rows(n, d, [&](int64_t i) {
+    const float* a = te + static_cast<int64_t>(tok[i]) * d;
+    const float* b = pe + (i % t) * d;
+    float* row = out + i * d;
+    for (int64_t c = 0; c < d; ++c) row[c] = a[c] + b[c];
+  });
+}
+
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe) {
+  const int64_t b = tokens.dim(0), t = tokens.dim(1), n = tokens.numel(), d = dy.dim(2);
+  const float* g = dy.data<float>();
+  if (dwpe.defined()) {  // row t owned by one thread, samples added in order
+    float* out = dwpe.data<float>();
+    parallel_rows(t, b * d, [&](int64_t ti) {
+      float* row = out + ti * d;
+      for (int64_t bi = 0; bi < b; ++bi) {
+        const float* src = g + (bi * t + ti) * d;
+        for (int64_t c = 0; c < d; ++c) row[c] += src[c];
+      }
+    });
+  }
+  if (dwte.defined()) {
+    check_token_values(tokens, dwte.dim(0));
+    // Column chunks owned by one thread each; every element sums its positions in order, so
+    // the result does not depend on the chunking (no atomics).
+    const int32_t* tok = tokens.data<int32_t>();
+    float* out = dwte.data<float>();
+    constexpr int64_t kChunk = 64;
+    const int64_t chunks = (d + kChunk - 1) / kChunk;
+    parallel_rows(chunks, n * kChunk, [&](int64_t ch) {
+      const int64_t c0 = ch * kChunk, c1 = std::min(d, c0 + kChunk);
+      for (int64_t i = 0; i < n; ++i) {
+        float* row = out + static_cast<int64_t>(tok[i]) * d;
+        const float* src = g + i * d;
+        for (int64_t c = c0; c < c1; ++c) row[c] += src[c];
+      }
+    });
+  }
+}
+
+// ---- head layout -----------------------------------------------------------------------------
+
+void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t es = static_cast<int64_t>(dtype_size(q.dtype()));
+  const int64_t h = q.dim(1), dh = q.dim(3);
+  const HeadRuns r{q.dim(0), h, q.dim(2), dh * es, 3 * h * dh * es};
+  const char* src = static_cast<const char*>(qkv.raw());
+  copy_heads(src, static_cast<char*>(q.raw()), r, 0, true);
+  copy_heads(src, static_cast<char*>(k.raw()), r, h * dh * es, true);
+  copy_heads(src, static_cast<char*>(v.raw()), r, 2 * h * dh * es, true);
+}
+
+void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dqkv) {
+  const int64_t es = static_cast<int64_t>(dtype_size(dq.dtype()));
+  const int64_t h = dq.dim(1), dh = dq.dim(3);
+  const HeadRuns r{dq.dim(0), h, dq.dim(2), dh * es, 3 * h * dh * es};
+  char* dst = static_cast<char*>(dqkv.raw());
+  copy_heads(static_cast<const char*>(dq.raw()), dst, r, 0, false);
+  copy_heads(static_cast<const char*>(dk.raw()), dst, r, h * dh * es, false);
+  copy_heads(static_cast<const char*>(dv.raw()), dst, r, 2 * h * dh * es, false);
+}
+
+void merge_heads(const Tensor& x, const Tensor& y) {
+  const int64_t es = static_cast<int64_t>(dtype_size(x.dtype()));
+  const HeadRuns r{x.dim(0), x.dim(1), x.dim(2), x.dim(3) * es, x.dim(1) * x.dim(3) * es};
+  copy_heads(static_cast<const char*>(x.raw()), static_cast<char*>(y.raw()), r, 0, false);
+}
+
+void split_heads(const Tensor& y, const Tensor& x) {
+  const int64_t es = static_cast<int64_t>(dtype_size(x.dtype()));
+  const HeadRuns r{x.dim(0), x.dim(1), x.dim(2), x.dim(3) * es, x.dim(1) * x.dim(3) * es};
+  copy_heads(static_cast<const char*>(y.raw()), static_cast<char*>(x.raw()), r, 0, true);
+}
+
+// ---- plain attention -------------------------------------------------------------------------
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& probs, float p,
+                       const DropoutKey& key) {
+  const Heads hd(q);
+  const int64_t t = hd.t, dh = hd.dh;
+  if (hd.count() == 0 || t == 0) return;
+  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
+    const float* qh = q.data<float>() + bh * t * dh;
+    const float* kh = k.data<float>() + bh * t * dh;
+    const float* vh = v.data<float>() + bh * t * dh;
+    float* yh = y.data<float>() + bh * t * dh;
+    float* ph = probs.data<float>() + bh * t * t;
+    const HeadDropout drop = hd.dropout(bh, p, key);
+    mm(false, true, t, t, dh, hd.scale, qh, dh, kh, dh, 0.0f, ph, t);  // scores, then probabilities in place
+    auto dropped = drop.active ? buffer(t * t) : nullptr;
+    for (int64_t i = 0; i < t; ++i) {
+      float* row = ph + i * t;
+      float mx = row[0];
+      for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j <= i; ++j) {
+        row[j] = std::exp(row[j] - mx);
+        sum += row[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+      std::fill(row + i + 1, row + t, 0.0f);
+      if (!dropped) continue;
+      float* d = dropped.get() + i * t;
+      drop.row(i, 0, i + 1, d);
+      for (int64_t j = 0; j <= i; ++j) d[j] *= row[j];
+      std::fill(d + i + 1, d + t, 0.0f);
+    }
+    mm(false, false, t, dh, t, 1.0f, dropped ? dropped.get() : ph, t, vh, dh, 0.0f, yh, dh);
+  });
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs, const Tensor& dy,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key) {
+  const Heads hd(q);
+  const int64_t t = hd.t, dh = hd.dh;
+  if (hd.count() == 0 || t == 0) return;
+  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
+    const int64_t off = bh * t * dh;
+    const float* qh = q.data<float>() + off;
+    const float* kh = k.data<float>() + off;
+    const float* vh = v.data<float>() + off;
+    const float* gh = dy.data<float>() + off;
+    const float* ph = probs.data<float>() + bh * t * t;
+    const HeadDropout drop = hd.dropout(bh, p, key);
+    auto ds = buffer(t * t);
+    auto dropped = drop.active ? buffer(t * t) : nullptr;
+    auto factor = drop.active ? buffer(t) : nullptr;
+    // d(dropped probabilities) = dy v^T; then dP = that * mask, dS = P * (dP - rowsum(P * dP)).
+    mm(false, true, t, t, dh, 1.0f, gh, dh, vh, dh, 0.0f, ds.get(), t);
+    for (int64_t i = 0; i < t; ++i) {
+      const float* pr = ph + i * t;
+      float* g = ds.get() + i * t;
+      if (drop.active) {
+        float* d = dropped.get() + i * t;
+        drop.row(i, 0, i + 1, factor.get());
+        for (int64_t j = 0; j <= i; ++j) {
+          d[j] = pr[j] * factor[j];
+          g[j] *= factor[j];
+        }
+        std::fill(d + i + 1, d + t, 0.0f);
+      }
+      const float di = dot(pr, g, i + 1);
+      for (int64_t j = 0; j <= i; ++j) g[j] = pr[j] * (g[j] - di);
+      std::fill(g + i + 1, g + t, 0.0f);
+    }
+    mm(true, false, t, dh, t, 1.0f, drop.active ? dropped.get() : ph, t, gh, dh, 0.0f, dv.data<float>() + off, dh);
+    mm(false, false, t, dh, t, hd.scale, ds.get(), t, kh, dh, 0.0f, dq.data<float>() + off, dh);
+    mm(true, false, t, dh, t, hd.scale, ds.get(), t, qh, dh, 0.0f, dk.data<float>() + off, dh);
+  });
+}
+
+// ---- memory-efficient attention --------------------------------------------------------------
+
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                             float p, const DropoutKey& key) {
+  const Heads hd(q);
+  const int64_t t = hd.t, dh = hd.dh;
+  if (hd.count() == 0 || t == 0) return;
+  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
+    const int64_t off = bh * t * dh;
+    const float* qh = q.data<float>() + off;
+    const float* kh = k.data<float>() + off;
+    const float* vh = v.data<float>() + off;
+    float* yh = y.data<float>() + off;
+    float* lh = lse.data<float>() + bh * t;
+    const HeadDropout drop = hd.dropout(bh, p, key);
+    // Per head: a score tile, the output accumulator of a query tile, its running max and sum.
+    auto s = buffer(kTile * kTile), acc = buffer(kTile * dh), mrow = buffer(kTile), lrow = buffer(kTile),
+         factor = buffer(kTile);
+    for (int64_t i0 = 0; i0 < t; i0 += kTile) {
+      const int64_t nr = std::min(kTile, t - i0);
+      std::fill(acc.get(), acc.get() + nr * dh, 0.0f);
+      std::fill(mrow.get(), mrow.get() + nr, -std::numeric_limits<float>::infinity());
+      std::fill(lrow.get(), lrow.get() + nr, 0.0f);
+      for (int64_t j0 = 0; j0 < i0 + nr; j0 += kTile) {  // key tiles up to the last query row
+        const int64_t nc = std::min(kTile, t - j0);
+        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);  // causal: j <= i
+          float* sr = s.get() + r * kTile;
+          if (valid > 0) {
+            float mt = sr[0];
+            for (int64_t c = 1; c < valid; ++c) mt = std::max(mt, sr[c]);
+            const float mnew = std::max(mrow[r], mt), alpha = std::exp(mrow[r] - mnew);
+            if (alpha != 1.0f) {
+              lrow[r] *= alpha;
+              float* ar = acc.get() + r * dh;
+              for (int64_t c = 0; c < dh; ++c) ar[c] *= alpha;
+            }
+            mrow[r] = mnew;
+            float l = 0.0f;
+            for (int64_t c = 0; c < valid; ++c) {
+              sr[c] = std::exp(sr[c] - mnew);
+              l += sr[c];
+            }
+            lrow[r] += l;
+            if (drop.active) {
+              drop.row(i, j0, valid, factor.get());
+              for (int64_t c = 0; c < valid; ++c) sr[c] *= factor[c];
+            }
+          }
+          std::fill(sr + valid, sr + nc, 0.0f);
+        }
+        mm(false, false, nr, dh, nc, 1.0f, s.get(), kTile, vh + j0 * dh, dh, 1.0f, acc.get(), dh);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const float inv = 1.0f / lrow[r];
+        const float* ar = acc.get() + r * dh;
+        float* yr = yh + (i0 + r) * dh;
+        for (int64_t c = 0; c < dh; ++c) yr[c] = ar[c] * inv;
+        lh[i0 + r] = mrow[r] + std::log(lrow[r]);
+      }
+    }
+  });
+}
+
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                              const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
+                              const DropoutKey& key) {
+  const Heads hd(q);
+  const int64_t t = hd.t, dh = hd.dh;
+  if (hd.count() == 0 || t == 0) return;
+  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
+    const int64_t off = bh * t * dh;
+    const float* qh = q.data<float>() + off;
+    const float* kh = k.data<float>() + off;
+    const float* vh = v.data<float>() + off;
+    const float* yh = y.data<float>() + off;
+    const float* gh = dy.data<float>() + off;
+    const float* lh = lse.data<float>() + bh * t;
+    float* dqh = dq.data<float>() + off;
+    float* dkh = dk.data<float>() + off;
+    float* dvh = dv.data<float>() + off;
+    const HeadDropout drop = hd.dropout(bh, p, key);
+    // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
+    auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
+    for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
+    std::fill(dqh, dqh + t * dh, 0.0f);
+    std::fill(dkh, dkh + t * dh, 0.0f);
+    std::fill(dvh, dvh + t * dh, 0.0f);
+    for (int64_t j0 = 0; j0 < t; j0 += kTile) {
+      const int64_t nc = std::min(kTile, t - j0);
+      for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
+        const int64_t nr = std::min(kTile, t - i0);
+        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+        mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
+          float* sr = s.get() + r * kTile;  // P, then the dropped P
+          float* gr = g.get() + r * kTile;  // d(dropped P), then dS
+          const float li = lh[i], di = drow[i];
+          if (drop.active) drop.row(i, j0, valid, factor.get());
+          for (int64_t c = 0; c < valid; ++c) {
+            const float pr = std::exp(sr[c] - li);
+            const float f = drop.active ? factor[c] : 1.0f;
+            sr[c] = pr * f;
+            gr[c] = pr * (gr[c] * f - di);
+          }
+          std::fill(sr + valid, sr + nc, 0.0f);
+          std::fill(gr + valid, gr + nc, 0.0f);
+        }
+        mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
+        mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
+        mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
+      }
+    }
+  });
+}
+
+}  // namespace strata::ops::cpu

@@ -1,0 +1,428 @@
+// The language-model ops: embedding, the head layout copies, and causal attention (plain and
+// memory-efficient), checked against
+// - a naive double-precision reference written here (forward, backward and the dropout mask,
+//   drawn with rng::uniform from the index formula of ops.hpp);
+// - central finite differences of the float32 forward;
+// - each other: the memory-efficient kernels must match the plain ones within 1e-6 of the
+//   largest magnitude, with and without dropout, on ragged sequence lengths;
+// - themselves: two runs, and runs on 1 and 2 threads, are bit-identical.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/ops.hpp"
+#include "core/rng.hpp"
+
+using namespace strata;
+
+namespace {
+
+Tensor rand_tensor(Shape shape, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  Tensor t = Tensor::empty(std::move(shape));
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
+  return t;
+}
+
+std::vector<double> values(const Tensor& t) {
+  return std::vector<double>(t.data<float>(), t.data<float>() + t.numel());
+}
+
+// max |got - want| / max(max |want|, floor): relative to the tensor's scale; the floor lets an
+// all-zero reference (dq, dk at T = 1: a softmax over one key) compare absolutely.
+double rel_diff(const Tensor& got, const std::vector<double>& want, double floor = 1e-2) {
+  double scale = floor, diff = 0.0;
+  const float* g = got.data<float>();
+  for (size_t i = 0; i < want.size(); ++i) {
+    scale = std::max(scale, std::fabs(want[i]));
+    diff = std::max(diff, std::fabs(g[i] - want[i]));
+  }
+  return diff / scale;
+}
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+struct Shape4 {
+  int64_t b, h, t, dh;
+  Shape heads() const { return {b, h, t, dh}; }
+};
+
+// Attention's inputs and outputs for one shape.
+struct Problem {
+  Shape4 s;
+  Tensor q, k, v, dy;
+  Problem(Shape4 shape, uint32_t seed, float spread = 1.0f) : s(shape) {
+    q = rand_tensor(s.heads(), seed, -spread, spread);
+    k = rand_tensor(s.heads(), seed + 1, -spread, spread);
+    v = rand_tensor(s.heads(), seed + 2);
+    dy = rand_tensor(s.heads(), seed + 3);
+  }
+};
+
+struct Result {
+  Tensor y, dq, dk, dv, saved;  // saved: probs (plain) or lse (flash)
+};
+
+Result run_plain(const Problem& pr, float p, const ops::DropoutKey& key) {
+  Result r;
+  r.y = Tensor::empty(pr.s.heads());
+  r.saved = Tensor::empty({pr.s.b, pr.s.h, pr.s.t, pr.s.t});
+  ops::attention_forward(pr.q, pr.k, pr.v, r.y, r.saved, p, key);
+  r.dq = Tensor::empty(pr.s.heads()), r.dk = Tensor::empty(pr.s.heads()), r.dv = Tensor::empty(pr.s.heads());
+  ops::attention_backward(pr.q, pr.k, pr.v, r.saved, pr.dy, r.dq, r.dk, r.dv, p, key);
+  return r;
+}
+
+Result run_flash(const Problem& pr, float p, const ops::DropoutKey& key) {
+  Result r;
+  r.y = Tensor::empty(pr.s.heads());
+  r.saved = Tensor::empty({pr.s.b, pr.s.h, pr.s.t});
+  ops::flash_attention_forward(pr.q, pr.k, pr.v, r.y, r.saved, p, key);
+  r.dq = Tensor::empty(pr.s.heads()), r.dk = Tensor::empty(pr.s.heads()), r.dv = Tensor::empty(pr.s.heads());
+  ops::flash_attention_backward(pr.q, pr.k, pr.v, r.y, r.saved, pr.dy, r.dq, r.dk, r.dv, p, key);
+  return r;
+}
+
+// The naive reference in double: y, lse, and the gradients of sum(y * dy).
+struct Reference {
+  std::vector<double> y, lse, probs, dq, dk, dv;
+};
+
+Reference reference(const Problem& pr, float p, const ops::DropoutKey& key) {
+  const auto [B, H, T, Dh] = pr.s;
+  const auto q = values(pr.q), k = values(pr.k), v = values(pr.v), g = values(pr.dy);
+  Reference ref;
+  ref.y.assign(q.size(), 0.0), ref.dq.assign(q.size(), 0.0), ref.dk.assign(q.size(), 0.0);
+  ref.dv.assign(q.size(), 0.0), ref.lse.assign(static_cast<size_t>(B * H * T), 0.0);
+  ref.probs.assign(static_cast<size_t>(B * H * T * T), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(Dh)), keep_scale = p < 1.0f ? 1.0 / (1.0 - p) : 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t bh = b * H + h, off = bh * T * Dh;
+      auto at = [&](const std::vector<double>& x, int64_t row, int64_t d) { return x[off + row * Dh + d]; };
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<double> s(i + 1), f(i + 1), pr_row(i + 1);
+        double mx = -1e300;
+        for (int64_t j = 0; j <= i; ++j) {
+          s[j] = 0.0;
+          for (int64_t d = 0; d < Dh; ++d) s[j] += at(q, i, d) * at(k, j, d);
+          s[j] *= scale;
+          mx = std::max(mx, s[j]);
+          const uint64_t index = static_cast<uint64_t>(((key.first_sample + b) * H + h) * T * T + i * T + j);
+          f[j] = p > 0.0f ? (rng::uniform(key.key, key.stream, index) >= p ? keep_scale : 0.0) : 1.0;
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
+        ref.lse[bh * T + i] = mx + std::log(sum);
+        for (int64_t j = 0; j <= i; ++j) {
+          pr_row[j] = std::exp(s[j] - mx) / sum;
+          ref.probs[(bh * T + i) * T + j] = pr_row[j];
+        }
+        // y_i = sum_j P_ij f_ij v_j; dP_ij = f_ij dy_i . v_j; dS = P (dP - sum_j P dP).
+        std::vector<double> dp(i + 1);
+        double row_term = 0.0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double gv = 0.0;
+          for (int64_t d = 0; d < Dh; ++d) {
+            ref.y[off + i * Dh + d] += pr_row[j] * f[j] * at(v, j, d);
+            ref.dv[off + j * Dh + d] += pr_row[j] * f[j] * at(g, i, d);
+            gv += at(g, i, d) * at(v, j, d);
+          }
+          dp[j] = f[j] * gv;
+          row_term += pr_row[j] * dp[j];
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const double ds = pr_row[j] * (dp[j] - row_term) * scale;
+          for (int64_t d = 0; d < Dh; ++d) {
+            ref.dq[off + i * Dh + d] += ds * at(k, j, d);
+            ref.dk[off + j * Dh + d] += ds * at(q, i, d);
+          }
+        }
+      }
+    }
+  }
+  return ref;
+}
+
+const ops::DropoutKey kKey{rng::derive_key(42, rng::kDropout), 7, 3};
+
+}  // namespace
+
+// ---- against the double-precision reference --------------------------------------------------
+
+TEST(Attention, PlainAndFlashMatchTheReference) {
+  for (const Shape4 s : {Shape4{2, 3, 5, 4}, Shape4{1, 2, 13, 8}, Shape4{2, 1, 70, 16}}) {
+    for (const float p : {0.0f, 0.25f}) {
+      SCOPED_TRACE("T=" + std::to_string(s.t) + " Dh=" + std::to_string(s.dh) + " p=" + std::to_string(p));
+      const Problem pr(s, 11, 2.0f);
+      const Reference ref = reference(pr, p, kKey);
+      for (const bool flash : {false, true}) {
+        SCOPED_TRACE(flash ? "flash" : "plain");
+        const Result r = flash ? run_flash(pr, p, kKey) : run_plain(pr, p, kKey);
+        EXPECT_LT(rel_diff(r.y, ref.y), 1e-5);
+        EXPECT_LT(rel_diff(r.dq, ref.dq), 1e-5);
+        EXPECT_LT(rel_diff(r.dk, ref.dk), 1e-5);
+        EXPECT_LT(rel_diff(r.dv, ref.dv), 1e-5);
+        EXPECT_LT(rel_diff(r.saved, flash ? ref.lse : ref.probs), 1e-5);
+      }
+    }
+  }
+}
+
+// Central differences of L = sum(y * r) through the float32 plain forward. Round-off: L sums
+// B*H*T*Dh = 2*2*6*4 terms of O(1), each y carrying ~1e-7 relative error, so a difference
+// quotient with h = 1e-2 carries ~ sqrt(96) * 1e-7 / 2e-2 ~ 5e-5; truncation is h^2 |L'''| / 6
+// ~ 2e-5 for these O(1) inputs. The tolerance 1e-2 relative + 1e-3 absolute is two orders
+// above both, while a wrong term, scale or index gives O(1) errors.
+TEST(Attention, PlainBackwardMatchesFiniteDifferences) {
+  const Shape4 s{2, 2, 6, 4};
+  for (const float p : {0.0f, 0.3f}) {
+    SCOPED_TRACE("p=" + std::to_string(p));
+    Problem pr(s, 21, 1.5f);
+    const Result r = run_plain(pr, p, kKey);
+    auto loss = [&]() {
+      Tensor y = Tensor::empty(s.heads()), probs = Tensor::empty({s.b, s.h, s.t, s.t});
+      ops::attention_forward(pr.q, pr.k, pr.v, y, probs, p, kKey);
+      double l = 0.0;
+      for (int64_t i = 0; i < y.numel(); ++i) l += static_cast<double>(y.data<float>()[i]) * pr.dy.data<float>()[i];
+      return l;
+    };
+    const float h = 1e-2f;
+    for (auto [x, grad, name] : {std::tuple{&pr.q, &r.dq, "dq"}, {&pr.k, &r.dk, "dk"}, {&pr.v, &r.dv, "dv"}}) {
+      for (int64_t i = 0; i < x->numel(); ++i) {
+        float& xi = x->data<float>()[i];
+        const float saved = xi;
+        xi = saved + h;
+        const double up = loss();
+        xi = saved - h;
+        const double down = loss();
+        xi = saved;
+        const double numeric = (up - down) / (2.0 * h), analytic = grad->data<float>()[i];
+        ASSERT_LE(std::fabs(analytic - numeric), 1e-2 * std::max(std::fabs(analytic), std::fabs(numeric)) + 1e-3)
+            << name << "[" << i << "] analytic " << analytic << " numeric " << numeric;
+      }
+    }
+  }
+}
+
+// ---- memory-efficient == plain ----------------------------------------------------------------
+
+TEST(Attention, FlashMatchesPlain) {
+  for (const int64_t t : {1, 7, 64, 257, 1024}) {
+    for (const int64_t dh : {8, 64}) {
+      for (const float p : {0.0f, 0.1f}) {
+        SCOPED_TRACE("T=" + std::to_string(t) + " Dh=" + std::to_string(dh) + " p=" + std::to_string(p));
+        const Problem pr({2, 2, t, dh}, static_cast<uint32_t>(t * 100 + dh), 2.0f);
+        const Result plain = run_plain(pr, p, kKey), flash = run_flash(pr, p, kKey);
+        // At T = 1, dq and dk are exactly 0 (a softmax over one key): both compute it as a
+        // difference of O(1) terms (dy . v - D), so they compare against the O(1) scale of
+        // the inputs there, relative to the gradients' own scale everywhere else.
+        const double floor = t == 1 ? 1.0 : 1e-2;
+        EXPECT_LT(rel_diff(flash.y, values(plain.y)), 1e-6);
+        EXPECT_LT(rel_diff(flash.dq, values(plain.dq), floor), 1e-6);
+        EXPECT_LT(rel_diff(flash.dk, values(plain.dk), floor), 1e-6);
+        EXPECT_LT(rel_diff(flash.dv, values(plain.dv)), 1e-6);
+        std::printf("T=%4lld Dh=%2lld p=%.1f  flash vs plain: y %.2e dq %.2e dk %.2e dv %.2e\n",
+                    static_cast<long long>(t), static_cast<long long>(dh), p, rel_diff(flash.y, values(plain.y)),
+                    rel_diff(flash.dq, values(plain.dq), floor), rel_diff(flash.dk, values(plain.dk), floor),
+                    rel_diff(flash.dv, values(plain.dv)));
+      }
+    }
+  }
+}
+
+// The mask depends on the global sample: the second sample alone (first_sample + 1) gives
+// the same result as in the full batch.
+TEST(Attention, DropoutMaskIsAFunctionOfTheGlobalSample) {
+  const Problem pr({2, 2, 33, 8}, 5);
+  const Result full = run_flash(pr, 0.2f, kKey), plain_full = run_plain(pr, 0.2f, kKey);
+  Problem second = pr;
+  second.s.b = 1;
+  second.q = pr.q.slice(1, 2), second.k = pr.k.slice(1, 2), second.v = pr.v.slice(1, 2), second.dy = pr.dy.slice(1, 2);
+  const ops::DropoutKey shifted{kKey.key, kKey.stream, kKey.first_sample + 1};
+  for (const bool flash : {false, true}) {
+    const Result alone = flash ? run_flash(second, 0.2f, shifted) : run_plain(second, 0.2f, shifted);
+    const Result& ref = flash ? full : plain_full;
+    EXPECT_TRUE(bit_equal(alone.y, ref.y.slice(1, 2)));
+    EXPECT_TRUE(bit_equal(alone.dq, ref.dq.slice(1, 2)));
+    EXPECT_TRUE(bit_equal(alone.dk, ref.dk.slice(1, 2)));
+  }
+  // A different stream (optimizer step) draws a different mask.
+  const Result other = run_flash(pr, 0.2f, {kKey.key, kKey.stream + 1, kKey.first_sample});
+  EXPECT_FALSE(bit_equal(other.y, full.y));
+}
+
+// Two runs are bit-identical. The memory-efficient kernels are also independent of the thread
+// count (heads are independent, and its 64 x 64 tile products are below OpenBLAS's threading
+// threshold); the plain ones are not guaranteed to be: OpenBLAS may round its whole-head
+// products differently on 1 and on 2 threads (~1e-7 relative).
+TEST(Attention, DeterministicAcrossRunsAndThreadCounts) {
+  const Problem pr({2, 3, 150, 64}, 9);
+  const int threads = ops::num_threads();
+  for (const bool flash : {false, true}) {
+    const Result a = flash ? run_flash(pr, 0.1f, kKey) : run_plain(pr, 0.1f, kKey);
+    const Result b = flash ? run_flash(pr, 0.1f, kKey) : run_plain(pr, 0.1f, kKey);
+    ops::set_num_threads(threads == 1 ? 2 : 1);
+    const Result c = flash ? run_flash(pr, 0.1f, kKey) : run_plain(pr, 0.1f, kKey);
+    ops::set_num_threads(threads);
+    for (const Result* o : {&b, &c}) {
+      if (o == &c && !flash) continue;
+      SCOPED_TRACE(std::string(flash ? "flash" : "plain") + (o == &b ? " again" : " other thread count"));
+      EXPECT_TRUE(bit_equal(a.y, o->y));
+      EXPECT_TRUE(bit_equal(a.saved, o->saved));
+      EXPECT_TRUE(bit_equal(a.dq, o->dq));
+      EXPECT_TRUE(bit_equal(a.dk, o->dk));
+      EXPECT_TRUE(bit_equal(a.dv, o->dv));
+    }
+  }
+}
+
+// bf16 tensors: computed in f32 from the rounded inputs, outputs rounded once.
+TEST(Attention, Bf16ComputesInF32) {
+  const Problem pr({1, 2, 40, 16}, 17);
+  Problem rounded = pr;
+  std::vector<Tensor> low;
+  for (Tensor* t : {&rounded.q, &rounded.k, &rounded.v, &rounded.dy}) {
+    Tensor b = Tensor::empty(t->shape(), DType::BF16);
+    ops::cast(*t, b);
+    *t = Tensor::empty(t->shape());
+    ops::cast(b, *t);
+    low.push_back(b);
+  }
+  const Result want = run_flash(rounded, 0.1f, kKey);
+  const Shape sh = pr.s.heads();
+  Tensor y = Tensor::empty(sh, DType::BF16), lse = Tensor::empty({1, 2, 40});
+  Tensor dq = Tensor::empty(sh, DType::BF16), dk = Tensor::empty(sh, DType::BF16), dv = Tensor::empty(sh, DType::BF16);
+  ops::flash_attention_forward(low[0], low[1], low[2], y, lse, 0.1f, kKey);
+  ops::flash_attention_backward(low[0], low[1], low[2], y, lse, low[3], dq, dk, dv, 0.1f, kKey);
+  for (auto [got, ref] : {std::pair{&y, &want.y}, {&dq, &want.dq}, {&dk, &want.dk}, {&dv, &want.dv}}) {
+    Tensor wide = Tensor::empty(sh);
+    ops::cast(*got, wide);
+    EXPECT_LT(rel_diff(wide, values(*ref)), 2e-2);  // bf16 has 8 bits of mantissa (and y rounded before backward)
+  }
+  Tensor probs = Tensor::empty({1, 2, 40, 40}, DType::BF16);  // plain keeps bf16 probabilities
+  ops::attention_forward(low[0], low[1], low[2], y, probs, 0.0f, kKey);
+}
+
+TEST(Attention, RejectsBadArguments) {
+  const Problem pr({1, 2, 8, 4}, 1);
+  Tensor y = Tensor::empty(pr.s.heads()), lse = Tensor::empty({1, 2, 8}), probs = Tensor::empty({1, 2, 8, 7});
+  EXPECT_THROW(ops::attention_forward(pr.q, pr.k, pr.v, y, probs), Error);
+  EXPECT_THROW(ops::flash_attention_forward(pr.q, pr.k, pr.v, y, lse, 1.5f), Error);
+  EXPECT_THROW(ops::flash_attention_forward(pr.q, pr.k, pr.v, pr.q, lse), Error);  // y aliases q
+  EXPECT_THROW(ops::flash_attention_forward(pr.q, pr.k.reshape({2, 8, 4}), pr.v, y, lse), Error);
+}
+
+// ---- embedding ---------------------------------------------------------------------------------
+
+TEST(Embedding, ForwardAndBackwardByHand) {
+  const int64_t V = 5, D = 3, B = 2, T = 3, Tmax = 4;
+  Tensor tokens = Tensor::empty({B, T}, DType::I32);
+  const int32_t tok[] = {4, 1, 4, 0, 4, 2};  // token 4 three times, 3 never
+  std::copy(tok, tok + 6, tokens.data<int32_t>());
+  Tensor wte = Tensor::empty({V, D}), wpe = Tensor::empty({Tmax, D});
+  for (int64_t i = 0; i < V * D; ++i) wte.data<float>()[i] = static_cast<float>(i);              // wte[v][c] = 3v + c
+  for (int64_t i = 0; i < Tmax * D; ++i) wpe.data<float>()[i] = 100.0f * static_cast<float>(i);  // 300t + 100c
+  Tensor y = Tensor::empty({B, T, D});
+  ops::embedding_forward(tokens, wte, wpe, y);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < D; ++c)
+        EXPECT_EQ(y.data<float>()[(b * T + t) * D + c], 3.0f * tok[b * T + t] + c + 300.0f * t + 100.0f * c);
+
+  // dy[b][t][c] = 1000b + 10t + c; gradients accumulate onto 0.5.
+  Tensor dy = Tensor::empty({B, T, D});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < D; ++c) dy.data<float>()[(b * T + t) * D + c] = 1000.0f * b + 10.0f * t + c;
+  Tensor dwte = Tensor::empty({V, D}), dwpe = Tensor::empty({Tmax, D});
+  ops::fill(dwte, 0.5f);
+  ops::fill(dwpe, 0.5f);
+  ops::embedding_backward(tokens, dy, dwte, dwpe);
+  auto g = [](int b, int t, int c) { return 1000.0f * b + 10.0f * t + c; };
+  for (int c = 0; c < D; ++c) {
+    // token 4 at (0,0), (0,2), (1,1); 1 at (0,1); 0 at (1,0); 2 at (1,2); 3 nowhere.
+    EXPECT_EQ(dwte.data<float>()[4 * D + c], 0.5f + g(0, 0, c) + g(0, 2, c) + g(1, 1, c));
+    EXPECT_EQ(dwte.data<float>()[1 * D + c], 0.5f + g(0, 1, c));
+    EXPECT_EQ(dwte.data<float>()[0 * D + c], 0.5f + g(1, 0, c));
+    EXPECT_EQ(dwte.data<float>()[2 * D + c], 0.5f + g(1, 2, c));
+    EXPECT_EQ(dwte.data<float>()[3 * D + c], 0.5f);
+    for (int t = 0; t < T; ++t) EXPECT_EQ(dwpe.data<float>()[t * D + c], 0.5f + g(0, t, c) + g(1, t, c));
+    EXPECT_EQ(dwpe.data<float>()[3 * D + c], 0.5f);  // position 3 >= T untouched
+  }
+  // Either table alone (the other undefined).
+  ops::embedding_backward(tokens, dy, Tensor(), dwpe);
+  EXPECT_EQ(dwpe.data<float>()[0], 0.5f + 2.0f * (g(0, 0, 0) + g(1, 0, 0)));
+}
+
+TEST(Embedding, TokenOutsideTheVocabularyIsAnInputError) {
+  Tensor tokens = Tensor::empty({2, 2}, DType::I32);
+  const int32_t tok[] = {0, 1, 5, 7};
+  std::copy(tok, tok + 4, tokens.data<int32_t>());
+  Tensor wte = rand_tensor({5, 4}, 1), wpe = rand_tensor({2, 4}, 2), y = Tensor::empty({2, 2, 4});
+  try {
+    ops::embedding_forward(tokens, wte, wpe, y);
+    FAIL() << "no error for token 5 with V = 5";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Input);
+    EXPECT_NE(e.message().find("token 5 at (1, 0)"), std::string::npos) << e.message();
+  }
+  tokens.data<int32_t>()[2] = -1;
+  EXPECT_THROW(ops::embedding_forward(tokens, wte, wpe, y), Error);
+  Tensor short_wpe = rand_tensor({1, 4}, 3);  // Tmax < T
+  tokens.data<int32_t>()[2] = 2, tokens.data<int32_t>()[3] = 3;
+  EXPECT_THROW(ops::embedding_forward(tokens, wte, short_wpe, y), Error);
+  ops::embedding_forward(tokens, wte, wpe, y);
+}
+
+// ---- head layout -------------------------------------------------------------------------------
+
+TEST(HeadLayout, SplitMergeRoundTrips) {
+  const int64_t B = 2, T = 5, H = 3, Dh = 4, C = H * Dh;
+  Tensor qkv = rand_tensor({B, T, 3 * C}, 3);
+  Tensor q = Tensor::empty({B, H, T, Dh}), k = Tensor::empty({B, H, T, Dh}), v = Tensor::empty({B, H, T, Dh});
+  ops::split_qkv(qkv, q, k, v);
+  const float* src = qkv.data<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t d = 0; d < Dh; ++d) {
+          const int64_t at = ((b * H + h) * T + t) * Dh + d, from = (b * T + t) * 3 * C + h * Dh + d;
+          ASSERT_EQ(q.data<float>()[at], src[from]);
+          ASSERT_EQ(k.data<float>()[at], src[from + C]);
+          ASSERT_EQ(v.data<float>()[at], src[from + 2 * C]);
+        }
+  Tensor back = Tensor::empty({B, T, 3 * C});
+  ops::merge_qkv(q, k, v, back);
+  EXPECT_TRUE(bit_equal(back, qkv));
+
+  Tensor merged = Tensor::empty({B, T, C}), again = Tensor::empty({B, H, T, Dh});
+  ops::merge_heads(v, merged);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < Dh; ++d)
+          ASSERT_EQ(merged.data<float>()[(b * T + t) * C + h * Dh + d],
+                    v.data<float>()[((b * H + h) * T + t) * Dh + d]);
+  ops::split_heads(merged, again);
+  EXPECT_TRUE(bit_equal(again, v));
+
+  // Any float dtype moves as is.
+  Tensor low = Tensor::empty({B, H, T, Dh}, DType::F16), low_merged = Tensor::empty({B, T, C}, DType::F16);
+  Tensor low_back = Tensor::empty({B, H, T, Dh}, DType::F16);
+  ops::cast(v, low);
+  ops::merge_heads(low, low_merged);
+  ops::split_heads(low_merged, low_back);
+  EXPECT_TRUE(bit_equal(low_back, low));
+  EXPECT_THROW(ops::merge_heads(v, Tensor::empty({B, T, C + 1})), Error);
+}
