@@ -42,38 +42,58 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
 std::string Linear::describe() const { return detail::cat("linear(", in_, "->", out_, ")"); }
 
 Shape Linear::output_shape(const Shape& input) const {
-  STRATA_REQUIRE(input.size() == 1 && input[0] == in_, "layer ", name(), " (", describe(), ") expects input of shape [",
-                 in_, "], found ", shape_str(input));
-  return {out_};
+  STRATA_REQUIRE(!input.empty() && input.back() == in_, "layer ", name(), " (", describe(),
+                 ") expects input of shape [", input.size() > 1 ? "..., " : "", in_, "], found ", shape_str(input));
+  Shape out = input;
+  out.back() = out_;
+  return out;
 }
 
+int64_t Linear::flops(const Shape& input) const { return shape_numel(input) / in_ * in_ * out_; }
+
 std::vector<ParamSpec> Linear::param_specs() const {
-  std::vector<ParamSpec> specs{{"weight", {out_, in_}, Init::FanInUniform, in_}};
-  if (has_bias_) specs.push_back({"bias", {out_}, Init::FanInUniform, in_});
+  std::vector<ParamSpec> specs{{"weight", {out_, in_}, init_, in_, true, std_}};
+  if (has_bias_) {
+    specs.push_back({"bias", {out_}, init_ == Init::Normal ? Init::Zeros : init_, in_});
+    specs.back().no_weight_decay = init_ == Init::Normal;
+  }
   return specs;
+}
+
+void Linear::set_gpt_init(double std) {
+  init_ = Init::Normal;
+  std_ = std;
 }
 
 void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
   bind_weight_and_bias(params, grads, has_bias_, w_, dw_, b_, db_);
 }
 
+// Inputs (B, ..., in) are viewed as (B * ..., in): the map applies to the last dimension.
 Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
-  // x (B, in) @ W^T (in, out) -> y (B, out)
-  Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), x.device());
-  ops::gemm(x, false, w_, true, y);
+  const Tensor x2 = x.ndim() == 2 ? x : x.reshape({x.numel() / in_, in_});
+  // x (N, in) @ W^T (in, out) -> y (N, out)
+  Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), x.device());
+  ops::gemm(x2, false, w_, true, y);
   if (has_bias_) ops::add_bias(y, b_);
-  if (info.mode == Mode::Train) ctx.saved = {x};
-  return y;
+  if (info.mode == Mode::Train) ctx.saved = {x2};
+  if (x.ndim() == 2) return y;
+  ctx.input_shape = x.shape();
+  Shape out = x.shape();
+  out.back() = out_;
+  return y.reshape(out);
 }
 
 Tensor Linear::backward(const Tensor& dy, Context& ctx) {
-  const Tensor x = ctx.saved.at(0);
-  ops::gemm(dy, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
-  if (has_bias_) ops::bias_grad(dy, db_);
+  const Tensor x = ctx.saved.at(0);  // (N, in)
+  const Tensor dy2 = dy.ndim() == 2 ? dy : dy.reshape({x.dim(0), out_});
+  ops::gemm(dy2, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
+  if (has_bias_) ops::bias_grad(dy2, db_);
   Tensor dx;
   if (ctx.input_grad) {
     dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-    ops::gemm(dy, false, w_, false, dx);  // dx (B, in) = dy W
+    ops::gemm(dy2, false, w_, false, dx);  // dx (N, in) = dy W
+    if (dy.ndim() != 2) dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();
   return dx;
@@ -352,7 +372,9 @@ Shape LayerNorm::output_shape(const Shape& input) const {
 }
 
 std::vector<ParamSpec> LayerNorm::param_specs() const {
-  return {{"weight", {features_}, Init::Ones}, {"bias", {features_}, Init::Zeros}};
+  std::vector<ParamSpec> specs{{"weight", {features_}, Init::Ones}, {"bias", {features_}, Init::Zeros}};
+  for (ParamSpec& s : specs) s.no_weight_decay = no_weight_decay_;
+  return specs;
 }
 
 void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {

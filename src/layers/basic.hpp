@@ -7,21 +7,27 @@
 
 namespace strata::layers {
 
-// y = x W^T + b; x (B, in), W (out, in) as in torch.nn.Linear.
+// y = x W^T + b; x (B, in), W (out, in) as in torch.nn.Linear. Inputs with more dimensions
+// (B, T, in) are mapped along the last one, as (B * T, in). The bias takes no weight decay.
 class Linear final : public Layer {
  public:
   Linear(std::string name, int64_t in_features, int64_t out_features, bool bias = true);
+  // GPT-2's init and parameter groups instead of PyTorch's defaults: weight ~ N(0, std^2),
+  // bias 0 and without weight decay (ParamSpec::no_weight_decay).
+  void set_gpt_init(double std);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
-  int64_t flops(const Shape& input) const override { return in_ * out_; }
+  int64_t flops(const Shape& input) const override;
 
  private:
   int64_t in_, out_;
   bool has_bias_;
+  Init init_ = Init::FanInUniform;
+  double std_ = 0.0;
   Tensor w_, b_, dw_, db_;
 };
 
@@ -132,6 +138,8 @@ class BatchNorm2d final : public Layer {
 class LayerNorm final : public Layer {
  public:
   LayerNorm(std::string name, int64_t features, float eps = 1e-5f);
+  // Puts weight and bias in the no-weight-decay group (ParamSpec::no_weight_decay; GPT).
+  void set_no_weight_decay() { no_weight_decay_ = true; }
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -142,6 +150,7 @@ class LayerNorm final : public Layer {
  private:
   int64_t features_;
   float eps_;
+  bool no_weight_decay_ = false;
   Tensor gamma_, beta_, dgamma_, dbeta_;
 };
 

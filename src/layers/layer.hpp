@@ -39,8 +39,9 @@ struct Context {
 };
 
 // How a parameter starts. FanInUniform is PyTorch's default for Linear and Conv weights and
-// biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-enum class Init { FanInUniform, Zeros, Ones };
+// biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). Normal is N(0, std^2) (GPT-2's init), drawn by
+// Box-Muller from the same counter-based uniforms (model.cpp: initialise).
+enum class Init { FanInUniform, Zeros, Ones, Normal };
 
 struct ParamSpec {
   std::string name;  // relative to the layer: "weight", "conv1/weight"
@@ -48,6 +49,11 @@ struct ParamSpec {
   Init init = Init::Zeros;
   int64_t fan_in = 0;
   bool trainable = true;  // false for buffers (BatchNorm running statistics): saved, not optimised
+  double std = 0.0;       // Init::Normal's standard deviation
+  // AdamW/SGD parameter groups (nanoGPT's rule): weight decay applies only to the weights of
+  // Linear-like maps (2-D and up); biases, normalisation scales/shifts and embeddings set this
+  // and are stepped with weight_decay 0 (layers::Optimizer::set_no_decay).
+  bool no_weight_decay = false;
 };
 
 class Layer {
@@ -59,6 +65,9 @@ class Layer {
 
   // The layer's stable name in its model ("conv1"), used for checkpoints.
   const std::string& name() const { return name_; }
+  // What the store puts before the layer's ParamSpec names: "<name>/", or "" for a layer
+  // whose parameter names are already model-level (the GPT embedding's "wte/weight").
+  virtual std::string param_prefix() const { return name_ + "/"; }
   // e.g. "conv2d(1->32, k3 s1 p1)"
   virtual std::string describe() const = 0;
   // Per-sample output shape for a per-sample input shape. Throws an Input error when the

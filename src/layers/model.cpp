@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <sstream>
 
 #include "core/ops.hpp"
 #include "core/rng.hpp"
 #include "layers/basic.hpp"
 #include "layers/composite.hpp"
+#include "layers/gpt.hpp"
 
 namespace strata::layers {
 
@@ -22,8 +24,11 @@ Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes)
     const std::vector<ParamSpec> specs = layers_[i]->param_specs();
     trainable_.push_back(std::any_of(specs.begin(), specs.end(), [](const ParamSpec& s) { return s.trainable; }));
   }
-  STRATA_REQUIRE(shapes_.back() == Shape{num_classes}, "the model's output shape is ", shape_str(shapes_.back()),
-                 " but the dataset has ", num_classes, " classes");
+  // A classifier's output is (K); a language model's (T, V), its classes the vocabulary.
+  const Shape& out = shapes_.back();
+  const bool sequence = !shapes_.front().empty() && out.size() == 2 && out[0] == shapes_.front()[0];
+  STRATA_REQUIRE(out == Shape{num_classes} || (sequence && out[1] == num_classes), "the model's output shape is ",
+                 shape_str(out), " but the dataset has ", num_classes, " classes");
 }
 
 std::string Model::summary() const {
@@ -154,14 +159,91 @@ Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
   return Model(b.take(), input, classes);
 }
 
+// GPT-2 (nanoGPT's layout): wte + wpe, [dropout], blocks h0..h{L-1}, ln_f, lm_head. Each is one
+// top-level layer, so pipeline stages cut between blocks.
+Model build_gpt(const ModelSpec& spec, const Shape& input, int classes) {
+  STRATA_REQUIRE(input.size() == 1 && input[0] >= 1, "model ", spec.name, " expects token sequences [T], found ",
+                 shape_str(input));
+  STRATA_REQUIRE(spec.layers >= 1, "--layers must be positive, found ", spec.layers);
+  STRATA_REQUIRE(spec.embed >= 1, "--embed must be positive, found ", spec.embed);
+  STRATA_REQUIRE(spec.heads >= 1 && spec.embed % spec.heads == 0, "--heads (", spec.heads, ") must divide --embed (",
+                 spec.embed, ")");
+  STRATA_REQUIRE(spec.dropout >= 0.0f && spec.dropout < 1.0f, "--dropout must be in [0, 1), found ", spec.dropout);
+  STRATA_REQUIRE(spec.attention == "flash" || spec.attention == "plain", "--attention must be flash or plain, found '",
+                 spec.attention, "'");
+  const int64_t t = input[0];
+  const int64_t positions = spec.seq_len > 0 ? spec.seq_len : t;
+  STRATA_REQUIRE(t <= positions, "the data's sequences have ", t, " tokens but --seq-len is ", positions);
+  const int64_t vocab = spec.vocab > 0 ? spec.vocab : classes;
+  STRATA_REQUIRE(vocab >= classes, "--vocab ", vocab, " is smaller than the data's vocabulary of ", classes, " tokens");
+  STRATA_REQUIRE(vocab <= INT32_MAX, "--vocab ", vocab, " is too large");
+  const AttentionKind kind = spec.attention == "plain" ? AttentionKind::Plain : AttentionKind::Flash;
+  // GPT-2: the residual projections are scaled by 1/sqrt(2 * layers) at init.
+  const double proj_std = kGptInitStd / std::sqrt(2.0 * spec.layers);
+
+  Builder b(input);
+  auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed);
+  const Embedding* wte = embedding.get();
+  b.add(std::move(embedding));
+  if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
+  for (int i = 0; i < spec.layers; ++i)
+    b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind,
+                            proj_std);
+  auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed);
+  ln_f->set_no_weight_decay();
+  b.add(std::move(ln_f));
+  b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr);
+  return Model(b.take(), input, static_cast<int>(vocab));
+}
+
+struct GptPreset {
+  const char* name;
+  int layers, heads;
+  int64_t embed;
+};
+constexpr GptPreset kGptPresets[] = {
+    {"gpt2-124m", 12, 12, 768},
+    {"gpt2-350m", 24, 16, 1024},
+    {"gpt2-774m", 36, 20, 1280},
+    {"gpt2-1.5b", 48, 25, 1600},
+};
+constexpr int64_t kGpt2SeqLen = 1024, kGpt2Vocab = 50257;
+
 }  // namespace
+
+const std::vector<std::string>& gpt_presets() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const GptPreset& p : kGptPresets) n.emplace_back(p.name);
+    return n;
+  }();
+  return names;
+}
+
+ModelSpec resolve_preset(const ModelSpec& spec) {
+  ModelSpec out = spec;
+  for (const GptPreset& p : kGptPresets)
+    if (spec.name == p.name) {
+      out.layers = p.layers;
+      out.heads = p.heads;
+      out.embed = p.embed;
+      out.seq_len = kGpt2SeqLen;
+      out.vocab = kGpt2Vocab;
+    }
+  return out;
+}
 
 Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes) {
   STRATA_REQUIRE(num_classes >= 2, "a classifier needs at least 2 classes, the dataset has ", num_classes);
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
-  STRATA_THROW_INPUT("--model must be one of mlp, cnn, resnet; found '", spec.name, "'");
+  const std::vector<std::string>& presets = gpt_presets();
+  if (spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end())
+    return build_gpt(resolve_preset(spec), input_shape, num_classes);
+  STRATA_THROW_INPUT(
+      "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; found '", spec.name,
+      "'");
 }
 
 // ---- parameters ------------------------------------------------------------------------------
@@ -194,6 +276,19 @@ void initialise(const Tensor& t, const ParamSpec& spec, const std::string& name,
       for (int64_t i = 0; i < n; ++i) p[i] = (2.0f * rng::uniform(key, stream, i) - 1.0f) * bound;
       break;
     }
+    case Init::Normal: {
+      // Box-Muller on uniforms 2i and 2i+1 of the same (seed, name) stream, in double; 1 - u
+      // lies in (0, 1], so the logarithm is finite (|z| <= 5.8 with 24-bit uniforms).
+      const uint64_t key = rng::derive_key(seed, rng::kInit);
+      const uint64_t stream = fnv1a(name);
+      for (int64_t i = 0; i < n; ++i) {
+        const double u1 = 1.0 - static_cast<double>(rng::uniform(key, stream, 2 * static_cast<uint64_t>(i)));
+        const double u2 = rng::uniform(key, stream, 2 * static_cast<uint64_t>(i) + 1);
+        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+        p[i] = static_cast<float>(spec.std * z);
+      }
+      break;
+    }
   }
 }
 
@@ -206,7 +301,7 @@ std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin,
   for (size_t i = begin; i < end; ++i)
     for (const ParamSpec& s : model.layer(i).param_specs()) {
       int64_t& cursor = s.trainable ? trainable : buffers;
-      entries.push_back({model.layer(i).name() + "/" + s.name, s.shape, cursor, s.trainable, i});
+      entries.push_back({model.layer(i).param_prefix() + s.name, s.shape, cursor, s.trainable, i, s.no_weight_decay});
       cursor = align_up(cursor + shape_numel(s.shape));
     }
   return entries;
@@ -303,6 +398,20 @@ Overlap overlap(const ParamEntry& e, int64_t begin, int64_t end) {
   const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + shape_numel(e.shape), end);
   if (lo >= hi) return {};
   return {lo - e.offset, lo - begin, hi - lo};
+}
+
+std::vector<Optimizer::Range> no_decay_ranges(const std::vector<ParamEntry>& entries, int64_t begin, int64_t end) {
+  std::vector<Optimizer::Range> ranges;
+  for (const ParamEntry& e : entries) {
+    if (!e.trainable || !e.no_weight_decay) continue;
+    const int64_t lo = std::max(e.offset, begin), hi = std::min(align_up(e.offset + shape_numel(e.shape)), end);
+    if (lo >= hi) continue;
+    if (!ranges.empty() && ranges.back().end == lo - begin)
+      ranges.back().end = hi - begin;
+    else
+      ranges.push_back({lo - begin, hi - begin});
+  }
+  return ranges;
 }
 
 Tensor ParameterStore::grad(const ParamEntry& e) const {

@@ -1,5 +1,6 @@
 // A model is a list of top-level layers with their shapes inferred from the dataset's sample
-// shape; a pipeline stage is a contiguous range of it. The zoo builds mlp, cnn and resnet.
+// shape; a pipeline stage is a contiguous range of it. The zoo builds mlp, cnn, resnet and gpt
+// (a GPT-2-style language model; presets gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b).
 // ParameterStore lays out the parameters of a range of layers in one flat buffer, their
 // gradients in another and their non-trained buffers in a third, and binds layers to views.
 #pragma once
@@ -9,19 +10,38 @@
 #include <vector>
 
 #include "layers/layer.hpp"
+#include "layers/optimizer.hpp"
 
 namespace strata::layers {
 
 struct ModelSpec {
-  std::string name = "cnn";                 // mlp | cnn | resnet
+  std::string name = "cnn";                 // mlp | cnn | resnet | gpt | a gpt preset (gpt2-124m, ...)
   std::vector<int64_t> hidden{1024, 1024};  // mlp hidden sizes
   int depth = 20;                           // resnet: 6n + 2
   int width = 16;                           // resnet: channels of the first stage
-  float dropout = 0.0f;                     // mlp/cnn: after each hidden activation
+  // mlp/cnn: after each hidden activation. gpt: after the embedding, on the attention
+  // probabilities, after each residual projection (attention and MLP).
+  float dropout = 0.0f;
+  // gpt (a preset sets layers, heads, embed, seq_len and vocab):
+  int layers = 12;                  // transformer blocks
+  int heads = 12;                   // attention heads; must divide embed
+  int64_t embed = 768;              // model width D
+  int64_t seq_len = 0;              // positions (wpe rows, T max); 0: the data's T
+  int64_t vocab = 0;                // logits per position; 0: the data's (build_model's num_classes),
+                                    // else at least that (padded, e.g. 50304)
+  bool tie_embeddings = true;       // lm_head uses wte (see gpt.hpp: LMHead for the limits)
+  std::string attention = "flash";  // flash (memory-efficient) | plain
 };
+
+// The GPT presets' names and, for one of them, the spec with its shape fields set (layers,
+// heads, embed, seq_len, vocab); any other spec is returned unchanged.
+const std::vector<std::string>& gpt_presets();
+ModelSpec resolve_preset(const ModelSpec& spec);
 
 class Model {
  public:
+  // The output's last dimension must be num_classes: (K) for a classifier, (T, V) for a
+  // language model (classes = vocabulary). The input may be i32 tokens ({T} per sample).
   Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes);
 
   size_t size() const { return layers_.size(); }
@@ -49,6 +69,7 @@ class Model {
   int num_classes_;
 };
 
+// num_classes: the dataset's classes (gpt: its vocabulary; the model's is spec.vocab if set).
 Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes);
 
 struct ParamEntry {
@@ -56,7 +77,8 @@ struct ParamEntry {
   Shape shape;
   int64_t offset = 0;  // elements, in params() or buffers() depending on trainable
   bool trainable = true;
-  size_t layer = 0;  // index of the top-level layer that owns it
+  size_t layer = 0;              // index of the top-level layer that owns it
+  bool no_weight_decay = false;  // ParamSpec::no_weight_decay: stepped without weight decay
 };
 
 // Where entry e's values meet the flat-layout range [begin, end) (a shard, a sharded store):
@@ -66,6 +88,12 @@ struct Overlap {
   int64_t in_entry = 0, in_range = 0, size = 0;
 };
 Overlap overlap(const ParamEntry& e, int64_t begin, int64_t end);
+
+// The elements of the flat-layout range [begin, end) that take no weight decay (entries marked
+// no_weight_decay, each with its alignment padding; neighbours merged), relative to `begin`:
+// what Optimizer::set_no_decay takes for an optimizer over that range. Empty when no entry is
+// marked (every model but gpt).
+std::vector<Optimizer::Range> no_decay_ranges(const std::vector<ParamEntry>& entries, int64_t begin, int64_t end);
 
 class ParameterStore {
  public:

@@ -5,7 +5,7 @@
 
 namespace strata::layers {
 
-Optimizer::Optimizer(const OptimizerConfig& config, int64_t numel, Device device) : config_(config) {
+Optimizer::Optimizer(const OptimizerConfig& config, int64_t numel, Device device) : config_(config), numel_(numel) {
   if (config.name == "sgd") {
     if (config.momentum != 0.0f) state_a_ = Tensor::zeros({numel}, DType::F32, device);
   } else if (config.name == "adamw") {
@@ -16,24 +16,51 @@ Optimizer::Optimizer(const OptimizerConfig& config, int64_t numel, Device device
   }
 }
 
+void Optimizer::set_no_decay(std::vector<Range> ranges) {
+  int64_t cursor = 0;
+  for (const Range& r : ranges) {
+    STRATA_CHECK(r.begin >= cursor && r.begin < r.end && r.end <= numel_, "no-decay range [", r.begin, ", ", r.end,
+                 ") is not sorted, disjoint and within ", numel_, " elements");
+    cursor = r.end;
+  }
+  no_decay_ = std::move(ranges);
+}
+
 void Optimizer::step(const Tensor& params, const Tensor& grads, float lr) {
   ++steps_;
+  if (no_decay_.empty()) {
+    update(params, grads, 0, params.numel(), lr, config_.weight_decay);
+    return;
+  }
+  int64_t cursor = 0;
+  for (const Range& r : no_decay_) {
+    if (r.begin > cursor) update(params, grads, cursor, r.begin, lr, config_.weight_decay);
+    update(params, grads, r.begin, r.end, lr, 0.0f);
+    cursor = r.end;
+  }
+  if (cursor < params.numel()) update(params, grads, cursor, params.numel(), lr, config_.weight_decay);
+}
+
+void Optimizer::update(const Tensor& params, const Tensor& grads, int64_t begin, int64_t end, float lr,
+                       float weight_decay) {
+  const bool whole = begin == 0 && end == params.numel();
+  const auto part = [&](const Tensor& t) { return whole || !t.defined() ? t : t.view(begin, {end - begin}); };
   if (config_.name == "sgd") {
     ops::SgdParams p;
     p.lr = lr;
     p.momentum = config_.momentum;
-    p.weight_decay = config_.weight_decay;
+    p.weight_decay = weight_decay;
     p.nesterov = config_.nesterov;
-    ops::sgd_update(params, grads, state_a_, p);
+    ops::sgd_update(part(params), part(grads), part(state_a_), p);
   } else {
     ops::AdamWParams p;
     p.lr = lr;
     p.beta1 = config_.beta1;
     p.beta2 = config_.beta2;
     p.eps = config_.eps;
-    p.weight_decay = config_.weight_decay;
+    p.weight_decay = weight_decay;
     p.step = steps_;
-    ops::adamw_update(params, grads, state_a_, state_b_, p);
+    ops::adamw_update(part(params), part(grads), part(state_a_), part(state_b_), p);
   }
 }
 

@@ -19,10 +19,24 @@ struct OptimizerConfig {
   float eps = 1e-8f;
 };
 
+// Parameter groups (the AdamW rule of nanoGPT/minGPT): weight decay applies only to the
+// weights of Linear-like maps (2-D and up); parameters marked ParamSpec::no_weight_decay
+// (biases, LayerNorm weight and bias, embeddings: the GPT model marks them) are stepped with
+// weight_decay 0, for SGD and AdamW alike. The flat buffer is stepped in contiguous segments,
+// each with weight_decay or 0; the optimizers are element-wise, so this is the same update as
+// torch.optim with two param groups. Without such ranges (every model but gpt) step() is one
+// update over the whole buffer, exactly as before the groups existed.
 class Optimizer {
  public:
   // State for `numel` elements on `device`, zero-initialised.
   Optimizer(const OptimizerConfig& config, int64_t numel, Device device = Device::cpu());
+  // Elements [begin, end) of the buffers step() receives.
+  struct Range {
+    int64_t begin = 0, end = 0;
+  };
+  // The ranges stepped without weight decay: sorted, disjoint, within [0, numel).
+  void set_no_decay(std::vector<Range> ranges);
+  const std::vector<Range>& no_decay() const { return no_decay_; }
   // One update of params from grads (both `numel` elements) at learning rate lr.
   void step(const Tensor& params, const Tensor& grads, float lr);
   int64_t steps_taken() const { return steps_; }
@@ -32,9 +46,14 @@ class Optimizer {
   std::vector<std::pair<std::string, Tensor>> state() const;
 
  private:
+  // Steps elements [begin, end) with the given weight decay.
+  void update(const Tensor& params, const Tensor& grads, int64_t begin, int64_t end, float lr, float weight_decay);
+
   OptimizerConfig config_;
   int64_t steps_ = 0;
+  int64_t numel_ = 0;
   Tensor state_a_, state_b_;
+  std::vector<Range> no_decay_;
 };
 
 struct LrScheduleConfig {

@@ -49,6 +49,8 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, const 
       dp_(dp),
       shard_(whole_or_shard(ownership, dp, store)),
       inner_(config, shard_.numel(), store.params().device()) {
+  // None for models without parameter groups: then one update over the whole shard.
+  inner_.set_no_decay(layers::no_decay_ranges(store.entries(), shard_.begin, shard_.end));
   const Tensor& params = store.params();
   if (params.dtype() == DType::F32) return;
   // The masters start from the (rounded) initial parameters, identical on every replica.

@@ -92,6 +92,8 @@ class ShardedOptimizer {
   Tensor owned_grads(const Tensor& grads) const;
   // Updates the owned range of params from grads (already summed over replicas), then
   // (stages 1, 2) all-gathers the updated shards in place so every replica holds all parameters.
+  // Parameters marked no_weight_decay are stepped with weight decay 0 (the parameter groups of
+  // layers::Optimizer); the owned range is cut into segments at their boundaries.
   void step(const Tensor& params, const Tensor& grads, float lr);
 
   const Shard& shard() const { return shard_; }

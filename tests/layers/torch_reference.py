@@ -20,6 +20,15 @@ Layout (every tensor float32 unless stated, labels int32):
   /sched/<case>    attrs: the LrScheduleConfig fields, reference ("torch" or "formula");
                    lr (S) in float64
   /clip/<case>     attrs: max_norm; grads (N), clipped (N), norm (scalar, float64)
+  /gpt/<case>      a nanoGPT-style GPT (pre-LN blocks, causal attention by the explicit softmax
+                   formula, exact GELU, ln_f, head tied to wte or not) with Strata's initial
+                   values (GPT-2 init recomputed from (seed, name)); attrs: layers, heads, embed,
+                   seq_len, vocab, tied, seed, lr, beta1, beta2, eps, weight_decay, steps;
+                   datasets: input, labels (int32, (B, T)), params/<name>, logits, loss (mean
+                   over tokens), grads/<name>; then `steps` torch.optim.AdamW steps with two
+                   param groups (decay: 2-D Linear weights; none: biases, LayerNorm,
+                   embeddings) on batches train_input/train_labels (S, B, T): train_loss (S)
+                   before each step, final/<name> the parameters after the last
 
 Parameter names are Strata's ParamEntry names ("fc1/weight", "block2_1/shortcut/bn/running_var");
 h5py turns the slashes into nested groups, which the C++ side opens by the same path.
@@ -97,6 +106,16 @@ def strata_fan_in_uniform(seed, name, shape, fan_in):
     bound = np.float32(1.0) / np.sqrt(np.float32(fan_in))
     u = uniform(derive_key(seed, KINIT), fnv1a(name), n)
     return ((np.float32(2.0) * u - np.float32(1.0)) * bound).astype(np.float32).reshape(shape)
+
+
+def strata_normal(seed, name, shape, std):
+    """Strata's Init::Normal (model.cpp: initialise): Box-Muller on uniforms 2i, 2i+1, in double."""
+    n = int(np.prod(shape))
+    u = uniform(derive_key(seed, KINIT), fnv1a(name), 2 * n).astype(np.float64)
+    u1 = 1.0 - u[0::2]
+    u2 = u[1::2]
+    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    return (std * z).astype(np.float32).reshape(shape)
 
 
 def dropout_keep(seed, step, index, first_sample, batch, sample_numel, p):
@@ -568,6 +587,156 @@ def optim_cases(root):
         put(c, "norm", float(norm), np.float64)
 
 
+# ---- GPT (nanoGPT's model, written out) ------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        return self.c_proj(y)
+
+
+class GptMlp(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GptBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = GptMlp(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt(nn.Module):
+    def __init__(self, layers, heads, d, seq_len, vocab, tied):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq_len, d)
+        self.h = nn.ModuleList(GptBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+        self.tied = tied
+        self.layers = layers
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+    def strata_params(self):
+        """(Strata name, parameter, init std or None for LayerNorm/bias, decays)."""
+        out = [("wte/weight", self.wte.weight), ("wpe/weight", self.wpe.weight)]
+        for i, blk in enumerate(self.h):
+            pre = "h%d/" % i
+            for name, mod in (("ln_1", blk.ln_1), ("attn/c_attn", blk.attn.c_attn), ("attn/c_proj", blk.attn.c_proj),
+                              ("ln_2", blk.ln_2), ("mlp/c_fc", blk.mlp.c_fc), ("mlp/c_proj", blk.mlp.c_proj)):
+                out += [(pre + name + "/weight", mod.weight), (pre + name + "/bias", mod.bias)]
+        out += [("ln_f/weight", self.ln_f.weight), ("ln_f/bias", self.ln_f.bias)]
+        if not self.tied:
+            out.append(("lm_head/weight", self.lm_head.weight))
+        return out
+
+    def strata_init(self, seed):
+        """GPT-2's init as Strata draws it (gpt.hpp): N(0, 0.02), residual projections
+        N(0, 0.02 / sqrt(2 * layers)), biases 0, LayerNorm 1 / 0."""
+        proj_std = 0.02 / math.sqrt(2.0 * self.layers)
+        with torch.no_grad():
+            for name, p in self.strata_params():
+                if "ln_" in name:
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    std = proj_std if name.endswith("c_proj/weight") else 0.02
+                    p.copy_(t(strata_normal(seed, name, tuple(p.shape), std)))
+
+    @staticmethod
+    def decays(name, p):
+        return p.dim() >= 2 and not name.startswith("wte/") and not name.startswith("wpe/")
+
+
+def gpt_cases(root):
+    g = root.create_group("gpt")
+    layers, heads, d, seq_len, vocab, batch, seed = 2, 2, 32, 16, 256, 2, 1234
+    lr, beta1, beta2, eps, wd, steps = 3e-3, 0.9, 0.95, 1e-8, 0.1, 20
+    for name, tied in (("tied", True), ("untied", False)):
+        torch.manual_seed(0)
+        model = Gpt(layers, heads, d, seq_len, vocab, tied)
+        model.strata_init(seed)
+        named = model.strata_params()
+        c = g.create_group(name)
+        set_attrs(c, layers=layers, heads=heads, embed=d, seq_len=seq_len, vocab=vocab, tied=tied, seed=seed, lr=lr,
+                  beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, steps=steps)
+        pg = c.create_group("params")
+        for pname, p in named:
+            put(pg, pname, p.detach().numpy())
+        x = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
+        y = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
+        put(c, "input", x, np.int32)
+        put(c, "labels", y, np.int32)
+        logits = model(torch.tensor(x, dtype=torch.int64))
+        loss = F.cross_entropy(logits.view(-1, vocab), torch.tensor(y, dtype=torch.int64).view(-1))
+        loss.backward()
+        put(c, "logits", logits.detach().numpy())
+        put(c, "loss", loss.detach().numpy())
+        gg = c.create_group("grads")
+        for pname, p in named:
+            put(gg, pname, p.grad.numpy())
+
+        # AdamW with nanoGPT's two parameter groups, from the same initial values.
+        model.zero_grad(set_to_none=True)
+        decay = [p for n, p in named if Gpt.decays(n, p)]
+        no_decay = [p for n, p in named if not Gpt.decays(n, p)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=lr, betas=(beta1, beta2), eps=eps)
+        # Two batches in turn, so the loss falls fast enough (memorisation) for the optimizer's
+        # details, the groups included, to show in it.
+        xs = np.stack([x, y] * (steps // 2))
+        ys = np.stack([y, x] * (steps // 2))
+        losses = []
+        for s in range(steps):
+            opt.zero_grad(set_to_none=True)
+            out = model(torch.tensor(xs[s], dtype=torch.int64))
+            l = F.cross_entropy(out.view(-1, vocab), torch.tensor(ys[s], dtype=torch.int64).view(-1))
+            l.backward()
+            opt.step()
+            losses.append(l.item())
+        put(c, "train_input", xs, np.int32)
+        put(c, "train_labels", ys, np.int32)
+        put(c, "train_loss", losses, np.float64)
+        fg = c.create_group("final")
+        for pname, p in named:
+            put(fg, pname, p.detach().numpy())
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: torch_reference.py OUT.h5")
@@ -576,6 +745,7 @@ def main():
         layer_cases(f)
         model_cases(f)
         optim_cases(f)
+        gpt_cases(f)
     print("wrote", sys.argv[1])
 
 

@@ -1,0 +1,354 @@
+// GPT layers: embedding, causal self-attention, transformer block, language-model head.
+#include "layers/gpt.hpp"
+
+#include "core/rng.hpp"
+
+namespace strata::layers {
+
+namespace {
+
+ParamSpec normal(std::string name, Shape shape, double std, bool no_weight_decay) {
+  ParamSpec s{std::move(name), std::move(shape), Init::Normal};
+  s.std = std;
+  s.no_weight_decay = no_weight_decay;
+  return s;
+}
+
+// The specs of `child`, named "<prefix>/<name>".
+void append_specs(std::vector<ParamSpec>& specs, const std::string& prefix, const Layer& child) {
+  for (ParamSpec s : child.param_specs()) {
+    s.name = prefix + "/" + s.name;
+    specs.push_back(std::move(s));
+  }
+}
+
+// Binds `child` to the next param_specs().size() views from `offset`.
+void bind_child(Layer& child, std::span<const Tensor> params, std::span<const Tensor> grads, size_t& offset) {
+  const size_t n = child.param_specs().size();
+  child.bind(params.subspan(offset, n), grads.subspan(offset, n));
+  offset += n;
+}
+
+std::unique_ptr<Linear> gpt_linear(std::string name, int64_t in, int64_t out, double std) {
+  auto l = std::make_unique<Linear>(std::move(name), in, out, true);
+  l->set_gpt_init(std);
+  return l;
+}
+
+std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std) {
+  std::vector<LayerPtr> layers;
+  layers.push_back(gpt_linear("c_fc", embed, 4 * embed, kGptInitStd));
+  layers.push_back(std::make_unique<ActivationLayer>("gelu", Activation::GELU));
+  layers.push_back(gpt_linear("c_proj", 4 * embed, embed, proj_std));
+  if (dropout > 0) layers.push_back(std::make_unique<Dropout>("dropout", dropout));
+  return layers;
+}
+
+void require_sequence(const Layer& layer, const Shape& input, int64_t embed) {
+  STRATA_REQUIRE(input.size() == 2 && input[1] == embed, "layer ", layer.name(), " (", layer.describe(),
+                 ") expects a sequence [T, ", embed, "], found ", shape_str(input));
+}
+
+}  // namespace
+
+// ---- Embedding -------------------------------------------------------------------------------
+
+Embedding::Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed)
+    : Layer(std::move(name)), vocab_(vocab), max_positions_(max_positions), embed_(embed) {
+  STRATA_REQUIRE(vocab > 0 && max_positions > 0 && embed > 0, "embedding sizes must be positive, found vocab ", vocab,
+                 ", positions ", max_positions, ", width ", embed);
+}
+
+std::string Embedding::describe() const {
+  return detail::cat("embedding(vocab ", vocab_, ", positions ", max_positions_, ", ", embed_, ")");
+}
+
+Shape Embedding::output_shape(const Shape& input) const {
+  STRATA_REQUIRE(input.size() == 1 && input[0] >= 1 && input[0] <= max_positions_, "layer ", name(), " (", describe(),
+                 ") expects token sequences [T] with 1 <= T <= ", max_positions_, ", found ", shape_str(input));
+  return {input[0], embed_};
+}
+
+std::vector<ParamSpec> Embedding::param_specs() const {
+  return {normal("wte/weight", {vocab_, embed_}, kGptInitStd, true),
+          normal("wpe/weight", {max_positions_, embed_}, kGptInitStd, true)};
+}
+
+void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  wte_ = params[0];
+  wpe_ = params[1];
+  dwte_ = grads[0];
+  dwpe_ = grads[1];
+}
+
+int64_t Embedding::flops(const Shape& input) const { return shape_numel(input) * embed_; }
+
+Tensor Embedding::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  STRATA_REQUIRE(x.dtype() == DType::I32 && x.ndim() == 2, "layer ", name(), " expects i32 tokens (B, T), found ",
+                 x.str());
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1), embed_}, wte_.dtype(), x.device());
+  ops::embedding_forward(x, wte_, wpe_, y);
+  if (info.mode == Mode::Train) ctx.saved = {x};
+  return y;
+}
+
+Tensor Embedding::backward(const Tensor& dy, Context& ctx) {
+  ops::embedding_backward(ctx.saved.at(0), dy, dwte_, dwpe_);
+  ctx.clear();
+  return Tensor();  // tokens have no gradient
+}
+
+// ---- CausalSelfAttention ---------------------------------------------------------------------
+
+CausalSelfAttention::CausalSelfAttention(std::string name, int64_t embed, int64_t heads, float dropout,
+                                         AttentionKind kind, double proj_std)
+    : Layer(std::move(name)),
+      embed_(embed),
+      heads_(heads),
+      p_(dropout),
+      kind_(kind),
+      c_attn_("c_attn", embed, 3 * embed),
+      c_proj_("c_proj", embed, embed),
+      resid_drop_("resid_dropout", dropout) {
+  STRATA_REQUIRE(heads > 0 && embed > 0 && embed % heads == 0, "--heads (", heads, ") must divide --embed (", embed,
+                 ")");
+  c_attn_.set_gpt_init(kGptInitStd);
+  c_proj_.set_gpt_init(proj_std);
+}
+
+std::string CausalSelfAttention::describe() const {
+  return detail::cat("causal_self_attention(", embed_, ", heads ", heads_, ", ",
+                     kind_ == AttentionKind::Flash ? "flash" : "plain", p_ > 0 ? detail::cat(", dropout ", p_) : "",
+                     ")");
+}
+
+Shape CausalSelfAttention::output_shape(const Shape& input) const {
+  require_sequence(*this, input, embed_);
+  return input;
+}
+
+std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "c_attn", c_attn_);
+  append_specs(specs, "c_proj", c_proj_);
+  return specs;
+}
+
+void CausalSelfAttention::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  size_t offset = 0;
+  bind_child(c_attn_, params, grads, offset);
+  bind_child(c_proj_, params, grads, offset);
+}
+
+int64_t CausalSelfAttention::flops(const Shape& input) const {
+  const int64_t t = input.at(0);
+  // Projections, then q k^T and p v over the causal half of the T x T scores.
+  return c_attn_.flops(input) + c_proj_.flops(input) + t * t * embed_;
+}
+
+void CausalSelfAttention::set_index(int index) {
+  Layer::set_index(index);  // keys the attention dropout
+  resid_drop_.set_index(index * 1024 + 1);
+}
+
+ops::DropoutKey CausalSelfAttention::key(const StepInfo& info) const {
+  ops::DropoutKey k;
+  k.key = rng::derive_key(rng::derive_key(info.seed, rng::kDropout), static_cast<uint64_t>(index()));
+  k.stream = static_cast<uint64_t>(info.step);
+  k.first_sample = info.first_sample;
+  return k;
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  const int64_t b = x.dim(0), t = x.dim(1), h = heads_, dh = embed_ / heads_;
+  ctx.children.resize(3);
+  const Tensor qkv = c_attn_.forward(x, ctx.children[0], info);  // (B, T, 3D)
+  const Shape heads{b, h, t, dh};
+  Tensor q = Tensor::empty(heads, x.dtype(), x.device());
+  Tensor k = Tensor::empty(heads, x.dtype(), x.device());
+  Tensor v = Tensor::empty(heads, x.dtype(), x.device());
+  ops::split_qkv(qkv, q, k, v);
+  const bool train = info.mode == Mode::Train;
+  const float p = train ? p_ : 0.0f;
+  Tensor y = Tensor::empty(heads, x.dtype(), x.device());
+  Tensor stats;  // flash: the rows' log-sum-exp (B, H, T); plain: the probabilities (B, H, T, T)
+  if (kind_ == AttentionKind::Flash) {
+    stats = Tensor::empty({b, h, t}, DType::F32, x.device());
+    ops::flash_attention_forward(q, k, v, y, stats, p, key(info));
+  } else {
+    stats = Tensor::empty({b, h, t, t}, DType::F32, x.device());
+    ops::attention_forward(q, k, v, y, stats, p, key(info));
+  }
+  Tensor merged = Tensor::empty({b, t, embed_}, x.dtype(), x.device());
+  ops::merge_heads(y, merged);
+  const Tensor out = c_proj_.forward(merged, ctx.children[1], info);
+  if (train) {
+    ctx.saved = {q, k, v, y, stats};
+    ctx.info = info;
+  }
+  return resid_drop_.forward(out, ctx.children[2], info);
+}
+
+Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
+  const Tensor q = ctx.saved.at(0), k = ctx.saved.at(1), v = ctx.saved.at(2), y = ctx.saved.at(3),
+               stats = ctx.saved.at(4);
+  const Tensor dout = resid_drop_.backward(dy, ctx.children[2]);
+  ctx.children[1].input_grad = true;
+  const Tensor dmerged = c_proj_.backward(dout, ctx.children[1]);  // (B, T, D)
+  Tensor dyh = Tensor::empty(y.shape(), dmerged.dtype(), dmerged.device());
+  ops::split_heads(dmerged, dyh);
+  Tensor dq = Tensor::empty(q.shape(), q.dtype(), q.device());
+  Tensor dk = Tensor::empty(k.shape(), k.dtype(), k.device());
+  Tensor dv = Tensor::empty(v.shape(), v.dtype(), v.device());
+  if (kind_ == AttentionKind::Flash)
+    ops::flash_attention_backward(q, k, v, y, stats, dyh, dq, dk, dv, p_, key(ctx.info));
+  else
+    ops::attention_backward(q, k, v, stats, dyh, dq, dk, dv, p_, key(ctx.info));
+  Tensor dqkv = Tensor::empty({q.dim(0), q.dim(2), 3 * embed_}, q.dtype(), q.device());
+  ops::merge_qkv(dq, dk, dv, dqkv);
+  ctx.children[0].input_grad = ctx.input_grad;
+  Tensor dx = c_attn_.backward(dqkv, ctx.children[0]);
+  ctx.clear();
+  return dx;
+}
+
+// ---- TransformerBlock ------------------------------------------------------------------------
+
+TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout, AttentionKind kind,
+                                   double proj_std)
+    : Layer(std::move(name)),
+      ln_1_("ln_1", embed),
+      attn_("attn", embed, heads, dropout, kind, proj_std),
+      ln_2_("ln_2", embed),
+      mlp_("mlp", mlp_layers(embed, dropout, proj_std)) {
+  ln_1_.set_no_weight_decay();
+  ln_2_.set_no_weight_decay();
+}
+
+std::string TransformerBlock::describe() const {
+  return "transformer_block(" + attn_.describe() + ", mlp " + mlp_.describe() + ")";
+}
+
+Shape TransformerBlock::output_shape(const Shape& input) const {
+  const Shape h = attn_.output_shape(ln_1_.output_shape(input));
+  return mlp_.output_shape(ln_2_.output_shape(h));
+}
+
+std::vector<ParamSpec> TransformerBlock::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "ln_1", ln_1_);
+  append_specs(specs, "attn", attn_);
+  append_specs(specs, "ln_2", ln_2_);
+  append_specs(specs, "mlp", mlp_);
+  return specs;
+}
+
+void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  size_t offset = 0;
+  bind_child(ln_1_, params, grads, offset);
+  bind_child(attn_, params, grads, offset);
+  bind_child(ln_2_, params, grads, offset);
+  bind_child(mlp_, params, grads, offset);
+}
+
+int64_t TransformerBlock::flops(const Shape& input) const { return attn_.flops(input) + mlp_.flops(input); }
+
+void TransformerBlock::set_index(int index) {
+  Layer::set_index(index);
+  ln_1_.set_index(index * 1024 + 1);
+  attn_.set_index(index * 1024 + 2);
+  ln_2_.set_index(index * 1024 + 3);
+  mlp_.set_index(index * 1024 + 4);
+}
+
+Tensor TransformerBlock::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  ctx.children.resize(4);
+  std::vector<Context>& c = ctx.children;
+  const Tensor a = attn_.forward(ln_1_.forward(x, c[0], info), c[1], info);
+  Tensor h = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::add(x, a, h);
+  const Tensor m = mlp_.forward(ln_2_.forward(h, c[2], info), c[3], info);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ops::add(h, m, y);
+  return y;
+}
+
+Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
+  std::vector<Context>& c = ctx.children;
+  for (Context& child : c) child.input_grad = true;  // the residual paths need every branch's dx
+  const Tensor dm = ln_2_.backward(mlp_.backward(dy, c[3]), c[2]);
+  Tensor dh = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
+  ops::add(dy, dm, dh);
+  Tensor dx = ln_1_.backward(attn_.backward(dh, c[1]), c[0]);
+  ops::axpy(1.0f, dh, dx);
+  ctx.clear();
+  return dx;
+}
+
+// ---- LMHead ----------------------------------------------------------------------------------
+
+LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to)
+    : Layer(std::move(name)), embed_(embed), vocab_(vocab), tied_(tie_to) {
+  if (tie_to)
+    STRATA_CHECK(tie_to->embed() == embed && tie_to->vocab() == vocab, "tied head (", embed, " -> ", vocab,
+                 ") does not fit the embedding ", tie_to->describe());
+}
+
+std::string LMHead::describe() const {
+  return detail::cat("lm_head(", embed_, "->", vocab_, tied_ ? ", tied to wte" : "", ")");
+}
+
+Shape LMHead::output_shape(const Shape& input) const {
+  STRATA_REQUIRE(!input.empty() && input.back() == embed_, "layer ", name(), " (", describe(),
+                 ") expects input of shape [..., ", embed_, "], found ", shape_str(input));
+  Shape out = input;
+  out.back() = vocab_;
+  return out;
+}
+
+std::vector<ParamSpec> LMHead::param_specs() const {
+  if (tied_) return {};
+  return {normal("weight", {vocab_, embed_}, kGptInitStd, false)};
+}
+
+void LMHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  if (tied_) return;
+  w_ = params[0];
+  dw_ = grads[0];
+}
+
+const Tensor& LMHead::weight() const { return tied_ ? tied_->wte() : w_; }
+const Tensor& LMHead::weight_grad() const { return tied_ ? tied_->dwte() : dw_; }
+
+int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * vocab_; }
+
+Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  const Tensor& w = weight();
+  STRATA_CHECK(w.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "weight is not bound");
+  const Tensor x2 = x.reshape({x.numel() / embed_, embed_});
+  Tensor y = Tensor::empty({x2.dim(0), vocab_}, x.dtype(), x.device());
+  ops::gemm(x2, false, w, true, y);  // (N, D) @ (V, D)^T
+  if (info.mode == Mode::Train) ctx.saved = {x2};
+  ctx.input_shape = x.shape();
+  Shape out = x.shape();
+  out.back() = vocab_;
+  return y.reshape(out);
+}
+
+Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
+  const Tensor x2 = ctx.saved.at(0);
+  const Tensor dy2 = dy.reshape({x2.dim(0), vocab_});
+  const Tensor& dw = weight_grad();
+  STRATA_CHECK(dw.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "gradient is not bound");
+  ops::gemm(dy2, true, x2, false, dw, 1.0f, 1.0f);  // dW (V, D) += dy^T x
+  Tensor dx;
+  if (ctx.input_grad) {
+    dx = Tensor::empty(x2.shape(), x2.dtype(), x2.device());
+    ops::gemm(dy2, false, weight(), false, dx);  // dx (N, D) = dy W
+    dx = dx.reshape(ctx.input_shape);
+  }
+  ctx.clear();
+  return dx;
+}
+
+}  // namespace strata::layers
