@@ -287,6 +287,8 @@ Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
 
 // ---- LMHead ----------------------------------------------------------------------------------
 
+const Layer* LMHead::shares_parameters_with() const { return tied_; }
+
 LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to)
     : Layer(std::move(name)), embed_(embed), vocab_(vocab), tied_(tie_to) {
   if (tie_to)

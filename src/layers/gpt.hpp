@@ -116,6 +116,7 @@ class LMHead final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   bool tied() const { return tied_ != nullptr; }
+  const Layer* shares_parameters_with() const override;
 
  private:
   const Tensor& weight() const;

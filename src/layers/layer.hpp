@@ -81,6 +81,9 @@ class Layer {
   // Accumulates parameter gradients and returns dx (undefined if !ctx.input_grad and the layer
   // skips it). Consumes ctx.
   virtual Tensor backward(const Tensor& dy, Context& ctx) = 0;
+  // The layer whose parameters this one also uses (a tied LM head: the token embedding), or
+  // null. Tied layers must share a pipeline stage and their views must not be rebound.
+  virtual const Layer* shares_parameters_with() const { return nullptr; }
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }
 

@@ -20,6 +20,14 @@ int64_t used_elements(const layers::Model& model, StageRange stage) {
 DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRange stage,
                            const DataParallelConfig& config)
     : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
+  // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass; a
+  // layer using another's views would keep stale ones. Checked over the whole model, so every
+  // rank fails alike.
+  for (size_t i = 0; i < model.size(); ++i)
+    STRATA_REQUIRE(!model.layer(i).shares_parameters_with() || !ownership_.shards_grads(), "layer ",
+                   model.layer(i).name(), " shares its weights with ", model.layer(i).shares_parameters_with()->name(),
+                   ": tied weights with --zero ", config.zero,
+                   " are not supported yet; use --zero 0 or 1, or --tie-embeddings false");
   // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
   // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
   // S-element shard (elements replica*S onwards) and ParameterGather the windows. The full

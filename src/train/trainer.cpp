@@ -64,7 +64,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   replica_ = grid_->replica();
   stage_ = grid_->stage();
 
-  const int64_t seq_len = config_.model.seq_len;  // token data: windows of the model's length
+  // Token data: windows of --seq-len tokens, else the preset's context length.
+  const int64_t seq_len =
+      config_.model.seq_len > 0 ? config_.model.seq_len : layers::resolve_preset(config_.model).seq_len;
   if (!config_.data.empty()) train_data_ = io::open_samples(config_.data, "--data", seq_len);
   if (!config_.val_data.empty()) val_data_ = io::open_samples(config_.val_data, "--val-data", seq_len);
   const io::Samples& shape_source = train_data_ ? *train_data_ : *val_data_;
@@ -83,7 +85,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
-  model_ = std::make_unique<layers::Model>(layers::build_model(config_.model, shape_source.input_shape(), num_classes_));
+  model_ =
+      std::make_unique<layers::Model>(layers::build_model(config_.model, shape_source.input_shape(), num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   range_ = stages_[static_cast<size_t>(stage_)];
   replica_state_ = std::make_unique<parallel::DataParallel>(
@@ -145,8 +148,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   });
 
   log::info("model ", config_.model.name, ", input ", shape_str(shape_source.input_shape()), ", ", num_classes_,
-            " classes\n",
-            model_->summary());
+            " classes\n", model_->summary());
   print_plan();
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
@@ -423,7 +425,9 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
           return to_compute(x);
         },
         input_shape,
-        [&](const Tensor& x) { return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b}); });
+        [&](const Tensor& x) {
+          return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
+        });
     if (!last_stage() || !counted) continue;
     if (!first_stage()) io::read_range(data, b, b + count, Tensor(), y);
     const Tensor labels = to_device(y);

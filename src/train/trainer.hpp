@@ -10,9 +10,9 @@
 
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
-#include "io/samples.hpp"
 #include "io/metrics.hpp"
 #include "io/sampler.hpp"
+#include "io/samples.hpp"
 #include "layers/loss.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
