@@ -233,14 +233,17 @@ ModelSpec resolve_preset(const ModelSpec& spec) {
   return out;
 }
 
+bool is_language_model(const ModelSpec& spec) {
+  const std::vector<std::string>& presets = gpt_presets();
+  return spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end();
+}
+
 Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes) {
   STRATA_REQUIRE(num_classes >= 2, "a classifier needs at least 2 classes, the dataset has ", num_classes);
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
-  const std::vector<std::string>& presets = gpt_presets();
-  if (spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end())
-    return build_gpt(resolve_preset(spec), input_shape, num_classes);
+  if (is_language_model(spec)) return build_gpt(resolve_preset(spec), input_shape, num_classes);
   STRATA_THROW_INPUT(
       "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; found '", spec.name,
       "'");

@@ -37,6 +37,8 @@ struct ModelSpec {
 // heads, embed, seq_len, vocab); any other spec is returned unchanged.
 const std::vector<std::string>& gpt_presets();
 ModelSpec resolve_preset(const ModelSpec& spec);
+// True for "gpt" and the presets: a language model, which reads token windows.
+bool is_language_model(const ModelSpec& spec);
 
 class Model {
  public:

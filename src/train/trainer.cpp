@@ -65,8 +65,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   stage_ = grid_->stage();
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
-  const int64_t seq_len =
-      config_.model.seq_len > 0 ? config_.model.seq_len : layers::resolve_preset(config_.model).seq_len;
+  const int64_t seq_len = !layers::is_language_model(config_.model) ? 0
+                          : config_.model.seq_len > 0               ? config_.model.seq_len
+                                                                    : layers::resolve_preset(config_.model).seq_len;
   if (!config_.data.empty()) train_data_ = io::open_samples(config_.data, "--data", seq_len);
   if (!config_.val_data.empty()) val_data_ = io::open_samples(config_.val_data, "--val-data", seq_len);
   const io::Samples& shape_source = train_data_ ? *train_data_ : *val_data_;
