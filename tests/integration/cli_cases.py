@@ -8,14 +8,16 @@ stderr naming what was expected and what was found, no crash or traceback.
 
 The cases live by topic in cases_cli.py (command line, bad inputs, divergence, rank failure),
 cases_parallel.py (DDP, pipeline, ZeRO), cases_checkpoint.py (resume, bad checkpoints,
-preemption, export) and cases_accuracy.py (Fashion-MNIST, mixed precision), on the helpers
+preemption, export), cases_accuracy.py (Fashion-MNIST, mixed precision) and cases_gpt.py (the
+GPT language model: layouts, resume, learning, bad inputs, torch export), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
 import cases_checkpoint
 import cases_cli
+import cases_gpt
 import cases_parallel
 import harness
 
 if __name__ == "__main__":
-    harness.main([cases_cli, cases_parallel, cases_checkpoint, cases_accuracy])
+    harness.main([cases_cli, cases_parallel, cases_checkpoint, cases_accuracy, cases_gpt])
