@@ -113,11 +113,7 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   STRATA_REQUIRE(fs::exists(path_, ec), "checkpoint '", path_, "' does not exist");
   STRATA_REQUIRE(!fs::is_directory(path_, ec), "checkpoint '", path_,
                  "' is a directory; expected a step-NNNNNNNN.h5 file (or --resume auto with --checkpoint-dir)");
-  htri_t is_h5 = H5Fis_hdf5(path_.c_str());
-  STRATA_REQUIRE(is_h5 >= 0, "checkpoint '", path_, "' cannot be read (", h5::last_error(), ")");
-  STRATA_REQUIRE(is_h5 > 0, "checkpoint '", path_, "' is not an HDF5 file");
-  file_ = h5::File(H5Fopen(path_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  STRATA_REQUIRE(file_.valid(), "checkpoint '", path_, "' cannot be opened (", h5::last_error(), ")");
+  file_ = h5::open_readonly(path_, "checkpoint '" + path_ + "' ");
   STRATA_REQUIRE(h5::has_attr(file_, "format_version"), "'", path_,
                  "' is not a Strata checkpoint (no format_version attribute)");
   const int64_t version = attr_int("format_version");

@@ -42,11 +42,7 @@ struct Shard {
 Shard open_shard(const std::string& path) {
   Shard s;
   s.path = path;
-  htri_t is_h5 = H5Fis_hdf5(path.c_str());
-  STRATA_REQUIRE(is_h5 >= 0, "cannot be read (", h5::last_error(), ")");
-  STRATA_REQUIRE(is_h5 > 0, "is not an HDF5 file");
-  s.file = h5::File(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  STRATA_REQUIRE(s.file.valid(), "cannot be opened (", h5::last_error(), ")");
+  s.file = h5::open_readonly(path);
   for (const char* name : {"inputs", "labels"})
     STRATA_REQUIRE(h5::exists(s.file, name), "has no dataset '", name,
                    "' (expected 'inputs' [N, ...] and 'labels' [N])");

@@ -160,4 +160,13 @@ void write_attr(hid_t obj, const std::string& name, const std::string& value) {
   put_attr(obj, name, type, type, scalar_space(), &s);
 }
 
+File open_readonly(const std::string& path, const std::string& what) {
+  const htri_t is_h5 = H5Fis_hdf5(path.c_str());
+  STRATA_REQUIRE(is_h5 >= 0, what, "cannot be read (", last_error(), ")");
+  STRATA_REQUIRE(is_h5 > 0, what, "is not an HDF5 file");
+  File file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  STRATA_REQUIRE(file.valid(), what, "cannot be opened (", last_error(), ")");
+  return file;
+}
+
 }  // namespace strata::io::h5

@@ -56,6 +56,11 @@ class Id {
 };
 
 using File = Id<H5Fclose>;
+
+// Opens an existing HDF5 file read-only; an Input error "<what>cannot be read (...)", "<what>is
+// not an HDF5 file" or "<what>cannot be opened (...)" otherwise (`what` names it, e.g.
+// "checkpoint 'x.h5' ", or "" where the caller prefixes the file).
+File open_readonly(const std::string& path, const std::string& what = "");
 using DataSet = Id<H5Dclose>;
 using Space = Id<H5Sclose>;
 using Type = Id<H5Tclose>;

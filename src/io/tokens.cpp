@@ -37,11 +37,7 @@ struct Shard {
 Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer) {
   Shard s;
   s.path = path;
-  htri_t is_h5 = H5Fis_hdf5(path.c_str());
-  STRATA_REQUIRE(is_h5 >= 0, "cannot be read (", h5::last_error(), ")");
-  STRATA_REQUIRE(is_h5 > 0, "is not an HDF5 file");
-  s.file = h5::File(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  STRATA_REQUIRE(s.file.valid(), "cannot be opened (", h5::last_error(), ")");
+  s.file = h5::open_readonly(path);
   if (h5::has_attr(s.file, "kind")) {
     const std::string kind = h5::read_attr_string(s.file, "kind");
     STRATA_REQUIRE(kind == "tokens", "has kind '", kind, "'; expected 'tokens' (a token dataset)");

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "core/log.hpp"

@@ -19,22 +19,14 @@
 
 #include "core/ops.hpp"
 #include "core/rng.hpp"
+#include "core/tensor_test_util.hpp"
 
 using namespace strata;
 
 namespace {
 
-Tensor rand_tensor(Shape shape, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  Tensor t = Tensor::empty(std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
-  return t;
-}
-
-std::vector<double> values(const Tensor& t) {
-  return std::vector<double>(t.data<float>(), t.data<float>() + t.numel());
-}
+using test::rand_tensor;
+using test::values;
 
 // max |got - want| / max(max |want|, floor): relative to the tensor's scale; the floor lets an
 // all-zero reference (dq, dk at T = 1: a softmax over one key) compare absolutely.

@@ -10,22 +10,14 @@
 
 #include "core/ops.hpp"
 #include "core/rng.hpp"
+#include "core/tensor_test_util.hpp"
 
 using namespace strata;
 
 namespace {
 
-Tensor rand_tensor(Shape shape, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  Tensor t = Tensor::empty(std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(gen);
-  return t;
-}
-
-std::vector<double> values(const Tensor& t) {
-  return std::vector<double>(t.data<float>(), t.data<float>() + t.numel());
-}
+using test::rand_tensor;
+using test::values;
 
 // |got - want| <= rtol * (|want| + max|want|): relative, with the tensor's scale as the floor
 // for elements that are sums cancelling to near zero.
