@@ -156,7 +156,8 @@ int run(const Options& o) {
                    " records no --data; give --data (a token dataset with the tokenizer to decode with)");
     data = it->second;
   }
-  const io::TokenDataset dataset = io::TokenDataset::open(data, "--data");
+  const io::TokenDataset dataset =
+      io::TokenDataset::open(data, o.data.empty() ? "--data (the checkpoint's training data)" : "--data");
   const io::Tokenizer& tokenizer = dataset.tokenizer();
   STRATA_REQUIRE(tokenizer.can_decode(), "--data ", data, " has an '", tokenizer.name(),
                  "' tokenizer (ids without text): strata-sample cannot encode the prompt or decode tokens with it");

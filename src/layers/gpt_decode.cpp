@@ -93,58 +93,66 @@ GptDecoder::GptDecoder(const Model& model, const ParameterStore& store) {
   STRATA_CHECK(!blocks_.empty() && ln_f_w_.defined() && head != nullptr, "incomplete gpt model");
   layers_ = static_cast<int64_t>(blocks_.size());
 
-  const int64_t d = embed_, dh = embed_ / heads_;
+  const int64_t dh = embed_ / heads_;
   k_cache_ = Tensor::zeros({layers_, heads_, max_positions_, dh});
   v_cache_ = Tensor::zeros({layers_, heads_, max_positions_, dh});
-  token_ = Tensor::empty({1, 1}, DType::I32);
-  x_ = Tensor::empty({1, d});
-  h_ = Tensor::empty({1, d});
-  qkv_ = Tensor::empty({1, 3 * d});
-  att_ = Tensor::empty({1, d});
-  proj_ = Tensor::empty({1, d});
-  fc_ = Tensor::empty({1, 4 * d});
-  act_ = Tensor::empty({1, 4 * d});
-  mean_ = Tensor::empty({1});
-  rstd_ = Tensor::empty({1});
   scores_ = Tensor::empty({max_positions_});
   logits_ = Tensor::empty({1, vocab_});
 }
 
-const Tensor& GptDecoder::step(int32_t token) {
-  STRATA_REQUIRE(position_ < max_positions_, "the decoder's context is full (", max_positions_,
-                 " positions, the model's seq_len)");
-  STRATA_REQUIRE(token >= 0 && token < vocab_, "token ", token, " is outside the model's vocabulary [0, ", vocab_, ")");
-  const int64_t d = embed_, dh = embed_ / heads_, t = position_, n = t + 1;
+const Tensor& GptDecoder::prefill(std::span<const int32_t> tokens) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  STRATA_CHECK(n >= 1, "prefill needs at least one token");
+  STRATA_REQUIRE(position_ + n <= max_positions_, "the decoder's context is full: ", position_, " + ", n,
+                 " tokens do not fit in the model's ", max_positions_, " positions (seq_len)");
+  const int64_t d = embed_, dh = embed_ / heads_, t0 = position_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  token_.data<int32_t>()[0] = token;
-  ops::embedding_forward(token_, wte_, wpe_.slice(t, t + 1), x_.reshape({1, 1, d}));
+  Tensor ids = Tensor::empty({1, n}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t token = tokens[static_cast<size_t>(i)];
+    STRATA_REQUIRE(token >= 0 && token < vocab_, "token ", token, " is outside the model's vocabulary [0, ", vocab_,
+                   ")");
+    ids.data<int32_t>()[i] = token;
+  }
+  // Rows are the new positions: (n, D) activations, as the layers' (B * T, D) are.
+  Tensor x = Tensor::empty({n, d}), h = Tensor::empty({n, d}), qkv = Tensor::empty({n, 3 * d});
+  Tensor att = Tensor::empty({n, d}), proj = Tensor::empty({n, d});
+  Tensor fc = Tensor::empty({n, 4 * d}), act = Tensor::empty({n, 4 * d});
+  Tensor mean = Tensor::empty({n}), rstd = Tensor::empty({n});
+  ops::embedding_forward(ids, wte_, wpe_.slice(t0, t0 + n), x.reshape({1, n, d}));
   for (int64_t l = 0; l < layers_; ++l) {
     const Block& b = blocks_[static_cast<size_t>(l)];
-    ops::layer_norm_forward(x_, b.ln_1_w, b.ln_1_b, h_, mean_, rstd_, eps_);
-    linear(h_, b.c_attn_w, b.c_attn_b, qkv_);
-    const float* qkv = qkv_.data<float>();  // q | k | v, each head-major
+    ops::layer_norm_forward(x, b.ln_1_w, b.ln_1_b, h, mean, rstd, eps_);
+    linear(h, b.c_attn_w, b.c_attn_b, qkv);
     float* kc = k_cache_.data<float>() + l * heads_ * max_positions_ * dh;
     float* vc = v_cache_.data<float>() + l * heads_ * max_positions_ * dh;
-    for (int64_t h = 0; h < heads_; ++h) {
-      float* k = kc + h * max_positions_ * dh;
-      float* v = vc + h * max_positions_ * dh;
-      std::copy_n(qkv + d + h * dh, dh, k + t * dh);
-      std::copy_n(qkv + 2 * d + h * dh, dh, v + t * dh);
-      attend_one(qkv + h * dh, k, v, n, dh, scale, scores_.data<float>(), att_.data<float>() + h * dh);
+    for (int64_t i = 0; i < n; ++i) {                    // the new keys and values first: row i attends to rows <= i
+      const float* row = qkv.data<float>() + i * 3 * d;  // q | k | v, each head-major
+      for (int64_t hd = 0; hd < heads_; ++hd) {
+        std::copy_n(row + d + hd * dh, dh, kc + (hd * max_positions_ + t0 + i) * dh);
+        std::copy_n(row + 2 * d + hd * dh, dh, vc + (hd * max_positions_ + t0 + i) * dh);
+      }
     }
-    linear(att_, b.c_proj_w, b.c_proj_b, proj_);
-    ops::axpy(1.0f, proj_, x_);  // the residual
-    ops::layer_norm_forward(x_, b.ln_2_w, b.ln_2_b, h_, mean_, rstd_, eps_);
-    linear(h_, b.c_fc_w, b.c_fc_b, fc_);
-    ops::gelu_forward(fc_, act_);
-    linear(act_, b.mlp_proj_w, b.mlp_proj_b, proj_);
-    ops::axpy(1.0f, proj_, x_);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t hd = 0; hd < heads_; ++hd)
+        attend_one(qkv.data<float>() + i * 3 * d + hd * dh, kc + hd * max_positions_ * dh,
+                   vc + hd * max_positions_ * dh, t0 + i + 1, dh, scale, scores_.data<float>(),
+                   att.data<float>() + i * d + hd * dh);
+    linear(att, b.c_proj_w, b.c_proj_b, proj);
+    ops::axpy(1.0f, proj, x);  // the residual
+    ops::layer_norm_forward(x, b.ln_2_w, b.ln_2_b, h, mean, rstd, eps_);
+    linear(h, b.c_fc_w, b.c_fc_b, fc);
+    ops::gelu_forward(fc, act);
+    linear(act, b.mlp_proj_w, b.mlp_proj_b, proj);
+    ops::axpy(1.0f, proj, x);
   }
-  ops::layer_norm_forward(x_, ln_f_w_, ln_f_b_, h_, mean_, rstd_, eps_);
-  ops::gemm(h_, false, head_w_, true, logits_);  // (1, D) @ W^T, W (V, D)
-  ++position_;
-  last_ = logits_.reshape({vocab_});
-  return last_;
+  // Logits of the last position only.
+  const Tensor last = x.slice(n - 1, n), out = h.slice(n - 1, n);
+  ops::layer_norm_forward(last, ln_f_w_, ln_f_b_, out, mean.slice(0, 1), rstd.slice(0, 1), eps_);
+  ops::gemm(out, false, head_w_, true, logits_);  // (1, D) @ W^T, W (V, D)
+  position_ += n;
+  logits_view_ = logits_.reshape({vocab_});
+  return logits_view_;
 }
 
 int32_t pick_token(const Tensor& logits, const SampleOptions& options, int64_t index) {
@@ -189,21 +197,19 @@ std::vector<int32_t> generate(GptDecoder& decoder, std::span<const int32_t> cont
   std::vector<int32_t> all(context.begin(), context.end()), out;
   out.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
   decoder.reset();
-  const Tensor* logits = nullptr;
-  for (size_t i = all.size() > window ? all.size() - window : 0; i < all.size(); ++i) logits = &decoder.step(all[i]);
+  const Tensor* logits = &decoder.prefill(all.size() > window ? std::span(all).last(window) : std::span(all));
   for (int64_t i = 0; i < n; ++i) {
     const int32_t token = pick_token(*logits, options, i);
     out.push_back(token);
     all.push_back(token);
     if (on_token) on_token(token);
     if (i + 1 == n) break;
-    if (decoder.position() == decoder.max_positions()) {
-      // Slide: the cache over the last window - 1 tokens before this one, which then takes the
-      // last position (nanoGPT's crop to the last seq_len tokens).
+    if (decoder.position() < decoder.max_positions()) {
+      logits = &decoder.step(token);
+    } else {  // slide: the cache over the last `window` tokens (nanoGPT's crop)
       decoder.reset();
-      for (size_t j = all.size() - window; j + 1 < all.size(); ++j) decoder.step(all[j]);
+      logits = &decoder.prefill(std::span(all).last(window));
     }
-    logits = &decoder.step(token);
   }
   return out;
 }

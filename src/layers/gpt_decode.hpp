@@ -7,10 +7,13 @@
 // for one position); attention of one query over the cached keys is a small CPU loop here.
 // Its logits equal the full forward's (Mode::Eval) at every position, to rounding.
 //
+// Several positions at once (a prompt, a slid window) go through prefill(): the same path with
+// n rows, so its matrix products are gemms of n rows rather than n products of one row.
+//
 // Context longer than the model's positions (seq_len, wpe's rows): generate() slides the
-// window like nanoGPT's crop, recomputing the cache over the last seq_len - 1 tokens before
-// each new one, so the logits stay those of a full forward over the last seq_len tokens (that
-// step then costs seq_len positions, not one).
+// window like nanoGPT's crop, recomputing the cache over the last seq_len tokens (one prefill)
+// for each new token, so the logits stay those of a full forward over the last seq_len tokens
+// (such a token costs a forward over seq_len positions, not one).
 #pragma once
 
 #include <cstdint>
@@ -27,7 +30,7 @@ class GptDecoder {
  public:
   // `model` built by build_model for a gpt (or a preset), `store` over all of its layers with
   // unsharded f32 parameters on the CPU (an internal error otherwise). Both must outlive the
-  // decoder; the decoder reads the store's values as they are when step() runs.
+  // decoder; the decoder reads the store's values as they are when prefill() runs.
   GptDecoder(const Model& model, const ParameterStore& store);
 
   int64_t layers() const { return layers_; }
@@ -35,15 +38,18 @@ class GptDecoder {
   int64_t embed() const { return embed_; }
   int64_t vocab() const { return vocab_; }
   int64_t max_positions() const { return max_positions_; }
-  // Positions in the cache (the next step()'s position).
+  // Positions in the cache (where the next token goes).
   int64_t position() const { return position_; }
   // Empties the cache.
   void reset() { position_ = 0; }
 
-  // Runs `token` at position(), appends its keys and values to the cache and returns the
-  // logits (V, f32) of that position: a view valid until the next step. Input error when the
-  // cache is full (position() == max_positions()) or the token is outside [0, vocab).
-  const Tensor& step(int32_t token);
+  // Runs `tokens` (at least one) at positions position() .. position() + n - 1, appends their
+  // keys and values to the cache and returns the logits (V, f32) of the last of them: a view
+  // valid until the next call. Input error when they do not fit in the cache (position() + n >
+  // max_positions()) or a token is outside [0, vocab).
+  const Tensor& prefill(std::span<const int32_t> tokens);
+  // prefill() of one token.
+  const Tensor& step(int32_t token) { return prefill(std::span<const int32_t>(&token, 1)); }
 
  private:
   struct Block {
@@ -55,8 +61,7 @@ class GptDecoder {
   Tensor wte_, wpe_, ln_f_w_, ln_f_b_, head_w_;
   std::vector<Block> blocks_;
   Tensor k_cache_, v_cache_;  // (layers, heads, max_positions, head dim)
-  // Scratch for one position.
-  Tensor token_, x_, h_, qkv_, att_, proj_, fc_, act_, mean_, rstd_, scores_, logits_, last_;
+  Tensor scores_, logits_, logits_view_;
 };
 
 // How the next token is chosen from a position's logits.

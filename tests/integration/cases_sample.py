@@ -156,6 +156,7 @@ def case_sample(args):
     expect_sample_error(args, ["--checkpoint", ckpt, "--no-such-flag", "1"], r"no-such-flag")
     expect_sample_error(args, ["--checkpoint", ckpt, "--data", os.path.join(w, "nothing.h5")], r"nothing\.h5")
     mlp_data = write_dataset(os.path.join(w, "mlp.h5"), n=64)
+    expect_sample_error(args, ["--checkpoint", ckpt, "--data", mlp_data], r"--data.*mlp\.h5")  # not tokens
     train_ranks(args, 1, ["--model", "mlp", "--hidden", "8", "--data", mlp_data, "--steps", "2", "--global-batch",
                           "8", "--checkpoint-dir", os.path.join(w, "mlp-ckpt"), "--threads", "1"])
     expect_sample_error(args, ["--checkpoint", os.path.join(w, "mlp-ckpt", "step-00000002.h5"), "--prompt", "hi"],

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <span>
+#include <utility>
 
 #include "layers/gpt_decode.hpp"
 #include "layers/model.hpp"
@@ -109,6 +111,17 @@ TEST(GptDecode, LogitsEqualTheFullForwardAtEveryPosition) {
         }
       }
       EXPECT_LE(worst, 1e-5f) << "largest |logit| " << scale;
+      // Batched: 7 positions in one prefill, then 9 more in one; each returns its last logits.
+      d.reset();
+      worst = 0.0f;
+      for (const auto& [begin, end] : {std::pair{0, 7}, {7, 16}}) {
+        const Tensor& logits = d.prefill(std::span(tokens).subspan(begin, end - begin));
+        EXPECT_EQ(d.position(), end);
+        for (int64_t v = 0; v < kVocab; ++v)
+          worst =
+              std::max(worst, std::abs(logits.data<float>()[v] - full[static_cast<size_t>((end - 1) * kVocab + v)]));
+      }
+      EXPECT_LE(worst, 1e-5f);
     }
 }
 
@@ -189,7 +202,10 @@ TEST(GptDecode, BadTokensAndAFullCacheAreInputErrors) {
   GptDecoder d(f.model, f.store);
   expect_input_error([&] { d.step(kVocab); }, "vocabulary");
   expect_input_error([&] { d.step(-1); }, "vocabulary");
-  for (int64_t t = 0; t < kT; ++t) d.step(1);
+  const std::vector<int32_t> ones(kT - 3, 1);
+  d.prefill(ones);
+  expect_input_error([&] { d.prefill(std::vector<int32_t>(4, 1)); }, "full");
+  for (int i = 0; i < 3; ++i) d.step(1);
   expect_input_error([&] { d.step(1); }, "full");
   expect_input_error([&] { generate(d, {}, 3, SampleOptions{}); }, "context");
 }
