@@ -61,6 +61,6 @@ STRATA_HD inline uint64_t bits64(uint64_t key, uint64_t stream, uint64_t i) {
 }
 
 // Purpose tags for derive_key: one per consumer, so streams never collide.
-enum Tag : uint64_t { kInit = 1, kShuffle = 2, kDropout = 3, kSynthetic = 4 };
+enum Tag : uint64_t { kInit = 1, kShuffle = 2, kDropout = 3, kSynthetic = 4, kSample = 5 };
 
 }  // namespace strata::rng

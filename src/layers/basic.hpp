@@ -146,6 +146,7 @@ class LayerNorm final : public Layer {
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
+  float eps() const { return eps_; }
 
  private:
   int64_t features_;

@@ -63,6 +63,7 @@ class CausalSelfAttention final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
+  int64_t heads() const { return heads_; }
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
@@ -89,6 +90,8 @@ class TransformerBlock final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
+  int64_t heads() const { return attn_.heads(); }
+  float ln_eps() const { return ln_1_.eps(); }  // both LayerNorms'
 
  private:
   LayerNorm ln_1_;

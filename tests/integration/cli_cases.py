@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """End-to-end cases for the train program, one CTest test per case.
 
-Usage: cli_cases.py CASE --train PATH --workdir DIR [--mpirun PATH]
+Usage: cli_cases.py CASE --train PATH --workdir DIR [--mpirun PATH] [--data-tool PATH] [--sample-tool PATH]
 Datasets are written here with h5py (an oracle we did not write), so every case also checks
 that h5py-written files load. Bad-input cases assert: exit code 2, exactly one line on
 stderr naming what was expected and what was found, no crash or traceback.
 
 The cases live by topic in cases_cli.py (command line, bad inputs, divergence, rank failure),
 cases_parallel.py (DDP, pipeline, ZeRO), cases_checkpoint.py (resume, bad checkpoints,
-preemption, export), cases_accuracy.py (Fashion-MNIST, mixed precision) and cases_gpt.py (the
-GPT language model: layouts, resume, learning, bad inputs, torch export), on the helpers
+preemption, export), cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
+GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
+(strata-sample on a tiny trained GPT), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
@@ -17,7 +18,8 @@ import cases_checkpoint
 import cases_cli
 import cases_gpt
 import cases_parallel
+import cases_sample
 import harness
 
 if __name__ == "__main__":
-    harness.main([cases_cli, cases_parallel, cases_checkpoint, cases_accuracy, cases_gpt])
+    harness.main([cases_cli, cases_parallel, cases_checkpoint, cases_accuracy, cases_gpt, cases_sample])

@@ -140,6 +140,7 @@ def main(modules):
     p.add_argument("--train", required=True)
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--data-tool", default="strata-data")
+    p.add_argument("--sample-tool", default="strata-sample")
     p.add_argument("--workdir", required=True)
     a = p.parse_args()
     a.workdir = os.path.join(a.workdir, a.case)
