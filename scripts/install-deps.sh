@@ -14,6 +14,7 @@ packages=(
   clang-format
   python3 python3-numpy python3-h5py python3-torch
   dataset-fashion-mnist
+  fortunes
 )
 
 missing=()
