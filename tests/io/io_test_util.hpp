@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "expect_error.hpp"
 #include "io/hdf5.hpp"
 
 namespace strata::io::test {
@@ -49,18 +50,6 @@ inline void write_raw(const std::string& path, const std::string& name, hid_t ty
   }
 }
 
-// Runs `fn`, expecting a one-line strata::Error of kind Input containing every word.
-template <class Fn>
-void expect_input_error(Fn&& fn, const std::vector<std::string>& words) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning " << ::testing::PrintToString(words);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
-    EXPECT_EQ(e.message().find('\n'), std::string::npos) << "not one line: " << e.message();
-    for (const auto& w : words)
-      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' missing in: " << e.message();
-  }
-}
+using ::strata::test::expect_input_error;
 
 }  // namespace strata::io::test

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "core/ops.hpp"
+#include "expect_error.hpp"
 #include "layers/gpt.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
@@ -39,18 +40,7 @@ Tensor tokens(int64_t batch, int64_t t, int vocab, uint32_t seed = 3) {
   return x;
 }
 
-template <class F>
-void expect_input_error(F f, std::initializer_list<std::string> words) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an Input error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
-    for (const std::string& w : words)
-      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' not in: " << e.message();
-    EXPECT_EQ(e.message().find('\n'), std::string::npos) << "one line: " << e.message();
-  }
-}
+using test::expect_input_error;
 
 int64_t count_params(const Model& m) {
   int64_t n = 0;

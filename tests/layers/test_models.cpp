@@ -12,6 +12,7 @@
 #include <set>
 
 #include "core/ops.hpp"
+#include "expect_error.hpp"
 #include "layers/basic.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
@@ -153,19 +154,7 @@ TEST(ModelShapes, ResnetStagesHalveTheImageAndDoubleTheWidth) {
 
 // ---- bad combinations ------------------------------------------------------------------------
 
-// Runs `f`, which must throw an Input error whose message contains every one of `words`.
-template <class F>
-void expect_input_error(F f, std::initializer_list<std::string> words) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an Input error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
-    for (const std::string& w : words)
-      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' not in: " << e.message();
-    EXPECT_EQ(e.message().find('\n'), std::string::npos) << "one line: " << e.message();
-  }
-}
+using test::expect_input_error;
 
 TEST(ModelErrors, CnnOnOneDimensionalSamples) {
   expect_input_error([] { build_model(spec_of("cnn"), {64}, 10); }, {"cnn", "C, H, W", "64"});
