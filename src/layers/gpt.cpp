@@ -287,7 +287,16 @@ Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
 
 // ---- LMHead ----------------------------------------------------------------------------------
 
-const Layer* LMHead::shares_parameters_with() const { return tied_; }
+const Layer* LMHead::shares_parameters_with() const { return copy_ ? nullptr : tied_; }
+
+void LMHead::use_copy(Tensor w, Tensor dw) {
+  STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
+  STRATA_CHECK(w.shape() == Shape({vocab_, embed_}) && dw.shape() == w.shape(), "layer ", name(),
+               ": a copy of shape ", shape_str(w.shape()), " does not fit ", describe());
+  w_ = std::move(w);
+  dw_ = std::move(dw);
+  copy_ = true;
+}
 
 LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to)
     : Layer(std::move(name)), embed_(embed), vocab_(vocab), tied_(tie_to) {
@@ -319,8 +328,8 @@ void LMHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
   dw_ = grads[0];
 }
 
-const Tensor& LMHead::weight() const { return tied_ ? tied_->wte() : w_; }
-const Tensor& LMHead::weight_grad() const { return tied_ ? tied_->dwte() : dw_; }
+const Tensor& LMHead::weight() const { return tied_ && !copy_ ? tied_->wte() : w_; }
+const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte() : dw_; }
 
 int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * vocab_; }
 

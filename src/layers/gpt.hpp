@@ -104,10 +104,10 @@ class TransformerBlock final : public Layer {
 // model names it "lm_head/weight"), N(0, 0.02^2), with weight decay. Tied (tie_to given): no
 // parameters of its own; it uses the Embedding's wte as bound at the time it runs and
 // accumulates into that Embedding's gradient view, so the two uses of wte add up in one
-// buffer (no decay: an embedding). This needs both layers in one pipeline stage, with the
-// Embedding's parameters and gradients bound in place while the head runs (ZeRO 0 or 1): across
-// stages the two copies would need their gradients summed between the stages that hold them
-// (not implemented), and ZeRO 2/3 rebind the Embedding's views bucket by bucket / layer by layer.
+// buffer (no decay: an embedding). Where the two layers cannot share views (different pipeline
+// stages; ZeRO 2/3, which rebind the Embedding's views bucket by bucket / layer by layer),
+// parallel::TiedEmbedding gives the head a copy of wte and of its gradient (use_copy) and keeps
+// the two in step.
 class LMHead final : public Layer {
  public:
   LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to = nullptr);
@@ -119,6 +119,11 @@ class LMHead final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   bool tied() const { return tied_ != nullptr; }
+  const Embedding* tied_to() const { return tied_; }
+  // A tied head from now on reads `w` and accumulates into `dw` (both V x D) instead of the
+  // Embedding's views; it then shares nothing.
+  void use_copy(Tensor w, Tensor dw);
+  bool uses_copy() const { return copy_; }
   const Layer* shares_parameters_with() const override;
 
  private:
@@ -126,6 +131,7 @@ class LMHead final : public Layer {
   const Tensor& weight_grad() const;
   int64_t embed_, vocab_;
   const Embedding* tied_;
+  bool copy_ = false;
   Tensor w_, dw_;
 };
 

@@ -21,13 +21,11 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
                            const DataParallelConfig& config)
     : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
   // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass; a
-  // layer using another's views would keep stale ones. Checked over the whole model, so every
-  // rank fails alike.
-  for (size_t i = 0; i < model.size(); ++i)
-    STRATA_REQUIRE(!model.layer(i).shares_parameters_with() || !ownership_.shards_grads(), "layer ",
-                   model.layer(i).name(), " shares its weights with ", model.layer(i).shares_parameters_with()->name(),
-                   ": tied weights with --zero ", config.zero,
-                   " are not supported yet; use --zero 0 or 1, or --tie-embeddings false");
+  // layer using another's views would keep stale ones (TiedEmbedding gives a tied head a copy).
+  for (size_t i = stage.begin; i < stage.end; ++i)
+    STRATA_CHECK(!model.layer(i).shares_parameters_with() || !ownership_.shards_grads(), "layer ",
+                 model.layer(i).name(), " shares its weights with ", model.layer(i).shares_parameters_with()->name(),
+                 " under --zero ", config.zero);
   // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
   // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
   // S-element shard (elements replica*S onwards) and ParameterGather the windows. The full
@@ -76,7 +74,8 @@ Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ct
   }
   const Tensor dx = model_.backward(
       dy, ctx, stage_.begin, stage_.end,
-      [this](size_t layer) {
+      [this, last_of_step](size_t layer) {
+        if (last_of_step && before_reduce_) before_reduce_(layer);
         sync_->layer_done(layer);
         if (gather_) gather_->layer_done(layer);
       },

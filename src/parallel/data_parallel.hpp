@@ -7,6 +7,7 @@
 // tables. Nothing outside it branches on the ZeRO stage.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,6 +55,9 @@ class DataParallel {
   // there is no full buffer to accumulate in); the wait for what backward did not hide is
   // added to exposed_comm_seconds(). Returns the input's gradient where `input_grad`.
   Tensor backward(const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step, bool input_grad);
+  // Runs in the step's last backward as soon as a layer has written its gradients, before
+  // they are reduced over the replicas (TiedEmbedding adds the head's gradient to wte's).
+  void set_before_reduce(std::function<void(size_t layer)> hook) { before_reduce_ = std::move(hook); }
   // The optimizer step after the step's backwards. With loss scaling the owned gradients are
   // checked for inf/NaN (agreed over `world`, so every rank skips alike) and unscaled;
   // `clip` > 0 clips to the global norm over the `pipeline` stages. Returns whether it stepped.
@@ -89,6 +93,7 @@ class DataParallel {
   std::unique_ptr<ShardedOptimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;
   std::unique_ptr<ParameterGather> gather_;  // ZeRO 3 only
+  std::function<void(size_t)> before_reduce_;
   double exposed_comm_s_ = 0;
 };
 

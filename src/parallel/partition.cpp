@@ -41,23 +41,6 @@ std::vector<StageRange> balanced(const layers::Model& model, int stages) {
   return ranges;
 }
 
-// A layer that uses another layer's parameters (a tied LM head) must run on the same stage.
-void require_tied_layers_together(const layers::Model& model, const std::vector<StageRange>& ranges) {
-  const auto stage_of = [&](size_t layer) {
-    return std::find_if(ranges.begin(), ranges.end(), [&](StageRange r) { return layer >= r.begin && layer < r.end; }) -
-           ranges.begin();
-  };
-  for (size_t i = 0; i < model.size(); ++i) {
-    const layers::Layer* owner = model.layer(i).shares_parameters_with();
-    if (!owner) continue;
-    size_t j = 0;
-    while (j < model.size() && &model.layer(j) != owner) ++j;
-    STRATA_REQUIRE(stage_of(i) == stage_of(j), "layer ", model.layer(i).name(), " (pipeline stage ", stage_of(i),
-                   ") shares its weights with ", owner->name(), " (stage ", stage_of(j),
-                   "): tied weights across pipeline stages are not supported yet; use --tie-embeddings false");
-  }
-}
-
 std::vector<StageRange> cut(const layers::Model& model, int stages, const std::string& spec) {
   const size_t n = model.size();
   STRATA_REQUIRE(stages >= 1, "--pp must be at least 1, found ", stages);
@@ -98,9 +81,7 @@ std::vector<StageRange> cut(const layers::Model& model, int stages, const std::s
 }  // namespace
 
 std::vector<StageRange> partition_layers(const layers::Model& model, int stages, const std::string& spec) {
-  std::vector<StageRange> ranges = cut(model, stages, spec);
-  require_tied_layers_together(model, ranges);
-  return ranges;
+  return cut(model, stages, spec);
 }
 
 }  // namespace strata::parallel

@@ -89,10 +89,12 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
       std::make_unique<layers::Model>(layers::build_model(config_.model, shape_source.input_shape(), num_classes_));
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
   range_ = stages_[static_cast<size_t>(stage_)];
+  tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
   replica_state_ = std::make_unique<parallel::DataParallel>(
       grid_->dp(), *model_, range_,
       parallel::DataParallelConfig{config_.zero, static_cast<int64_t>(config_.bucket_mb * (1 << 20)), config_.seed,
                                    dtype_, device_, config_.optimizer});
+  replica_state_->set_before_reduce([this](size_t layer) { tied_->add_head_gradient(layer); });
   state_gather_ = std::make_unique<parallel::StateGather>(*grid_, *model_, stages_, *replica_state_);
 
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
@@ -142,6 +144,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     if (config_.resume != "none") metrics_.drop_after(start_step_);
   });
   replica_state_->broadcast_parameters();  // every replica starts from replica 0's values
+  tied_->refresh(*replica_state_);         // a tied head's copy from wte as initialised or loaded
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(world, [&] {
     if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
@@ -229,7 +232,8 @@ void Trainer::print_plan() {
   for (size_t i = range_.begin; i < range_.end; ++i) activations += shape_numel(model_->shape(i + 1)) * plan_.micro;
   constexpr size_t kColumns = 4;
   const std::vector<int64_t> rows = parallel::all_gather_values(
-      grid_->mpi_world(), {replica_state_->parameter_bytes(), replica_state_->gradient_bytes(),
+      grid_->mpi_world(), {replica_state_->parameter_bytes() + tied_->parameter_bytes(),
+                           replica_state_->gradient_bytes() + tied_->gradient_bytes(),
                            replica_state_->optimizer_bytes(), activations * static_cast<int64_t>(dtype_size(dtype_))});
   const int ranks = grid_->world().size();
   os << "\n  bytes per rank (params include non-trained buffers; activations per micro-batch):";
@@ -266,6 +270,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const int64_t dp_bytes_before = grid_->dp().bytes_sent();
 
   replica_state_->zero_grads();
+  tied_->zero_head_gradient();
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
   // micro-batches) gives exactly the single-rank gradient: no separate averaging step.
@@ -287,15 +292,17 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
     return replica_state_->backward(dy, ctx, last_of_step, !first_stage());
   };
   pipeline_->run_step(work, record);
+  tied_->send_head_gradient();
   exposed_comm_s_ += replica_state_->take_exposed_comm_seconds();
   if (step + 1 == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step + 1, " (--debug-fail-step)");
 
   const double loss_scale = scaler_.scale();
   const bool overflow_injected = step + 1 == config_.debug_overflow_step && rank_ == 0;
-  if (!replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_, config_.clip_grad, grid_->world(),
-                            grid_->pp(), overflow_injected) &&
-      rank_ == 0)  // the same on every rank: agreed over the world
+  const bool stepped = replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_,
+                                            config_.clip_grad, grid_->world(), grid_->pp(), overflow_injected);
+  if (stepped) tied_->refresh(*replica_state_);
+  if (!stepped && rank_ == 0)  // the same on every rank: agreed over the world
     log::warn("step ", step + 1, ": gradients overflowed at loss scale ", loss_scale, "; step skipped, loss scale now ",
               scaler_.scale());
   if (record) write_timeline();

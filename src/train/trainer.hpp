@@ -24,6 +24,7 @@
 #include "parallel/pipeline.hpp"
 #include "parallel/process_grid.hpp"
 #include "parallel/state_gather.hpp"
+#include "parallel/tied_embedding.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -99,6 +100,7 @@ class Trainer {
   std::unique_ptr<layers::Model> model_;
   std::vector<parallel::StageRange> stages_;
   parallel::StageRange range_;  // this stage's layers
+  std::unique_ptr<parallel::TiedEmbedding> tied_;  // a tied LM head's copy of wte, where it needs one
   std::unique_ptr<parallel::DataParallel> replica_state_;
   std::unique_ptr<parallel::PipelineExecutor> pipeline_;
   std::unique_ptr<parallel::StateGather> state_gather_;

@@ -1,0 +1,71 @@
+// TiedEmbedding: GPT-2's LM head multiplies by the token embedding's weight wte. On one stage
+// with ZeRO 0 or 1 the head simply uses the Embedding's views (layers::LMHead). Where it cannot
+// (the head on another pipeline stage than the embedding, or ZeRO 2/3, which rebind the
+// Embedding's views as buckets and windows pass) this class gives the head its own copy of wte
+// and of its gradient, as Megatron's last stage does, and keeps the two in step:
+//   - after the step's backwards, the head's gradient (summed over the step's micro-batches) is
+//     added to the Embedding's just before the Embedding's bucket is reduced over the
+//     replicas, so the replicas reduce, clip and step one gradient, the sum of both uses;
+//   - after each optimizer step, and after loading, the head's copy takes wte's new value.
+// There is one optimizer state and one checkpoint tensor (wte/weight). Across stages the
+// gradient and the weight travel between the same replica of the two stages, in chunks of at
+// most kChunkElements so the receiver needs no V x D buffer.
+#pragma once
+
+#include <vector>
+
+#include "layers/gpt.hpp"
+#include "layers/model.hpp"
+#include "parallel/communicator.hpp"
+#include "parallel/data_parallel.hpp"
+#include "parallel/partition.hpp"
+
+namespace strata::parallel {
+
+class TiedEmbedding {
+ public:
+  static constexpr int64_t kChunkElements = int64_t{1} << 22;  // 16 MiB of f32
+
+  // `pp`: this replica's pipeline communicator (rank = stage). Gives the tied head a copy where
+  // needed; call before the stage's DataParallel binds the layers.
+  TiedEmbedding(Communicator& pp, const layers::Model& model, const std::vector<StageRange>& stages, int zero,
+                DType dtype, Device device);
+  TiedEmbedding(const TiedEmbedding&) = delete;
+  TiedEmbedding& operator=(const TiedEmbedding&) = delete;
+
+  // Whether the head keeps a copy (false also for models without a tied head).
+  bool copied() const { return head_ != nullptr; }
+
+  // The head's stage, after the step's pipeline schedule: sends the head's gradient to the
+  // embedding's stage (nothing to send on one stage).
+  void send_head_gradient();
+  // The embedding's stage, in the step's last backward, once layer `layer` has written its
+  // gradients and before they are reduced: adds the head's gradient to the Embedding's.
+  void add_head_gradient(size_t layer);
+  // Both stages, after an optimizer step that stepped and after loading a model: the head's
+  // copy takes wte's value. Collective over the embedding stage's replicas (ZeRO 3 gathers it).
+  void refresh(DataParallel& replica);
+  // The head's stage, before a step's backwards: the copy's gradient starts from zero.
+  void zero_head_gradient();
+
+  // Bytes of the copy on this rank (weight in the compute dtype, gradient in f32).
+  int64_t parameter_bytes() const;
+  int64_t gradient_bytes() const;
+
+ private:
+  bool holds_embedding() const { return pp_.rank() == embedding_stage_; }
+  bool holds_head() const { return pp_.rank() == head_stage_; }
+  // Messages of `t` to / from the other stage, kChunkElements at a time; both block.
+  void send_chunks(const Tensor& t, int tag);
+  void receive_chunks(const Tensor& t, int tag, bool add_to);
+
+  Communicator& pp_;
+  const layers::Embedding* embedding_ = nullptr;
+  layers::LMHead* head_ = nullptr;  // set when the head keeps a copy
+  size_t embedding_layer_ = 0;
+  int embedding_stage_ = 0, head_stage_ = 0;
+  Tensor weight_, grad_;  // the head's copy (on the head's stage)
+  Tensor chunk_;          // receive buffer (on the embedding's stage, across stages)
+};
+
+}  // namespace strata::parallel
