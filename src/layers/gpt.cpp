@@ -291,8 +291,8 @@ const Layer* LMHead::shares_parameters_with() const { return copy_ ? nullptr : t
 
 void LMHead::use_copy(Tensor w, Tensor dw) {
   STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
-  STRATA_CHECK(w.shape() == Shape({vocab_, embed_}) && dw.shape() == w.shape(), "layer ", name(),
-               ": a copy of shape ", shape_str(w.shape()), " does not fit ", describe());
+  STRATA_CHECK(w.shape() == Shape({vocab_, embed_}) && dw.shape() == w.shape(), "layer ", name(), ": a copy of shape ",
+               shape_str(w.shape()), " does not fit ", describe());
   w_ = std::move(w);
   dw_ = std::move(dw);
   copy_ = true;

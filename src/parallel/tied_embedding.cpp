@@ -112,7 +112,9 @@ void TiedEmbedding::zero_head_gradient() {
   if (head_ && holds_head()) grad_.fill_zero();
 }
 
-int64_t TiedEmbedding::parameter_bytes() const { return weight_.defined() ? static_cast<int64_t>(weight_.nbytes()) : 0; }
+int64_t TiedEmbedding::parameter_bytes() const {
+  return weight_.defined() ? static_cast<int64_t>(weight_.nbytes()) : 0;
+}
 
 int64_t TiedEmbedding::gradient_bytes() const {
   return (grad_.defined() ? static_cast<int64_t>(grad_.nbytes()) : 0) +

@@ -299,8 +299,8 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
 
   const double loss_scale = scaler_.scale();
   const bool overflow_injected = step + 1 == config_.debug_overflow_step && rank_ == 0;
-  const bool stepped = replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_,
-                                            config_.clip_grad, grid_->world(), grid_->pp(), overflow_injected);
+  const bool stepped = replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_, config_.clip_grad,
+                                            grid_->world(), grid_->pp(), overflow_injected);
   if (stepped) tied_->refresh(*replica_state_);
   if (!stepped && rank_ == 0)  // the same on every rank: agreed over the world
     log::warn("step ", step + 1, ": gradients overflowed at loss scale ", loss_scale, "; step skipped, loss scale now ",

@@ -99,7 +99,7 @@ class Trainer {
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
   std::vector<parallel::StageRange> stages_;
-  parallel::StageRange range_;  // this stage's layers
+  parallel::StageRange range_;                     // this stage's layers
   std::unique_ptr<parallel::TiedEmbedding> tied_;  // a tied LM head's copy of wte, where it needs one
   std::unique_ptr<parallel::DataParallel> replica_state_;
   std::unique_ptr<parallel::PipelineExecutor> pipeline_;

@@ -46,7 +46,7 @@ Tensor tokens(int shift) {
 }
 
 struct TrainedRun {
-  std::vector<double> losses;          // on the last stage: the global batch's mean loss per step
+  std::vector<double> losses;           // on the last stage: the global batch's mean loss per step
   std::vector<std::vector<float>> wte;  // on the first stage: wte after each step
 };
 
@@ -93,7 +93,8 @@ TrainedRun train(Communicator& pp, Communicator& dp, int zero) {
     tied.zero_head_gradient();
     std::vector<layers::Context> ctx;
     const layers::StepInfo info{layers::Mode::Train, kSeed, step, begin};
-    Tensor h = first ? x.slice(begin, begin + local) : Tensor::empty(layers::batch_shape(local, model.shape(mine.begin)));
+    Tensor h =
+        first ? x.slice(begin, begin + local) : Tensor::empty(layers::batch_shape(local, model.shape(mine.begin)));
     if (!first) pp.recv(h, pp.rank() - 1, 0);
     const Tensor out = replica.forward(h, ctx, info);
     Tensor dy;
@@ -167,7 +168,8 @@ TEST(TiedEmbedding, TwoStagesTrainLikeOneStageThatSharesTheViews) {
     const TrainedRun got = train(*pp, *dp, zero);
     if (pp->rank() == 0) {
       ASSERT_EQ(got.wte.size(), want.wte.size());
-      for (size_t s = 0; s < got.wte.size(); ++s) expect_close(got.wte[s], want.wte[s], "wte after step " + std::to_string(s + 1));
+      for (size_t s = 0; s < got.wte.size(); ++s)
+        expect_close(got.wte[s], want.wte[s], "wte after step " + std::to_string(s + 1));
       // Not vacuous: wte moved.
       EXPECT_NE(got.wte.back(), want.wte.front());
     } else {
@@ -187,7 +189,8 @@ TEST(TiedEmbedding, OneStageCopiesOnlyUnderZeroTwoAndThree) {
   for (int zero : {1, 2, 3}) {
     SCOPED_TRACE("zero " + std::to_string(zero));
     const TrainedRun got = train(self, *dp, zero);
-    for (size_t s = 0; s < got.wte.size(); ++s) expect_close(got.wte[s], want.wte[s], "wte after step " + std::to_string(s + 1));
+    for (size_t s = 0; s < got.wte.size(); ++s)
+      expect_close(got.wte[s], want.wte[s], "wte after step " + std::to_string(s + 1));
     for (size_t s = 0; s < got.losses.size(); ++s)
       EXPECT_NEAR(got.losses[s], want.losses[s], 1e-6 * want.losses[s]) << "loss of step " << s + 1 << " rank " << rank;
   }
