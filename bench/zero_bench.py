@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ZeRO stages 0-3 side by side: bytes per rank (from --dry-run, i.e. the real allocations)
+"""ZeRO stages 0-3 side by side: bytes per rank (from --dry-run's plan, which equals the real allocations)
 against the ZeRO paper's formulas, and step time and data-parallel bytes per step.
 
 Paper (Rajbhandari et al. 2020, section 5) per data-parallel rank, Psi parameters, Nd ranks,
@@ -36,7 +36,7 @@ def memory(args, model, optimizer, zero, dp):
     out = train(args, dp, MODELS[model] + ["--dry-run", "--zero", str(zero), "--optimizer", optimizer,
                                            "--global-batch", str(BATCH[model] * dp), "--bucket-mb", args.bucket_mb])
     psi = int(re.search(r"\), (\d+) parameters", out).group(1))
-    rows = re.findall(r"rank (\d+) \(stage \d+, replica \d+\): params (\d+), grads (\d+), optimizer (\d+)", out)
+    rows = re.findall(r"ranks? ([\d-]+) \(stage \d+, replicas? [\d-]+\): params (\d+), grads (\d+), optimizer (\d+)", out)
     worst = max(rows, key=lambda r: int(r[1]) + int(r[2]) + int(r[3]))  # the fullest rank
     return psi, [int(v) for v in worst[1:]]
 

@@ -317,6 +317,13 @@ int64_t ParameterStore::layout_numel(const std::vector<ParamEntry>& entries) {
   return trainable;
 }
 
+int64_t ParameterStore::buffers_numel(const std::vector<ParamEntry>& entries) {
+  int64_t buffers = 0;
+  for (const ParamEntry& e : entries)
+    if (!e.trainable) buffers = align_up(e.offset + shape_numel(e.shape));
+  return buffers;
+}
+
 ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, size_t end, int64_t pad_multiple,
                                bool allocate_grads, bool allocate_params, int64_t shard_begin, int64_t shard_size,
                                DType dtype, Device device,
@@ -324,9 +331,7 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
     : entries_(layout(model, begin, end)), first_layer_(begin) {
   STRATA_CHECK(pad_multiple > 0 && pad_multiple % kAlign == 0, "pad_multiple ", pad_multiple,
                " is not a positive multiple of ", kAlign);
-  int64_t buffers = 0;
-  for (const ParamEntry& e : entries_)
-    if (!e.trainable) buffers = align_up(e.offset + shape_numel(e.shape));
+  const int64_t buffers = buffers_numel(entries_);
   used_numel_ = layout_numel(entries_);
   flat_numel_ = align_up(used_numel_, pad_multiple);
   params_begin_ = allocate_params ? 0 : shard_begin;
@@ -422,9 +427,9 @@ Tensor ParameterStore::grad(const ParamEntry& e) const {
   return grads_.view(e.offset, e.shape);
 }
 
-std::vector<ParameterStore::LayerRange> ParameterStore::layer_ranges() const {
+std::vector<ParameterStore::LayerRange> ParameterStore::layer_ranges(const std::vector<ParamEntry>& entries) {
   std::vector<LayerRange> ranges;
-  for (const ParamEntry& e : entries_) {
+  for (const ParamEntry& e : entries) {
     if (!e.trainable) continue;
     const int64_t end = e.offset + shape_numel(e.shape);
     if (!ranges.empty() && ranges.back().layer == e.layer)

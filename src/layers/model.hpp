@@ -122,6 +122,8 @@ class ParameterStore {
   static std::vector<ParamEntry> layout(const Model& model, size_t begin = 0, size_t end = SIZE_MAX);
   // Elements of the flat trainable layout of those entries (aligned, without pad_multiple).
   static int64_t layout_numel(const std::vector<ParamEntry>& entries);
+  // Elements of the flat buffer of non-trained entries (aligned): what buffers() holds.
+  static int64_t buffers_numel(const std::vector<ParamEntry>& entries);
 
   const Tensor& params() const { return params_; }    // flat, trainable (ZeRO 3: the shard)
   const Tensor& grads() const { return grads_; }      // flat, same layout as params()
@@ -142,7 +144,8 @@ class ParameterStore {
     size_t layer;
     int64_t begin, end;  // elements of the flat layout
   };
-  std::vector<LayerRange> layer_ranges() const;
+  std::vector<LayerRange> layer_ranges() const { return layer_ranges(entries_); }
+  static std::vector<LayerRange> layer_ranges(const std::vector<ParamEntry>& entries);
   // Elements of params() the layout uses (aligned entries); the rest is pad_multiple padding.
   int64_t used_numel() const { return used_numel_; }
   // The padded length of the flat layout (params().numel() unless the parameters are sharded).

@@ -5,15 +5,16 @@
 
 namespace strata::layers {
 
+int Optimizer::state_tensors(const OptimizerConfig& config) {
+  if (config.name == "sgd") return config.momentum != 0.0f ? 1 : 0;
+  if (config.name == "adamw") return 2;
+  STRATA_THROW_INPUT("--optimizer must be sgd or adamw, found '", config.name, "'");
+}
+
 Optimizer::Optimizer(const OptimizerConfig& config, int64_t numel, Device device) : config_(config), numel_(numel) {
-  if (config.name == "sgd") {
-    if (config.momentum != 0.0f) state_a_ = Tensor::zeros({numel}, DType::F32, device);
-  } else if (config.name == "adamw") {
-    state_a_ = Tensor::zeros({numel}, DType::F32, device);
-    state_b_ = Tensor::zeros({numel}, DType::F32, device);
-  } else {
-    STRATA_THROW_INPUT("--optimizer must be sgd or adamw, found '", config.name, "'");
-  }
+  const int tensors = state_tensors(config);  // momentum, or exp_avg and exp_avg_sq
+  if (tensors >= 1) state_a_ = Tensor::zeros({numel}, DType::F32, device);
+  if (tensors >= 2) state_b_ = Tensor::zeros({numel}, DType::F32, device);
 }
 
 void Optimizer::set_no_decay(std::vector<Range> ranges) {

@@ -28,6 +28,8 @@ struct OptimizerConfig {
 // update over the whole buffer, exactly as before the groups existed.
 class Optimizer {
  public:
+  // f32 state tensors per parameter element: SGD 1 with momentum (else 0), AdamW 2.
+  static int state_tensors(const OptimizerConfig& config);
   // State for `numel` elements on `device`, zero-initialised.
   Optimizer(const OptimizerConfig& config, int64_t numel, Device device = Device::cpu());
   // Elements [begin, end) of the buffers step() receives.

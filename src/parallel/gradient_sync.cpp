@@ -9,8 +9,13 @@
 namespace strata::parallel {
 
 std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bucket_bytes) {
-  const std::vector<layers::ParameterStore::LayerRange> ranges = store.layer_ranges();
-  const int64_t total = store.flat_numel();  // grads and params may not exist in full (ZeRO 2, 3)
+  // flat_numel: grads and params may not exist in full (ZeRO 2, 3)
+  return make_buckets(store.layer_ranges(), store.flat_numel(), bucket_bytes);
+}
+
+std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                                 int64_t bucket_bytes) {
+  const int64_t total = flat_numel;
   const int64_t min_elements = std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
   std::vector<Bucket> buckets;
   int64_t end = total;  // the last bucket also covers the alignment padding at the end

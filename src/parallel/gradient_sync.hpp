@@ -28,6 +28,9 @@ struct Bucket {
 // Cuts the gradients of a store into buckets of at least bucket_bytes (whole layers each,
 // so a bucket is complete when its first layer's backward is), last layers first.
 std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bucket_bytes);
+// The same from a layout's layer ranges and padded length (flat_numel), without a store.
+std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                                 int64_t bucket_bytes);
 
 class GradientSync {
  public:

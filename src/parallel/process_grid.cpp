@@ -215,21 +215,25 @@ int ProcessGrid::rank_of(int stage, int replica) const {
   return rank_of(coords);
 }
 
-std::string ProcessGrid::describe() const {
-  const int n = static_cast<int>(axes_.size());
-  const int world_size = strides_[0] * *axes_[0].size;
+std::string ProcessGrid::describe() const { return describe(axes_, strides_[0] * *axes_[0].size); }
+
+std::string ProcessGrid::describe(std::vector<Axis> axes, int world_size) {
+  resolve(axes, world_size);
+  const int n = static_cast<int>(axes.size());
+  std::vector<int> strides(n, 1);
+  for (int i = n - 2; i >= 0; --i) strides[i] = strides[i + 1] * *axes[i + 1].size;
   std::ostringstream os;
   os << "process grid: ";
-  for (int i = 0; i < n; ++i) os << (i ? " x " : "") << axes_[i].name << ' ' << *axes_[i].size;
+  for (int i = 0; i < n; ++i) os << (i ? " x " : "") << axes[i].name << ' ' << *axes[i].size;
   os << " = " << world_size << (world_size == 1 ? " rank" : " ranks");
-  if (n > 1) os << ", " << axes_.back().name << " fastest";
+  if (n > 1) os << ", " << axes.back().name << " fastest";
   for (int i = 0; i < n; ++i) {
-    os << "\n  " << axes_[i].name << " groups:";
+    os << "\n  " << axes[i].name << " groups:";
     // Each group once, by its first member (coordinate 0 on this axis), in world rank order.
     for (int first = 0; first < world_size; ++first) {
-      if (coords_of(first)[i] != 0) continue;
+      if (first / strides[i] % *axes[i].size != 0) continue;
       os << " [";
-      for (int c = 0; c < *axes_[i].size; ++c) os << (c ? " " : "") << first + c * strides_[i];
+      for (int c = 0; c < *axes[i].size; ++c) os << (c ? " " : "") << first + c * strides[i];
       os << ']';
     }
   }

@@ -98,6 +98,9 @@ class ProcessGrid {
   //     pp groups: [0 3] [1 4] [2 5]
   //     dp groups: [0 1 2] [3 4 5]
   std::string describe() const;
+  // The same for the grid `axes` would make of `world_size` ranks, without MPI (--dry-run
+  // --world N); the constructor's Input errors for axes that do not fit.
+  static std::string describe(std::vector<Axis> axes, int world_size);
 
   // --- Today's names for the world and the pp and dp axes.
 

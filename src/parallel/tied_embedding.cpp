@@ -20,23 +20,46 @@ int stage_of(const std::vector<StageRange>& stages, size_t layer) {
 
 }  // namespace
 
-TiedEmbedding::TiedEmbedding(Communicator& pp, const layers::Model& model, const std::vector<StageRange>& stages,
-                             int zero, DType dtype, Device device)
-    : pp_(pp) {
+TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::vector<StageRange>& stages, int zero) {
+  Pair pair;
   for (size_t i = 0; i < model.size(); ++i) {
     auto* head = dynamic_cast<layers::LMHead*>(&model.layer(i));
     if (!head || !head->tied()) continue;
-    embedding_ = head->tied_to();
-    while (&model.layer(embedding_layer_) != embedding_) ++embedding_layer_;
-    embedding_stage_ = stage_of(stages, embedding_layer_);
-    head_stage_ = stage_of(stages, i);
+    pair.head = head;
+    while (&model.layer(pair.embedding_layer) != head->tied_to()) ++pair.embedding_layer;
+    pair.embedding_stage = stage_of(stages, pair.embedding_layer);
+    pair.head_stage = stage_of(stages, i);
     // ZeRO 2 and 3 rebind the Embedding's gradient and parameter views as buckets and windows
     // pass; a head reading them would find stale ones.
-    if (embedding_stage_ == head_stage_ && zero < 2) return;
-    head_ = head;
+    pair.copy = pair.embedding_stage != pair.head_stage || zero >= 2;
     break;
   }
-  if (!head_) return;
+  return pair;
+}
+
+std::pair<int64_t, int64_t> TiedEmbedding::planned_bytes(const layers::Model& model,
+                                                         const std::vector<StageRange>& stages, int stage, int zero,
+                                                         DType dtype) {
+  const Pair pair = find(model, stages, zero);
+  if (!pair.copy) return {0, 0};
+  const auto* embedding = pair.head->tied_to();
+  const int64_t numel = embedding->vocab() * embedding->embed();
+  if (stage == pair.head_stage)
+    return {numel * static_cast<int64_t>(dtype_size(dtype)), numel * static_cast<int64_t>(sizeof(float))};
+  if (stage == pair.embedding_stage) return {0, std::min(numel, kChunkElements) * static_cast<int64_t>(sizeof(float))};
+  return {0, 0};
+}
+
+TiedEmbedding::TiedEmbedding(Communicator& pp, const layers::Model& model, const std::vector<StageRange>& stages,
+                             int zero, DType dtype, Device device)
+    : pp_(pp) {
+  const Pair pair = find(model, stages, zero);
+  if (!pair.copy) return;
+  head_ = pair.head;
+  embedding_ = head_->tied_to();
+  embedding_layer_ = pair.embedding_layer;
+  embedding_stage_ = pair.embedding_stage;
+  head_stage_ = pair.head_stage;
   const Shape shape{embedding_->vocab(), embedding_->embed()};
   if (holds_head()) {
     weight_ = Tensor::zeros(shape, dtype, device);

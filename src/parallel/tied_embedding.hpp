@@ -12,6 +12,7 @@
 // most kChunkElements so the receiver needs no V x D buffer.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "layers/gpt.hpp"
@@ -48,11 +49,24 @@ class TiedEmbedding {
   // The head's stage, before a step's backwards: the copy's gradient starts from zero.
   void zero_head_gradient();
 
-  // Bytes of the copy on this rank (weight in the compute dtype, gradient in f32).
+  // Bytes of the copy on this rank (weight in the compute dtype, gradient in f32) and of the
+  // embedding stage's receive chunk (counted with the gradients).
   int64_t parameter_bytes() const;
   int64_t gradient_bytes() const;
+  // What a TiedEmbedding on `stage` allocates, without making one: {parameter, gradient} bytes.
+  static std::pair<int64_t, int64_t> planned_bytes(const layers::Model& model, const std::vector<StageRange>& stages,
+                                                   int stage, int zero, DType dtype);
 
  private:
+  // The tied head and its embedding, and whether the head needs a copy.
+  struct Pair {
+    layers::LMHead* head = nullptr;  // null: no tied head
+    size_t embedding_layer = 0;
+    int embedding_stage = 0, head_stage = 0;
+    bool copy = false;
+  };
+  static Pair find(const layers::Model& model, const std::vector<StageRange>& stages, int zero);
+
   bool holds_embedding() const { return pp_.rank() == embedding_stage_; }
   bool holds_head() const { return pp_.rank() == head_stage_; }
   // Messages of `t` to / from the other stage, kChunkElements at a time; both block.

@@ -88,6 +88,10 @@ void validate(const Config& c) {
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
   STRATA_REQUIRE(c.bucket_mb > 0, "--bucket-mb must be positive, found ", c.bucket_mb);
+  STRATA_REQUIRE(c.world >= 0, "--world must not be negative, found ", c.world);
+  STRATA_REQUIRE(c.world == 0 || c.dry_run, "--world ", c.world,
+                 " plans a layout without launching it: it needs --dry-run");
+  STRATA_REQUIRE(c.model.vocab >= 0, "--vocab must not be negative, found ", c.model.vocab);
   // parallel::select_device checks this too; here it is found before any communicator exists.
   STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
                  "--comm nccl needs --device cuda (NCCL moves GPU memory); use --comm mpi or auto with --device cpu");
@@ -96,7 +100,7 @@ void validate(const Config& c) {
   if (c.eval_only) {
     STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
     STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");
-  } else {
+  } else if (!c.dry_run) {  // --dry-run plans from shapes: a GPT's may come from --vocab and --seq-len
     STRATA_REQUIRE(!c.data.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
     STRATA_REQUIRE(c.epochs > 0 || c.steps > 0 || c.dry_run, "give --epochs or --steps (how long to train)");
   }
@@ -122,6 +126,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("embed", po::value(&c.model.embed)->default_value(768), "gpt: model width")
     ("seq-len", po::value(&c.model.seq_len)->default_value(0), "gpt: tokens per sample (context length; a preset's by default)")
     ("tie-embeddings", po::value(&c.model.tie_embeddings)->default_value(true), "gpt: the LM head uses the token embedding's weights (GPT-2)")
+    ("vocab", po::value(&c.model.vocab)->default_value(0), "gpt: logits per position, at least the data's vocabulary (0: the data's; a preset: 50257), e.g. 50304 to pad to a multiple of 64; --dry-run without --data plans with it")
     ("attention", po::value(&c.model.attention)->default_value("flash"), "gpt: flash (memory-efficient, O(T) memory per head) | plain (materialised probabilities)")
     ("data", po::value(&c.data), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
     ("val-data", po::value(&c.val_data), "evaluation data, same forms as --data")
@@ -162,7 +167,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
-    ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "set up, print the per-rank memory table (parameters, gradients, optimizer state, activations) and exit")
+    ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
+    ("world", po::value(&c.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")

@@ -47,7 +47,8 @@ struct Config {
   parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
   std::string timeline;  // SVG of the last step's pipeline timeline
   int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;  // print the per-rank memory table and exit before training
+  bool dry_run = false;  // print the plan (per-rank bytes from shapes) and exit, allocating nothing
+  int world = 0;         // --dry-run: plan for this many ranks (0: the ranks launched)
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
   parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
   bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory

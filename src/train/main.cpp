@@ -11,6 +11,7 @@
 #include "core/ops.hpp"
 #include "parallel/mpi.hpp"
 #include "train/config.hpp"
+#include "train/plan.hpp"
 #include "train/trainer.hpp"
 
 using namespace strata;
@@ -31,10 +32,13 @@ int main(int argc, char** argv) {
     std::string effective = "configuration:";
     for (const auto& [key, value] : config->effective) effective += "\n  " + key + " = " + value;
     log::info(effective, "\n  (", mpi.size(), " rank(s), ", threads, " thread(s) per rank)");
-    trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
+    if (config->dry_run)
+      train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
+    else
+      trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });
   if (setup != parallel::kExitOk || !config) return setup;
-  if (config->dry_run) return parallel::kExitOk;  // the plan with every rank's bytes is printed
+  if (config->dry_run) return parallel::kExitOk;  // the plan is printed
   // Only where training runs: a run rejected above says one line, the error.
   if (const std::string slow = ops::blas_kernel_warning(); !slow.empty()) log::warn(slow);
 

@@ -12,6 +12,7 @@
 #include "io/timeline.hpp"
 #include "io/training_state.hpp"
 #include "parallel/values.hpp"
+#include "train/plan.hpp"
 
 namespace strata::train {
 
@@ -147,7 +148,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   tied_->refresh(*replica_state_);         // a tied head's copy from wte as initialised or loaded
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(world, [&] {
-    if (rank_ == 0 && !config_.dry_run && !config_.eval_only) check_output_paths();
+    if (rank_ == 0 && !config_.eval_only) check_output_paths();
   });
 
   log::info("model ", config_.model.name, ", input ", shape_str(shape_source.input_shape()), ", ", num_classes_,
@@ -156,7 +157,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
               config_.global_batch, " (", plan_.count, " micro-batch(es) of ", plan_.micro, " per replica); ",
-              config_.dry_run ? "--dry-run: not training" : detail::cat("training ", total_steps_, " steps"));
+              "training ", total_steps_, " steps");
 }
 
 void Trainer::check_output_paths() const {
@@ -210,39 +211,22 @@ void Trainer::resume_from(const std::string& path) {
 }
 
 void Trainer::print_plan() {
-  const int pp = grid_->pp_size();
-  std::ostringstream os;
-  os << "plan: " << pp << " stage(s) x " << dp_ << " replica(s), schedule "
-     << parallel::to_string(config_.schedule_kind) << ", " << plan_.count << " micro-batch(es) of " << plan_.micro
-     << ", zero " << config_.zero << ", optimizer " << config_.optimizer.name << ", "
-     << parallel::device_kind_name(config_.device) << " " << precision_name(config_.precision) << " (loss scale "
-     << scaler_.describe() << "):\n"
-     << grid_->describe();
-  for (int s = 0; s < pp; ++s) {
-    const parallel::StageRange r = stages_[static_cast<size_t>(s)];
-    int64_t trainable = 0;
-    for (const layers::ParamEntry& e : layers::ParameterStore::layout(*model_, r.begin, r.end))
-      if (e.trainable) trainable += shape_numel(e.shape);
-    os << "\n  stage " << s << ": layers " << r.begin << "-" << r.end - 1 << " (" << model_->layer(r.begin).name()
-       << " .. " << model_->layer(r.end - 1).name() << "), " << trainable << " parameters";
+  log::info(plan_report(config_, *model_, stages_, grid_->world().size()));
+  // The plan is computed from shapes (what --dry-run prints); rank 0 checks it against what
+  // every rank allocated, so a plan that drifts from the allocations is seen, not trusted.
+  const std::vector<int64_t> real =
+      parallel::all_gather_values(grid_->mpi_world(), {replica_state_->parameter_bytes() + tied_->parameter_bytes(),
+                                                       replica_state_->gradient_bytes() + tied_->gradient_bytes(),
+                                                       replica_state_->optimizer_bytes()});
+  if (rank_ != 0) return;
+  const parallel::MemoryLayout layout = memory_layout(config_, dp_);
+  for (int k = 0; k < grid_->world().size(); ++k) {
+    const parallel::RankBytes p = parallel::plan_rank(*model_, stages_, k / dp_, k % dp_, layout);
+    const int64_t* r = real.data() + 3 * k;
+    if (r[0] != p.params || r[1] != p.grads || r[2] != p.optimizer)
+      log::warn("rank ", k, " allocated params ", r[0], ", grads ", r[1], ", optimizer ", r[2], " but its plan says ",
+                p.params, ", ", p.grads, ", ", p.optimizer, " (an error in the plan; training goes on)");
   }
-
-  // Each rank reports its own allocations.
-  int64_t activations = 0;
-  for (size_t i = range_.begin; i < range_.end; ++i) activations += shape_numel(model_->shape(i + 1)) * plan_.micro;
-  constexpr size_t kColumns = 4;
-  const std::vector<int64_t> rows = parallel::all_gather_values(
-      grid_->mpi_world(), {replica_state_->parameter_bytes() + tied_->parameter_bytes(),
-                           replica_state_->gradient_bytes() + tied_->gradient_bytes(),
-                           replica_state_->optimizer_bytes(), activations * static_cast<int64_t>(dtype_size(dtype_))});
-  const int ranks = grid_->world().size();
-  os << "\n  bytes per rank (params include non-trained buffers; activations per micro-batch):";
-  for (int k = 0; k < ranks; ++k) {
-    const int64_t* v = rows.data() + static_cast<size_t>(k) * kColumns;
-    os << "\n  rank " << k << " (stage " << k / dp_ << ", replica " << k % dp_ << "): params " << v[0] << ", grads "
-       << v[1] << ", optimizer " << v[2] << ", activations " << v[3];
-  }
-  log::info(os.str());
 }
 
 const io::Samples* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }

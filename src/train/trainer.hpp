@@ -55,13 +55,13 @@ class Trainer {
   // --resume. Every bad input is found here, before the first step.
   Trainer(const Config& config, MPI_Comm world);
 
-  // Trains (nothing with --dry-run: setup has printed the memory table). All ranks agree on
+  // Trains. All ranks agree on
   // how it ended: a preemption signal stops it early (a checkpoint saved if --checkpoint-dir is
   // set), a non-finite loss stops it without saving.
   TrainEnd train();
   // Collective over the world: every rank calls it.
   EvalResult evaluate(const io::Samples& data);
-  // The dataset evaluated at the end and by --eval-only; none with --dry-run.
+  // The dataset evaluated at the end and by --eval-only.
   const io::Samples* eval_data() const;
   // Collective: rank 0 writes the full training state (StateGather), then `latest` is updated
   // and --keep applied.
@@ -79,8 +79,8 @@ class Trainer {
   Tensor to_compute(const Tensor& x) const;
   // Labels (or any tensor) on this rank's device.
   Tensor to_device(const Tensor& t) const;
-  // Rank 0 prints each stage's layers and, gathered from every rank, the bytes of its real
-  // allocations. Collective over the world.
+  // Rank 0 prints the plan (train/plan.hpp) and warns where a rank's real allocations differ
+  // from it. Collective over the world.
   void print_plan();
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
                     double eta_s);

@@ -7,7 +7,9 @@ rank) on token data that `strata-data tokenize` makes from two licence texts of 
 (/usr/share/common-licenses: GPL-3 and Apache-2.0, ~46 KB)."""
 import os
 import re
+import resource
 import shutil
+import subprocess
 import sys
 import time
 
@@ -236,6 +238,44 @@ def case_gpt_bad_inputs(args):
     # every rank: exit 1, "error on rank r: check failed (is_float_type...)" per rank, instead of
     # the one-line input error that --model mlp without --seq-len gives.
     bad(["--model", "mlp", "--hidden", "16", "--seq-len", "16", "--data", train] + steps, r"holds tokens.*--model gpt")
+
+
+def case_gpt_dry_run(args):
+    """--dry-run plans every GPT-2 preset from shapes alone, in one process, for a world it does
+    not launch (--world 8, pp 2 x dp 4, ZeRO 1, AdamW, bf16) and without data: it reports GPT-2's
+    published parameter counts (124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200, tied,
+    vocabulary 50257, context 1024), optimizer bytes that add up over the ranks to (2 AdamW
+    moments + 1 f32 master) x 4 bytes per parameter (the tied head's copy has none), and it
+    stays small (max RSS < 300 MB, where allocating gpt2-1.5b's state would take ~25 GB)."""
+    published = {"gpt2-124m": 124439808, "gpt2-350m": 354823168, "gpt2-774m": 774030080, "gpt2-1.5b": 1557611200}
+    row = re.compile(r"ranks? (\d+)(?:-(\d+))? \(stage \d+, replicas? [\d-]+\): params (\d+), grads (\d+), "
+                     r"optimizer (\d+), activations (\d+) x (\d+) in flight, total (\d+)")
+    for preset, count in published.items():
+        cmd = [args.train, "--model", preset, "--dry-run", "--world", "8", "--pp", "2", "--zero", "1",
+               "--optimizer", "adamw", "--precision", "bf16", "--global-batch", "64", "--micro-batch", "4"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=120)
+        rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{out}\n{err}"
+        assert f"total trainable parameters: {count}" in out, out
+        assert "nothing allocated" in out and not re.search(r"^step ", out, re.M), out
+        rows = [(int(m[1]), int(m[2] or m[1]), int(m[5])) for m in row.finditer(out)]
+        ranks = sorted(r for first, last, _ in rows for r in range(first, last + 1))
+        assert ranks == list(range(8)), out
+        optimizer = sum((last - first + 1) * o for first, last, o in rows)
+        # Per stage the layout pads each tensor to 16 elements and the buffer to 16 x dp.
+        assert 12 * count <= optimizer <= 12 * count * 1.001, (optimizer, 12 * count)
+        assert out.count("<- fullest") == 1, out
+        assert rss_mb < 300, f"{preset}: --dry-run used {rss_mb:.0f} MB"
+        print(f"{preset}: {count} parameters, optimizer bytes over 8 ranks {optimizer} "
+              f"(12 x parameters = {12 * count}), max RSS so far {rss_mb:.0f} MB")
+    # Under mpirun without --world: the job's ranks.
+    out = train_ranks(args, 2, ["--model", "gpt2-124m", "--dry-run", "--global-batch", "8"])
+    assert "process grid: pp 1 x dp 2 = 2 ranks" in out and "ranks 0-1 (stage 0, replicas 0-1)" in out, out
+    bad = lambda flags, pattern: expect_bad_input(args, flags, pattern)
+    bad(["--model", "gpt2-124m", "--dry-run", "--world", "3", "--pp", "2"], r"--pp 2 does not divide the 3 ranks")
+    bad(["--model", "gpt", "--dry-run"], r"--dry-run without --data needs a GPT with --vocab and --seq-len")
+    bad(["--model", "gpt2-124m", "--world", "4", "--steps", "1", "--data", "x.h5"], r"--world 4 .* needs --dry-run")
 
 
 def case_gpt_export_torch(args):

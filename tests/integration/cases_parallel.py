@@ -153,9 +153,12 @@ def dry_run_table(args, ranks, flags):
     out = train_ranks(args, ranks, flags + ["--data", data, "--global-batch", "32", "--dry-run"], timeout=120)
     assert not re.search(r"^step ", out, re.M), f"--dry-run trained:\n{out}"
     rows = {}
-    for m in re.finditer(r"rank (\d+) \(stage \d+, replica \d+\): params (\d+), grads (\d+), optimizer (\d+), "
-                         r"activations (\d+)", out):
-        rows[int(m.group(1))] = dict(zip(("params", "grads", "optimizer", "activations"), map(int, m.groups()[1:])))
+    # "rank 3 (stage 1, replica 1): ..." or, for ranks of one stage with equal bytes, "ranks 0-2 (stage 0, ...".
+    for m in re.finditer(r"ranks? (\d+)(?:-(\d+))? \(stage \d+, replicas? [\d-]+\): params (\d+), grads (\d+), "
+                         r"optimizer (\d+), activations (\d+)", out):
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        for r in range(first, last + 1):
+            rows[r] = dict(zip(("params", "grads", "optimizer", "activations"), map(int, m.groups()[2:])))
     assert sorted(rows) == list(range(ranks)), out
     return rows
 

@@ -1,0 +1,49 @@
+// The bytes each rank allocates for a layout, computed from shapes alone (nothing is
+// allocated): what `train --dry-run` prints for any world size (--world) and any model,
+// GPT-2 1.5B included. DataParallel, TiedEmbedding and the ZeRO classes then allocate exactly
+// this for real; test_memory_plan holds the two equal for every ZeRO stage, dtype, optimizer
+// and pipeline cut it tries. The arithmetic is theirs (Ownership, ParameterStore::layout,
+// make_buckets, Optimizer::state_tensors, TiedEmbedding::planned_bytes), not a copy.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+#include "parallel/partition.hpp"
+#include "parallel/schedule.hpp"
+
+namespace strata::parallel {
+
+struct MemoryLayout {
+  int pp = 1, dp = 1, zero = 0;
+  DType dtype = DType::F32;  // parameters and activations
+  layers::OptimizerConfig optimizer;
+  int64_t bucket_bytes = 25 << 20;
+  int64_t micro = 1;      // samples per micro-batch
+  int micro_batches = 1;  // per replica and step
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+};
+
+struct RankBytes {
+  // Parameters in the compute dtype (ZeRO 3: the shard and two gather windows), f32 buffers,
+  // a tied head's copy of wte.
+  int64_t params = 0;
+  // f32 gradients (ZeRO 2/3: the shard and two bucket slots), a tied head's copy's gradient
+  // and the embedding stage's receive chunk.
+  int64_t grads = 0;
+  // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.
+  int64_t optimizer = 0;
+  // Outputs of the stage's layers for one micro-batch, in the compute dtype.
+  int64_t activations = 0;
+  // Micro-batches whose activations the stage holds at once under the schedule.
+  int in_flight = 1;
+  int64_t total() const { return params + grads + optimizer + activations * in_flight; }
+};
+
+// Rank (stage, replica) of the layout, whose stages cut the model as `stages` does.
+RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
+                    const MemoryLayout& layout);
+
+}  // namespace strata::parallel

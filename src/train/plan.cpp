@@ -1,0 +1,138 @@
+#include "train/plan.hpp"
+
+#include <cstdio>
+#include <sstream>
+
+#include "core/log.hpp"
+#include "io/samples.hpp"
+#include "layers/loss_scaler.hpp"
+#include "parallel/batch_plan.hpp"
+#include "parallel/process_grid.hpp"
+
+namespace strata::train {
+
+namespace {
+
+// 72.3 KiB, 5.69 GiB: for reading; the exact bytes stand beside it.
+std::string human(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  auto value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof text, unit ? "%.2f %s" : "%.0f %s", value, units[unit]);
+  return text;
+}
+
+// "rank 3 (stage 1, replica 1)" or "ranks 0-2 (stage 0, replicas 0-2)".
+std::string ranks_str(int first, int last, int dp) {
+  std::ostringstream os;
+  if (first == last)
+    os << "rank " << first << " (stage " << first / dp << ", replica " << first % dp << ")";
+  else
+    os << "ranks " << first << "-" << last << " (stage " << first / dp << ", replicas " << first % dp << "-"
+       << last % dp << ")";
+  return os.str();
+}
+
+bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
+  return a.params == b.params && a.grads == b.grads && a.optimizer == b.optimizer && a.activations == b.activations &&
+         a.in_flight == b.in_flight;
+}
+
+}  // namespace
+
+parallel::MemoryLayout memory_layout(const Config& config, int dp) {
+  const parallel::BatchPlan batch = parallel::make_batch_plan(config.global_batch, config.micro_batch, dp);
+  parallel::MemoryLayout layout;
+  layout.pp = config.pp;
+  layout.dp = dp;
+  layout.zero = config.zero;
+  layout.dtype = config.precision;
+  layout.optimizer = config.optimizer;
+  layout.bucket_bytes = static_cast<int64_t>(config.bucket_mb * (1 << 20));
+  layout.micro = batch.micro;
+  layout.micro_batches = static_cast<int>(batch.count);
+  layout.schedule = config.schedule_kind;
+  return layout;
+}
+
+std::string plan_report(const Config& config, const layers::Model& model,
+                        const std::vector<parallel::StageRange>& stages, int world_size) {
+  const int pp = config.pp, dp = world_size / pp;
+  const parallel::MemoryLayout layout = memory_layout(config, dp);
+  const layers::LossScaler scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
+                                                                   config.loss_scale_init, config.loss_scale_window);
+  std::ostringstream os;
+  os << "plan: " << pp << " stage(s) x " << dp << " replica(s), schedule " << parallel::to_string(config.schedule_kind)
+     << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.zero
+     << ", optimizer " << config.optimizer.name << ", " << parallel::device_kind_name(config.device) << " "
+     << precision_name(config.precision) << " (loss scale " << scaler.describe() << "):\n"
+     << parallel::ProcessGrid::describe({{"pp", pp}, {"dp", std::nullopt}}, world_size);
+  for (int s = 0; s < pp; ++s) {
+    const parallel::StageRange r = stages[static_cast<size_t>(s)];
+    int64_t trainable = 0;
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
+      if (e.trainable) trainable += shape_numel(e.shape);
+    os << "\n  stage " << s << ": layers " << r.begin << "-" << r.end - 1 << " (" << model.layer(r.begin).name()
+       << " .. " << model.layer(r.end - 1).name() << "), " << trainable << " parameters";
+  }
+
+  std::vector<parallel::RankBytes> ranks;
+  int fullest = 0;
+  for (int k = 0; k < world_size; ++k) {
+    ranks.push_back(parallel::plan_rank(model, stages, k / dp, k % dp, layout));
+    if (ranks.back().total() > ranks[static_cast<size_t>(fullest)].total()) fullest = k;
+  }
+  os << "\n  bytes per rank (params include non-trained buffers; activations: the stage's layer outputs per "
+        "micro-batch, times the micro-batches the schedule keeps in flight):";
+  for (int first = 0; first < world_size;) {
+    int last = first;  // ranks of one stage with the same bytes share a line
+    while (last + 1 < world_size && (last + 1) / dp == first / dp &&
+           same_bytes(ranks[static_cast<size_t>(last + 1)], ranks[static_cast<size_t>(first)]))
+      ++last;
+    const parallel::RankBytes& b = ranks[static_cast<size_t>(first)];
+    os << "\n  " << ranks_str(first, last, dp) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
+       << b.optimizer << ", activations " << b.activations << " x " << b.in_flight << " in flight, total " << b.total()
+       << " (" << human(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
+    first = last + 1;
+  }
+  return os.str();
+}
+
+void dry_run(const Config& config, MPI_Comm world) {
+  int world_size = 0;
+  MPI_Comm_size(world, &world_size);
+  if (config.world > 0) world_size = config.world;
+  // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
+  const layers::ModelSpec spec = layers::resolve_preset(config.model);
+  const bool language_model = layers::is_language_model(config.model);
+  const int64_t seq_len = language_model ? (config.model.seq_len > 0 ? config.model.seq_len : spec.seq_len) : 0;
+  Shape input;
+  int64_t classes = 0;
+  if (!config.data.empty() || !config.val_data.empty()) {
+    const bool train = !config.data.empty();
+    const auto data = io::open_samples(train ? config.data : config.val_data, train ? "--data" : "--val-data", seq_len);
+    input = data->input_shape();
+    classes = data->num_classes();
+  } else {
+    STRATA_REQUIRE(language_model && spec.vocab > 0 && seq_len > 0, "--dry-run without --data needs a GPT with ",
+                   "--vocab and --seq-len (a preset gives both), found --model ", config.model.name, ", --vocab ",
+                   spec.vocab, ", --seq-len ", seq_len);
+    input = {seq_len};
+    classes = spec.vocab;
+  }
+  STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
+  const layers::Model model = layers::build_model(config.model, input, static_cast<int>(classes));
+  STRATA_REQUIRE(world_size % config.pp == 0, "--pp ", config.pp, " does not divide the ", world_size,
+                 " ranks of the world");
+  const std::vector<parallel::StageRange> stages = parallel::partition_layers(model, config.pp, config.partition);
+  const std::string report = plan_report(config, model, stages, world_size);
+  log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
+  log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");
+}
+
+}  // namespace strata::train

@@ -1,0 +1,32 @@
+// The plan of a run, which rank 0 prints before training and which --dry-run prints alone: the
+// process grid, each stage's layers and parameters, and the bytes every rank allocates
+// (parallel::plan_rank, from shapes alone), ranks with equal bytes on one line and the fullest
+// marked. --dry-run builds only the model (layers know shapes; nothing is bound or allocated),
+// so every GPT-2 preset plans on any machine, and for any world size with --world N.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+#include <vector>
+
+#include "layers/model.hpp"
+#include "parallel/memory_plan.hpp"
+#include "parallel/partition.hpp"
+#include "train/config.hpp"
+
+namespace strata::train {
+
+// The plan's text for a world of `world_size` ranks (pp x dp, dp fastest).
+std::string plan_report(const Config& config, const layers::Model& model,
+                        const std::vector<parallel::StageRange>& stages, int world_size);
+
+// What plan_rank needs of the configuration, for `dp` replicas.
+parallel::MemoryLayout memory_layout(const Config& config, int dp);
+
+// --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
+// --seq-len), builds the model and prints the plan for --world ranks (default: the job's).
+// Collective over `world`: every rank checks, rank 0 prints.
+void dry_run(const Config& config, MPI_Comm world);
+
+}  // namespace strata::train

@@ -1,0 +1,144 @@
+// The memory plan against the real allocations, under real MPI (2 and 4 ranks): for every
+// ZeRO stage, compute dtype, optimizer and pipeline cut tried, the bytes plan_rank predicts for
+// this rank equal what DataParallel and TiedEmbedding then allocate (their own byte counts,
+// which sum the tensors they hold). Models: an mlp, a cnn with BatchNorm (non-trained buffers),
+// and a tiny GPT tied (the head's copy of wte across stages and under ZeRO 2/3) and untied.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/model.hpp"
+#include "parallel/data_parallel.hpp"
+#include "parallel/memory_plan.hpp"
+#include "parallel/mpi_communicator.hpp"
+#include "parallel/tied_embedding.hpp"
+
+namespace strata::parallel {
+namespace {
+
+struct Case {
+  std::string name;
+  layers::ModelSpec spec;
+  Shape input;
+  int classes;
+};
+
+std::vector<Case> cases() {
+  layers::ModelSpec mlp;
+  mlp.name = "mlp";
+  mlp.hidden = {40, 24};
+  layers::ModelSpec cnn;
+  cnn.name = "resnet";
+  cnn.depth = 8;
+  cnn.width = 4;
+  layers::ModelSpec gpt;
+  gpt.name = "gpt";
+  gpt.layers = 2;
+  gpt.heads = 2;
+  gpt.embed = 16;
+  layers::ModelSpec untied = gpt;
+  untied.tie_embeddings = false;
+  return {{"mlp", mlp, {12}, 5},
+          {"resnet-8", cnn, {3, 8, 8}, 10},
+          {"gpt-tied", gpt, {8}, 30},
+          {"gpt-untied", untied, {8}, 30}};
+}
+
+std::vector<layers::OptimizerConfig> optimizers() {
+  layers::OptimizerConfig sgd, momentum, adamw;
+  sgd.name = momentum.name = "sgd";
+  sgd.momentum = 0;
+  momentum.momentum = 0.9f;
+  adamw.name = "adamw";
+  return {sgd, momentum, adamw};
+}
+
+int world(int* rank = nullptr) {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (rank) MPI_Comm_rank(MPI_COMM_WORLD, rank);
+  return size;
+}
+
+std::unique_ptr<MpiCommunicator> split(int color, const std::string& name) {
+  int rank = 0;
+  world(&rank);
+  MPI_Comm c = MPI_COMM_NULL;
+  EXPECT_EQ(MPI_Comm_split(MPI_COMM_WORLD, color, rank, &c), MPI_SUCCESS);
+  auto comm = std::make_unique<MpiCommunicator>(c, name);
+  MPI_Comm_free(&c);
+  return comm;
+}
+
+TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
+  int rank = 0;
+  const int size = world(&rank);
+  int checked = 0;
+  for (int pp : {1, 2}) {
+    // Stage rank % pp of replica rank / pp, as the process grid lays them out.
+    const auto pipeline = split(rank / pp, "pp");
+    const auto dp = split(rank % pp, "dp");
+    const int stage = pipeline->rank(), replica = dp->rank();
+    for (const Case& c : cases()) {
+      const layers::Model model = layers::build_model(c.spec, c.input, c.classes);
+      const std::vector<StageRange> stages = partition_layers(model, pp, "balanced");
+      for (int zero = 0; zero <= 3; ++zero)
+        for (DType dtype : {DType::F32, DType::BF16})
+          for (const layers::OptimizerConfig& optimizer : optimizers())
+            for (int64_t bucket_bytes : {int64_t{256}, int64_t{25} << 20}) {
+              SCOPED_TRACE(c.name + " pp " + std::to_string(pp) + " dp " + std::to_string(size / pp) + " zero " +
+                           std::to_string(zero) + " " + dtype_name(dtype) + " " + optimizer.name + " momentum " +
+                           std::to_string(optimizer.momentum) + " buckets " + std::to_string(bucket_bytes) + " stage " +
+                           std::to_string(stage) + " replica " + std::to_string(replica));
+              const TiedEmbedding tied(*pipeline, model, stages, zero, dtype, Device::cpu());
+              DataParallelConfig config;
+              config.zero = zero;
+              config.bucket_bytes = bucket_bytes;
+              config.dtype = dtype;
+              config.optimizer = optimizer;
+              const DataParallel real(*dp, model, stages[static_cast<size_t>(stage)], config);
+              MemoryLayout layout;
+              layout.pp = pp;
+              layout.dp = dp->size();
+              layout.zero = zero;
+              layout.dtype = dtype;
+              layout.optimizer = optimizer;
+              layout.bucket_bytes = bucket_bytes;
+              const RankBytes plan = plan_rank(model, stages, stage, replica, layout);
+              EXPECT_EQ(plan.params, real.parameter_bytes() + tied.parameter_bytes());
+              EXPECT_EQ(plan.grads, real.gradient_bytes() + tied.gradient_bytes());
+              EXPECT_EQ(plan.optimizer, real.optimizer_bytes());
+              ++checked;
+            }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 4 * 4 * 2 * 3 * 2);
+}
+
+TEST(MemoryPlan, ActivationsCountTheSchedulesMicroBatchesInFlight) {
+  layers::ModelSpec spec;
+  spec.name = "mlp";
+  spec.hidden = {40, 24};
+  const layers::Model model = layers::build_model(spec, {12}, 5);
+  const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
+  MemoryLayout layout;
+  layout.pp = 2;
+  layout.micro = 3;
+  layout.micro_batches = 4;
+  for (int s = 0; s < 2; ++s) {
+    int64_t outputs = 0;
+    for (size_t i = stages[static_cast<size_t>(s)].begin; i < stages[static_cast<size_t>(s)].end; ++i)
+      outputs += shape_numel(model.shape(i + 1));
+    layout.schedule = ScheduleKind::OneFOneB;
+    const RankBytes one_f_one_b = plan_rank(model, stages, s, 0, layout);
+    EXPECT_EQ(one_f_one_b.activations, outputs * 3 * 4);
+    EXPECT_EQ(one_f_one_b.in_flight, 2 - s);  // min(P - s, m)
+    layout.schedule = ScheduleKind::GPipe;
+    EXPECT_EQ(plan_rank(model, stages, s, 0, layout).in_flight, 4);  // m
+  }
+}
+
+}  // namespace
+}  // namespace strata::parallel
