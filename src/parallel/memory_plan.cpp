@@ -47,7 +47,7 @@ RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& s
   for (size_t i = range.begin; i < range.end; ++i) outputs += shape_numel(model.shape(i + 1));
   b.activations = outputs * layout.micro * dtype_bytes;
   b.in_flight =
-      max_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches).at(static_cast<size_t>(stage)));
+      peak_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches).at(static_cast<size_t>(stage)));
   return b;
 }
 

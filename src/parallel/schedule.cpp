@@ -125,15 +125,6 @@ std::string to_string(const std::vector<StageProgram>& programs) {
   return os.str();
 }
 
-int max_in_flight(const StageProgram& program) {
-  int in_flight = 0, most = 0;
-  for (const Action& a : program) {
-    if (a.op == Op::Forward) most = std::max(most, ++in_flight);
-    if (a.op == Op::Backward) --in_flight;
-  }
-  return most;
-}
-
 std::vector<StageProgram> make_schedule(ScheduleKind kind, int stages, int micro_batches) {
   STRATA_REQUIRE(stages >= 1, "pipeline: need at least one stage, got ", stages);
   STRATA_REQUIRE(micro_batches >= 1, "pipeline: need at least one micro-batch, got ", micro_batches);

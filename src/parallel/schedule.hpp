@@ -51,9 +51,6 @@ using StageProgram = std::vector<Action>;
 // the compute that needs it, each send immediately after the compute that produced it.
 // GPipe runs its backwards in micro-batch order 0..m-1 (see schedule.cpp for why).
 std::vector<StageProgram> make_schedule(ScheduleKind kind, int stages, int micro_batches);
-// The most micro-batches a program holds activations of at once (forwarded, not yet
-// backwarded): 1F1B's stage s holds min(P - s, m), GPipe's m.
-int max_in_flight(const StageProgram& program);
 
 // Throws strata::Error (Internal) naming stage, position, op and micro-batch unless the
 // programs (P = programs.size() stages, m = 1 + the largest micro-batch seen) satisfy:
