@@ -158,8 +158,8 @@ TEST(Config, EnumNamesRoundTrip) {
 TEST(Config, BadEnumsAreOneLineInputErrors) {
   expect_rejected_with_data({"--device", "gpu"}, "--device must be cpu or cuda, found 'gpu'");
   expect_rejected_with_data({"--comm", "tcp"}, "--comm must be auto, nccl or mpi, found 'tcp'");
-  expect_rejected_with_data({"--schedule", "interleaved"},
-                            "pipeline schedule: expected \"gpipe\" or \"1f1b\", got \"interleaved\"");
+  expect_rejected_with_data({"--schedule", "zero-bubble"},
+                            "pipeline schedule: expected \"gpipe\", \"1f1b\" or \"interleaved\", got \"zero-bubble\"");
   expect_rejected_with_data({"--precision", "fp64"}, "--precision must be fp32, bf16 or fp16, found 'fp64'");
   expect_rejected_with_data({"--optimizer", "adam"}, "--optimizer must be sgd or adamw, found 'adam'");
   expect_rejected_with_data({"--lr-schedule", "linear"},
