@@ -19,36 +19,55 @@ void stand_in_compute(double ms) {
 
 PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micro_batches, const Shape& input_shape,
                                    const Shape& output_shape, DType dtype, Device device, double stand_in_ms)
+    : PipelineExecutor(pp, kind, micro_batches, 1, {input_shape}, {output_shape}, dtype, device, stand_in_ms) {}
+
+PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micro_batches, int virtual_stages,
+                                   const std::vector<Shape>& input_shapes, const std::vector<Shape>& output_shapes,
+                                   DType dtype, Device device, double stand_in_ms)
     : pp_(pp),
       kind_(kind),
       stage_(pp.rank()),
       stages_(pp.size()),
       micro_batches_(micro_batches),
+      virtual_stages_(virtual_stages),
       dtype_(dtype),
       device_(device),
       stand_in_ms_(stand_in_ms) {
   // Generated and checked (matching messages, no deadlock) before any step runs.
-  const std::vector<StageProgram> programs = make_schedule(kind, stages_, micro_batches);
+  const std::vector<StageProgram> programs = make_schedule(kind, stages_, micro_batches, virtual_stages);
   check_schedule(programs);
+  const auto v = static_cast<size_t>(virtual_stages), m = static_cast<size_t>(micro_batches);
+  STRATA_CHECK(input_shapes.size() == v && output_shapes.size() == v, "pipeline: ", virtual_stages, " chunks but ",
+               input_shapes.size(), " input and ", output_shapes.size(), " output shapes");
   program_ = programs[static_cast<size_t>(stage_)];
+  last_backward_.assign(v, 0);
   for (size_t k = 0; k < program_.size(); ++k)
-    if (program_[k].op == Op::Backward) last_backward_ = k;
-  const auto m = static_cast<size_t>(micro_batches);
-  contexts_.resize(m);
-  outputs_.resize(m);
-  input_grads_.resize(m);
-  // Every receive buffer is sized once.
-  for (size_t i = 0; i < m; ++i) {
-    if (!first_stage()) received_activations_.push_back(Tensor::empty(input_shape, dtype, device));
-    if (!last_stage()) received_grads_.push_back(Tensor::empty(output_shape, dtype, device));
+    if (program_[k].op == Op::Backward) last_backward_[static_cast<size_t>(program_[k].chunk)] = k;
+  contexts_.assign(v, std::vector<std::vector<layers::Context>>(m));
+  outputs_.assign(v, std::vector<Tensor>(m));
+  input_grads_.assign(v, std::vector<Tensor>(m));
+  received_activations_.assign(v, {});
+  received_grads_.assign(v, {});
+  // Every receive buffer is sized once. One stage hands its chunks' messages over in memory.
+  int64_t largest_message = 0;
+  for (size_t c = 0; c < v && stages_ > 1; ++c) {
+    for (size_t i = 0; i < m; ++i) {
+      if (!first_virtual_stage(static_cast<int>(c)))
+        received_activations_[c].push_back(Tensor::empty(input_shapes[c], dtype, device));
+      if (!last_virtual_stage(static_cast<int>(c)))
+        received_grads_[c].push_back(Tensor::empty(output_shapes[c], dtype, device));
+    }
+    for (const auto* received : {&received_activations_[c], &received_grads_[c]})
+      for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
   }
   // Every stage receives what its neighbours send; GPipe has up to m messages in flight per
-  // direction, 1F1B up to P. One slot more than that: a full inbox never holds up a sender, so
-  // no message has to be moved aside (shared_memory.hpp).
-  int64_t largest_message = 0;
-  for (const auto* received : {&received_activations_, &received_grads_})
-    for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
-  const int in_flight = kind == ScheduleKind::GPipe ? micro_batches : std::min(micro_batches, stages_);
+  // direction, 1F1B up to P. Interleaved (v >= 2, so m >= P and v*m >= 2P) at most 2P per
+  // sender whatever the timing: 2P - 1, or 2P for P = 2, where one neighbour sends both
+  // directions (test_schedule). One slot more than that: a full inbox never holds up a sender,
+  // so no message has to be moved aside (shared_memory.hpp).
+  int in_flight = std::min(micro_batches, stages_);
+  if (kind == ScheduleKind::GPipe) in_flight = micro_batches;
+  if (virtual_stages > 1) in_flight = 2 * stages_;
   if (stages_ > 1 && device.is_cpu()) pp.reserve_messages(largest_message, in_flight + 1);
 }
 
@@ -58,42 +77,67 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
   const auto seconds = [&] { return std::chrono::duration<double>(clock::now() - step_start).count(); };
   if (record) timeline_.clear();
   int in_flight = 0;
+  // The tensor each chunk's forward reads and backward starts from, per [chunk][micro-batch]:
+  // a receive buffer, or with one stage the previous (next) chunk's output (input gradient).
+  std::vector<std::vector<Tensor>> x(static_cast<size_t>(virtual_stages_)), dy(x);
+  for (auto* t : {&x, &dy})
+    for (auto& per_chunk : *t) per_chunk.resize(static_cast<size_t>(micro_batches_));
   for (size_t k = 0; k < program_.size(); ++k) {
     const Action a = program_[k];
-    const auto i = static_cast<size_t>(a.micro_batch);
+    const auto i = static_cast<size_t>(a.micro_batch), c = static_cast<size_t>(a.chunk);
     const double start = seconds();
+    // Messages to this same stage (P = 1, chunk to chunk) stay in memory. A tag names the
+    // sending chunk (schedule.hpp): the peer's for a receive.
+    const bool communicates = a.op != Op::Forward && a.op != Op::Backward;
+    const bool receives = a.op == Op::RecvActivation || a.op == Op::RecvGrad;
+    const StageChunk peer = communicates ? peer_of(a.op, stage_, a.chunk, stages_) : StageChunk{stage_, a.chunk};
+    const bool local = peer.stage == stage_;
+    const int tag =
+        communicates && !local ? message_tag(a.op, a.micro_batch, receives ? peer.chunk : a.chunk, micro_batches_) : 0;
+    const auto pc = static_cast<size_t>(peer.chunk);
     switch (a.op) {
       case Op::RecvActivation:
-        pp_.recv(received_activations_[i], stage_ - 1, message_tag(a.op, a.micro_batch));
+        if (local) {
+          x[c][i] = outputs_[pc][i];
+        } else {
+          pp_.recv(received_activations_[c][i], peer.stage, tag);
+          x[c][i] = received_activations_[c][i];
+        }
         break;
       case Op::RecvGrad:
-        pp_.recv(received_grads_[i], stage_ + 1, message_tag(a.op, a.micro_batch));
+        if (local) {
+          dy[c][i] = input_grads_[pc][i];
+        } else {
+          pp_.recv(received_grads_[c][i], peer.stage, tag);
+          dy[c][i] = received_grads_[c][i];
+        }
         break;
       case Op::SendActivation:
-        sends_.push_back(pp_.send_async(outputs_[i], stage_ + 1, message_tag(a.op, a.micro_batch)));
+        if (!local) sends_.push_back(pp_.send_async(outputs_[c][i], peer.stage, tag));
         break;
       case Op::SendGrad:
-        sends_.push_back(pp_.send_async(input_grads_[i], stage_ - 1, message_tag(a.op, a.micro_batch)));
+        if (!local) sends_.push_back(pp_.send_async(input_grads_[c][i], peer.stage, tag));
         break;
       case Op::Forward: {
-        const Tensor x = first_stage() ? work.input(a.micro_batch) : received_activations_[i];
-        outputs_[i] = work.forward(a.micro_batch, x, contexts_[i]);
-        // The last stage keeps the loss's gradient where the output was: its backward's input.
-        if (last_stage()) outputs_[i] = work.loss(a.micro_batch, outputs_[i]);
+        const Tensor input = first_virtual_stage(a.chunk) ? work.input(a.micro_batch) : x[c][i];
+        outputs_[c][i] = work.forward(a.micro_batch, a.chunk, input, contexts_[c][i]);
+        // The last virtual stage keeps the loss's gradient where the output was: its
+        // backward's input.
+        if (last_virtual_stage(a.chunk)) outputs_[c][i] = work.loss(a.micro_batch, outputs_[c][i]);
         peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
         stand_in_compute(stand_in_ms_);
         break;
       }
       case Op::Backward: {
-        const Tensor& dy = last_stage() ? outputs_[i] : received_grads_[i];
-        input_grads_[i] = work.backward(a.micro_batch, dy, contexts_[i], k == last_backward_);
+        const Tensor& grad = last_virtual_stage(a.chunk) ? outputs_[c][i] : dy[c][i];
+        input_grads_[c][i] = work.backward(a.micro_batch, a.chunk, grad, contexts_[c][i], k == last_backward_[c]);
         --in_flight;
         stand_in_compute(2 * stand_in_ms_);
         break;
       }
     }
     if (record && (a.op == Op::Forward || a.op == Op::Backward))
-      timeline_.push_back({stage_, a.op, a.micro_batch, start, seconds()});
+      timeline_.push_back({stage_, a.op, a.micro_batch, start, seconds(), a.chunk});
   }
   for (WorkPtr& w : sends_) w->wait();
   sends_.clear();
@@ -101,27 +145,47 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
 
 Tensor PipelineExecutor::forward_only(const std::function<Tensor()>& input, const Shape& input_shape,
                                       const std::function<Tensor(const Tensor& x)>& forward) {
-  constexpr int kTag = 0;  // between steps: no training message is in flight
-  Tensor x;
-  if (first_stage()) {
-    x = input();
-  } else {
-    x = Tensor::empty(input_shape, dtype_, device_);
-    pp_.recv(x, stage_ - 1, kTag);
+  STRATA_CHECK(virtual_stages_ == 1, "pipeline: forward_only with one forward for ", virtual_stages_, " chunks");
+  return forward_only(
+      input, [&](int) { return input_shape; }, [&](int, const Tensor& x) { return forward(x); });
+}
+
+Tensor PipelineExecutor::forward_only(const std::function<Tensor()>& input,
+                                      const std::function<Shape(int chunk)>& input_shape,
+                                      const std::function<Tensor(int chunk, const Tensor& x)>& forward) {
+  // Between steps no training message is in flight: the tag is the sending chunk. Sends block,
+  // but every receiver is already waiting for exactly that message (one chain through the
+  // virtual stages).
+  Tensor y;
+  for (int c = 0; c < virtual_stages_; ++c) {
+    Tensor x;
+    if (first_virtual_stage(c)) {
+      x = input();
+    } else {
+      const StageChunk from = peer_of(Op::RecvActivation, stage_, c, stages_);
+      if (from.stage == stage_) {
+        x = y;  // one stage: the previous chunk's output
+      } else {
+        x = Tensor::empty(input_shape(c), dtype_, device_);
+        pp_.recv(x, from.stage, from.chunk);
+      }
+    }
+    y = forward(c, x);
+    if (last_virtual_stage(c)) return y;
+    const StageChunk to = peer_of(Op::SendActivation, stage_, c, stages_);
+    if (to.stage != stage_) pp_.send(y, to.stage, c);
   }
-  const Tensor y = forward(x);
-  if (last_stage()) return y;
-  pp_.send(y, stage_ + 1, kTag);
   return Tensor();
 }
 
 std::vector<TimelineEvent> PipelineExecutor::gather_timeline(MpiCommunicator& pp) {
-  constexpr int kFields = 5, kTag = 0;
+  constexpr int kFields = 6, kTag = 0;
   if (stage_ != 0) {
     std::vector<double> packed;
     for (const TimelineEvent& e : timeline_)
-      packed.insert(packed.end(), {static_cast<double>(e.stage), static_cast<double>(static_cast<int>(e.op)),
-                                   static_cast<double>(e.micro_batch), e.start_s, e.end_s});
+      packed.insert(packed.end(),
+                    {static_cast<double>(e.stage), static_cast<double>(static_cast<int>(e.op)),
+                     static_cast<double>(e.micro_batch), e.start_s, e.end_s, static_cast<double>(e.chunk)});
     send_values(pp, packed, 0, kTag);
     return {};
   }
@@ -130,7 +194,7 @@ std::vector<TimelineEvent> PipelineExecutor::gather_timeline(MpiCommunicator& pp
     const std::vector<double> p = recv_values(pp, s, kTag);
     for (size_t k = 0; k + kFields <= p.size(); k += kFields)
       all.push_back({static_cast<int>(p[k]), static_cast<Op>(static_cast<int>(p[k + 1])), static_cast<int>(p[k + 2]),
-                     p[k + 3], p[k + 4]});
+                     p[k + 3], p[k + 4], static_cast<int>(p[k + 5])});
   }
   return all;
 }

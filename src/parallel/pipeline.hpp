@@ -1,10 +1,12 @@
 // The pipeline executor: runs one stage's checked program (schedule.hpp) for a training step —
 // receive, forward, send, the loss on the last stage, backward, send — over callbacks that say
 // what the stage computes. It owns what a step's micro-batches need between actions: one
-// context per micro-batch, the receive buffers (sized once), the outputs and input gradients
-// being sent, the in-flight sends; it measures the peak of micro-batches in flight and records
-// a timeline of the compute when asked. It knows nothing of models, data or ZeRO: the caller
-// supplies them (the trainer: the stage's DataParallel forward/backward and the loss).
+// context per micro-batch and chunk, the receive buffers (sized once), the outputs and input
+// gradients being sent, the in-flight sends; it measures the peak of micro-batches in flight
+// and records a timeline of the compute when asked. It knows nothing of models, data or ZeRO:
+// the caller supplies them (the trainer: the stage's DataParallel forward/backward and the
+// loss). With the interleaved schedule the stage holds v chunks (virtual stages c·P + s, see
+// schedule.hpp) and every callback says which one it runs.
 #pragma once
 
 #include <functional>
@@ -17,18 +19,21 @@
 
 namespace strata::parallel {
 
-// What a stage computes for micro-batch `micro`; the executor decides when.
+// What a stage computes for micro-batch `micro` of its chunk `chunk` (always 0 but for
+// interleaved); the executor decides when.
 struct StageWork {
-  // First stage: the micro-batch's input.
+  // First virtual stage (stage 0, chunk 0): the micro-batch's input.
   std::function<Tensor(int micro)> input;
-  // The stage's forward of x, saving what backward needs in ctx.
-  std::function<Tensor(int micro, const Tensor& x, std::vector<layers::Context>& ctx)> forward;
-  // Last stage: the loss of the stage's output y (accumulated by the callee) and its gradient.
+  // The chunk's forward of x, saving what backward needs in ctx.
+  std::function<Tensor(int micro, int chunk, const Tensor& x, std::vector<layers::Context>& ctx)> forward;
+  // Last virtual stage (stage P-1, chunk v-1): the loss of its output y (accumulated by the
+  // callee) and its gradient.
   std::function<Tensor(int micro, const Tensor& y)> loss;
-  // The stage's backward from dy; `last_of_step`: no backward of this stage follows in the
-  // step (gradient sync hooks on it). Returns the input's gradient (undefined on the first
-  // stage, which sends none).
-  std::function<Tensor(int micro, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step)> backward;
+  // The chunk's backward from dy; `last_of_step`: no backward of this chunk follows in the
+  // step (its gradient sync hooks on it). Returns the input's gradient (undefined on the first
+  // virtual stage, which sends none).
+  std::function<Tensor(int micro, int chunk, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step)>
+      backward;
 };
 
 class PipelineExecutor {
@@ -37,10 +42,18 @@ class PipelineExecutor {
   // checks the schedule of every stage (Internal error if it could deadlock) and sizes the
   // receive buffers: activations of `input_shape`, gradients of `output_shape` (per
   // micro-batch, with the batch dimension) in `dtype` on `device`. `stand_in_ms`: a benchmark
-  // aid, sleeps that long per forward (twice per backward) — compute that takes no core.
+  // aid, sleeps that long per forward of a chunk (twice per backward) — compute that takes no
+  // core.
   // Collective over pp when it reserves mailboxes for the messages (CPU, more than one stage).
   PipelineExecutor(Communicator& pp, ScheduleKind kind, int micro_batches, const Shape& input_shape,
                    const Shape& output_shape, DType dtype, Device device, double stand_in_ms = 0);
+  // The same with v = virtual_stages chunks per stage (v > 1: interleaved only; Input errors
+  // from make_schedule): chunk c receives activations of input_shapes[c] and gradients of
+  // output_shapes[c] (per micro-batch, with the batch dimension; both of size v, the entries
+  // of the first virtual stage's input and the last one's output unused).
+  PipelineExecutor(Communicator& pp, ScheduleKind kind, int micro_batches, int virtual_stages,
+                   const std::vector<Shape>& input_shapes, const std::vector<Shape>& output_shapes, DType dtype,
+                   Device device, double stand_in_ms = 0);
 
   // Runs the stage's program for one step; returns when every send of the step is complete.
   // `record`: keep a timeline of its Forward/Backward events (seconds from the call).
@@ -49,18 +62,28 @@ class PipelineExecutor {
   // A forward pass through the pipeline outside the schedule (evaluation): the first stage
   // forwards input(), the others receive a tensor of `input_shape` from the stage before;
   // every stage but the last sends its output on. Returns the last stage's output (undefined
-  // elsewhere). Collective over the pipeline group.
+  // elsewhere). Collective over the pipeline group. One chunk per stage only.
   Tensor forward_only(const std::function<Tensor()>& input, const Shape& input_shape,
                       const std::function<Tensor(const Tensor& x)>& forward);
+  // The same through every chunk in virtual-stage order (chunk 0 of every stage, then chunk 1,
+  // ...): chunk c receives a tensor of input_shape(c) unless it is the first virtual stage,
+  // and forward(c, x) computes it. Returns the last virtual stage's output on the last stage.
+  Tensor forward_only(const std::function<Tensor()>& input, const std::function<Shape(int chunk)>& input_shape,
+                      const std::function<Tensor(int chunk, const Tensor& x)>& forward);
 
   int stage() const { return stage_; }
   int stages() const { return stages_; }
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == stages_ - 1; }
+  // Chunk c of this stage is the whole pipe's first (last) virtual stage.
+  bool first_virtual_stage(int chunk) const { return first_stage() && chunk == 0; }
+  bool last_virtual_stage(int chunk) const { return last_stage() && chunk == virtual_stages_ - 1; }
   int micro_batches() const { return micro_batches_; }
+  int virtual_stages() const { return virtual_stages_; }
   ScheduleKind kind() const { return kind_; }
   const StageProgram& program() const { return program_; }
-  // The most micro-batches forwarded but not yet backwarded at once, over all steps so far.
+  // The most (micro-batch, chunk) pairs forwarded but not yet backwarded at once, over all
+  // steps so far.
   int peak_in_flight() const { return peak_in_flight_; }
   // The last recorded step's events (this stage's).
   const std::vector<TimelineEvent>& timeline() const { return timeline_; }
@@ -71,15 +94,16 @@ class PipelineExecutor {
  private:
   Communicator& pp_;
   ScheduleKind kind_;
-  int stage_, stages_, micro_batches_;
+  int stage_, stages_, micro_batches_, virtual_stages_;
   DType dtype_;
   Device device_;
   double stand_in_ms_;
   StageProgram program_;
-  size_t last_backward_ = 0;  // position of the step's last Backward in program_
-  std::vector<std::vector<layers::Context>> contexts_;
-  std::vector<Tensor> received_activations_, received_grads_;  // reused receive buffers
-  std::vector<Tensor> outputs_, input_grads_;                  // what this stage sends
+  std::vector<size_t> last_backward_;  // per chunk: position of the step's last Backward in program_
+  // Indexed [chunk][micro-batch]:
+  std::vector<std::vector<std::vector<layers::Context>>> contexts_;
+  std::vector<std::vector<Tensor>> received_activations_, received_grads_;  // reused receive buffers
+  std::vector<std::vector<Tensor>> outputs_, input_grads_;                  // what this stage sends
   std::vector<WorkPtr> sends_;
   int peak_in_flight_ = 0;
   std::vector<TimelineEvent> timeline_;

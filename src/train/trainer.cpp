@@ -263,7 +263,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const auto first_of = [this](int micro) { return micro * plan_.micro; };
   parallel::StageWork work;
   work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + plan_.micro)); };
-  work.forward = [&](int micro, const Tensor& x, std::vector<layers::Context>& ctx) {
+  work.forward = [&](int micro, int, const Tensor& x, std::vector<layers::Context>& ctx) {
     return replica_state_->forward(x, ctx,
                                    {layers::Mode::Train, config_.seed, step, batch.first_sample + first_of(micro)});
   };
@@ -272,7 +272,7 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
     loss_sum += loss_.forward(y, to_device(batch.y.slice(first_of(micro), first_of(micro) + plan_.micro)), loss_ctx);
     return loss_.backward(loss_ctx, scale);
   };
-  work.backward = [&](int, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
+  work.backward = [&](int, int, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
     return replica_state_->backward(dy, ctx, last_of_step, !first_stage());
   };
   pipeline_->run_step(work, record);
