@@ -220,6 +220,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   c.device = parallel::parse_device_kind(device);
   c.comm = parallel::parse_transport(comm, c.device);
   c.schedule_kind = parallel::parse_schedule_kind(schedule);
+  // The schedule and executor run interleaved programs (schedule.hpp, pipeline.hpp), but a rank
+  // of `train` holds one contiguous stage: virtual stages are not wired in yet (issue #17).
+  STRATA_REQUIRE(c.schedule_kind != parallel::ScheduleKind::Interleaved,
+                 "--schedule interleaved is not available in train yet (a rank holds one contiguous stage); use "
+                 "1f1b or gpipe");
   c.precision = parse_precision(precision);
   validate(c);
 
