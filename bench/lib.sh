@@ -14,6 +14,13 @@ best_blas_core() {
 run_env=(env -u OPENBLAS_L2_SIZE OPENBLAS_CORETYPE="$(best_blas_core)" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
   MKL_NUM_THREADS=1)
 
+# threads_env N: run_env's words with N threads everywhere instead of one, for multi-threaded
+# columns: tenv=($(threads_env 2)).
+threads_env() {
+  echo env -u OPENBLAS_L2_SIZE OPENBLAS_CORETYPE="$(best_blas_core)" OMP_NUM_THREADS="$1" OPENBLAS_NUM_THREADS="$1" \
+    MKL_NUM_THREADS="$1"
+}
+
 # find_bench_bin NAME OVERRIDE: the built benchmark NAME (OVERRIDE if set), or exits with a hint.
 find_bench_bin() {
   local name="$1" bin="$2" root cand

@@ -1,11 +1,12 @@
-"""torch_models.py: what torch_train_step.py and torch_ddp_step.py share: Strata's zoo models as
-torch.nn.Sequential (mlp 784-hidden-10, cnn), the common flags, the fixed random batch, the
+"""torch_models.py: what the torch benchmarks share: Strata's zoo models as torch.nn.Sequential
+(mlp 784-hidden-10, cnn) and its GPT (class Gpt, for torch_gpt_step.py), the common flags, the fixed random batch, the
 training step (SGD momentum 0.9, F.cross_entropy, zero_grad(set_to_none=True)) and the timing
 loop (untimed warm-up, then timed windows; the caller takes the median). On a GPU (--device
 cuda) the step can run under bf16 autocast (--dtype bf16) and each window ends with a
 synchronisation, so it times the GPU's work and not only the launches.
 """
 import contextlib
+import math
 import time
 
 import torch
@@ -125,3 +126,95 @@ def timed_windows(step, windows, steps, before=None, elapsed=lambda t: t, sync=N
             sync()
         times.append(elapsed(time.perf_counter() - t0))
     return times, l.item()
+
+
+# ---- GPT (bench/torch_gpt_step.py) -----------------------------------------------------------
+# Strata's build_gpt as tools/export_torch.py writes it (nanoGPT's layout): wte + wpe, pre-LN
+# blocks (LayerNorm eps 1e-5, c_attn D -> 3D, causal attention, c_proj, c_fc D -> 4D, exact
+# GELU, c_proj, all with bias), ln_f, lm_head tied to wte; no dropout. GPT-2's init.
+
+def causal_attention_math(q, k, v):
+    """softmax(q k^T / sqrt(Dh) masked to j <= i) v on (B, H, T, Dh), written out: what torch
+    1.13 (no scaled_dot_product_attention) runs, and SDPA's math backend. Materialises (T, T)."""
+    t = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def causal_attention_sdpa(q, k, v):
+    """F.scaled_dot_product_attention(is_causal=True) (torch >= 2.0): on the CPU its fused
+    flash-attention kernel for f32, O(T) memory per head."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTIONS = {"math": causal_attention_math, "sdpa": causal_attention_sdpa}
+
+
+def default_attention():
+    """sdpa where torch has it (2.0 and newer), else math."""
+    return "sdpa" if hasattr(F, "scaled_dot_product_attention") else "math"
+
+
+class GptAttention(nn.Module):
+    def __init__(self, embed, heads, attention):
+        super().__init__()
+        self.c_attn = nn.Linear(embed, 3 * embed)
+        self.c_proj = nn.Linear(embed, embed)
+        self.heads = heads
+        self.attention = ATTENTIONS[attention]
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
+        y = self.attention(q, k, v).transpose(1, 2).contiguous().view(b, t, d)
+        return self.c_proj(y)
+
+
+class GptBlock(nn.Module):
+    def __init__(self, embed, heads, attention):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embed, eps=1e-5)
+        self.attn = GptAttention(embed, heads, attention)
+        self.ln_2 = nn.LayerNorm(embed, eps=1e-5)
+        self.c_fc = nn.Linear(embed, 4 * embed)
+        self.c_proj = nn.Linear(4 * embed, embed)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))  # exact GELU (erf), as Strata's
+
+
+class Gpt(nn.Module):
+    def __init__(self, layers, heads, embed, positions, vocab, attention):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, embed)
+        self.wpe = nn.Embedding(positions, embed)
+        self.blocks = nn.ModuleList(GptBlock(embed, heads, attention) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(embed, eps=1e-5)
+        self.lm_head = nn.Linear(embed, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        # GPT-2's init, as Strata's: N(0, 0.02^2), residual projections / sqrt(2 L), biases 0.
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln_" in name:
+                nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def param_groups(self, weight_decay):
+        """Strata's groups (nanoGPT's AdamW rule without the embeddings): decay on the Linear
+        weights; biases, LayerNorm and the embeddings (wte, so the tied head too) without."""
+        decay = [m.weight for m in self.modules() if isinstance(m, nn.Linear) and m is not self.lm_head]
+        ids = {id(p) for p in decay}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]

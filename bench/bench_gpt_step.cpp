@@ -1,0 +1,412 @@
+// bench_gpt_step: tokens/s of full GPT training steps (zero grads, forward, cross-entropy over
+// every position, backward, AdamW step) on one fixed batch of random tokens, one process; the
+// counterpart of bench/torch_gpt_step.py (same model, batch, optimizer, warm-up and timing:
+// median of several timed windows). Two more modes, for bench/run_gpt_vs_torch.sh:
+//   --attention-only  one causal attention forward+backward (Strata's flash or plain op) on
+//                     random (B, H, T, Dh) tensors: median time, and with --memory the peak
+//                     memory of one call (the allocator's high-water mark and the resident set's).
+//   --sgemm-peak N    the best GFLOP/s of an N x N x N sgemm through ops::gemm (OpenBLAS): the
+//                     denominator of MFU.
+//
+//   bench_gpt_step --layers 4 --heads 4 --embed 256 --seq-len 256 --batch 8 --threads 1
+//   bench_gpt_step --attention-only --attention plain --seq-len 2048 --memory
+//   bench_gpt_step --sgemm-peak 2048 --threads 1
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "core/allocator.hpp"
+#include "core/ops.hpp"
+#include "core/tensor.hpp"
+#include "layers/loss.hpp"
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+
+namespace {
+
+using namespace strata;
+using bench::clock_type;
+using bench::median;
+using bench::seconds_since;
+
+struct Options {
+  int layers = 4, heads = 4;
+  int64_t embed = 256, seq_len = 256, batch = 8, vocab = 8192;
+  std::string attention = "flash";
+  int threads = 1;
+  int warmup = 3;   // untimed steps (or attention calls) first
+  int steps = 5;    // steps per timed window
+  int windows = 5;  // timed windows; the median is reported
+  float lr = 6e-4f, weight_decay = 0.1f;
+  uint64_t seed = 1;
+  bool profile = false;
+  int profile_steps = 5;
+  bool attention_only = false, memory = false;
+  int64_t head_dim = 64;
+  int reps = 5;  // timed attention calls
+  int64_t sgemm_peak = 0;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  bench::po::options_description desc("usage: bench_gpt_step [options]\noptions");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help")
+    ("layers", bench::po::value(&o.layers)->default_value(o.layers), "transformer blocks")
+    ("heads", bench::po::value(&o.heads)->default_value(o.heads), "attention heads")
+    ("embed", bench::po::value(&o.embed)->default_value(o.embed), "model width D")
+    ("seq-len", bench::po::value(&o.seq_len)->default_value(o.seq_len), "tokens per window T")
+    ("batch", bench::po::value(&o.batch)->default_value(o.batch), "windows per step B")
+    ("vocab", bench::po::value(&o.vocab)->default_value(o.vocab), "vocabulary V (tied embedding and head)")
+    ("attention", bench::po::value(&o.attention)->default_value(o.attention), "flash | plain")
+    ("threads", bench::po::value(&o.threads)->default_value(o.threads), "ops threads")
+    ("warmup", bench::po::value(&o.warmup)->default_value(o.warmup), "untimed steps (attention calls) first")
+    ("steps", bench::po::value(&o.steps)->default_value(o.steps), "steps per timed window")
+    ("windows", bench::po::value(&o.windows)->default_value(o.windows), "timed windows; the median is reported")
+    ("lr", bench::po::value(&o.lr)->default_value(o.lr, "6e-4"), "AdamW learning rate")
+    ("weight-decay", bench::po::value(&o.weight_decay)->default_value(o.weight_decay, "0.1"),
+     "AdamW weight decay of the Linear weights")
+    ("seed", bench::po::value(&o.seed)->default_value(o.seed), "parameter and data seed")
+    ("profile", bench::po::bool_switch(&o.profile), "add a per-layer forward/backward breakdown")
+    ("profile-steps", bench::po::value(&o.profile_steps)->default_value(o.profile_steps), "steps of --profile")
+    ("attention-only", bench::po::bool_switch(&o.attention_only),
+     "time one causal attention forward+backward on (batch, heads, seq-len, head-dim) instead")
+    ("head-dim", bench::po::value(&o.head_dim)->default_value(o.head_dim), "--attention-only: Dh")
+    ("reps", bench::po::value(&o.reps)->default_value(o.reps), "--attention-only: timed calls")
+    ("memory", bench::po::bool_switch(&o.memory),
+     "--attention-only: measure the peak memory of one call instead of timing")
+    ("sgemm-peak", bench::po::value(&o.sgemm_peak)->default_value(o.sgemm_peak),
+     "print the best GFLOP/s of an N x N x N sgemm (N > 0) instead");
+  // clang-format on
+  bench::parse_or_exit(argc, argv, desc);
+  bench::require(o.layers > 0 && o.heads > 0 && o.embed > 0 && o.seq_len > 0 && o.batch > 0 && o.vocab > 1,
+                 "layers, heads, embed, seq-len, batch must be > 0 and vocab > 1", desc);
+  bench::require(o.steps > 0 && o.windows > 0 && o.threads > 0 && o.reps > 0 && o.warmup >= 0,
+                 "steps, windows, threads, reps must be > 0", desc);
+  bench::require(o.attention == "flash" || o.attention == "plain", "--attention must be flash or plain", desc);
+  return o;
+}
+
+// ---- resident memory -------------------------------------------------------------------------
+
+// A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: peak since start or reset).
+int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) {
+      std::istringstream s(line.substr(field.size() + 1));
+      int64_t kib = 0;
+      s >> kib;
+      return kib;
+    }
+  return -1;
+}
+
+// Linux >= 4.0: writing 5 to clear_refs sets VmHWM to the current VmRSS.
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+double mib(double bytes) { return bytes / (1 << 20); }
+
+// ---- full training steps ---------------------------------------------------------------------
+
+// llm.c's model FLOPs per token (train_gpt2.cu, gpt2_estimate_mfu): 6 N for the weight
+// matmuls forward and backward, N = every parameter (the tied wte counts once: it is the head's
+// matmul), plus 6 L D T for q k^T and p v over the causal half of the T x T scores.
+double flops_per_token(int64_t params, const Options& o) {
+  return 6.0 * static_cast<double>(params) + 6.0 * o.layers * static_cast<double>(o.embed * o.seq_len);
+}
+
+// Everything one training step touches: the model, its flat buffers, AdamW with GPT's parameter
+// groups, the per-layer contexts and one fixed batch of random tokens and targets.
+struct Bench {
+  layers::Model model;
+  layers::ParameterStore store;
+  layers::Optimizer optimizer;
+  layers::SoftmaxCrossEntropy loss;
+  std::vector<layers::Context> ctx;
+  Tensor x, y;
+  float lr;
+  int64_t step = 0;
+
+  static layers::ModelSpec spec(const Options& o) {
+    layers::ModelSpec s;
+    s.name = "gpt";
+    s.layers = o.layers;
+    s.heads = o.heads;
+    s.embed = o.embed;
+    s.seq_len = o.seq_len;
+    s.attention = o.attention;
+    return s;  // tied embeddings, no dropout: as torch_gpt_step.py
+  }
+  static layers::OptimizerConfig adamw(const Options& o) {
+    layers::OptimizerConfig c;
+    c.name = "adamw";
+    c.weight_decay = o.weight_decay;
+    c.beta1 = 0.9;
+    c.beta2 = 0.95;  // nanoGPT's
+    c.eps = 1e-8f;
+    return c;
+  }
+
+  explicit Bench(const Options& o)
+      : model(layers::build_model(spec(o), {o.seq_len}, static_cast<int>(o.vocab))),
+        store(model, o.seed),
+        optimizer(adamw(o), store.params().numel()),
+        lr(o.lr) {
+    // Weight decay on the Linear weights only, as train does (layers::no_decay_ranges).
+    optimizer.set_no_decay(layers::no_decay_ranges(store.entries(), 0, store.params().numel()));
+    // Random tokens: x is a window, y the same stream shifted by one.
+    std::mt19937 gen(static_cast<uint32_t>(o.seed));
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(o.vocab - 1));
+    std::vector<int32_t> stream(static_cast<size_t>(o.batch * (o.seq_len + 1)));
+    for (int32_t& v : stream) v = token(gen);
+    x = Tensor::empty({o.batch, o.seq_len}, DType::I32);
+    y = Tensor::empty({o.batch, o.seq_len}, DType::I32);
+    for (int64_t b = 0; b < o.batch; ++b)
+      for (int64_t t = 0; t < o.seq_len; ++t) {
+        x.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t)];
+        y.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t + 1)];
+      }
+  }
+
+  float loss_scale() const { return 1.0f / static_cast<float>(y.numel()); }  // mean over tokens
+
+  // One step as train::Trainer::train_step does it with one micro-batch on one rank; returns
+  // the mean loss per token.
+  double train_step() {
+    store.grads().fill_zero();
+    layers::StepInfo info{layers::Mode::Train, 1, step, 0};
+    const Tensor logits = model.forward(x, ctx, info);
+    layers::Context loss_ctx;
+    const double l = loss.forward(logits, y, loss_ctx);
+    model.backward(loss.backward(loss_ctx, loss_scale()), ctx);
+    optimizer.step(store.params(), store.grads(), lr);
+    ++step;
+    return l / static_cast<double>(y.numel());
+  }
+
+  // The same step with a clock around every piece; times accumulate into the vectors.
+  void profiled_step(std::vector<double>& fwd, std::vector<double>& bwd, double& zero_s, double& loss_s,
+                     double& opt_s) {
+    auto t = clock_type::now();
+    store.grads().fill_zero();
+    zero_s += seconds_since(t);
+    layers::StepInfo info{layers::Mode::Train, 1, step, 0};
+    ctx.resize(model.size());
+    Tensor h = x;
+    for (size_t i = 0; i < model.size(); ++i) {
+      t = clock_type::now();
+      h = model.layer(i).forward(h, ctx[i], info);
+      fwd[i] += seconds_since(t);
+    }
+    t = clock_type::now();
+    layers::Context loss_ctx;
+    loss.forward(h, y, loss_ctx);
+    Tensor g = loss.backward(loss_ctx, loss_scale());
+    loss_s += seconds_since(t);
+    // As Model::backward: the embedding (layer 0) returns no input gradient.
+    for (size_t i = model.size(); i-- > 0 && g.defined();) {
+      t = clock_type::now();
+      ctx[i].input_grad = i > 0;
+      g = model.layer(i).backward(g, ctx[i]);
+      bwd[i] += seconds_since(t);
+    }
+    t = clock_type::now();
+    optimizer.step(store.params(), store.grads(), lr);
+    opt_s += seconds_since(t);
+    ++step;
+  }
+};
+
+void profile(Bench& b, const Options& o) {
+  const size_t n = b.model.size();
+  std::vector<double> fwd(n, 0.0), bwd(n, 0.0);
+  double zero_s = 0, loss_s = 0, opt_s = 0;
+  for (int s = 0; s < o.profile_steps; ++s) b.profiled_step(fwd, bwd, zero_s, loss_s, opt_s);
+  const double k = 1e3 / o.profile_steps;  // ms per step
+  double total = zero_s + loss_s + opt_s;
+  for (size_t i = 0; i < n; ++i) total += fwd[i] + bwd[i];
+  std::printf("\nper-step breakdown (mean of %d profiled steps, ms)\n", o.profile_steps);
+  std::printf("  %-10s %-60s %9s %9s %6s\n", "layer", "kind", "forward", "backward", "%");
+  for (size_t i = 0; i < n; ++i) {
+    const layers::Layer& l = b.model.layer(i);
+    std::string kind = l.describe();
+    if (kind.size() > 60) kind = kind.substr(0, 57) + "...";
+    std::printf("  %-10s %-60s %9.2f %9.2f %5.1f%%\n", l.name().c_str(), kind.c_str(), fwd[i] * k, bwd[i] * k,
+                100.0 * (fwd[i] + bwd[i]) / total);
+  }
+  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "zero_grad", "fill_zero(grads)", zero_s * k, "",
+              100.0 * zero_s / total);
+  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "loss", "softmax_xent fwd+bwd", loss_s * k, "",
+              100.0 * loss_s / total);
+  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "optimizer", "adamw", opt_s * k, "", 100.0 * opt_s / total);
+  std::printf("  %-10s %-60s %9.2f\n", "total", "", total * k);
+}
+
+int run_steps(const Options& o) {
+  Bench b(o);
+  const int64_t params = b.store.num_trainable();
+  const int64_t tokens = o.batch * o.seq_len;
+  const double fpt = flops_per_token(params, o);
+  std::printf(
+      "strata bench_gpt_step: gpt L%d H%d D%lld T%lld V%lld, %s attention, batch %lld (%lld tokens/step), AdamW, "
+      "threads %d, %lld parameters\n",
+      o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
+      static_cast<long long>(o.vocab), o.attention.c_str(), static_cast<long long>(o.batch),
+      static_cast<long long>(tokens), ops::num_threads(), static_cast<long long>(params));
+  double first_loss = 0;
+  for (int s = 0; s < o.warmup; ++s) {
+    const double l = b.train_step();
+    if (s == 0) first_loss = l;
+  }
+  const AllocatorStats before = host_allocator().stats();
+  std::vector<double> rates;
+  double last_loss = 0;
+  for (int w = 0; w < o.windows; ++w) {
+    const auto t0 = clock_type::now();
+    for (int s = 0; s < o.steps; ++s) last_loss = b.train_step();
+    rates.push_back(static_cast<double>(o.steps * tokens) / seconds_since(t0));
+  }
+  const double med = median(rates);
+  const AllocatorStats after = host_allocator().stats();
+  std::printf("windows (tokens/s):");
+  for (double r : rates) std::printf(" %.0f", r);
+  std::printf("\nallocator: %llu system allocations during timed steps, peak %.1f MiB in use\n",
+              static_cast<unsigned long long>(after.system_allocs - before.system_allocs), mib(after.peak_in_use));
+  std::printf("loss: first %.4f, last %.4f\n", first_loss, last_loss);
+  std::printf("median %.0f tokens/s, %.1f ms/step, %.2f GFLOP/s (%.4g FLOP/token, llm.c's 6N + 6LDT)\n", med,
+              1e3 * static_cast<double>(tokens) / med, med * fpt * 1e-9, fpt);
+  // One line for scripts.
+  std::printf(
+      "RESULT impl=strata mode=step attention=%s threads=%d tokens_per_s=%.2f flops_per_token=%.0f params=%lld\n",
+      o.attention.c_str(), o.threads, med, fpt, static_cast<long long>(params));
+  if (o.profile) profile(b, o);
+  return 0;
+}
+
+// ---- attention alone -------------------------------------------------------------------------
+
+// One causal attention forward and backward with Strata's op, as CausalSelfAttention calls it:
+// outputs, the saved statistics (flash: the rows' log-sum-exp; plain: the probabilities) and
+// the input gradients are fresh tensors of each call. Returns the forward's seconds.
+double attention_call(const Options& o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dy) {
+  const auto t0 = clock_type::now();
+  Tensor y = Tensor::empty(q.shape());
+  Tensor stats;
+  if (o.attention == "flash") {
+    stats = Tensor::empty({q.dim(0), q.dim(1), q.dim(2)});
+    ops::flash_attention_forward(q, k, v, y, stats);
+  } else {
+    stats = Tensor::empty({q.dim(0), q.dim(1), q.dim(2), q.dim(2)});
+    ops::attention_forward(q, k, v, y, stats);
+  }
+  const double fwd = seconds_since(t0);
+  Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(q.shape()), dv = Tensor::empty(q.shape());
+  if (o.attention == "flash")
+    ops::flash_attention_backward(q, k, v, y, stats, dy, dq, dk, dv);
+  else
+    ops::attention_backward(q, k, v, stats, dy, dq, dk, dv);
+  return fwd;
+}
+
+int run_attention(const Options& o) {
+  const Shape shape{o.batch, o.heads, o.seq_len, o.head_dim};
+  std::mt19937 gen(static_cast<uint32_t>(o.seed));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto random = [&] {
+    Tensor t = Tensor::empty(shape);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(gen);
+    return t;
+  };
+  const Tensor q = random(), k = random(), v = random(), dy = random();
+  // Model FLOPs of forward+backward: 4 matmuls of 2 Dh FLOPs per (query, key) pair of the causal
+  // half in backward, 2 in forward (flash's recomputation of the scores not counted).
+  const double pairs = static_cast<double>(o.batch * o.heads) * o.seq_len * (o.seq_len + 1) / 2.0;
+  const double flops = 12.0 * static_cast<double>(o.head_dim) * pairs;
+  std::printf("strata attention (%s): B %lld, H %d, T %lld, Dh %lld, threads %d\n", o.attention.c_str(),
+              static_cast<long long>(o.batch), o.heads, static_cast<long long>(o.seq_len),
+              static_cast<long long>(o.head_dim), ops::num_threads());
+  const size_t inputs_in_use = host_allocator().stats().bytes_in_use;
+  for (int i = 0; i < o.warmup; ++i) attention_call(o, q, k, v, dy);
+  if (o.memory) {
+    // Every call allocates the same, so the allocator's high-water mark above the inputs is one
+    // call's; then one more call after handing the cache back, to see its resident pages.
+    if (o.warmup == 0) attention_call(o, q, k, v, dy);
+    const double alloc_peak = mib(static_cast<double>(host_allocator().stats().peak_in_use - inputs_in_use));
+    host_allocator().release_cached();
+    const int64_t rss_before = status_kib("VmRSS");
+    const bool reset = reset_peak_rss();
+    attention_call(o, q, k, v, dy);
+    const int64_t hwm = status_kib("VmHWM");
+    const double rss_peak = reset && hwm >= 0 ? (hwm - rss_before) / 1024.0 : -1.0;
+    std::printf("peak memory of one call above the inputs: allocator %.1f MiB, resident set %.1f MiB\n", alloc_peak,
+                rss_peak);
+    std::printf("RESULT impl=strata mode=memory attention=%s seq_len=%lld alloc_peak_mib=%.1f rss_peak_mib=%.1f\n",
+                o.attention.c_str(), static_cast<long long>(o.seq_len), alloc_peak, rss_peak);
+    return 0;
+  }
+  std::vector<double> totals, fwds;
+  for (int i = 0; i < o.reps; ++i) {
+    const auto t0 = clock_type::now();
+    fwds.push_back(attention_call(o, q, k, v, dy));
+    totals.push_back(seconds_since(t0));
+  }
+  const double ms = 1e3 * median(totals), fwd_ms = 1e3 * median(fwds);
+  std::printf("forward+backward: median %.2f ms (forward %.2f ms), %.1f GFLOP/s (%.4g model FLOPs)\n", ms, fwd_ms,
+              flops / ms * 1e-6, flops);
+  std::printf(
+      "RESULT impl=strata mode=attention attention=%s seq_len=%lld threads=%d ms=%.3f fwd_ms=%.3f gflops=%.2f\n",
+      o.attention.c_str(), static_cast<long long>(o.seq_len), o.threads, ms, fwd_ms, flops / ms * 1e-6);
+  return 0;
+}
+
+// ---- SGEMM peak ------------------------------------------------------------------------------
+
+int run_sgemm_peak(const Options& o) {
+  const int64_t n = o.sgemm_peak;
+  Tensor a = Tensor::empty({n, n}), b = Tensor::empty({n, n}), c = Tensor::zeros({n, n});
+  std::mt19937 gen(static_cast<uint32_t>(o.seed));
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (Tensor* t : {&a, &b})
+    for (int64_t i = 0; i < t->numel(); ++i) t->data<float>()[i] = u(gen);
+  ops::gemm(a, false, b, false, c);  // warm-up: OpenBLAS buffers, page faults
+  double best = 0;
+  for (int i = 0; i < o.reps; ++i) {
+    const auto t0 = clock_type::now();
+    ops::gemm(a, false, b, false, c);
+    best = std::max(best, 2.0 * static_cast<double>(n) * n * n / seconds_since(t0) * 1e-9);
+  }
+  std::printf("sgemm %lld x %lld x %lld, threads %d: best of %d %.1f GFLOP/s\n", static_cast<long long>(n),
+              static_cast<long long>(n), static_cast<long long>(n), ops::num_threads(), o.reps, best);
+  std::printf("RESULT impl=strata mode=sgemm n=%lld threads=%d gflops=%.2f\n", static_cast<long long>(n), o.threads,
+              best);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  try {
+    ops::set_num_threads(o.threads);
+    const std::string warning = ops::blas_kernel_warning();
+    if (!warning.empty()) std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    if (o.sgemm_peak > 0) return run_sgemm_peak(o);
+    if (o.attention_only) return run_attention(o);
+    return run_steps(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpt_step: %s\n", e.what());
+    return 1;
+  }
+}
