@@ -13,10 +13,13 @@
 #include "parallel/data_parallel.hpp"
 #include "parallel/memory_plan.hpp"
 #include "parallel/mpi_communicator.hpp"
+#include "parallel/mpi_world.hpp"
 #include "parallel/tied_embedding.hpp"
 
 namespace strata::parallel {
 namespace {
+
+using namespace testing_world;
 
 struct Case {
   std::string name;
@@ -55,31 +58,13 @@ std::vector<layers::OptimizerConfig> optimizers() {
   return {sgd, momentum, adamw};
 }
 
-int world(int* rank = nullptr) {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (rank) MPI_Comm_rank(MPI_COMM_WORLD, rank);
-  return size;
-}
-
-std::unique_ptr<MpiCommunicator> split(int color, const std::string& name) {
-  int rank = 0;
-  world(&rank);
-  MPI_Comm c = MPI_COMM_NULL;
-  EXPECT_EQ(MPI_Comm_split(MPI_COMM_WORLD, color, rank, &c), MPI_SUCCESS);
-  auto comm = std::make_unique<MpiCommunicator>(c, name);
-  MPI_Comm_free(&c);
-  return comm;
-}
-
 TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
-  int rank = 0;
-  const int size = world(&rank);
+  const int rank = world_rank(), size = world_size();
   int checked = 0;
   for (int pp : {1, 2}) {
     // Stage rank % pp of replica rank / pp, as the process grid lays them out.
-    const auto pipeline = split(rank / pp, "pp");
-    const auto dp = split(rank % pp, "dp");
+    const auto pipeline = split_world(rank / pp, "pp");
+    const auto dp = split_world(rank % pp, "dp");
     const int stage = pipeline->rank(), replica = dp->rank();
     for (const Case& c : cases()) {
       const layers::Model model = layers::build_model(c.spec, c.input, c.classes);

@@ -17,6 +17,7 @@
 #include "parallel/device.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/mpi_communicator.hpp"
+#include "parallel/mpi_world.hpp"
 #include "parallel/process_grid.hpp"
 #if STRATA_WITH_CUDA
 #include <cuda_runtime.h>
@@ -84,17 +85,7 @@ TEST(DeviceSelection, MpiGridKeepsMpiCommunicators) {
 #if STRATA_WITH_CUDA
 
 using namespace testing_values;
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using namespace testing_world;
 
 // The first non-empty reason over the ranks (by rank), the same string on every rank.
 std::string agreed(const std::string& mine) {

@@ -9,21 +9,13 @@
 #include <vector>
 
 #include "parallel/mpi.hpp"
+#include "parallel/mpi_world.hpp"
 #include "parallel/process_grid.hpp"
 
 namespace strata::parallel {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using namespace testing_world;
 
 // The world ranks of the members of `comm`, in the communicator's rank order.
 std::vector<int32_t> members(Communicator& comm) {

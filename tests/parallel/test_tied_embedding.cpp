@@ -19,10 +19,13 @@
 #include "layers/model.hpp"
 #include "parallel/data_parallel.hpp"
 #include "parallel/mpi_communicator.hpp"
+#include "parallel/mpi_world.hpp"
 #include "parallel/tied_embedding.hpp"
 
 namespace strata::parallel {
 namespace {
+
+using namespace testing_world;
 
 constexpr int64_t kGlobalBatch = 8, kSeqLen = 8;
 constexpr int kVocab = 20, kSteps = 3;
@@ -133,34 +136,13 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
   EXPECT_LE(worst, 1e-6 * top) << what << ": worst difference " << worst << " of max " << top;
 }
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
-
-// Splits the world by `color` into a communicator (ordered by world rank).
-std::unique_ptr<MpiCommunicator> split(int color, const std::string& name) {
-  MPI_Comm c = MPI_COMM_NULL;
-  EXPECT_EQ(MPI_Comm_split(MPI_COMM_WORLD, color, world_rank(), &c), MPI_SUCCESS);
-  auto comm = std::make_unique<MpiCommunicator>(c, name);
-  MPI_Comm_free(&c);
-  return comm;
-}
-
 TEST(TiedEmbedding, TwoStagesTrainLikeOneStageThatSharesTheViews) {
   const int rank = world_rank(), replicas = world_size() / 2;
   ASSERT_EQ(world_size() % 2, 0);
   const TrainedRun want = reference();
   // Stage rank % 2 of replica rank / 2 (ranks beyond 2 * replicas do not exist: world is even).
-  const auto pp = split(rank / 2, "pp");
-  const auto dp = split(rank % 2, "dp");
+  const auto pp = split_world(rank / 2, "pp");
+  const auto dp = split_world(rank % 2, "dp");
   ASSERT_EQ(pp->size(), 2);
   ASSERT_EQ(dp->size(), replicas);
   for (int zero : {0, 1, 2, 3}) {
@@ -184,7 +166,7 @@ TEST(TiedEmbedding, TwoStagesTrainLikeOneStageThatSharesTheViews) {
 TEST(TiedEmbedding, OneStageCopiesOnlyUnderZeroTwoAndThree) {
   const TrainedRun want = reference();
   const int rank = world_rank();
-  const auto dp = split(0, "dp");  // every rank: one stage, dp = world
+  const auto dp = split_world(0, "dp");  // every rank: one stage, dp = world
   MpiCommunicator self(MPI_COMM_SELF, "pp");
   for (int zero : {1, 2, 3}) {
     SCOPED_TRACE("zero " + std::to_string(zero));
