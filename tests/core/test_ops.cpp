@@ -503,6 +503,36 @@ TEST(Ops, SoftmaxXentAndCountCorrect) {
   EXPECT_THROW(ops::softmax_xent_forward(logits, labels_of({0, 1, 2, 3, 7}), probs), Error);
 }
 
+// A language model's loss has B * T rows, computed in parallel: the same bits on 1 and 2
+// threads, and a NaN logit still makes its row's loss and probabilities NaN.
+TEST(Ops, SoftmaxXentDoesNotDependOnTheThreadCount) {
+  const int64_t n = 64, k = 1000;
+  Tensor logits = rand_tensor({n, k}, 61, -8.0f, 8.0f);
+  std::vector<int32_t> l(n);
+  for (int64_t r = 0; r < n; ++r) l[static_cast<size_t>(r)] = static_cast<int32_t>((r * 37) % k);
+  const Tensor labels = labels_of(l);
+  const int threads = ops::num_threads();
+  std::vector<double> losses;
+  std::vector<std::vector<float>> probs, grads;
+  for (const int t : {1, 2}) {
+    ops::set_num_threads(t);
+    Tensor p = Tensor::empty({n, k}), d = Tensor::empty({n, k});
+    losses.push_back(ops::softmax_xent_forward(logits, labels, p));
+    ops::softmax_xent_backward(p, labels, d, 1.0f / n);
+    probs.emplace_back(p.data<float>(), p.data<float>() + p.numel());
+    grads.emplace_back(d.data<float>(), d.data<float>() + d.numel());
+  }
+  ops::set_num_threads(threads);
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(probs[0], probs[1]);
+  EXPECT_EQ(grads[0], grads[1]);
+  logits.data<float>()[3 * k + 5] = std::nanf("");
+  Tensor p = Tensor::empty({n, k});
+  EXPECT_TRUE(std::isnan(ops::softmax_xent_forward(logits, labels, p)));
+  EXPECT_TRUE(std::isnan(p.data<float>()[3 * k]));
+  EXPECT_FALSE(std::isnan(p.data<float>()[2 * k]));
+}
+
 // ---- reductions and optimizers ---------------------------------------------------------------
 
 TEST(Ops, SumSquaresAndAllFinite) {

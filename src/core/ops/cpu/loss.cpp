@@ -1,6 +1,8 @@
 // CPU softmax cross-entropy (numerically stable, returns the SUM of per-sample losses) and
 // accuracy counting. Rows are samples, columns classes.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 
@@ -12,6 +14,11 @@ int32_t checked_label(const int32_t* labels, int64_t r, int64_t k) {
   STRATA_REQUIRE(l >= 0 && l < k, "label ", l, " of sample ", r, " is outside [0, ", k, ")");
   return l;
 }
+
+// Every label in order, before any parallel loop: an exception must not leave an OpenMP region.
+void check_labels(const int32_t* labels, int64_t n, int64_t k) {
+  for (int64_t r = 0; r < n; ++r) checked_label(labels, r, k);
+}
 }  // namespace
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
@@ -20,12 +27,19 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   const float* x = logits.data<float>();
   const int32_t* lab = labels.data<int32_t>();
   float* pr = probs.data<float>();
-  double total = 0.0;
-  for (int64_t r = 0; r < n; ++r) {
+  check_labels(lab, n, k);
+  // Rows in parallel (a language model has B * T rows of the vocabulary); each row's loss is
+  // kept and the total summed in row order afterwards, so it does not depend on the threads.
+  std::vector<double> row_loss(static_cast<size_t>(n));
+  parallel_rows(n, k, [&](int64_t r) {
     const float* in = x + r * k;
     float* out = pr + r * k;
+    // The maximum is exact in any order: a vectorised reduction gives the value of the
+    // sequential one (std::fmax was a libm call per element). With a NaN logit the row's
+    // probabilities and loss are NaN either way.
     float mx = in[0];
-    for (int64_t j = 1; j < k; ++j) mx = std::fmax(mx, in[j]);
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 1; j < k; ++j) mx = std::max(mx, in[j]);
     float sum = 0.0f;
     for (int64_t j = 0; j < k; ++j) {
       out[j] = std::exp(in[j] - mx);
@@ -34,8 +48,11 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < k; ++j) out[j] *= inv;
     // -log softmax[label] = log(sum) - (x[label] - max)
-    total += std::log(static_cast<double>(sum)) - (static_cast<double>(in[checked_label(lab, r, k)]) - mx);
-  }
+    row_loss[static_cast<size_t>(r)] =
+        std::log(static_cast<double>(sum)) - (static_cast<double>(in[lab[r]]) - static_cast<double>(mx));
+  });
+  double total = 0.0;
+  for (const double l : row_loss) total += l;
   return total;
 }
 
@@ -44,10 +61,11 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
   const float* pr = probs.data<float>();
   const int32_t* lab = labels.data<int32_t>();
   float* d = dlogits.data<float>();
-  for (int64_t r = 0; r < n; ++r) {
+  check_labels(lab, n, k);
+  parallel_rows(n, k, [&](int64_t r) {
     for (int64_t j = 0; j < k; ++j) d[r * k + j] = pr[r * k + j] * scale;
-    d[r * k + checked_label(lab, r, k)] -= scale;
-  }
+    d[r * k + lab[r]] -= scale;
+  });
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
