@@ -40,7 +40,9 @@ void sgd_loop(int64_t n, float* __restrict p, const float* __restrict g, float* 
               const fn::SgdScalars s) {
   float unused = 0.0f;  // stands in for buf[i] without momentum; never written then
   const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
-#pragma omp parallel for simd schedule(static) if (threads)
+  // "if (parallel: ...)": a plain if clause applies to the simd construct too, and on one thread
+  // the loop then ran scalar (2.6 ms instead of 1.1 ms for 1.86 M parameters).
+#pragma omp parallel for simd schedule(static) if (parallel : threads)
   for (int64_t i = 0; i < n; ++i) fn::sgd_step<kMomentum, kNesterov>(p[i], g[i], kMomentum ? buf[i] : unused, s);
 }
 
