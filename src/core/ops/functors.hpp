@@ -107,7 +107,8 @@ struct ReluBackward {  // y is relu's output: y > 0 exactly where x > 0
   }
 };
 
-// Exact GELU: x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2.
+// Exact GELU: x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2. The GPU's kernels; the CPU's
+// loops compute erf and exp with vectorisable polynomials instead (ops/cpu/gelu_math.hpp).
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 

@@ -1,8 +1,9 @@
-// CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for, plus casts
-// and u8 image normalisation.
+// CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for (GELU: its own
+// vectorisable loops, gelu_math.hpp), plus casts and u8 image normalisation.
 #include <cstring>
 
 #include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/cpu/gelu_math.hpp"
 #include "core/ops/functors.hpp"
 
 namespace strata::ops::cpu {
@@ -27,12 +28,30 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
 }
 
+// Exact GELU with gelu_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
+// functors, which call erff and expf). "if (parallel: ...)": a plain if clause would also
+// switch off the simd construct on one thread.
 void gelu_forward(const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::GeluForward<float>{x.data<float>(), y.data<float>()});
+  const float* in = x.data<float>();
+  float* out = y.data<float>();
+  const int64_t n = x.numel();
+  const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
+#pragma omp parallel for simd schedule(static) if (parallel : threads)
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * gelu_math::gelu_terms(in[i]).cdf;
 }
 
+// d/dx x Phi(x) = Phi(x) + x phi(x)
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
-  parallel_for(x.numel(), fn::GeluBackward<float>{x.data<float>(), dy.data<float>(), dx.data<float>()});
+  const float* in = x.data<float>();
+  const float* g = dy.data<float>();
+  float* out = dx.data<float>();
+  const int64_t n = x.numel();
+  const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
+#pragma omp parallel for simd schedule(static) if (parallel : threads)
+  for (int64_t i = 0; i < n; ++i) {
+    const gelu_math::GeluTerms t = gelu_math::gelu_terms(in[i]);
+    out[i] = g[i] * (t.cdf + in[i] * (gelu_math::kInvSqrt2Pi * t.gauss));
+  }
 }
 
 namespace {
