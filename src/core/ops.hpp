@@ -16,7 +16,8 @@
 
 namespace strata::ops {
 
-// Threads for this rank's kernels (OpenBLAS and our own loops). Call once at start.
+// Threads for this rank's kernels: OpenMP's, which also run the GEMMs, cut into blocks;
+// OpenBLAS itself stays on one thread (one thread pool, see ops/cpu/cpu_ops.hpp). Call once at start.
 void set_num_threads(int threads);
 int num_threads();
 // Empty, or one line when the CPU BLAS runs slower kernels than this CPU could: OpenBLAS

@@ -216,6 +216,49 @@ TEST(Ops, GemmAllTransposes) {
   EXPECT_THROW(ops::gemm(rand_tensor({2, 3}, 1), false, rand_tensor({2, 3}, 1), false, Tensor::empty({2, 3})), Error);
 }
 
+// On several threads a large product is cut into blocks of rows or columns, one OpenBLAS call
+// per thread (ops/cpu/gemm.cpp): every block right, whichever dimension is cut, with the
+// transposes, leading dimensions and accumulation (beta), and the same bits on every run.
+TEST(Ops, GemmSplitAcrossThreadsIsCompleteAndDeterministic) {
+  struct Case {
+    int64_t m, n, k;
+  };
+  const int threads = ops::num_threads();
+  for (const Case& cs : {Case{301, 67, 90}, Case{40, 517, 130}, Case{2048, 33, 8}, Case{17, 3000, 9}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const auto [m, n, k] = cs;
+        Tensor a = ta ? rand_tensor({k, m}, 13) : rand_tensor({m, k}, 13);
+        Tensor b = tb ? rand_tensor({n, k}, 14) : rand_tensor({k, n}, 14);
+        const Tensor c0 = rand_tensor({m, n}, 15);
+        const auto vc = values(c0);
+        std::vector<double> want(static_cast<size_t>(m * n));
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            double acc = 0;
+            for (int64_t l = 0; l < k; ++l)
+              acc += static_cast<double>(ta ? a.data<float>()[l * m + i] : a.data<float>()[i * k + l]) *
+                     (tb ? b.data<float>()[j * k + l] : b.data<float>()[l * n + j]);
+            want[static_cast<size_t>(i * n + j)] = 1.5 * acc - 0.5 * vc[static_cast<size_t>(i * n + j)];
+          }
+        std::vector<std::vector<float>> runs;
+        for (const int t : {2, 3, 3}) {
+          ops::set_num_threads(t);
+          Tensor c = Tensor::empty({m, n});
+          ops::copy(c0, c);
+          ops::gemm(a, ta, b, tb, c, 1.5f, -0.5f);
+          SCOPED_TRACE(::testing::Message()
+                       << m << "x" << n << "x" << k << " ta " << ta << " tb " << tb << ", " << t << " threads");
+          expect_close(c, want);
+          runs.emplace_back(c.data<float>(), c.data<float>() + c.numel());
+        }
+        EXPECT_EQ(runs[1], runs[2]);
+      }
+    }
+  }
+  ops::set_num_threads(threads);
+}
+
 TEST(Ops, BiasAddAndGradAccumulate) {
   Tensor y = rand_tensor({4, 3, 5}, 10), bias = rand_tensor({5}, 11), db = rand_tensor({5}, 12);
   const auto vy = values(y), vb = values(bias), vdb = values(db);

@@ -1,14 +1,12 @@
 // CPU language-model ops: token + position embedding, the head layout copies, and causal
 // scaled dot-product attention in two forms, parallel over (batch, head):
-// - plain: the (T, T) probabilities of each head are materialised (cblas_sgemm for q k^T,
+// - plain: the (T, T) probabilities of each head are materialised (OpenBLAS sgemm for q k^T,
 //   p v and the backward products) and kept for backward;
 // - memory-efficient (FlashAttention-2's algorithm): query tiles of kTile rows against key
 //   tiles of kTile columns with an online softmax; only each row's log-sum-exp is saved, and
 //   backward recomputes the probabilities tile by tile with D_i = rowsum(dy * y).
 // Both draw the same attention-dropout mask from (key, stream, global index); everything is
 // sequential within one head, so results do not depend on the thread count.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -63,13 +61,11 @@ void copy_heads(const char* src, char* dst, const HeadRuns& r, int64_t col, bool
 
 constexpr int64_t kTile = 64;  // query rows and key columns per tile of the memory-efficient kernels
 
-// c (m, n) = alpha * op(a) op(b) + beta * c, row-major with leading dimensions.
+// c (m, n) = alpha * op(a) op(b) + beta * c, row-major with leading dimensions: one OpenBLAS
+// call on this thread, so a head's results do not depend on the thread count.
 void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
         int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
-              c, static_cast<int>(ldc));
+  sgemm_one_thread(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 std::unique_ptr<float[]> buffer(int64_t n) { return std::unique_ptr<float[]>(new float[static_cast<size_t>(n)]); }

@@ -3,7 +3,6 @@
 // matrix by 1.1-2.4x: the wide matrix falls out of cache and needs a (N,O)<->(O,N) reshuffle of
 // y and dy. Backward: dW += dY_n @ col_n^T, dcol = W^T @ dY_n, then col2im. 1x1 convolutions
 // with stride 1 and no padding use the sample itself as the column matrix.
-#include <cblas.h>
 
 #include <algorithm>
 #include <cstring>
@@ -136,9 +135,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
   for (int64_t n = 0; n < pl.n; ++n) {
     const float* cols = columns(pl, xp, n, col.defined() ? col.data<float>() : nullptr, g);
     float* yn = yp + n * pl.y_numel;  // (O, OH*OW) = W (O, kkc) @ col (kkc, OH*OW)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(o), static_cast<int>(pl.ohw),
-                static_cast<int>(pl.kkc), 1.0f, wp, static_cast<int>(pl.kkc), cols, static_cast<int>(pl.ohw), 0.0f, yn,
-                static_cast<int>(pl.ohw));
+    sgemm(false, false, o, pl.ohw, pl.kkc, 1.0f, wp, pl.kkc, cols, pl.ohw, 0.0f, yn, pl.ohw);
     if (!bp) continue;
     for (int64_t c = 0; c < o; ++c) {
       float* row = yn + c * pl.ohw;
@@ -158,7 +155,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   const float* wp = w.data<float>();
   Tensor col = pl.pointwise ? Tensor() : Tensor::empty({pl.kkc, pl.ohw});
   float* scratch = col.defined() ? col.data<float>() : nullptr;
-  const int ohw = static_cast<int>(pl.ohw), kkc = static_cast<int>(pl.kkc);
+  const int64_t ohw = pl.ohw, kkc = pl.kkc;
   for (int64_t n = 0; n < pl.n; ++n) {
     const float* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
     if (db.defined()) {                       // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
@@ -173,14 +170,12 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
     }
     if (dw.defined()) {  // dW (O, kkc) += dY_n (O, OH*OW) @ col_n^T
       const float* cols = columns(pl, xp, n, scratch, g);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(o), kkc, ohw, 1.0f, dyn, ohw, cols, ohw,
-                  1.0f, dw.data<float>(), kkc);
+      sgemm(false, true, o, kkc, ohw, 1.0f, dyn, ohw, cols, ohw, 1.0f, dw.data<float>(), kkc);
     }
     if (dx.defined()) {  // dcol (kkc, OH*OW) = W^T @ dY_n, folded back into dx_n
       float* dxn = dx.data<float>() + n * pl.x_numel;
       float* dcol = pl.pointwise ? dxn : scratch;
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kkc, ohw, static_cast<int>(o), 1.0f, wp, kkc, dyn, ohw, 0.0f,
-                  dcol, ohw);
+      sgemm(true, false, kkc, ohw, o, 1.0f, wp, kkc, dyn, ohw, 0.0f, dcol, ohw);
       if (!pl.pointwise) {
         std::memset(dxn, 0, static_cast<size_t>(pl.x_numel) * sizeof(float));
         unfold<false>(dxn, dcol, pl.ohw, g);

@@ -40,8 +40,25 @@ void parallel_rows(int64_t rows, int64_t row_work, const F& f) {
   }
 }
 
-// OpenBLAS and OpenMP thread counts.
+// The thread count of every CPU kernel: OpenMP's. OpenBLAS itself stays on one thread; GEMMs
+// are split across the OpenMP threads by sgemm() below.
 void set_num_threads(int threads);
+
+// c (m, n) = alpha op(a) op(b) + beta c, row-major with leading dimensions, through OpenBLAS.
+// Outside a parallel region a large product is cut into one block of rows (or of columns,
+// whichever dimension is larger) per OpenMP thread, each an OpenBLAS call on that thread, so
+// all work runs on one thread pool: OpenBLAS's own pthreads, spinning after a GEMM while
+// OpenMP's threads spun after a loop, took turns with them for the same cores (the GPT step on
+// 2 threads ran at 1.2x one thread instead of 1.9x). Inside a parallel region, or when small,
+// one call on the calling thread. The blocks are fixed by the thread count, so results are
+// deterministic for a given count (as OpenBLAS's threading was; both differ from one thread's
+// in the last bits).
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// The same product as one OpenBLAS call on the calling thread, whatever the thread count
+// (attention's per-head products: results independent of the thread count).
+void sgemm_one_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                      int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 std::string blas_kernel_warning();
 
 void fill(const Tensor& x, float value);

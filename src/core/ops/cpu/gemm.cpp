@@ -1,6 +1,8 @@
-// CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm), bias add and bias gradient.
+// CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm, split across the OpenMP threads),
+// bias add and bias gradient.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -9,8 +11,52 @@
 namespace strata::ops::cpu {
 
 void set_num_threads(int threads) {
-  openblas_set_num_threads(threads);
+  openblas_set_num_threads(1);  // one thread pool: see sgemm
   omp_set_num_threads(threads);
+}
+
+void sgemm_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  // Also without set_num_threads (tests, tools): OpenBLAS's own pool must stay unused.
+  static const bool single_threaded_blas = (openblas_set_num_threads(1), true);
+  (void)single_threaded_blas;
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
+}
+
+namespace {
+
+// Products below this many multiply-adds stay on one thread (OpenBLAS's own threshold: 4 x 65536).
+constexpr double kParallelMnk = 262144.0;
+constexpr int64_t kBlockAlign = 16;  // rows or columns per block: a multiple of the kernels' unrolling
+
+}  // namespace
+
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const bool by_rows = m >= n;
+  const int64_t total = by_rows ? m : n;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = std::min(threads, total / kBlockAlign);
+  if (parts < 2 || static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) <= kParallelMnk) {
+    sgemm_one_thread(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const int64_t block = ((total + parts - 1) / parts + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
+#pragma omp parallel for schedule(static) num_threads(static_cast <int>(parts))
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t lo = std::min(total, p * block), hi = std::min(total, lo + block);
+    if (hi <= lo) continue;
+    if (by_rows)  // rows lo..hi of op(a) and c
+      sgemm_one_thread(trans_a, trans_b, hi - lo, n, k, alpha, trans_a ? a + lo : a + lo * lda, lda, b, ldb, beta,
+                       c + lo * ldc, ldc);
+    else  // columns lo..hi of op(b) and c
+      sgemm_one_thread(trans_a, trans_b, m, hi - lo, k, alpha, a, lda, trans_b ? b + lo * ldb : b + lo, ldb, beta,
+                       c + lo, ldc);
+  }
 }
 
 std::string blas_kernel_warning() {
@@ -32,10 +78,8 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   // op(a) (M, K), op(b) (K, N), c (M, N); lda/ldb are the stored row lengths.
   const int m = static_cast<int>(c.dim(0)), n = static_cast<int>(c.dim(1));
   const int k = static_cast<int>(trans_a ? a.dim(0) : a.dim(1));
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha,
-              a.data<float>(), static_cast<int>(a.dim(1)), b.data<float>(), static_cast<int>(b.dim(1)), beta,
-              c.data<float>(), n);
+  sgemm(trans_a, trans_b, m, n, k, alpha, a.data<float>(), a.dim(1), b.data<float>(), b.dim(1), beta, c.data<float>(),
+        n);
 }
 
 void add_bias(const Tensor& y, const Tensor& bias) {
