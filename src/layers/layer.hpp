@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "layers/tensor_parallel.hpp"
 
 namespace strata::layers {
 
@@ -54,6 +55,9 @@ struct ParamSpec {
   // Linear-like maps (2-D and up); biases, normalisation scales/shifts and embeddings set this
   // and are stepped with weight_decay 0 (layers::Optimizer::set_no_decay).
   bool no_weight_decay = false;
+  // A tensor-parallel shard: `shape` is this rank's part of the full tensor (tensor_parallel.hpp).
+  // Initial values are the full tensor's at the shard's positions, so they do not depend on T.
+  TensorSplit split;
 };
 
 class Layer {
