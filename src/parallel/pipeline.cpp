@@ -71,6 +71,18 @@ PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micr
   if (stages_ > 1 && device.is_cpu()) pp.reserve_messages(largest_message, in_flight + 1);
 }
 
+Tensor PipelineExecutor::message_part(const Tensor& t) const {
+  if (!tp_ || tp_->size() == 1 || t.numel() % tp_->size() != 0) return t;
+  const int64_t part = t.numel() / tp_->size();
+  return t.view(tp_->rank() * part, {part});
+}
+
+void PipelineExecutor::receive(const Tensor& t, int peer, int tag) {
+  const Tensor part = message_part(t);
+  pp_.recv(part, peer, tag);
+  if (part.numel() != t.numel()) tp_->all_gather(part, t.view(0, {t.numel()}));  // in place: part is my chunk
+}
+
 void PipelineExecutor::run_step(const StageWork& work, bool record) {
   using clock = std::chrono::steady_clock;
   const auto step_start = clock::now();
@@ -100,7 +112,7 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
         if (local) {
           x[c][i] = outputs_[pc][i];
         } else {
-          pp_.recv(received_activations_[c][i], peer.stage, tag);
+          receive(received_activations_[c][i], peer.stage, tag);
           x[c][i] = received_activations_[c][i];
         }
         break;
@@ -108,15 +120,15 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
         if (local) {
           dy[c][i] = input_grads_[pc][i];
         } else {
-          pp_.recv(received_grads_[c][i], peer.stage, tag);
+          receive(received_grads_[c][i], peer.stage, tag);
           dy[c][i] = received_grads_[c][i];
         }
         break;
       case Op::SendActivation:
-        if (!local) sends_.push_back(pp_.send_async(outputs_[c][i], peer.stage, tag));
+        if (!local) sends_.push_back(pp_.send_async(message_part(outputs_[c][i]), peer.stage, tag));
         break;
       case Op::SendGrad:
-        if (!local) sends_.push_back(pp_.send_async(input_grads_[c][i], peer.stage, tag));
+        if (!local) sends_.push_back(pp_.send_async(message_part(input_grads_[c][i]), peer.stage, tag));
         break;
       case Op::Forward: {
         const Tensor input = first_virtual_stage(a.chunk) ? work.input(a.micro_batch) : x[c][i];
@@ -167,13 +179,13 @@ Tensor PipelineExecutor::forward_only(const std::function<Tensor()>& input,
         x = y;  // one stage: the previous chunk's output
       } else {
         x = Tensor::empty(input_shape(c), dtype_, device_);
-        pp_.recv(x, from.stage, from.chunk);
+        receive(x, from.stage, from.chunk);
       }
     }
     y = forward(c, x);
     if (last_virtual_stage(c)) return y;
     const StageChunk to = peer_of(Op::SendActivation, stage_, c, stages_);
-    if (to.stage != stage_) pp_.send(y, to.stage, c);
+    if (to.stage != stage_) pp_.send(message_part(y), to.stage, c);
   }
   return Tensor();
 }

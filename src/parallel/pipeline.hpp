@@ -71,6 +71,14 @@ class PipelineExecutor {
   Tensor forward_only(const std::function<Tensor()>& input, const std::function<Shape(int chunk)>& input_shape,
                       const std::function<Tensor(int chunk, const Tensor& x)>& forward);
 
+  // With tensor parallelism the tensors between stages (a block's output and its gradient,
+  // after the block's all-reduces) are the same on every rank of this stage's tp group, and
+  // each tp rank talks to the same tp rank of the neighbouring stage: each then sends only its
+  // 1/T of a message and the receiving group all-gathers the parts over `tp` (Megatron's
+  // scatter-gather), so a stage boundary carries each tensor once, not T times. Set before the
+  // first step; null (the default) sends whole tensors.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+
   int stage() const { return stage_; }
   int stages() const { return stages_; }
   bool first_stage() const { return stage_ == 0; }
@@ -92,7 +100,14 @@ class PipelineExecutor {
   std::vector<TimelineEvent> gather_timeline(MpiCommunicator& pp);
 
  private:
+  // The part of message `t` this rank sends or receives: its 1/T with tensor parallelism (when
+  // T divides the size), else all of it.
+  Tensor message_part(const Tensor& t) const;
+  // Receives message `t` from `peer` (its part, then the tp group's all-gather).
+  void receive(const Tensor& t, int peer, int tag);
+
   Communicator& pp_;
+  Communicator* tp_ = nullptr;
   ScheduleKind kind_;
   int stage_, stages_, micro_batches_, virtual_stages_;
   DType dtype_;

@@ -518,5 +518,45 @@ TEST(PipelineOneStage, RunsLocally) {
   }
 }
 
+// Tensor parallelism (2 stages x tp = world / 2 ranks, tp fastest as in ProcessGrid): every tp
+// rank of a stage holds the same tensors, sends only its 1/tp of each message to its peer tp
+// rank, and the receiving tp group all-gathers the parts. The values are those of the chain
+// (exact), for forward_only too, and each rank's pipeline traffic is 1/tp of the messages.
+TEST(PipelineTensorParallel, EachTpRankSendsItsPartAndTheGroupGathers) {
+  int rank = 0, world = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int tp = world / 2, m = 3;
+  for (ScheduleKind kind : {ScheduleKind::GPipe, ScheduleKind::OneFOneB}) {
+    SCOPED_TRACE(to_string(kind));
+    MPI_Comm pp_comm = MPI_COMM_NULL, tp_comm = MPI_COMM_NULL;  // new ones: an executor reserves mailboxes
+    ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, rank % tp, rank, &pp_comm), MPI_SUCCESS);
+    ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, rank / tp, rank, &tp_comm), MPI_SUCCESS);
+    MpiCommunicator pp(pp_comm, "pp"), tensor_parallel(tp_comm, "tp");
+    MPI_Comm_free(&pp_comm);
+    MPI_Comm_free(&tp_comm);
+    const int stage = pp.rank();
+    PipelineExecutor exec(pp, kind, m, kShape, kShape, DType::F32, Device::cpu());
+    exec.set_tensor_parallel(&tensor_parallel);
+    const Layout layout = interleaved_layout(2, 1);
+    const int64_t sent_before = pp.bytes_sent();
+    Seen seen(m, layout);
+    exec.run_step(toy_stage(stage, layout, 0, seen));
+    expect_step_right(seen, stage, layout, m, 0);
+    // Stage 0 sends m activations, stage 1 m gradients: kBatch x kWidth f32 each, 1/tp of it.
+    EXPECT_EQ(pp.bytes_sent() - sent_before, m * kBatch * kWidth * 4 / tp);
+
+    // forward_only: stage 1 returns what it received, element k of it k + 1.
+    const Tensor y = exec.forward_only(
+        [] {
+          Tensor x = filled(0.0f);
+          for (int64_t k = 0; k < x.numel(); ++k) x.data<float>()[k] = static_cast<float>(k + 1);
+          return x;
+        },
+        kShape, [](const Tensor& x) { return x; });
+    if (stage == 1) EXPECT_EQ(count_wrong(y, [](int64_t k) { return k + 1; }), 0);
+  }
+}
+
 }  // namespace
 }  // namespace strata::parallel
