@@ -669,22 +669,31 @@ void check_no_alias(std::initializer_list<const Tensor*> outputs, std::initializ
 }
 }  // namespace
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y) {
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y,
+                       int64_t first_token, int64_t vocab) {
   check_tokens(tokens);
   check_float(wte, "wte");
   STRATA_CHECK(wte.ndim() == 2, "wte must be (V, D), got ", wte.str());
   const int64_t b = tokens.dim(0), t = tokens.dim(1), d = wte.dim(1);
-  check_same_dtype(wpe, wte, "wpe");
-  check_position_table(wpe, t, d, "wpe");
+  if (vocab == 0) vocab = wte.dim(0);
+  STRATA_CHECK(first_token >= 0 && first_token + wte.dim(0) <= vocab, "wte's ", wte.dim(0), " rows from token ",
+               first_token, " do not fit a vocabulary of ", vocab);
+  if (wpe.defined()) {
+    check_same_dtype(wpe, wte, "wpe");
+    check_position_table(wpe, t, d, "wpe");
+  }
   check_same_dtype(y, wte, "y");
   check_shape(y, Shape{b, t, d}, "y");
-  const Device dev = common_device({&tokens, &wte, &wpe, &y});
+  const Device dev = common_device({&tokens, &wte, &y});
   if (dev.is_cpu())
-    return on_cpu([&](F32Staging& s) { cpu::embedding_forward(tokens, s.in(wte), s.in(wpe), s.out(y)); });
-  STRATA_CUDA_OP(dev, embedding_forward, tokens, wte, wpe, y);
+    return on_cpu([&](F32Staging& s) {
+      cpu::embedding_forward(tokens, s.in(wte), wpe.defined() ? s.in(wpe) : Tensor(), s.out(y), first_token, vocab);
+    });
+  STRATA_CUDA_OP(dev, embedding_forward, tokens, wte, wpe, y, first_token, vocab);
 }
 
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe) {
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token) {
   check_tokens(tokens);
   check_float(dy, "dy");
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
@@ -700,8 +709,10 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
   }
   const Device dev = common_device({&tokens, &dy, &dwte, &dwpe});
   if (dev.is_cpu())
-    return on_cpu([&](F32Staging& s) { cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe)); });
-  STRATA_CUDA_OP(dev, embedding_backward, tokens, dy, dwte, dwpe);
+    return on_cpu([&](F32Staging& s) {
+      cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe), first_token);
+    });
+  STRATA_CUDA_OP(dev, embedding_backward, tokens, dy, dwte, dwpe, first_token);
 }
 
 namespace {
