@@ -642,9 +642,12 @@ void check_heads(const Tensor& q, std::initializer_list<std::pair<const Tensor*,
   }
 }
 
-void check_attention_dropout(float p, const DropoutKey& key) {
+void check_attention_dropout(float p, const DropoutKey& key, const Tensor& q) {
   STRATA_CHECK(p >= 0.0f && p <= 1.0f, "attention dropout probability must be in [0, 1], got ", p);
   STRATA_CHECK(key.first_sample >= 0, "first_sample must be >= 0, got ", key.first_sample);
+  // A slice of the layer's heads must lie inside them (heads 0: q holds all of them).
+  STRATA_CHECK(key.heads == 0 ? key.first_head == 0 : key.first_head >= 0 && key.first_head + q.dim(1) <= key.heads,
+               "attention dropout key: heads ", key.first_head, "..", key.first_head + q.dim(1), " of ", key.heads);
 }
 
 // probs (B, H, T, T): f32 or the dtype of q.
@@ -684,7 +687,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wp
   }
   check_same_dtype(y, wte, "y");
   check_shape(y, Shape{b, t, d}, "y");
-  const Device dev = common_device({&tokens, &wte, &y});
+  const Device dev = common_device({&tokens, &wte, &wpe, &y});
   if (dev.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::embedding_forward(tokens, s.in(wte), wpe.defined() ? s.in(wpe) : Tensor(), s.out(y), first_token, vocab);
@@ -699,6 +702,7 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   STRATA_CHECK(dy.ndim() == 3 && dy.dim(0) == b && dy.dim(1) == t, "dy must be (", b, ", ", t, ", D), got ", dy.str());
   const int64_t d = dy.dim(2);
+  STRATA_CHECK(first_token >= 0, "first_token must be >= 0, got ", first_token);
   if (dwte.defined()) {
     check_grad_dtype(dwte, dy, "dwte");
     STRATA_CHECK(dwte.ndim() == 2 && dwte.dim(1) == d, "dwte must be (V, ", d, "), got ", dwte.str());
@@ -770,7 +774,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
   check_probs(probs, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&y, &probs}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &probs});
   if (d.is_cpu())
@@ -783,7 +787,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
   check_probs(probs, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &probs, &dy});
   const Device d = common_device({&q, &k, &v, &probs, &dy, &dq, &dk, &dv});
   if (d.is_cpu())
@@ -798,7 +802,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              float p, const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
   check_lse(lse, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&y, &lse}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &lse});
   if (d.is_cpu())
@@ -812,7 +816,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
   check_lse(lse, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
   const Device d = common_device({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv});
   if (d.is_cpu())

@@ -27,7 +27,6 @@ constexpr size_t kMaxShared = 48 * 1024;
 
 // ---- embedding -------------------------------------------------------------------------------
 
-template <class T>
 // wte's row w is token first + w (a vocabulary-parallel slice); other tokens add zero; wpe may
 // be null.
 template <class T>
@@ -60,7 +59,8 @@ __global__ void embedding_wpe_grad_kernel(const T* dy, G* dwpe, int64_t b, int64
   }
 }
 
-// Block w: dwte[w] += dy at every position holding token first + w, positions in order.
+// Block w: dwte[w] (dwte's row w, token first + w) += dy at every position holding that token,
+// positions in order.
 template <class T, class G>
 __global__ void embedding_wte_grad_kernel(const int32_t* tok, const T* dy, G* dwte, int64_t n, int64_t d,
                                           int64_t first) {
@@ -88,7 +88,7 @@ __global__ void embedding_wte_grad_kernel(const int32_t* tok, const T* dy, G* dw
     for (int c = 0; c < kEmbedCols; ++c) {
       const int64_t col = base + threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (col < d) {
-        G& out = dwte[static_cast<int64_t>(v) * d + col];
+        G& out = dwte[static_cast<int64_t>(blockIdx.x) * d + col];  // the slice's row, not the token
         out = fn::from_f32<G>(fn::to_f32(out) + acc[c]);
       }
     }
@@ -128,7 +128,8 @@ void heads_copy(const Tensor& src, const Tensor& dst, const Tensor& heads, int64
 // ---- attention -------------------------------------------------------------------------------
 
 // The attention-dropout mask: factor 1 / (1 - p) where (b, h, i, j) is kept, 0 where dropped,
-// from the global index ((first_sample + b) * H + h) * T * T + i * T + j (ops.hpp).
+// from the global index ((first_sample + b) * H + h) * T * T + i * T + j (ops.hpp), h and H
+// counting the layer's heads (DropoutKey::first_head, heads) when q holds a slice of them.
 struct Dropout {
   bool active;
   float p, scale;
