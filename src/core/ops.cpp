@@ -672,8 +672,8 @@ void check_no_alias(std::initializer_list<const Tensor*> outputs, std::initializ
 }
 }  // namespace
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y,
-                       int64_t first_token, int64_t vocab) {
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y, int64_t first_token,
+                       int64_t vocab) {
   check_tokens(tokens);
   check_float(wte, "wte");
   STRATA_CHECK(wte.ndim() == 2, "wte must be (V, D), got ", wte.str());
@@ -713,9 +713,8 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
   }
   const Device dev = common_device({&tokens, &dy, &dwte, &dwpe});
   if (dev.is_cpu())
-    return on_cpu([&](F32Staging& s) {
-      cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe), first_token);
-    });
+    return on_cpu(
+        [&](F32Staging& s) { cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe), first_token); });
   STRATA_CUDA_OP(dev, embedding_backward, tokens, dy, dwte, dwpe, first_token);
 }
 

@@ -85,8 +85,8 @@ struct HeadDropout {
         scale(p_ < 1.0f ? 1.0f / (1.0f - p_) : 0.0f),
         key(k.key),
         stream(k.stream),
-        base(static_cast<uint64_t>(
-            ((k.first_sample + bi) * (k.heads ? k.heads : heads) + k.first_head + hi) * t_ * t_)),
+        base(
+            static_cast<uint64_t>(((k.first_sample + bi) * (k.heads ? k.heads : heads) + k.first_head + hi) * t_ * t_)),
         t(static_cast<uint64_t>(t_)) {}
 
   // f[c] = factor(i, j0 + c) for c in [0, n): one Philox call per 4 consecutive indices,

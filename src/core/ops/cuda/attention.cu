@@ -144,10 +144,8 @@ struct Dropout {
 };
 
 Dropout make_dropout(float p, const DropoutKey& key, int64_t heads, int64_t t) {
-  return Dropout{p > 0.0f,         p,     p < 1.0f ? 1.0f / (1.0f - p) : 0.0f,
-                 key.key,          key.stream,
-                 key.first_sample, heads, key.heads ? key.heads : heads,
-                 key.first_head,   t};
+  return Dropout{p > 0.0f,         p,     p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key.key,        key.stream,
+                 key.first_sample, heads, key.heads ? key.heads : heads,       key.first_head, t};
 }
 
 template <class T>
