@@ -642,9 +642,12 @@ void check_heads(const Tensor& q, std::initializer_list<std::pair<const Tensor*,
   }
 }
 
-void check_attention_dropout(float p, const DropoutKey& key) {
+void check_attention_dropout(float p, const DropoutKey& key, const Tensor& q) {
   STRATA_CHECK(p >= 0.0f && p <= 1.0f, "attention dropout probability must be in [0, 1], got ", p);
   STRATA_CHECK(key.first_sample >= 0, "first_sample must be >= 0, got ", key.first_sample);
+  // A slice of the layer's heads must lie inside them (heads 0: q holds all of them).
+  STRATA_CHECK(key.heads == 0 ? key.first_head == 0 : key.first_head >= 0 && key.first_head + q.dim(1) <= key.heads,
+               "attention dropout key: heads ", key.first_head, "..", key.first_head + q.dim(1), " of ", key.heads);
 }
 
 // probs (B, H, T, T): f32 or the dtype of q.
@@ -669,27 +672,37 @@ void check_no_alias(std::initializer_list<const Tensor*> outputs, std::initializ
 }
 }  // namespace
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y) {
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y, int64_t first_token,
+                       int64_t vocab) {
   check_tokens(tokens);
   check_float(wte, "wte");
   STRATA_CHECK(wte.ndim() == 2, "wte must be (V, D), got ", wte.str());
   const int64_t b = tokens.dim(0), t = tokens.dim(1), d = wte.dim(1);
-  check_same_dtype(wpe, wte, "wpe");
-  check_position_table(wpe, t, d, "wpe");
+  if (vocab == 0) vocab = wte.dim(0);
+  STRATA_CHECK(first_token >= 0 && first_token + wte.dim(0) <= vocab, "wte's ", wte.dim(0), " rows from token ",
+               first_token, " do not fit a vocabulary of ", vocab);
+  if (wpe.defined()) {
+    check_same_dtype(wpe, wte, "wpe");
+    check_position_table(wpe, t, d, "wpe");
+  }
   check_same_dtype(y, wte, "y");
   check_shape(y, Shape{b, t, d}, "y");
   const Device dev = common_device({&tokens, &wte, &wpe, &y});
   if (dev.is_cpu())
-    return on_cpu([&](F32Staging& s) { cpu::embedding_forward(tokens, s.in(wte), s.in(wpe), s.out(y)); });
-  STRATA_CUDA_OP(dev, embedding_forward, tokens, wte, wpe, y);
+    return on_cpu([&](F32Staging& s) {
+      cpu::embedding_forward(tokens, s.in(wte), wpe.defined() ? s.in(wpe) : Tensor(), s.out(y), first_token, vocab);
+    });
+  STRATA_CUDA_OP(dev, embedding_forward, tokens, wte, wpe, y, first_token, vocab);
 }
 
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe) {
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token) {
   check_tokens(tokens);
   check_float(dy, "dy");
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   STRATA_CHECK(dy.ndim() == 3 && dy.dim(0) == b && dy.dim(1) == t, "dy must be (", b, ", ", t, ", D), got ", dy.str());
   const int64_t d = dy.dim(2);
+  STRATA_CHECK(first_token >= 0, "first_token must be >= 0, got ", first_token);
   if (dwte.defined()) {
     check_grad_dtype(dwte, dy, "dwte");
     STRATA_CHECK(dwte.ndim() == 2 && dwte.dim(1) == d, "dwte must be (V, ", d, "), got ", dwte.str());
@@ -700,8 +713,9 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
   }
   const Device dev = common_device({&tokens, &dy, &dwte, &dwpe});
   if (dev.is_cpu())
-    return on_cpu([&](F32Staging& s) { cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe)); });
-  STRATA_CUDA_OP(dev, embedding_backward, tokens, dy, dwte, dwpe);
+    return on_cpu(
+        [&](F32Staging& s) { cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe), first_token); });
+  STRATA_CUDA_OP(dev, embedding_backward, tokens, dy, dwte, dwpe, first_token);
 }
 
 namespace {
@@ -759,7 +773,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
   check_probs(probs, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&y, &probs}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &probs});
   if (d.is_cpu())
@@ -772,7 +786,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
   check_probs(probs, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &probs, &dy});
   const Device d = common_device({&q, &k, &v, &probs, &dy, &dq, &dk, &dv});
   if (d.is_cpu())
@@ -787,7 +801,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              float p, const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
   check_lse(lse, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&y, &lse}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &lse});
   if (d.is_cpu())
@@ -801,7 +815,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const DropoutKey& key) {
   check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
   check_lse(lse, q);
-  check_attention_dropout(p, key);
+  check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
   const Device d = common_device({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv});
   if (d.is_cpu())

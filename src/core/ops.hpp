@@ -66,6 +66,9 @@ struct DropoutKey {
   uint64_t key = 0;     // rng::derive_key(seed, kDropout) mixed with the layer's index
   uint64_t stream = 0;  // the optimizer step
   int64_t first_sample = 0;
+  // Attention only: the layer's heads and the first of those the op's q, k, v hold (a
+  // tensor-parallel slice), so a mask does not depend on how heads are split. 0, 0: all of them.
+  int64_t heads = 0, first_head = 0;
 };
 void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key);
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key);
@@ -135,10 +138,16 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
 // ---- language models -------------------------------------------------------------------------
 
 // tokens i32 (B, T), wte (V, D), wpe (Tmax >= T, D) -> y (B, T, D) = wte[token] + wpe[t].
-// An Input error names the first token outside [0, V).
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y);
-// dwte[token] += dy[b, t] and dwpe[t] += dy[b, t], summed in a fixed order (deterministic).
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe);
+// An Input error names the first token outside [0, vocab) (vocab 0: V). A vocabulary-parallel
+// slice (tensor parallelism) passes its rows' first token and the whole vocabulary: wte's row
+// r is token first_token + r, and tokens outside [first_token, first_token + V) add zero; wpe
+// may be undefined (no position term).
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y,
+                       int64_t first_token = 0, int64_t vocab = 0);
+// dwte[token - first_token] += dy[b, t] for the tokens wte's rows hold, and dwpe[t] += dy[b, t],
+// summed in a fixed order (deterministic). Either gradient may be undefined.
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token = 0);
 
 // qkv (B, T, 3 * H * Dh) as the fused projection writes it (q | k | v, each head-major) ->
 // q, k, v (B, H, T, Dh); and the reverse for their gradients (dqkv overwritten).

@@ -39,23 +39,58 @@ void bind_weight_and_bias(std::span<const Tensor> params, std::span<const Tensor
 Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool bias)
     : Layer(std::move(name)), in_(in_features), out_(out_features), has_bias_(bias) {}
 
-std::string Linear::describe() const { return detail::cat("linear(", in_, "->", out_, ")"); }
+std::string Linear::describe() const {
+  if (mode_ == TensorParallelMode::None) return detail::cat("linear(", in_, "->", out_, ")");
+  return detail::cat("linear(", in_, "->", out_, ", ", mode_ == TensorParallelMode::Column ? "column" : "row",
+                     "-parallel ", tp_->rank(), "/", tp_->size(), ")");
+}
+
+void Linear::set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments) {
+  if (tp == nullptr || tp->size() == 1 || mode == TensorParallelMode::None) {
+    mode_ = TensorParallelMode::None;
+    tp_ = nullptr;
+    segments_ = 1;
+    return;
+  }
+  const int64_t t = tp->size();
+  STRATA_CHECK(segments >= 1 && (mode == TensorParallelMode::Column || segments == 1), "layer ", name(), ": segments ",
+               segments, " apply to a column-parallel split");
+  if (mode == TensorParallelMode::Column)
+    STRATA_REQUIRE(out_ % (segments * t) == 0, "layer ", name(), " (", describe(), "): ", out_, " outputs in ",
+                   segments, " block(s) cannot be split over --tp ", t);
+  else
+    STRATA_REQUIRE(in_ % t == 0, "layer ", name(), " (", describe(), "): ", in_, " inputs cannot be split over --tp ",
+                   t);
+  mode_ = mode;
+  tp_ = tp;
+  segments_ = segments;
+}
+
+int64_t Linear::local_out() const { return mode_ == TensorParallelMode::Column ? out_ / tp_->size() : out_; }
+int64_t Linear::local_in() const { return mode_ == TensorParallelMode::Row ? in_ / tp_->size() : in_; }
+
+TensorSplit Linear::split(int dim) const { return {tp_->size(), tp_->rank(), dim, dim == 0 ? segments_ : 1}; }
 
 Shape Linear::output_shape(const Shape& input) const {
-  STRATA_REQUIRE(!input.empty() && input.back() == in_, "layer ", name(), " (", describe(),
-                 ") expects input of shape [", input.size() > 1 ? "..., " : "", in_, "], found ", shape_str(input));
+  const int64_t in = local_in();
+  STRATA_REQUIRE(!input.empty() && input.back() == in, "layer ", name(), " (", describe(), ") expects input of shape [",
+                 input.size() > 1 ? "..., " : "", in, "], found ", shape_str(input));
   Shape out = input;
-  out.back() = out_;
+  out.back() = local_out();
   return out;
 }
 
-int64_t Linear::flops(const Shape& input) const { return shape_numel(input) / in_ * in_ * out_; }
+// Per rank: its shard's multiply-adds.
+int64_t Linear::flops(const Shape& input) const { return shape_numel(input) / local_in() * local_in() * local_out(); }
 
+// Shapes are this rank's shards; fan_in stays the full layer's (the full tensor is drawn).
 std::vector<ParamSpec> Linear::param_specs() const {
-  std::vector<ParamSpec> specs{{"weight", {out_, in_}, init_, in_, true, std_}};
+  std::vector<ParamSpec> specs{{"weight", {local_out(), local_in()}, init_, in_, true, std_}};
+  if (mode_ != TensorParallelMode::None) specs.back().split = split(mode_ == TensorParallelMode::Column ? 0 : 1);
   if (has_bias_) {
-    specs.push_back({"bias", {out_}, init_ == Init::Normal ? Init::Zeros : init_, in_});
+    specs.push_back({"bias", {local_out()}, init_ == Init::Normal ? Init::Zeros : init_, in_});
     specs.back().no_weight_decay = init_ == Init::Normal;
+    if (mode_ == TensorParallelMode::Column) specs.back().split = split(0);  // row-parallel: replicated
   }
   return specs;
 }
@@ -71,28 +106,35 @@ void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 
 // Inputs (B, ..., in) are viewed as (B * ..., in): the map applies to the last dimension.
 Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
-  const Tensor x2 = x.ndim() == 2 ? x : x.reshape({x.numel() / in_, in_});
+  const int64_t in = local_in(), out = local_out();
+  const Tensor x2 = x.ndim() == 2 ? x : x.reshape({x.numel() / in, in});
   // x (N, in) @ W^T (in, out) -> y (N, out)
-  Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), x.device());
+  Tensor y = Tensor::empty({x2.dim(0), out}, x.dtype(), x.device());
   ops::gemm(x2, false, w_, true, y);
+  // Row-parallel: the ranks' partial products summed before the (replicated) bias, so the bias
+  // is added once.
+  if (mode_ == TensorParallelMode::Row) tp_->all_reduce_sum(y);
   if (has_bias_) ops::add_bias(y, b_);
   if (info.mode == Mode::Train) ctx.saved = {x2};
   if (x.ndim() == 2) return y;
   ctx.input_shape = x.shape();
-  Shape out = x.shape();
-  out.back() = out_;
-  return y.reshape(out);
+  Shape shape = x.shape();
+  shape.back() = out;
+  return y.reshape(shape);
 }
 
 Tensor Linear::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);  // (N, in)
-  const Tensor dy2 = dy.ndim() == 2 ? dy : dy.reshape({x.dim(0), out_});
+  const Tensor dy2 = dy.ndim() == 2 ? dy : dy.reshape({x.dim(0), local_out()});
   ops::gemm(dy2, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
   if (has_bias_) ops::bias_grad(dy2, db_);
   Tensor dx;
   if (ctx.input_grad) {
     dx = Tensor::empty(x.shape(), x.dtype(), x.device());
     ops::gemm(dy2, false, w_, false, dx);  // dx (N, in) = dy W
+    // Column-parallel: each rank's outputs contribute to every input feature; the sum is the
+    // input's gradient (identical on every rank, as the replicated layers below need).
+    if (mode_ == TensorParallelMode::Column) tp_->all_reduce_sum(dx);
     if (dy.ndim() != 2) dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();

@@ -7,6 +7,15 @@
 
 namespace strata::layers {
 
+// How a Linear is split over a tensor-parallel group (Megatron-LM's pair: a column-parallel
+// layer feeds a row-parallel one, so the pair costs one all-reduce forward and one backward).
+//   Column: each rank holds out/T output features (W rows, the bias likewise) and outputs its
+//           slice (..., out/T); forward needs no communication; backward all-reduces dx.
+//   Row:    each rank holds in/T input features (W columns) and takes its slice (..., in/T) as
+//           input; y = all_reduce(x_local W_local^T) + b, the bias replicated; backward is local
+//           (dx is the input slice's gradient; db the same on every rank).
+enum class TensorParallelMode { None, Column, Row };
+
 // y = x W^T + b; x (B, in), W (out, in) as in torch.nn.Linear. Inputs with more dimensions
 // (B, T, in) are mapped along the last one, as (B * T, in). The bias takes no weight decay.
 class Linear final : public Layer {
@@ -15,6 +24,15 @@ class Linear final : public Layer {
   // GPT-2's init and parameter groups instead of PyTorch's defaults: weight ~ N(0, std^2),
   // bias 0 and without weight decay (ParamSpec::no_weight_decay).
   void set_gpt_init(double std);
+  // Splits this layer (in_features and out_features stay the full sizes) over `tp`; a null
+  // group or one of size 1 leaves it whole. Column: `segments` equal blocks of the outputs are
+  // each split (c_attn's q | k | v: 3), so a rank's outputs are its piece of every block. The
+  // split sizes must divide evenly (checked: an Input error).
+  void set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments = 1);
+  TensorParallelMode tensor_parallel_mode() const { return mode_; }
+  // This rank's output / input features: out/T for Column, in/T for Row, else the full sizes.
+  int64_t local_out() const;
+  int64_t local_in() const;
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -24,10 +42,14 @@ class Linear final : public Layer {
   int64_t flops(const Shape& input) const override;
 
  private:
+  TensorSplit split(int dim) const;
   int64_t in_, out_;
   bool has_bias_;
   Init init_ = Init::FanInUniform;
   double std_ = 0.0;
+  TensorParallelMode mode_ = TensorParallelMode::None;
+  TensorParallelGroup* tp_ = nullptr;
+  int segments_ = 1;
   Tensor w_, b_, dw_, db_;
 };
 

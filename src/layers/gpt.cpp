@@ -29,17 +29,25 @@ void bind_child(Layer& child, std::span<const Tensor> params, std::span<const Te
   offset += n;
 }
 
-std::unique_ptr<Linear> gpt_linear(std::string name, int64_t in, int64_t out, double std) {
+// The group if it splits anything (null or one rank: the whole layer, today's code path).
+TensorParallelGroup* splitting(TensorParallelGroup* tp) { return tp != nullptr && tp->size() > 1 ? tp : nullptr; }
+
+std::unique_ptr<Linear> gpt_linear(std::string name, int64_t in, int64_t out, double std,
+                                   TensorParallelMode mode = TensorParallelMode::None,
+                                   TensorParallelGroup* tp = nullptr) {
   auto l = std::make_unique<Linear>(std::move(name), in, out, true);
   l->set_gpt_init(std);
+  l->set_tensor_parallel(mode, tp);
   return l;
 }
 
-std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std) {
+// c_fc column-parallel, GELU on the local slice, c_proj row-parallel (Megatron's MLP: one
+// all-reduce, after c_proj); the dropout after it sees replicated values.
+std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std, TensorParallelGroup* tp) {
   std::vector<LayerPtr> layers;
-  layers.push_back(gpt_linear("c_fc", embed, 4 * embed, kGptInitStd));
+  layers.push_back(gpt_linear("c_fc", embed, 4 * embed, kGptInitStd, TensorParallelMode::Column, tp));
   layers.push_back(std::make_unique<ActivationLayer>("gelu", Activation::GELU));
-  layers.push_back(gpt_linear("c_proj", 4 * embed, embed, proj_std));
+  layers.push_back(gpt_linear("c_proj", 4 * embed, embed, proj_std, TensorParallelMode::Row, tp));
   if (dropout > 0) layers.push_back(std::make_unique<Dropout>("dropout", dropout));
   return layers;
 }
@@ -53,14 +61,27 @@ void require_sequence(const Layer& layer, const Shape& input, int64_t embed) {
 
 // ---- Embedding -------------------------------------------------------------------------------
 
-Embedding::Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed)
-    : Layer(std::move(name)), vocab_(vocab), max_positions_(max_positions), embed_(embed) {
+Embedding::Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed, TensorParallelGroup* tp)
+    : Layer(std::move(name)),
+      vocab_(vocab),
+      max_positions_(max_positions),
+      embed_(embed),
+      tp_(splitting(tp)),
+      local_vocab_(vocab),
+      first_token_(0) {
   STRATA_REQUIRE(vocab > 0 && max_positions > 0 && embed > 0, "embedding sizes must be positive, found vocab ", vocab,
                  ", positions ", max_positions, ", width ", embed);
+  if (tp_) {
+    STRATA_REQUIRE(vocab % tp_->size() == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ",
+                   tp_->size());
+    local_vocab_ = vocab / tp_->size();
+    first_token_ = tp_->rank() * local_vocab_;
+  }
 }
 
 std::string Embedding::describe() const {
-  return detail::cat("embedding(vocab ", vocab_, ", positions ", max_positions_, ", ", embed_, ")");
+  return detail::cat("embedding(vocab ", vocab_, ", positions ", max_positions_, ", ", embed_,
+                     tp_ ? detail::cat(", vocabulary-parallel ", tp_->rank(), "/", tp_->size()) : "", ")");
 }
 
 Shape Embedding::output_shape(const Shape& input) const {
@@ -70,8 +91,10 @@ Shape Embedding::output_shape(const Shape& input) const {
 }
 
 std::vector<ParamSpec> Embedding::param_specs() const {
-  return {normal("wte/weight", {vocab_, embed_}, kGptInitStd, true),
-          normal("wpe/weight", {max_positions_, embed_}, kGptInitStd, true)};
+  std::vector<ParamSpec> specs{normal("wte/weight", {local_vocab_, embed_}, kGptInitStd, true),
+                               normal("wpe/weight", {max_positions_, embed_}, kGptInitStd, true)};
+  if (tp_) specs[0].split = {tp_->size(), tp_->rank(), 0, 1};
+  return specs;
 }
 
 void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
@@ -87,13 +110,22 @@ Tensor Embedding::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   STRATA_REQUIRE(x.dtype() == DType::I32 && x.ndim() == 2, "layer ", name(), " expects i32 tokens (B, T), found ",
                  x.str());
   Tensor y = Tensor::empty({x.dim(0), x.dim(1), embed_}, wte_.dtype(), x.device());
-  ops::embedding_forward(x, wte_, wpe_, y);
+  if (tp_) {
+    // Each token's row is on one rank, the others add zeros, and wpe is added once (rank 0):
+    // the sum is wte[token] + wpe[t] exactly, as without tp.
+    ops::embedding_forward(x, wte_, tp_->rank() == 0 ? wpe_ : Tensor(), y, first_token_, vocab_);
+    tp_->all_reduce_sum(y);
+  } else {
+    ops::embedding_forward(x, wte_, wpe_, y);
+  }
   if (info.mode == Mode::Train) ctx.saved = {x};
   return y;
 }
 
 Tensor Embedding::backward(const Tensor& dy, Context& ctx) {
-  ops::embedding_backward(ctx.saved.at(0), dy, dwte_, dwpe_);
+  // With tp, dy is replicated (the all-reduce's backward is the identity): dwte gets this
+  // rank's rows, dwpe the same sum on every rank.
+  ops::embedding_backward(ctx.saved.at(0), dy, dwte_, dwpe_, first_token_);
   ctx.clear();
   return Tensor();  // tokens have no gradient
 }
@@ -101,10 +133,13 @@ Tensor Embedding::backward(const Tensor& dy, Context& ctx) {
 // ---- CausalSelfAttention ---------------------------------------------------------------------
 
 CausalSelfAttention::CausalSelfAttention(std::string name, int64_t embed, int64_t heads, float dropout,
-                                         AttentionKind kind, double proj_std)
+                                         AttentionKind kind, double proj_std, TensorParallelGroup* tp)
     : Layer(std::move(name)),
       embed_(embed),
       heads_(heads),
+      tp_(splitting(tp)),
+      local_heads_(heads),
+      first_head_(0),
       p_(dropout),
       kind_(kind),
       c_attn_("c_attn", embed, 3 * embed),
@@ -114,12 +149,22 @@ CausalSelfAttention::CausalSelfAttention(std::string name, int64_t embed, int64_
                  ")");
   c_attn_.set_gpt_init(kGptInitStd);
   c_proj_.set_gpt_init(proj_std);
+  if (tp_) {
+    STRATA_REQUIRE(heads % tp_->size() == 0, "--heads (", heads, ") must be divisible by --tp (", tp_->size(),
+                   "): each rank computes whole heads");
+    local_heads_ = heads / tp_->size();
+    first_head_ = tp_->rank() * local_heads_;
+    // q | k | v: three blocks of D, each split into whole heads.
+    c_attn_.set_tensor_parallel(TensorParallelMode::Column, tp_, 3);
+    c_proj_.set_tensor_parallel(TensorParallelMode::Row, tp_);
+  }
 }
 
 std::string CausalSelfAttention::describe() const {
-  return detail::cat("causal_self_attention(", embed_, ", heads ", heads_, ", ",
-                     kind_ == AttentionKind::Flash ? "flash" : "plain", p_ > 0 ? detail::cat(", dropout ", p_) : "",
-                     ")");
+  return detail::cat(
+      "causal_self_attention(", embed_, ", heads ", heads_, ", ", kind_ == AttentionKind::Flash ? "flash" : "plain",
+      p_ > 0 ? detail::cat(", dropout ", p_) : "",
+      tp_ ? detail::cat(", heads ", first_head_, "..", first_head_ + local_heads_ - 1, " on this rank") : "", ")");
 }
 
 Shape CausalSelfAttention::output_shape(const Shape& input) const {
@@ -142,8 +187,10 @@ void CausalSelfAttention::bind(std::span<const Tensor> params, std::span<const T
 
 int64_t CausalSelfAttention::flops(const Shape& input) const {
   const int64_t t = input.at(0);
-  // Projections, then q k^T and p v over the causal half of the T x T scores.
-  return c_attn_.flops(input) + c_proj_.flops(input) + t * t * embed_;
+  // Projections, then q k^T and p v over the causal half of the T x T scores (this rank's heads).
+  Shape merged = input;
+  merged.back() = c_proj_.local_in();
+  return c_attn_.flops(input) + c_proj_.flops(merged) + t * t * embed_ / heads_ * local_heads_;
 }
 
 void CausalSelfAttention::set_index(int index) {
@@ -156,11 +203,15 @@ ops::DropoutKey CausalSelfAttention::key(const StepInfo& info) const {
   k.key = rng::derive_key(rng::derive_key(info.seed, rng::kDropout), static_cast<uint64_t>(index()));
   k.stream = static_cast<uint64_t>(info.step);
   k.first_sample = info.first_sample;
+  if (tp_) {  // the mask of global head first_head_ + h, whatever T is
+    k.heads = heads_;
+    k.first_head = first_head_;
+  }
   return k;
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
-  const int64_t b = x.dim(0), t = x.dim(1), h = heads_, dh = embed_ / heads_;
+  const int64_t b = x.dim(0), t = x.dim(1), h = local_heads_, dh = embed_ / heads_;
   ctx.children.resize(3);
   const Tensor qkv = c_attn_.forward(x, ctx.children[0], info);  // (B, T, 3D)
   const Shape heads{b, h, t, dh};
@@ -179,7 +230,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInf
     stats = Tensor::empty({b, h, t, t}, DType::F32, x.device());
     ops::attention_forward(q, k, v, y, stats, p, key(info));
   }
-  Tensor merged = Tensor::empty({b, t, embed_}, x.dtype(), x.device());
+  Tensor merged = Tensor::empty({b, t, h * dh}, x.dtype(), x.device());
   ops::merge_heads(y, merged);
   const Tensor out = c_proj_.forward(merged, ctx.children[1], info);
   if (train) {
@@ -204,7 +255,7 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
     ops::flash_attention_backward(q, k, v, y, stats, dyh, dq, dk, dv, p_, key(ctx.info));
   else
     ops::attention_backward(q, k, v, stats, dyh, dq, dk, dv, p_, key(ctx.info));
-  Tensor dqkv = Tensor::empty({q.dim(0), q.dim(2), 3 * embed_}, q.dtype(), q.device());
+  Tensor dqkv = Tensor::empty({q.dim(0), q.dim(2), 3 * q.dim(1) * q.dim(3)}, q.dtype(), q.device());
   ops::merge_qkv(dq, dk, dv, dqkv);
   ctx.children[0].input_grad = ctx.input_grad;
   Tensor dx = c_attn_.backward(dqkv, ctx.children[0]);
@@ -215,12 +266,12 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
 // ---- TransformerBlock ------------------------------------------------------------------------
 
 TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout, AttentionKind kind,
-                                   double proj_std)
+                                   double proj_std, TensorParallelGroup* tp)
     : Layer(std::move(name)),
       ln_1_("ln_1", embed),
-      attn_("attn", embed, heads, dropout, kind, proj_std),
+      attn_("attn", embed, heads, dropout, kind, proj_std, tp),
       ln_2_("ln_2", embed),
-      mlp_("mlp", mlp_layers(embed, dropout, proj_std)) {
+      mlp_("mlp", mlp_layers(embed, dropout, proj_std, splitting(tp))) {
   ln_1_.set_no_weight_decay();
   ln_2_.set_no_weight_decay();
 }
@@ -291,35 +342,44 @@ const Layer* LMHead::shares_parameters_with() const { return copy_ ? nullptr : t
 
 void LMHead::use_copy(Tensor w, Tensor dw) {
   STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
-  STRATA_CHECK(w.shape() == Shape({vocab_, embed_}) && dw.shape() == w.shape(), "layer ", name(), ": a copy of shape ",
-               shape_str(w.shape()), " does not fit ", describe());
+  STRATA_CHECK(w.shape() == Shape({local_vocab_, embed_}) && dw.shape() == w.shape(), "layer ", name(),
+               ": a copy of shape ", shape_str(w.shape()), " does not fit ", describe());
   w_ = std::move(w);
   dw_ = std::move(dw);
   copy_ = true;
 }
 
-LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to)
-    : Layer(std::move(name)), embed_(embed), vocab_(vocab), tied_(tie_to) {
+LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to, TensorParallelGroup* tp)
+    : Layer(std::move(name)), embed_(embed), vocab_(vocab), tp_(splitting(tp)), local_vocab_(vocab), tied_(tie_to) {
+  if (tp_) {
+    STRATA_REQUIRE(vocab % tp_->size() == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ",
+                   tp_->size());
+    local_vocab_ = vocab / tp_->size();
+  }
   if (tie_to)
-    STRATA_CHECK(tie_to->embed() == embed && tie_to->vocab() == vocab, "tied head (", embed, " -> ", vocab,
-                 ") does not fit the embedding ", tie_to->describe());
+    STRATA_CHECK(tie_to->embed() == embed && tie_to->vocab() == vocab && tie_to->tensor_parallel() == tp_,
+                 "tied head (", embed, " -> ", vocab, tp_ ? ", tensor-parallel" : "", ") does not fit the embedding ",
+                 tie_to->describe());
 }
 
 std::string LMHead::describe() const {
-  return detail::cat("lm_head(", embed_, "->", vocab_, tied_ ? ", tied to wte" : "", ")");
+  return detail::cat("lm_head(", embed_, "->", vocab_, tied_ ? ", tied to wte" : "",
+                     tp_ ? detail::cat(", vocabulary-parallel ", tp_->rank(), "/", tp_->size()) : "", ")");
 }
 
 Shape LMHead::output_shape(const Shape& input) const {
   STRATA_REQUIRE(!input.empty() && input.back() == embed_, "layer ", name(), " (", describe(),
                  ") expects input of shape [..., ", embed_, "], found ", shape_str(input));
   Shape out = input;
-  out.back() = vocab_;
+  out.back() = local_vocab_;
   return out;
 }
 
 std::vector<ParamSpec> LMHead::param_specs() const {
   if (tied_) return {};
-  return {normal("weight", {vocab_, embed_}, kGptInitStd, false)};
+  std::vector<ParamSpec> specs{normal("weight", {local_vocab_, embed_}, kGptInitStd, false)};
+  if (tp_) specs[0].split = {tp_->size(), tp_->rank(), 0, 1};
+  return specs;
 }
 
 void LMHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
@@ -331,24 +391,24 @@ void LMHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 const Tensor& LMHead::weight() const { return tied_ && !copy_ ? tied_->wte() : w_; }
 const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte() : dw_; }
 
-int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * vocab_; }
+int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * local_vocab_; }
 
 Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   const Tensor& w = weight();
   STRATA_CHECK(w.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "weight is not bound");
   const Tensor x2 = x.reshape({x.numel() / embed_, embed_});
-  Tensor y = Tensor::empty({x2.dim(0), vocab_}, x.dtype(), x.device());
-  ops::gemm(x2, false, w, true, y);  // (N, D) @ (V, D)^T
+  Tensor y = Tensor::empty({x2.dim(0), local_vocab_}, x.dtype(), x.device());
+  ops::gemm(x2, false, w, true, y);  // (N, D) @ (V, D)^T: with tp, this rank's columns of the logits
   if (info.mode == Mode::Train) ctx.saved = {x2};
   ctx.input_shape = x.shape();
   Shape out = x.shape();
-  out.back() = vocab_;
+  out.back() = local_vocab_;
   return y.reshape(out);
 }
 
 Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
   const Tensor x2 = ctx.saved.at(0);
-  const Tensor dy2 = dy.reshape({x2.dim(0), vocab_});
+  const Tensor dy2 = dy.reshape({x2.dim(0), local_vocab_});
   const Tensor& dw = weight_grad();
   STRATA_CHECK(dw.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "gradient is not bound");
   ops::gemm(dy2, true, x2, false, dw, 1.0f, 1.0f);  // dW (V, D) += dy^T x
@@ -356,6 +416,7 @@ Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
   if (ctx.input_grad) {
     dx = Tensor::empty(x2.shape(), x2.dtype(), x2.device());
     ops::gemm(dy2, false, weight(), false, dx);  // dx (N, D) = dy W
+    if (tp_) tp_->all_reduce_sum(dx);            // every vocabulary slice's share of dx
     dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();

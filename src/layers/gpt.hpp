@@ -7,6 +7,12 @@
 // Init (GPT-2): Linear and embedding weights ~ N(0, 0.02^2), the residual projections
 // (attn/c_proj, mlp/c_proj) ~ N(0, (0.02 / sqrt(2 * layers))^2), biases 0, LayerNorm 1 / 0.
 // Parameter groups: biases, LayerNorm parameters and the embeddings take no weight decay.
+//
+// Tensor parallelism (Megatron-LM; a TensorParallelGroup of T ranks, null or T = 1: the whole
+// model): the attention's c_attn is column-parallel with whole heads per rank (H/T) and c_proj
+// row-parallel, likewise the MLP's c_fc and c_proj; the embedding and the head are
+// vocabulary-parallel (V/T rows of wte each). LayerNorms, the residual dropouts and the biases
+// after row-parallel layers are replicated: the same values and masks on every rank.
 #pragma once
 
 #include "core/ops.hpp"
@@ -20,9 +26,13 @@ constexpr double kGptInitStd = 0.02;
 // tokens i32 (B, T) -> wte[token] + wpe[t] (B, T, D); per-sample shape {T} -> {T, D}, T <= Tmax.
 // Parameters "wte/weight" (V, D) and "wpe/weight" (Tmax, D), named at model level
 // (param_prefix() is empty). No input gradient (tokens are not differentiable).
+// Vocabulary-parallel (tp): rank r holds wte rows [r V/T, (r+1) V/T) and wpe whole; it looks up
+// the tokens it holds (zero for the others; wpe added on rank 0 only) and the ranks' outputs
+// are all-reduced. Backward is local: dwte for its rows, dwpe on every rank (the same values).
 class Embedding final : public Layer {
  public:
-  Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed);
+  // vocab is the full vocabulary; with tp it must be divisible by tp->size() (checked).
+  Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed, TensorParallelGroup* tp = nullptr);
   std::string describe() const override;
   std::string param_prefix() const override { return ""; }
   Shape output_shape(const Shape& input) const override;
@@ -32,14 +42,21 @@ class Embedding final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
 
-  int64_t vocab() const { return vocab_; }
+  int64_t vocab() const { return vocab_; }  // the full vocabulary
   int64_t embed() const { return embed_; }
-  // The token embedding and its gradient as bound now (the tied LMHead reads these).
+  // The rows of wte this rank holds (V/T) and the token of the first; V and 0 without tp.
+  int64_t local_vocab() const { return local_vocab_; }
+  int64_t first_token() const { return first_token_; }
+  TensorParallelGroup* tensor_parallel() const { return tp_; }
+  // The token embedding (this rank's rows) and its gradient as bound now (the tied LMHead
+  // reads these).
   const Tensor& wte() const { return wte_; }
   const Tensor& dwte() const { return dwte_; }
 
  private:
   int64_t vocab_, max_positions_, embed_;
+  TensorParallelGroup* tp_;
+  int64_t local_vocab_, first_token_;
   Tensor wte_, wpe_, dwte_, dwpe_;
 };
 
@@ -50,11 +67,15 @@ enum class AttentionKind { Flash, Plain };
 // one materialising the probabilities), dropout p on the attention probabilities inside the
 // op, heads merged, c_proj (D -> D, bias), dropout p (the residual dropout). Both dropouts
 // are keyed as Dropout's (seed, step, layer index, global sample): the attention's by this
-// layer's index, the residual one by its child's.
+// layer's index, the residual one by its child's. With tp, c_attn is column-parallel (q, k and
+// v each split: rank r computes heads [r H/T, (r+1) H/T)), c_proj row-parallel; the attention
+// mask is keyed by the global head index, so it does not depend on T.
 class CausalSelfAttention final : public Layer {
  public:
+  // heads must be divisible by tp->size() (an Input error otherwise).
   CausalSelfAttention(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
-                      AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd);
+                      AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
+                      TensorParallelGroup* tp = nullptr);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -63,11 +84,13 @@ class CausalSelfAttention final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
-  int64_t heads() const { return heads_; }
+  int64_t heads() const { return heads_; }  // all of the layer's heads
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
   int64_t embed_, heads_;
+  TensorParallelGroup* tp_;
+  int64_t local_heads_, first_head_;  // the heads this rank computes
   float p_;
   AttentionKind kind_;
   Linear c_attn_, c_proj_;
@@ -77,11 +100,13 @@ class CausalSelfAttention final : public Layer {
 // Pre-LayerNorm block: h = x + attn(ln_1(x)), y = h + mlp(ln_2(h)), the MLP being c_fc
 // (D -> 4D), exact GELU, c_proj (4D -> D), dropout. Children "ln_1", "attn", "ln_2", "mlp", so
 // parameters are "<block>/attn/c_attn/weight", "<block>/mlp/c_fc/bias", ... proj_std is the
-// init std of the two residual projections (attn/c_proj, mlp/c_proj).
+// init std of the two residual projections (attn/c_proj, mlp/c_proj). With tp: the attention
+// as above, c_fc column-parallel and c_proj row-parallel; LayerNorms and dropouts replicated.
 class TransformerBlock final : public Layer {
  public:
   TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
-                   AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd);
+                   AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
+                   TensorParallelGroup* tp = nullptr);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -108,9 +133,15 @@ class TransformerBlock final : public Layer {
 // stages; ZeRO 2/3, which rebind the Embedding's views bucket by bucket / layer by layer),
 // parallel::TiedEmbedding gives the head a copy of wte and of its gradient (use_copy) and keeps
 // the two in step.
+// Vocabulary-parallel (tp): the weight is this rank's V/T rows (its own, split along dim 0, or
+// the tied embedding's rows: the same tokens), the output its slice of the logits (B, T, V/T),
+// columns [r V/T, (r+1) V/T) (SoftmaxCrossEntropy with the same group takes them); backward
+// all-reduces dx.
 class LMHead final : public Layer {
  public:
-  LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to = nullptr);
+  // vocab is the full vocabulary; a tied head must have the embedding's group.
+  LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to = nullptr,
+         TensorParallelGroup* tp = nullptr);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -120,16 +151,20 @@ class LMHead final : public Layer {
   int64_t flops(const Shape& input) const override;
   bool tied() const { return tied_ != nullptr; }
   const Embedding* tied_to() const { return tied_; }
-  // A tied head from now on reads `w` and accumulates into `dw` (both V x D) instead of the
-  // Embedding's views; it then shares nothing.
+  // A tied head from now on reads `w` and accumulates into `dw` (both local_vocab() x D)
+  // instead of the Embedding's views; it then shares nothing.
   void use_copy(Tensor w, Tensor dw);
   bool uses_copy() const { return copy_; }
   const Layer* shares_parameters_with() const override;
+  int64_t vocab() const { return vocab_; }              // the full vocabulary
+  int64_t local_vocab() const { return local_vocab_; }  // the logits this rank outputs
 
  private:
   const Tensor& weight() const;
   const Tensor& weight_grad() const;
   int64_t embed_, vocab_;
+  TensorParallelGroup* tp_;
+  int64_t local_vocab_;
   const Embedding* tied_;
   bool copy_ = false;
   Tensor w_, dw_;

@@ -58,6 +58,7 @@ GptDecoder::GptDecoder(const Model& model, const ParameterStore& store) {
     return store.value(*it->second);
   };
 
+  STRATA_CHECK(model.tensor_parallel() == nullptr, "the decoder needs the whole model (--tp 1)");
   const auto* embedding = model.size() > 0 ? dynamic_cast<const Embedding*>(&model.layer(0)) : nullptr;
   STRATA_CHECK(embedding != nullptr, "the decoder needs a gpt model (its first layer an embedding)");
   vocab_ = embedding->vocab();

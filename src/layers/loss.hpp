@@ -1,5 +1,9 @@
 // Softmax cross-entropy on logits (B, K) and integer labels (B), or on a language model's
 // logits (B, T, V) and labels (B, T), taken as B * T rows (the sum is then over tokens).
+// Vocabulary-parallel (Megatron-LM's parallel cross-entropy): with a tensor-parallel group of
+// T > 1 ranks, rank r holds columns [r V/T, (r+1) V/T) of the logits and the full logits are
+// never formed: the row maxima are all-gathered, then one all-reduce sums each row's
+// sum exp(x - max) and its target logit (held by one rank).
 #pragma once
 
 #include "layers/layer.hpp"
@@ -8,11 +12,22 @@ namespace strata::layers {
 
 class SoftmaxCrossEntropy {
  public:
-  // Returns the SUM of per-sample losses of this micro-batch; saves what backward needs.
+  // tp: the group the logits' vocabulary is split over (the LMHead's); null or size 1: whole
+  // logits, exactly today's computation.
+  explicit SoftmaxCrossEntropy(TensorParallelGroup* tp = nullptr);
+  // Returns the SUM of per-sample losses of this micro-batch (the same value on every tp
+  // rank); saves what backward needs. Labels index the full vocabulary (checked against it).
   double forward(const Tensor& logits, const Tensor& labels, Context& ctx) const;
   // dlogits of the loss sum * scale; scale = 1 / global batch gives the mean over the batch
   // however it is split into micro-batches and ranks (1 / (global batch * T): over tokens).
+  // With tp: this rank's columns (softmax - onehot on its slice).
   Tensor backward(Context& ctx, float scale) const;
+  // Rows whose argmax over the full vocabulary equals the label (ties: the lowest index, as
+  // ops::count_correct); the same count on every tp rank. logits as forward's.
+  int64_t count_correct(const Tensor& logits, const Tensor& labels) const;
+
+ private:
+  TensorParallelGroup* tp_;
 };
 
 }  // namespace strata::layers

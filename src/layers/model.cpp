@@ -15,8 +15,8 @@
 
 namespace strata::layers {
 
-Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes)
-    : layers_(std::move(layers)), num_classes_(num_classes) {
+Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes, TensorParallelGroup* tp)
+    : layers_(std::move(layers)), num_classes_(num_classes), tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr) {
   shapes_.push_back(std::move(input_shape));
   for (size_t i = 0; i < layers_.size(); ++i) {
     layers_[i]->set_index(static_cast<int>(i));
@@ -24,9 +24,16 @@ Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes)
     const std::vector<ParamSpec> specs = layers_[i]->param_specs();
     trainable_.push_back(std::any_of(specs.begin(), specs.end(), [](const ParamSpec& s) { return s.trainable; }));
   }
-  // A classifier's output is (K); a language model's (T, V), its classes the vocabulary.
+  // A classifier's output is (K); a language model's (T, V), its classes the vocabulary; with
+  // tp, this rank's slice (T, V / T).
   const Shape& out = shapes_.back();
   const bool sequence = !shapes_.front().empty() && out.size() == 2 && out[0] == shapes_.front()[0];
+  if (tp_) {
+    STRATA_REQUIRE(sequence && out[1] * tp_->size() == num_classes, "the tensor-parallel model's output shape is ",
+                   shape_str(out), " but a vocabulary slice of ", num_classes, " tokens over --tp ", tp_->size(),
+                   " needs [", shapes_.front().empty() ? 0 : shapes_.front()[0], ", ", num_classes / tp_->size(), "]");
+    return;
+  }
   STRATA_REQUIRE(out == Shape{num_classes} || (sequence && out[1] == num_classes), "the model's output shape is ",
                  shape_str(out), " but the dataset has ", num_classes, " classes");
 }
@@ -161,7 +168,7 @@ Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
 
 // GPT-2 (nanoGPT's layout): wte + wpe, [dropout], blocks h0..h{L-1}, ln_f, lm_head. Each is one
 // top-level layer, so pipeline stages cut between blocks.
-Model build_gpt(const ModelSpec& spec, const Shape& input, int classes) {
+Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorParallelGroup* tp) {
   STRATA_REQUIRE(input.size() == 1 && input[0] >= 1, "model ", spec.name, " expects token sequences [T], found ",
                  shape_str(input));
   STRATA_REQUIRE(spec.layers >= 1, "--layers must be positive, found ", spec.layers);
@@ -177,23 +184,32 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes) {
   const int64_t vocab = spec.vocab > 0 ? spec.vocab : classes;
   STRATA_REQUIRE(vocab >= classes, "--vocab ", vocab, " is smaller than the data's vocabulary of ", classes, " tokens");
   STRATA_REQUIRE(vocab <= INT32_MAX, "--vocab ", vocab, " is too large");
+  if (tp != nullptr && tp->size() > 1) {
+    const int64_t t_size = tp->size();
+    STRATA_REQUIRE(spec.heads % t_size == 0, "--heads (", spec.heads, ") must be divisible by --tp (", t_size,
+                   "): each rank computes whole heads");
+    STRATA_REQUIRE(vocab % t_size == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ", t_size,
+                   " (each rank holds V / tp rows of wte); pass --vocab ", (vocab + t_size - 1) / t_size * t_size);
+  } else {
+    tp = nullptr;
+  }
   const AttentionKind kind = spec.attention == "plain" ? AttentionKind::Plain : AttentionKind::Flash;
   // GPT-2: the residual projections are scaled by 1/sqrt(2 * layers) at init.
   const double proj_std = kGptInitStd / std::sqrt(2.0 * spec.layers);
 
   Builder b(input);
-  auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed);
+  auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed, tp);
   const Embedding* wte = embedding.get();
   b.add(std::move(embedding));
   if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
   for (int i = 0; i < spec.layers; ++i)
-    b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind,
-                            proj_std);
+    b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind, proj_std,
+                            tp);
   auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed);
   ln_f->set_no_weight_decay();
   b.add(std::move(ln_f));
-  b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr);
-  return Model(b.take(), input, static_cast<int>(vocab));
+  b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
+  return Model(b.take(), input, static_cast<int>(vocab), tp);
 }
 
 struct GptPreset {
@@ -238,12 +254,16 @@ bool is_language_model(const ModelSpec& spec) {
   return spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end();
 }
 
-Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes) {
+Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes, TensorParallelGroup* tp) {
   STRATA_REQUIRE(num_classes >= 2, "a classifier needs at least 2 classes, the dataset has ", num_classes);
+  // Only the GPT has a tensor-parallel form (an alternating column/row MLP is left out).
+  const bool split = tp != nullptr && tp->size() > 1;
+  const bool classic = spec.name == "mlp" || spec.name == "cnn" || spec.name == "resnet";
+  STRATA_REQUIRE(!split || !classic, "--tp applies to the gpt models; --model ", spec.name, " runs with --tp 1");
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
-  if (is_language_model(spec)) return build_gpt(resolve_preset(spec), input_shape, num_classes);
+  if (is_language_model(spec)) return build_gpt(resolve_preset(spec), input_shape, num_classes, tp);
   STRATA_THROW_INPUT(
       "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; found '", spec.name,
       "'");
@@ -304,7 +324,8 @@ std::vector<ParamEntry> ParameterStore::layout(const Model& model, size_t begin,
   for (size_t i = begin; i < end; ++i)
     for (const ParamSpec& s : model.layer(i).param_specs()) {
       int64_t& cursor = s.trainable ? trainable : buffers;
-      entries.push_back({model.layer(i).param_prefix() + s.name, s.shape, cursor, s.trainable, i, s.no_weight_decay});
+      entries.push_back(
+          {model.layer(i).param_prefix() + s.name, s.shape, cursor, s.trainable, i, s.no_weight_decay, s.split});
       cursor = align_up(cursor + shape_numel(s.shape));
     }
   return entries;
@@ -349,10 +370,18 @@ ParameterStore::ParameterStore(const Model& model, uint64_t seed, size_t begin, 
   for (size_t i = begin; i < end; ++i) {
     for (const ParamSpec& s : model.layer(i).param_specs()) {
       const ParamEntry& e = entries_[k++];
-      // Each entry is drawn whole, so a shard holds exactly the unsharded values.
-      const Tensor full = Tensor::empty(e.shape);
+      // Each entry is drawn whole, so a shard holds exactly the unsharded values; a
+      // tensor-parallel one is drawn at its full shape and this rank's part taken, so it
+      // equals the same slice of the tp = 1 model's tensor.
+      const Tensor full = Tensor::empty(e.full_shape());
       initialise(full, s, e.name, seed);
-      set_value(e, full);
+      if (e.split.split()) {
+        const Tensor local = Tensor::empty(e.shape);
+        take_shard(full, e.split, local);
+        set_value(e, local);
+      } else {
+        set_value(e, full);
+      }
     }
     bindings_[i - begin] = {allocate_params ? params_ : Tensor(), grads_, 0, 0};
     bind(model, i);

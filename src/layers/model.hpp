@@ -44,7 +44,9 @@ class Model {
  public:
   // The output's last dimension must be num_classes: (K) for a classifier, (T, V) for a
   // language model (classes = vocabulary). The input may be i32 tokens ({T} per sample).
-  Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes);
+  // A tensor-parallel model (tp of T > 1 ranks, which its layers use) outputs this rank's
+  // slice of the vocabulary, (T, V / T); num_classes stays the full V.
+  Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes, TensorParallelGroup* tp = nullptr);
 
   size_t size() const { return layers_.size(); }
   Layer& layer(size_t i) const { return *layers_[i]; }
@@ -52,6 +54,8 @@ class Model {
   // Per-sample input shape of layer i; shape(size()) is the output shape.
   const Shape& shape(size_t i) const { return shapes_[i]; }
   int num_classes() const { return num_classes_; }
+  // The group the model's layers are split over, or null (also for a group of one rank).
+  TensorParallelGroup* tensor_parallel() const { return tp_; }
   std::string summary() const;
 
   // Forward through layers [begin, end) with one context per layer (resized as needed).
@@ -69,10 +73,14 @@ class Model {
   std::vector<Shape> shapes_;
   std::vector<bool> trainable_;  // layer i has trainable parameters
   int num_classes_;
+  TensorParallelGroup* tp_;
 };
 
 // num_classes: the dataset's classes (gpt: its vocabulary; the model's is spec.vocab if set).
-Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes);
+// tp: the tensor-parallel group this rank's model is a shard of (gpt models only; null or
+// size 1: the whole model, exactly as without it). The heads and the vocabulary must be
+// divisible by its size; mlp, cnn and resnet refuse tp > 1 (Input errors, one line each).
+Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes, TensorParallelGroup* tp = nullptr);
 
 struct ParamEntry {
   std::string name;  // stable path "conv1/weight", "block2_1/conv1/weight", "block2_1/shortcut/bn/bias"
@@ -132,12 +140,12 @@ class ParameterStore {
   const Tensor& grads() const { return grads_; }      // flat, same layout as params()
   const Tensor& buffers() const { return buffers_; }  // flat, non-trainable state
   const std::vector<ParamEntry>& entries() const { return entries_; }
-  // The view of an entry's values (in params() or buffers()).
   // The view of an entry's values (in params() or buffers()); not for sharded parameters.
   Tensor value(const ParamEntry& e) const;
-  // Copies the full tensor `full` (any float dtype, any device) of entry e into the store,
-  // converting to the store's dtype and device: all of it, or with sharded parameters the part
-  // this rank's shard holds.
+  // Copies the tensor `full` of e.shape (any float dtype, any device) into entry e,
+  // converting to the store's dtype and device: all of it, or with sharded parameters (ZeRO 3)
+  // the part this rank's shard holds. With a tensor-parallel split, e.shape is this tp rank's
+  // shard (take_shard a checkpoint's full tensor first: e.full_shape()).
   void set_value(const ParamEntry& e, const Tensor& full) const;
   Tensor grad(const ParamEntry& e) const;
   int64_t num_trainable() const;  // without alignment padding

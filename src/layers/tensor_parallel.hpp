@@ -35,9 +35,10 @@ struct TensorSplit {
 
 // The full tensor's shape for a shard of shape `local`.
 Shape full_shape(const Shape& local, const TensorSplit& split);
-// Host f32 copies between a full tensor and the shard `split` names (same dtype, any float
-// dtype, contiguous): take_shard fills `local` from `full`, put_shard writes `local` into its
-// place in `full`. With parts == 1 both are plain copies.
+// Copies between a full tensor and the shard `split` names (contiguous; any devices and float
+// dtypes, converted as ops::copy does; a plain memcpy per run on the host with one dtype):
+// take_shard fills `local` from `full`, put_shard writes `local` into its place in `full`.
+// With parts == 1 both are plain copies.
 void take_shard(const Tensor& full, const TensorSplit& split, const Tensor& local);
 void put_shard(const Tensor& local, const TensorSplit& split, const Tensor& full);
 

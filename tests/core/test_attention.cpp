@@ -254,6 +254,48 @@ TEST(Attention, DropoutMaskIsAFunctionOfTheGlobalSample) {
   EXPECT_FALSE(bit_equal(other.y, full.y));
 }
 
+// Heads [h0, h0 + n) of (B, H, T, Dh), a tensor-parallel rank's slice.
+Tensor head_slice(const Tensor& x, int64_t h0, int64_t n) {
+  const int64_t b = x.dim(0), h = x.dim(1), rows = x.dim(2) * x.dim(3);
+  Tensor out = Tensor::empty({b, n, x.dim(2), x.dim(3)});
+  for (int64_t i = 0; i < b; ++i)
+    std::memcpy(out.data<float>() + i * n * rows, x.data<float>() + (i * h + h0) * rows,
+                static_cast<size_t>(n * rows) * sizeof(float));
+  return out;
+}
+
+// A slice of the heads keyed with DropoutKey::heads / first_head (tensor parallelism) draws the
+// whole layer's mask for those heads: the same bits as the slice of the full run; without the
+// offset it draws another mask.
+TEST(Attention, DropoutMaskOfAHeadSliceIsTheWholeLayers) {
+  const Problem pr({2, 4, 21, 8}, 9);
+  for (const bool flash : {false, true}) {
+    const Result full = flash ? run_flash(pr, 0.3f, kKey) : run_plain(pr, 0.3f, kKey);
+    for (const int64_t h0 : {0, 2}) {
+      Problem part = pr;
+      part.s.h = 2;
+      part.q = head_slice(pr.q, h0, 2), part.k = head_slice(pr.k, h0, 2), part.v = head_slice(pr.v, h0, 2);
+      part.dy = head_slice(pr.dy, h0, 2);
+      ops::DropoutKey key = kKey;
+      key.heads = 4;
+      key.first_head = h0;
+      const Result alone = flash ? run_flash(part, 0.3f, key) : run_plain(part, 0.3f, key);
+      EXPECT_TRUE(bit_equal(alone.y, head_slice(full.y, h0, 2))) << "flash " << flash << " heads from " << h0;
+      EXPECT_TRUE(bit_equal(alone.dq, head_slice(full.dq, h0, 2))) << "flash " << flash << " heads from " << h0;
+      EXPECT_TRUE(bit_equal(alone.dv, head_slice(full.dv, h0, 2))) << "flash " << flash << " heads from " << h0;
+      if (h0 == 2) {  // the slice's own heads 0, 1 are the layer's 0, 1: a different mask
+        const Result unkeyed = flash ? run_flash(part, 0.3f, kKey) : run_plain(part, 0.3f, kKey);
+        EXPECT_FALSE(bit_equal(unkeyed.y, alone.y));
+      }
+    }
+  }
+  // A slice that does not fit the layer's heads is refused.
+  ops::DropoutKey bad = kKey;
+  bad.heads = 4;
+  bad.first_head = 3;
+  EXPECT_THROW(run_flash(pr, 0.3f, bad), Error);  // heads 3..6 of 4
+}
+
 // Two runs are bit-identical. The memory-efficient kernels are also independent of the thread
 // count (heads are independent, and its 64 x 64 tile products are below OpenBLAS's threading
 // threshold); the plain ones are not guaranteed to be: OpenBLAS may round its whole-head
@@ -355,6 +397,36 @@ TEST(Embedding, ForwardAndBackwardByHand) {
   // Either table alone (the other undefined).
   ops::embedding_backward(tokens, dy, Tensor(), dwpe);
   EXPECT_EQ(dwpe.data<float>()[0], 0.5f + 2.0f * (g(0, 0, 0) + g(1, 0, 0)));
+}
+
+// A vocabulary slice (tensor parallelism): rows [first, first + rows) of wte, the others adding
+// zero; the slices' outputs summed (wpe added by one of them) are the whole table's exactly,
+// and each slice's dwte is its rows of the whole dwte.
+TEST(Embedding, VocabularySlicesAddUpToTheWholeTable) {
+  const int64_t V = 12, D = 5, B = 2, T = 7, parts = 3, rows = V / parts;
+  Tensor tokens = Tensor::empty({B, T}, DType::I32);
+  for (int64_t i = 0; i < B * T; ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 5 + 3) % V);
+  const Tensor wte = rand_tensor({V, D}, 4), wpe = rand_tensor({T, D}, 5), dy = rand_tensor({B, T, D}, 6);
+  Tensor y = Tensor::empty({B, T, D}), dwte = Tensor::zeros({V, D}), dwpe = Tensor::zeros({T, D});
+  ops::embedding_forward(tokens, wte, wpe, y);
+  ops::embedding_backward(tokens, dy, dwte, dwpe);
+  Tensor sum = Tensor::zeros({B, T, D});
+  for (int64_t r = 0; r < parts; ++r) {
+    const Tensor part = wte.slice(r * rows, (r + 1) * rows);
+    Tensor yr = Tensor::empty({B, T, D}), dpart = Tensor::zeros({rows, D}), dpe = Tensor::zeros({T, D});
+    ops::embedding_forward(tokens, part, r == 0 ? wpe : Tensor(), yr, r * rows, V);
+    ops::axpy(1.0f, yr, sum);
+    ops::embedding_backward(tokens, dy, dpart, dpe, r * rows);
+    EXPECT_TRUE(bit_equal(dpart, dwte.slice(r * rows, (r + 1) * rows))) << "slice " << r;
+    EXPECT_TRUE(bit_equal(dpe, dwpe)) << "slice " << r;
+  }
+  EXPECT_TRUE(bit_equal(sum, y));
+  // Tokens are checked against the whole vocabulary, not the slice's rows.
+  tokens.data<int32_t>()[3] = static_cast<int32_t>(V);
+  Tensor yr = Tensor::empty({B, T, D});
+  EXPECT_THROW(ops::embedding_forward(tokens, wte.slice(0, rows), Tensor(), yr, 0, V), Error);
+  tokens.data<int32_t>()[3] = 0;
+  EXPECT_THROW(ops::embedding_forward(tokens, wte.slice(0, rows), Tensor(), yr, V - rows + 1, V), Error);  // past V
 }
 
 TEST(Embedding, TokenOutsideTheVocabularyIsAnInputError) {

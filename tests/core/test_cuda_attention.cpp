@@ -111,6 +111,21 @@ TEST(CudaAttention, EmbeddingAndLayoutMatchCpu) {
     EXPECT_NE(e.message().find("at (1, 3)"), std::string::npos) << e.message();
   }
 
+  // A vocabulary slice (tensor parallelism: rows [first, first + 10) of wte, no wpe) as on the
+  // CPU: other tokens add zero, dwte gets the slice's own rows.
+  tokens.data<int32_t>()[40] = 3;
+  for (const int64_t first : {int64_t{0}, int64_t{10}, int64_t{40}}) {
+    const Tensor part = wte.slice(first, first + 10);
+    Tensor yc = Tensor::empty({B, T, D}), dc = Tensor::zeros({10, D});
+    ops::embedding_forward(tokens, part, Tensor(), yc, first, V);
+    ops::embedding_backward(tokens, dy, dc, Tensor(), first);
+    const Tensor yg = Tensor::empty({B, T, D}, DType::F32, kGpu), dg = to_gpu(Tensor::zeros({10, D}));
+    ops::embedding_forward(to_gpu(tokens), to_gpu(part), Tensor(), yg, first, V);
+    ops::embedding_backward(to_gpu(tokens), to_gpu(dy), dg, Tensor(), first);
+    EXPECT_TRUE(bit_equal(to_host(yg), yc)) << "slice from " << first;
+    EXPECT_TRUE(bit_equal(to_host(dg), dc)) << "slice from " << first;
+  }
+
   const Tensor qkv = rand_host({B, T, 3 * H * Dh}, 4, DType::F32, -1, 1);
   Tensor q = Tensor::empty({B, H, T, Dh}), k = Tensor::empty({B, H, T, Dh}), v = Tensor::empty({B, H, T, Dh});
   ops::split_qkv(qkv, q, k, v);

@@ -72,7 +72,8 @@ std::unique_ptr<float[]> buffer(int64_t n) { return std::unique_ptr<float[]>(new
 
 // The attention-dropout mask of one head: factor(i, j) is 1 / (1 - p) where (i, j) is kept,
 // 0 where dropped; element (i, j) of head (b, h) has the global index
-// ((first_sample + b) * H + h) * T * T + i * T + j.
+// ((first_sample + b) * H + h) * T * T + i * T + j, h and H counting the layer's heads
+// (DropoutKey::first_head, heads) when the op holds a tensor-parallel slice of them.
 struct HeadDropout {
   bool active;
   float p, scale;
@@ -84,7 +85,8 @@ struct HeadDropout {
         scale(p_ < 1.0f ? 1.0f / (1.0f - p_) : 0.0f),
         key(k.key),
         stream(k.stream),
-        base(static_cast<uint64_t>(((k.first_sample + bi) * heads + hi) * t_ * t_)),
+        base(
+            static_cast<uint64_t>(((k.first_sample + bi) * (k.heads ? k.heads : heads) + k.first_head + hi) * t_ * t_)),
         t(static_cast<uint64_t>(t_)) {}
 
   // f[c] = factor(i, j0 + c) for c in [0, n): one Philox call per 4 consecutive indices,
@@ -122,22 +124,28 @@ float dot(const float* a, const float* b, int64_t n) {
 
 // ---- embedding -------------------------------------------------------------------------------
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y) {
-  const int64_t t = tokens.dim(1), n = tokens.numel(), d = wte.dim(1);
-  check_token_values(tokens, wte.dim(0));
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y, int64_t first_token,
+                       int64_t vocab) {
+  const int64_t t = tokens.dim(1), n = tokens.numel(), d = wte.dim(1), rows = wte.dim(0);
+  check_token_values(tokens, vocab);
   const int32_t* tok = tokens.data<int32_t>();
   const float* te = wte.data<float>();
-  const float* pe = wpe.data<float>();
+  const float* pe = wpe.defined() ? wpe.data<float>() : nullptr;
   float* out = y.data<float>();
   parallel_rows(n, d, [&](int64_t i) {
-    const float* a = te + static_cast<int64_t>(tok[i]) * d;
-    const float* b = pe + (i % t) * d;
+    const int64_t r = tok[i] - first_token;  // wte's row, if it holds this token
     float* row = out + i * d;
-    for (int64_t c = 0; c < d; ++c) row[c] = a[c] + b[c];
+    if (r < 0 || r >= rows)
+      std::fill(row, row + d, 0.0f);
+    else
+      std::copy(te + r * d, te + (r + 1) * d, row);
+    if (pe)
+      for (int64_t c = 0; c < d; ++c) row[c] += pe[(i % t) * d + c];
   });
 }
 
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe) {
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token) {
   const int64_t b = tokens.dim(0), t = tokens.dim(1), n = tokens.numel(), d = dy.dim(2);
   const float* g = dy.data<float>();
   if (dwpe.defined()) {  // row t owned by one thread, samples added in order
@@ -151,17 +159,19 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
     });
   }
   if (dwte.defined()) {
-    check_token_values(tokens, dwte.dim(0));
     // Column chunks owned by one thread each; every element sums its positions in order, so
     // the result does not depend on the chunking (no atomics).
     const int32_t* tok = tokens.data<int32_t>();
     float* out = dwte.data<float>();
+    const int64_t rows = dwte.dim(0);
     constexpr int64_t kChunk = 64;
     const int64_t chunks = (d + kChunk - 1) / kChunk;
     parallel_rows(chunks, n * kChunk, [&](int64_t ch) {
       const int64_t c0 = ch * kChunk, c1 = std::min(d, c0 + kChunk);
       for (int64_t i = 0; i < n; ++i) {
-        float* row = out + static_cast<int64_t>(tok[i]) * d;
+        const int64_t r = tok[i] - first_token;  // forward reported tokens outside the vocabulary
+        if (r < 0 || r >= rows) continue;
+        float* row = out + r * d;
         const float* src = g + i * d;
         for (int64_t c = c0; c < c1; ++c) row[c] += src[c];
       }

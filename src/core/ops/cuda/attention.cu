@@ -27,9 +27,12 @@ constexpr size_t kMaxShared = 48 * 1024;
 
 // ---- embedding -------------------------------------------------------------------------------
 
+// wte's row w is token first + w (a vocabulary-parallel slice); other tokens add zero; wpe may
+// be null.
 template <class T>
 __global__ void embedding_forward_kernel(const int32_t* tok, const T* wte, const T* wpe, T* y, int64_t n, int64_t t,
-                                         int64_t d, int64_t vocab, unsigned long long* bad) {
+                                         int64_t d, int64_t first, int64_t rows, int64_t vocab,
+                                         unsigned long long* bad) {
   const int64_t total = n * d, stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t r = i / d, c = i - r * d;
@@ -39,7 +42,9 @@ __global__ void embedding_forward_kernel(const int32_t* tok, const T* wte, const
       if (c == 0) atomicMin(bad, static_cast<unsigned long long>(r));
       continue;
     }
-    y[i] = fn::from_f32<T>(fn::to_f32(wte[token * d + c]) + fn::to_f32(wpe[(r % t) * d + c]));
+    const int64_t w = token - first;
+    const float e = w >= 0 && w < rows ? fn::to_f32(wte[w * d + c]) : 0.0f;
+    y[i] = fn::from_f32<T>(wpe ? e + fn::to_f32(wpe[(r % t) * d + c]) : e);
   }
 }
 
@@ -54,11 +59,13 @@ __global__ void embedding_wpe_grad_kernel(const T* dy, G* dwpe, int64_t b, int64
   }
 }
 
-// Block v: dwte[v] += dy at every position holding token v, positions in order.
+// Block w: dwte[w] (dwte's row w, token first + w) += dy at every position holding that token,
+// positions in order.
 template <class T, class G>
-__global__ void embedding_wte_grad_kernel(const int32_t* tok, const T* dy, G* dwte, int64_t n, int64_t d) {
+__global__ void embedding_wte_grad_kernel(const int32_t* tok, const T* dy, G* dwte, int64_t n, int64_t d,
+                                          int64_t first) {
   __shared__ int hits[kEmbedThreads];
-  const int32_t v = static_cast<int32_t>(blockIdx.x);
+  const int64_t v = first + static_cast<int64_t>(blockIdx.x);
   const int64_t pass = static_cast<int64_t>(blockDim.x) * kEmbedCols;
   for (int64_t base = 0; base < d; base += pass) {
     float acc[kEmbedCols] = {};
@@ -81,7 +88,7 @@ __global__ void embedding_wte_grad_kernel(const int32_t* tok, const T* dy, G* dw
     for (int c = 0; c < kEmbedCols; ++c) {
       const int64_t col = base + threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (col < d) {
-        G& out = dwte[static_cast<int64_t>(v) * d + col];
+        G& out = dwte[static_cast<int64_t>(blockIdx.x) * d + col];  // the slice's row, not the token
         out = fn::from_f32<G>(fn::to_f32(out) + acc[c]);
       }
     }
@@ -121,22 +128,24 @@ void heads_copy(const Tensor& src, const Tensor& dst, const Tensor& heads, int64
 // ---- attention -------------------------------------------------------------------------------
 
 // The attention-dropout mask: factor 1 / (1 - p) where (b, h, i, j) is kept, 0 where dropped,
-// from the global index ((first_sample + b) * H + h) * T * T + i * T + j (ops.hpp).
+// from the global index ((first_sample + b) * H + h) * T * T + i * T + j (ops.hpp), h and H
+// counting the layer's heads (DropoutKey::first_head, heads) when q holds a slice of them.
 struct Dropout {
   bool active;
   float p, scale;
   uint64_t key, stream;
-  int64_t first, heads, t;
+  int64_t first, heads, all_heads, first_head, t;  // heads: the op's; all_heads: the layer's
   __device__ float factor(int64_t bh, int64_t i, int64_t j) const {
     if (!active) return 1.0f;
     const int64_t b = bh / heads, h = bh - b * heads;
-    const uint64_t index = static_cast<uint64_t>(((first + b) * heads + h) * t * t + i * t + j);
+    const uint64_t index = static_cast<uint64_t>(((first + b) * all_heads + first_head + h) * t * t + i * t + j);
     return rng::uniform(key, stream, index) >= p ? scale : 0.0f;
   }
 };
 
 Dropout make_dropout(float p, const DropoutKey& key, int64_t heads, int64_t t) {
-  return Dropout{p > 0.0f, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key.key, key.stream, key.first_sample, heads, t};
+  return Dropout{p > 0.0f,         p,     p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key.key,        key.stream,
+                 key.first_sample, heads, key.heads ? key.heads : heads,       key.first_head, t};
 }
 
 template <class T>
@@ -409,8 +418,9 @@ struct Geometry {
 
 // ---- embedding -------------------------------------------------------------------------------
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y) {
-  const int64_t n = tokens.numel(), t = tokens.dim(1), d = wte.dim(1), vocab = wte.dim(0);
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y, int64_t first_token,
+                       int64_t vocab) {
+  const int64_t n = tokens.numel(), t = tokens.dim(1), d = wte.dim(1);
   if (n == 0 || d == 0) return;
   const OnDevice on(y);
   Tensor s = scratch(on, 8);
@@ -419,7 +429,8 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wp
   with_float_type(wte.dtype(), [&](auto tag) {
     using T = decltype(tag);
     embedding_forward_kernel<<<detail::grid_for(n * d), detail::kThreads, 0, on.stream>>>(
-        tokens.data<int32_t>(), wte.data<T>(), wpe.data<T>(), y.data<T>(), n, t, d, vocab, bad);
+        tokens.data<int32_t>(), wte.data<T>(), wpe.defined() ? wpe.data<T>() : nullptr, y.data<T>(), n, t, d,
+        first_token, wte.dim(0), vocab, bad);
     CUDA_CHECK(cudaGetLastError());
   });
   unsigned long long host = 0;
@@ -432,8 +443,10 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wp
   }
 }
 
-// Tokens outside [0, V) add nothing to dwte (embedding_forward has reported them).
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe) {
+// Tokens outside wte's rows add nothing to dwte (embedding_forward has reported those outside
+// the vocabulary).
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token) {
   const int64_t b = tokens.dim(0), t = tokens.dim(1), n = tokens.numel(), d = dy.dim(2);
   if (n == 0 || d == 0) return;
   const OnDevice on(dy);
@@ -452,7 +465,7 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
       with_float_type(dwte.dtype(), [&](auto g_tag) {
         using G = decltype(g_tag);
         embedding_wte_grad_kernel<<<static_cast<unsigned>(dwte.dim(0)), kEmbedThreads, 0, on.stream>>>(
-            tokens.data<int32_t>(), dy.data<T>(), dwte.data<G>(), n, d);
+            tokens.data<int32_t>(), dy.data<T>(), dwte.data<G>(), n, d, first_token);
         CUDA_CHECK(cudaGetLastError());
       });
     }

@@ -64,8 +64,10 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
 void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
                          const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 
-void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y);
-void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe);
+void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wpe, const Tensor& y, int64_t first_token,
+                       int64_t vocab);
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, const Tensor& dwpe,
+                        int64_t first_token);
 void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
 void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dqkv);
 void merge_heads(const Tensor& x, const Tensor& y);

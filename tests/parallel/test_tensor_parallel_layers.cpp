@@ -1,0 +1,385 @@
+// Tensor-parallel layers under real MPI, tp = the world (2 and 4 ranks): every rank builds the
+// split model (parallel::TensorParallel over the world) and the same model unsplit, and
+// checks the split one against the unsplit one: initial shards are exact slices, the
+// all-gathered logits, the loss, every gradient shard and the accuracy count match, and
+// replicated parameters' gradients are bitwise the same on every rank. Also Linear's column
+// and row modes alone, the parallel cross-entropy on hard logits, and the bad-input lines.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/ops.hpp"
+#include "layers/basic.hpp"
+#include "layers/loss.hpp"
+#include "layers/model.hpp"
+#include "parallel/mpi_world.hpp"
+#include "parallel/tensor_parallel.hpp"
+
+namespace strata::parallel {
+namespace {
+
+using namespace testing_world;
+using layers::ParamEntry;
+using layers::TensorSplit;
+
+constexpr int64_t kBatch = 3, kSeq = 16;
+constexpr int kVocab = 64;
+constexpr uint64_t kSeed = 11;
+
+struct World {
+  std::unique_ptr<MpiCommunicator> comm = split_world(0, "tp");
+  TensorParallel tp{*comm};
+};
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(static_cast<double>(t.data<float>()[i])));
+  return m;
+}
+
+// The largest max |a - b| / max |b| seen per check kind (the text before the first space),
+// printed by rank 0 at the end of the GPT test.
+std::map<std::string, double>& worst() {
+  static std::map<std::string, double> w;
+  return w;
+}
+
+// max |a - b| <= rel * max |b| (and the same shape).
+void expect_close(const std::string& what, const Tensor& a, const Tensor& b, double rel) {
+  ASSERT_EQ(shape_str(a.shape()), shape_str(b.shape())) << what;
+  const double scale = max_abs(b);
+  double diff = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    ASSERT_TRUE(std::isfinite(a.data<float>()[i])) << what << "[" << i << "]";
+    diff = std::max(diff, std::abs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
+  }
+  EXPECT_LE(diff, rel * scale) << what << ": max |diff| " << diff << " vs max |ref| " << scale;
+  double& w = worst()[what.substr(0, what.find(' '))];
+  w = std::max(w, scale > 0 ? diff / scale : diff);
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.numel() == b.numel() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// True when `t` holds the same bits on every rank of `comm`.
+bool same_on_every_rank(Communicator& comm, const Tensor& t) {
+  Tensor all = Tensor::empty({comm.size(), t.numel()}, t.dtype());
+  comm.all_gather(t.reshape({t.numel()}), all);
+  for (int r = 0; r < comm.size(); ++r)
+    if (std::memcmp(all.slice(r, r + 1).raw(), t.raw(), t.nbytes()) != 0) return false;
+  return true;
+}
+
+bool same_double_on_every_rank(double v) {
+  double lo = v, hi = v;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return std::memcmp(&lo, &v, sizeof v) == 0 && std::memcmp(&hi, &v, sizeof v) == 0;
+}
+
+// The full (N, V) logits from every rank's (N, V/T) columns.
+Tensor gather_columns(Communicator& comm, const Tensor& local) {
+  const int64_t cols = local.shape().back(), n = local.numel() / cols, t = comm.size();
+  Tensor all = Tensor::empty({t, n * cols});
+  comm.all_gather(local.reshape({n * cols}), all);
+  Tensor full = Tensor::empty({n, cols * t});
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(full.data<float>() + i * cols * t + r * cols, all.data<float>() + (r * n + i) * cols,
+                  static_cast<size_t>(cols) * sizeof(float));
+  return full;
+}
+
+Tensor shard_of(const Tensor& full, const TensorSplit& split, const Shape& local) {
+  Tensor t = Tensor::empty(local);
+  layers::take_shard(full, split, t);
+  return t;
+}
+
+Tensor random_tensor(const Shape& shape, uint32_t seed, float scale = 1.0f) {
+  Tensor t = Tensor::empty(shape);
+  uint32_t s = seed * 2654435761u + 1;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    s = s * 1664525u + 1013904223u;
+    t.data<float>()[i] = scale * (static_cast<float>(s >> 8) / 16777216.0f * 2.0f - 1.0f);
+  }
+  return t;
+}
+
+// ---- Linear alone ----------------------------------------------------------------------------
+
+struct BoundLinear {
+  std::unique_ptr<layers::Linear> layer;
+  Tensor w, b, dw, db;
+};
+
+// A Linear bound to copies of (this rank's shards of) w_full and b_full.
+BoundLinear bound_linear(int64_t in, int64_t out, layers::TensorParallelMode mode, layers::TensorParallelGroup* tp,
+                         int segments, const Tensor& w_full, const Tensor& b_full) {
+  BoundLinear l;
+  l.layer = std::make_unique<layers::Linear>("fc", in, out);
+  l.layer->set_tensor_parallel(mode, tp, segments);
+  const std::vector<layers::ParamSpec> specs = l.layer->param_specs();
+  l.w = shard_of(w_full, specs[0].split, specs[0].shape);
+  l.b = shard_of(b_full, specs[1].split, specs[1].shape);
+  l.dw = Tensor::zeros(specs[0].shape);
+  l.db = Tensor::zeros(specs[1].shape);
+  const std::vector<Tensor> params{l.w, l.b}, grads{l.dw, l.db};
+  l.layer->bind(params, grads);
+  return l;
+}
+
+TEST(TensorParallelLinear, ColumnAndRowMatchTheWholeLayer) {
+  World world;
+  const int t = world.tp.size(), r = world.tp.rank();
+  const int64_t n = 5, in = 24, out = 12 * t;
+  const layers::StepInfo info;
+  for (const int segments : {1, 3}) {
+    // Column: the input whole, the output this rank's columns (piece r of each segment).
+    const Tensor w = random_tensor({out, in}, 1), b = random_tensor({out}, 2), x = random_tensor({2, n, in}, 3);
+    BoundLinear whole = bound_linear(in, out, layers::TensorParallelMode::None, nullptr, 1, w, b);
+    BoundLinear col = bound_linear(in, out, layers::TensorParallelMode::Column, &world.tp, segments, w, b);
+    EXPECT_EQ(shape_str(col.layer->output_shape({n, in})), shape_str({n, out / t}));
+    layers::Context cw, cc;
+    const Tensor yw = whole.layer->forward(x, cw, info), yc = col.layer->forward(x, cc, info);
+    const TensorSplit out_split{t, r, 2, segments};  // (2, n, out): the outputs along dim 2
+    expect_close("column y", yc, shard_of(yw, out_split, yc.shape()), 1e-6);
+    const Tensor dy = random_tensor(yw.shape(), 4);
+    const Tensor dxw = whole.layer->backward(dy, cw);
+    const Tensor dxc = col.layer->backward(shard_of(dy, out_split, yc.shape()), cc);
+    expect_close("column dx", dxc, dxw, 1e-5);
+    EXPECT_TRUE(same_on_every_rank(*world.comm, dxc)) << "column dx differs across tp ranks";
+    expect_close("column dW", col.dw, shard_of(whole.dw, {t, r, 0, segments}, col.dw.shape()), 1e-6);
+    expect_close("column db", col.db, shard_of(whole.db, {t, r, 0, segments}, col.db.shape()), 1e-6);
+  }
+  {
+    // Row: the input this rank's slice of the features, the output whole (all-reduced).
+    const int64_t rin = 8 * t, rout = 10;
+    const Tensor w = random_tensor({rout, rin}, 5), b = random_tensor({rout}, 6), x = random_tensor({n, rin}, 7);
+    BoundLinear whole = bound_linear(rin, rout, layers::TensorParallelMode::None, nullptr, 1, w, b);
+    BoundLinear row = bound_linear(rin, rout, layers::TensorParallelMode::Row, &world.tp, 1, w, b);
+    EXPECT_EQ(row.w.dim(1), rin / t);
+    EXPECT_EQ(row.b.numel(), rout);  // the bias is replicated
+    const TensorSplit in_split{t, r, 1, 1};
+    const Tensor x_local = shard_of(x, in_split, {n, rin / t});
+    layers::Context cw, cr;
+    const Tensor yw = whole.layer->forward(x, cw, info), yr = row.layer->forward(x_local, cr, info);
+    expect_close("row y", yr, yw, 1e-5);
+    EXPECT_TRUE(same_on_every_rank(*world.comm, yr)) << "row y differs across tp ranks";
+    const Tensor dy = random_tensor(yw.shape(), 8);
+    const Tensor dxw = whole.layer->backward(dy, cw), dxr = row.layer->backward(dy, cr);
+    expect_close("row dx", dxr, shard_of(dxw, in_split, dxr.shape()), 1e-6);
+    expect_close("row dW", row.dw, shard_of(whole.dw, in_split, row.dw.shape()), 1e-6);
+    EXPECT_TRUE(same_bits(row.db, whole.db)) << "row db: the column sums of dy, as the whole layer's";
+  }
+}
+
+// ---- parallel cross-entropy ------------------------------------------------------------------
+
+TEST(TensorParallelLoss, MatchesTheFullCrossEntropy) {
+  World world;
+  const int t = world.tp.size(), r = world.tp.rank();
+  const int64_t n = 37, v = 16 * t;
+  // Large logits (softmax far from uniform, the maximum on various ranks) and ties across
+  // slices for the argmax: rows 0..7 hold their maximum at two columns of different ranks.
+  Tensor logits = random_tensor({n, v}, 21, 12.0f);
+  Tensor labels = Tensor::empty({n}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) {
+    labels.data<int32_t>()[i] = static_cast<int32_t>((i * 13 + 5) % v);
+    if (i < 8) {
+      const int64_t a = (i * 5) % 16, b = 16 * (1 + i % (t - 1 + (t == 1))) + i % 16;  // b on rank >= 1
+      logits.data<float>()[i * v + a] = 40.0f;
+      logits.data<float>()[i * v + b] = 40.0f;
+      labels.data<int32_t>()[i] = static_cast<int32_t>(i % 4 ? a : b);  // the lowest index wins: a
+    } else if (i < 20) {
+      // Labels at the argmax, so the count is not trivially 0.
+      const float* row = logits.data<float>() + i * v;
+      labels.data<int32_t>()[i] = static_cast<int32_t>(std::max_element(row, row + v) - row);
+    }
+  }
+  const Tensor local = shard_of(logits, {t, r, 1, 1}, {n, v / t});
+  const layers::SoftmaxCrossEntropy whole, split(&world.tp);
+  layers::Context cw, cs;
+  const double lw = whole.forward(logits, labels, cw), ls = split.forward(local, labels, cs);
+  EXPECT_NEAR(ls, lw, 1e-6 * std::abs(lw));
+  EXPECT_TRUE(same_double_on_every_rank(ls)) << "the loss differs across tp ranks";
+  const float scale = 1.0f / static_cast<float>(n);
+  const Tensor dw = whole.backward(cw, scale), ds = split.backward(cs, scale);
+  expect_close("dlogits", ds, shard_of(dw, {t, r, 1, 1}, ds.shape()), 1e-6);
+  const int64_t expected = ops::count_correct(logits, labels);
+  EXPECT_GE(expected, 12);  // rows 8..19 and the tied rows with label a
+  EXPECT_EQ(split.count_correct(local, labels), expected);
+  EXPECT_EQ(whole.count_correct(logits, labels), expected);
+  // Labels are checked against the full vocabulary, as without tp.
+  labels.data<int32_t>()[3] = static_cast<int32_t>(v);
+  layers::Context bad;
+  try {
+    split.forward(local, labels, bad);
+    ADD_FAILURE() << "label " << v << " was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Input);
+    EXPECT_NE(e.message().find(detail::cat("outside [0, ", v, ")")), std::string::npos) << e.message();
+  }
+}
+
+// ---- the GPT -------------------------------------------------------------------------------
+
+layers::ModelSpec tiny_gpt(float dropout, const std::string& attention, bool tied) {
+  layers::ModelSpec s;
+  s.name = "gpt";
+  s.layers = 2;
+  s.heads = 4;
+  s.embed = 32;
+  s.dropout = dropout;
+  s.attention = attention;
+  s.tie_embeddings = tied;
+  return s;
+}
+
+Tensor tokens(int shift) {
+  Tensor t = Tensor::empty({kBatch, kSeq}, DType::I32);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = static_cast<int32_t>((i * 7 + shift + i / 5) % kVocab);
+  return t;
+}
+
+struct StepResult {
+  Tensor logits;  // the model's output (the full (B, T, V), or this rank's (B, T, V/T))
+  double loss;
+  int64_t correct;
+};
+
+// One training forward and backward of the batch with `loss`.
+StepResult step(const layers::Model& model, const layers::SoftmaxCrossEntropy& loss, const Tensor& x, const Tensor& y) {
+  std::vector<layers::Context> ctx;
+  layers::StepInfo info;
+  info.seed = kSeed;
+  info.step = 3;
+  info.first_sample = 6;
+  StepResult run;
+  run.logits = model.forward(x, ctx, info).clone();
+  layers::Context lc;
+  run.loss = loss.forward(run.logits, y, lc);
+  run.correct = loss.count_correct(run.logits, y);
+  model.backward(loss.backward(lc, 1.0f / (kBatch * kSeq)), ctx);
+  return run;
+}
+
+TEST(TensorParallelGpt, MatchesTheWholeModel) {
+  World world;
+  const int t = world.tp.size();
+  const Tensor x = tokens(0), y = tokens(1);
+  for (const float dropout : {0.0f, 0.1f})
+    for (const std::string attention : {"flash", "plain"})
+      for (const bool tied : {true, false}) {
+        SCOPED_TRACE(detail::cat("dropout ", dropout, ", ", attention, tied ? ", tied" : ", untied", ", tp ", t));
+        const layers::ModelSpec spec = tiny_gpt(dropout, attention, tied);
+        const layers::Model whole = layers::build_model(spec, {kSeq}, kVocab);
+        const layers::Model split = layers::build_model(spec, {kSeq}, kVocab, &world.tp);
+        EXPECT_EQ(split.tensor_parallel(), &world.tp);
+        EXPECT_EQ(split.num_classes(), kVocab);
+        EXPECT_EQ(shape_str(split.shape(split.size())), shape_str({kSeq, kVocab / t}));
+        const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
+
+        // Initial values: every shard is exactly its slice of the whole model's tensor.
+        std::map<std::string, const ParamEntry*> by_name;
+        for (const ParamEntry& e : ws.entries()) by_name[e.name] = &e;
+        ASSERT_EQ(ss.entries().size(), ws.entries().size());
+        int64_t split_entries = 0;
+        for (const ParamEntry& e : ss.entries()) {
+          ASSERT_TRUE(by_name.count(e.name)) << e.name;
+          const ParamEntry& we = *by_name[e.name];
+          ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
+          EXPECT_TRUE(same_bits(ss.value(e), shard_of(ws.value(we), e.split, e.shape))) << e.name;
+          split_entries += e.split.split();
+        }
+        // Per block: c_attn weight and bias, attn c_proj weight, c_fc weight and bias, mlp
+        // c_proj weight; wte; lm_head when untied.
+        EXPECT_EQ(split_entries, 6 * spec.layers + 1 + (tied ? 0 : 1));
+
+        const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
+        const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
+        ASSERT_EQ(shape_str(rs.logits.shape()), shape_str({kBatch, kSeq, kVocab / t}));
+        expect_close("logits", gather_columns(*world.comm, rs.logits), rw.logits.reshape({kBatch * kSeq, kVocab}),
+                     1e-5);
+        EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
+        worst()["loss(rel)"] = std::max(worst()["loss(rel)"], std::abs(rs.loss - rw.loss) / std::abs(rw.loss));
+        EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
+        EXPECT_EQ(rs.correct, rw.correct);
+
+        for (const ParamEntry& e : ss.entries()) {
+          const Tensor g = ss.grad(e);
+          expect_close("gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
+          if (!e.split.split()) {
+            EXPECT_TRUE(same_on_every_rank(*world.comm, g)) << e.name << ": a replicated gradient differs across ranks";
+          }
+        }
+      }
+  if (world_rank() == 0)
+    for (const auto& [what, w] : worst())
+      std::printf("[ worst   ] %s: max |diff| / max |ref| = %.2e\n", what.c_str(), w);
+}
+
+// A group of one rank is the whole model, bit for bit.
+TEST(TensorParallelGpt, OneRankGroupIsTheWholeModel) {
+  const std::unique_ptr<MpiCommunicator> alone = split_world(world_rank(), "tp1");
+  TensorParallel tp(*alone);
+  const layers::ModelSpec spec = tiny_gpt(0.1f, "flash", true);
+  const layers::Model whole = layers::build_model(spec, {kSeq}, kVocab);
+  const layers::Model one = layers::build_model(spec, {kSeq}, kVocab, &tp);
+  EXPECT_EQ(one.tensor_parallel(), nullptr);
+  const layers::ParameterStore ws(whole, kSeed), os(one, kSeed);
+  const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), tokens(0), tokens(1));
+  const StepResult ro = step(one, layers::SoftmaxCrossEntropy(&tp), tokens(0), tokens(1));
+  EXPECT_TRUE(same_bits(ro.logits, rw.logits));
+  EXPECT_EQ(ro.loss, rw.loss);
+  EXPECT_TRUE(same_bits(os.grads(), ws.grads()));
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+template <class Fn>
+void expect_input_error(Fn&& fn, const std::vector<std::string>& words) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << ::testing::PrintToString(words);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
+    EXPECT_EQ(e.message().find('\n'), std::string::npos) << "not one line: " << e.message();
+    for (const auto& w : words)
+      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' missing in: " << e.message();
+  }
+}
+
+TEST(TensorParallelGpt, BadInputsAreOneLine) {
+  World world;
+  const int t = world.tp.size();
+  layers::ModelSpec s = tiny_gpt(0.0f, "flash", true);
+  s.heads = t + 1;  // divides the width, not by t
+  s.embed = 8 * (t + 1);
+  expect_input_error([&] { layers::build_model(s, {kSeq}, kVocab, &world.tp); },
+                     {detail::cat("--heads (", t + 1, ") must be divisible by --tp (", t, ")")});
+  s = tiny_gpt(0.0f, "flash", true);
+  expect_input_error([&] { layers::build_model(s, {kSeq}, kVocab + 1, &world.tp); },
+                     {detail::cat("vocabulary (", kVocab + 1, " tokens)"), detail::cat("--tp ", t),
+                      detail::cat("pass --vocab ", kVocab + t)});
+  for (const std::string model : {"mlp", "cnn", "resnet"}) {
+    layers::ModelSpec m;
+    m.name = model;
+    expect_input_error(
+        [&] {
+          layers::build_model(m, {3, 8, 8}, 10, &world.tp);
+        },
+        {"--tp applies to the gpt models", detail::cat("--model ", model, " runs with --tp 1")});
+  }
+}
+
+}  // namespace
+}  // namespace strata::parallel
