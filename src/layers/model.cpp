@@ -244,7 +244,7 @@ ModelSpec resolve_preset(const ModelSpec& spec) {
       out.heads = p.heads;
       out.embed = p.embed;
       out.seq_len = kGpt2SeqLen;
-      out.vocab = kGpt2Vocab;
+      out.vocab = spec.vocab > 0 ? spec.vocab : kGpt2Vocab;  // --vocab pads it (nanoGPT's 50304)
     }
   return out;
 }

@@ -34,7 +34,7 @@ struct ModelSpec {
 };
 
 // The GPT presets' names and, for one of them, the spec with its shape fields set (layers,
-// heads, embed, seq_len, vocab); any other spec is returned unchanged.
+// heads, embed, seq_len, and vocab unless the spec gives one); any other spec is returned unchanged.
 const std::vector<std::string>& gpt_presets();
 ModelSpec resolve_preset(const ModelSpec& spec);
 // True for "gpt" and the presets: a language model, which reads token windows.

@@ -87,26 +87,42 @@ Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ct
 }
 
 bool DataParallel::step(float lr, layers::LossScaler& scaler, float clip, Communicator& world, Communicator& pipeline,
-                        bool inject_overflow) {
-  const Tensor& g = grads();
-  // Only the owned part is stepped, and every element is owned by some rank: checking the
+                        Communicator* tensor_parallel, bool inject_overflow) {
+  DataParallel* self = this;
+  return optimizer_step({&self, 1}, lr, scaler, clip, world, pipeline, tensor_parallel, inject_overflow);
+}
+
+bool optimizer_step(std::span<DataParallel* const> chunks, float lr, layers::LossScaler& scaler, float clip,
+                    Communicator& world, Communicator& pipeline, Communicator* tensor_parallel, bool inject_overflow) {
+  // Only the owned parts are stepped, and every element is owned by some rank: checking the
   // owned parts and agreeing over the world covers all gradients once.
-  const Tensor owned = optimizer_->owned_grads(g);
+  std::vector<Tensor> owned;
+  for (DataParallel* c : chunks) owned.push_back(c->optimizer_->owned_grads(c->grads()));
   if (scaler.enabled()) {
-    if (inject_overflow && owned.numel() > 0) ops::fill(owned.view(0, {1}), std::numeric_limits<float>::infinity());
-    std::vector<double> overflow{owned.numel() > 0 && !ops::all_finite(owned) ? 1.0 : 0.0};
+    std::vector<double> overflow{0.0};
+    for (const Tensor& o : owned) {
+      if (inject_overflow && o.numel() > 0) {
+        ops::fill(o.view(0, {1}), std::numeric_limits<float>::infinity());
+        inject_overflow = false;
+      }
+      if (o.numel() > 0 && !ops::all_finite(o)) overflow[0] = 1.0;
+    }
     all_reduce_sum(world, overflow);
     const double scale = scaler.scale();
     if (!scaler.update(overflow[0] > 0)) return false;
-    if (owned.numel() > 0) ops::scale(owned, static_cast<float>(1.0 / scale));
+    for (const Tensor& o : owned)
+      if (o.numel() > 0) ops::scale(o, static_cast<float>(1.0 / scale));
   }
   if (clip > 0) {
-    // The global norm spans every stage; within a stage the optimizer sums its dp shards.
-    std::vector<double> squares{optimizer_->grad_sum_squares(g)};
+    // The global norm spans every chunk, stage and tp rank; within a chunk the optimizer sums its dp shards.
+    const bool count_replicated = !tensor_parallel || tensor_parallel->rank() == 0;
+    std::vector<double> squares{0.0};
+    for (DataParallel* c : chunks) squares[0] += c->optimizer_->grad_sum_squares(c->grads(), count_replicated);
     all_reduce_sum(pipeline, squares);
-    layers::clip_by_global_norm(owned, squares[0], clip);  // only what is stepped
+    if (tensor_parallel) all_reduce_sum(*tensor_parallel, squares);
+    for (const Tensor& o : owned) layers::clip_by_global_norm(o, squares[0], clip);  // only what is stepped
   }
-  optimizer_->step(store_->params(), g, lr);
+  for (DataParallel* c : chunks) c->optimizer_->step(c->store_->params(), c->grads(), lr);
   return true;
 }
 

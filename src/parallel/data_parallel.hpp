@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "layers/loss_scaler.hpp"
@@ -58,12 +59,10 @@ class DataParallel {
   // Runs in the step's last backward as soon as a layer has written its gradients, before
   // they are reduced over the replicas (TiedEmbedding adds the head's gradient to wte's).
   void set_before_reduce(std::function<void(size_t layer)> hook) { before_reduce_ = std::move(hook); }
-  // The optimizer step after the step's backwards. With loss scaling the owned gradients are
-  // checked for inf/NaN (agreed over `world`, so every rank skips alike) and unscaled;
-  // `clip` > 0 clips to the global norm over the `pipeline` stages. Returns whether it stepped.
-  // `inject_overflow`: a testing aid that puts an inf into this rank's gradients.
+  // The optimizer step after the step's backwards, of this stage alone (optimizer_step below
+  // steps a rank's chunks together).
   bool step(float lr, layers::LossScaler& scaler, float clip, Communicator& world, Communicator& pipeline,
-            bool inject_overflow = false);
+            Communicator* tensor_parallel = nullptr, bool inject_overflow = false);
 
   // Every replica takes replica 0's parameters (unless sharded) and buffers.
   void broadcast_parameters();
@@ -83,6 +82,8 @@ class DataParallel {
   int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }
 
  private:
+  friend bool optimizer_step(std::span<DataParallel* const>, float, layers::LossScaler&, float, Communicator&,
+                             Communicator&, Communicator*, bool);
   const Tensor& grads() const;
 
   Communicator& dp_;
@@ -96,5 +97,16 @@ class DataParallel {
   std::function<void(size_t)> before_reduce_;
   double exposed_comm_s_ = 0;
 };
+
+// The optimizer step of a rank's stages after the step's backwards: its one stage, or with the
+// interleaved schedule its chunks (virtual stages), each with its own DataParallel. With loss
+// scaling the owned gradients are checked for inf/NaN (agreed over `world`, so every rank skips
+// alike) and unscaled; `clip` > 0 clips to the global norm over all chunks, the `pipeline`
+// stages and the `tensor_parallel` ranks (if any; parameters they all hold whole count once).
+// Returns whether it stepped. `inject_overflow`: a testing aid that puts an inf into this
+// rank's gradients.
+bool optimizer_step(std::span<DataParallel* const> chunks, float lr, layers::LossScaler& scaler, float clip,
+                    Communicator& world, Communicator& pipeline, Communicator* tensor_parallel = nullptr,
+                    bool inject_overflow = false);
 
 }  // namespace strata::parallel

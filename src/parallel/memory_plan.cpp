@@ -8,9 +8,10 @@
 
 namespace strata::parallel {
 
-RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
-                    const MemoryLayout& layout) {
-  const StageRange range = stages.at(static_cast<size_t>(stage));
+namespace {
+
+// Parameter, gradient and optimizer bytes of one (virtual) stage's DataParallel.
+RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, const MemoryLayout& layout) {
   const std::vector<layers::ParamEntry> entries = layers::ParameterStore::layout(model, range.begin, range.end);
   const std::vector<layers::ParameterStore::LayerRange> ranges = layers::ParameterStore::layer_ranges(entries);
   const Ownership ownership(layout.zero, layout.dp, layers::ParameterStore::layout_numel(entries));
@@ -39,15 +40,34 @@ RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& s
   // ShardedOptimizer steps the whole padded buffer without ZeRO, its owned range with it.
   const int64_t stepped = ownership.shards_state() ? shard.numel() : flat;
   b.optimizer = stepped * f32 * (layers::Optimizer::state_tensors(layout.optimizer) + (layout.dtype != DType::F32));
-  const auto [tied_params, tied_grads] = TiedEmbedding::planned_bytes(model, stages, stage, layout.zero, layout.dtype);
-  b.params += tied_params;
-  b.grads += tied_grads;
-
   int64_t outputs = 0;
   for (size_t i = range.begin; i < range.end; ++i) outputs += shape_numel(model.shape(i + 1));
   b.activations = outputs * layout.micro * dtype_bytes;
-  b.in_flight =
-      peak_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches).at(static_cast<size_t>(stage)));
+  return b;
+}
+
+}  // namespace
+
+RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
+                    const MemoryLayout& layout) {
+  STRATA_CHECK(stages.size() == static_cast<size_t>(layout.pp * layout.virtual_stages), "plan: ", stages.size(),
+               " stages for pp ", layout.pp, " x ", layout.virtual_stages, " virtual stages");
+  RankBytes b;
+  // Chunk c of the rank is virtual stage c·P + stage, each with its own DataParallel; a
+  // micro-batch in flight holds one chunk's activations (counted at the largest chunk's).
+  for (int c = 0; c < layout.virtual_stages; ++c) {
+    const RankBytes chunk = plan_stage(model, stages.at(static_cast<size_t>(c * layout.pp + stage)), replica, layout);
+    b.params += chunk.params;
+    b.grads += chunk.grads;
+    b.optimizer += chunk.optimizer;
+    b.activations = std::max(b.activations, chunk.activations);
+  }
+  const auto [tied_params, tied_grads] =
+      TiedEmbedding::planned_bytes(model, stages, layout.pp, stage, layout.zero, layout.dtype);
+  b.params += tied_params;
+  b.grads += tied_grads;
+  b.in_flight = peak_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+                                   .at(static_cast<size_t>(stage)));
   return b;
 }
 

@@ -24,6 +24,7 @@ struct MemoryLayout {
   int64_t micro = 1;      // samples per micro-batch
   int micro_batches = 1;  // per replica and step
   ScheduleKind schedule = ScheduleKind::OneFOneB;
+  int virtual_stages = 1;  // chunks per pipeline rank (interleaved)
 };
 
 struct RankBytes {
@@ -35,14 +36,16 @@ struct RankBytes {
   int64_t grads = 0;
   // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.
   int64_t optimizer = 0;
-  // Outputs of the stage's layers for one micro-batch, in the compute dtype.
+  // Outputs of the stage's layers for one micro-batch, in the compute dtype (interleaved: of
+  // its largest chunk).
   int64_t activations = 0;
-  // Micro-batches whose activations the stage holds at once under the schedule.
+  // Micro-batches (interleaved: chunk micro-batches) whose activations the stage holds at once.
   int in_flight = 1;
   int64_t total() const { return params + grads + optimizer + activations * in_flight; }
 };
 
-// Rank (stage, replica) of the layout, whose stages cut the model as `stages` does.
+// Rank (stage, replica) of the layout, whose (virtual) stages cut the model as `stages` does:
+// pp x virtual_stages of them, chunk c of pipeline rank s being virtual stage c·pp + s.
 RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
                     const MemoryLayout& layout);
 

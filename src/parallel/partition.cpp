@@ -41,11 +41,16 @@ std::vector<StageRange> balanced(const layers::Model& model, int stages) {
   return ranges;
 }
 
-std::vector<StageRange> cut(const layers::Model& model, int stages, const std::string& spec) {
+std::vector<StageRange> cut(const layers::Model& model, int pp, int virtual_stages, const std::string& spec) {
   const size_t n = model.size();
-  STRATA_REQUIRE(stages >= 1, "--pp must be at least 1, found ", stages);
-  STRATA_REQUIRE(static_cast<size_t>(stages) <= n, "--pp ", stages, " needs at least ", stages,
-                 " layers, but the model has ", n);
+  STRATA_REQUIRE(pp >= 1, "--pp must be at least 1, found ", pp);
+  STRATA_REQUIRE(virtual_stages >= 1, "--virtual-stages must be at least 1, found ", virtual_stages);
+  const int stages = pp * virtual_stages;
+  // "--pp 4", or "--pp 2 x --virtual-stages 3 (6 stages)".
+  const std::string flags =
+      virtual_stages == 1 ? detail::cat("--pp ", pp)
+                          : detail::cat("--pp ", pp, " x --virtual-stages ", virtual_stages, " (", stages, " stages)");
+  STRATA_REQUIRE(static_cast<size_t>(stages) <= n, flags, " needs at least ", stages, " layers, but the model has ", n);
   if (spec == "balanced") return balanced(model, stages);
 
   std::vector<size_t> cuts;
@@ -67,7 +72,9 @@ std::vector<StageRange> cut(const layers::Model& model, int stages, const std::s
     cuts.push_back(static_cast<size_t>(v));
   }
   STRATA_REQUIRE(cuts.size() + 1 == static_cast<size_t>(stages), "--partition '", spec, "' makes ", cuts.size() + 1,
-                 " stages but --pp is ", stages, " (give ", stages - 1, " cut points or 'balanced')");
+                 " stages but ",
+                 virtual_stages == 1 ? detail::cat("--pp is ", pp) : detail::cat(flags, " needs ", stages), " (give ",
+                 stages - 1, " cut points or 'balanced')");
   std::vector<StageRange> ranges;
   size_t begin = 0;
   for (size_t c : cuts) {
@@ -80,8 +87,9 @@ std::vector<StageRange> cut(const layers::Model& model, int stages, const std::s
 
 }  // namespace
 
-std::vector<StageRange> partition_layers(const layers::Model& model, int stages, const std::string& spec) {
-  return cut(model, stages, spec);
+std::vector<StageRange> partition_layers(const layers::Model& model, int pp, const std::string& spec,
+                                         int virtual_stages) {
+  return cut(model, pp, virtual_stages, spec);
 }
 
 }  // namespace strata::parallel

@@ -15,62 +15,93 @@ Tensor host_f32(const Tensor& t) {
   return h;
 }
 
+// The same split, naming tensor-parallel rank `index`'s shard.
+layers::TensorSplit with_index(layers::TensorSplit split, int index) {
+  split.index = index;
+  return split;
+}
+
 }  // namespace
 
 StateGather::StateGather(ProcessGrid& grid, const layers::Model& model, std::vector<StageRange> stages,
-                         DataParallel& mine)
-    : grid_(grid), model_(model), stages_(std::move(stages)), mine_(mine) {}
+                         std::vector<DataParallel*> mine)
+    : grid_(grid), model_(model), stages_(std::move(stages)), mine_(std::move(mine)) {
+  STRATA_CHECK(!mine_.empty() && stages_.size() == mine_.size() * static_cast<size_t>(grid_.pp_size()),
+               "state gather: ", stages_.size(), " stages for ", grid_.pp_size(), " pipeline ranks of ", mine_.size(),
+               " chunks");
+}
+
+int StateGather::rank_at(int stage, int replica, int tp_rank) const {
+  std::vector<int> coords{stage, replica};
+  if (grid_.has("tp")) coords.push_back(tp_rank);
+  return grid_.rank_of(coords);
+}
 
 void StateGather::gather(const Write& write) {
   Communicator& world = grid_.world();
   const int rank = world.rank();
-  // Model tensors: replica 0 of each stage sends each one whole; with sharded parameters every
+  // Model tensors: replica 0 of each stage sends each one whole (each tensor-parallel rank its
+  // shard; a parameter they all hold whole, tp rank 0 alone); with sharded parameters every
   // replica of the stage takes part in gathering it first.
-  for (int s = 0; s < grid_.pp_size(); ++s) {
-    const int owner = grid_.rank_of(s, 0);
+  for (size_t vs = 0; vs < stages_.size(); ++vs) {
+    const int s = pipeline_rank(vs);
     const bool mine = grid_.stage() == s;
-    if (rank != 0 && rank != owner && !(mine && mine_.ownership().shards_params())) continue;
-    const StageRange r = stages_[static_cast<size_t>(s)];
+    DataParallel& chunk = *mine_[chunk_of(vs)];
+    const bool sends = mine && grid_.replica() == 0;
+    if (rank != 0 && !sends && !(mine && chunk.ownership().shards_params())) continue;
+    const StageRange r = stages_[vs];
     int tag = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model_, r.begin, r.end)) {
       tag = (tag + 1) % kMaxTag;
-      const Tensor value = mine ? host_f32(mine_.full_value(e)) : Tensor();
-      if (rank == owner && owner == 0) {
-        write("", e, value);
-      } else if (rank == owner) {
-        world.send(value, 0, tag);
-      } else if (rank == 0) {
-        const Tensor t = Tensor::empty(e.shape);
-        world.recv(t, owner, tag);
-        write("", e, t);
+      const Tensor value = mine ? host_f32(chunk.full_value(e)) : Tensor();
+      const Tensor full = rank == 0 ? Tensor::empty(e.full_shape()) : Tensor();
+      for (int t = 0; t < e.split.parts; ++t) {
+        const int owner = rank_at(s, 0, t);
+        const layers::TensorSplit split = with_index(e.split, t);
+        if (rank == owner && owner == 0) {
+          layers::put_shard(value, split, full);
+        } else if (rank == owner) {
+          world.send(value, 0, tag);
+        } else if (rank == 0) {
+          const Tensor shard = Tensor::empty(e.shape);
+          world.recv(shard, owner, tag);
+          layers::put_shard(shard, split, full);
+        }
       }
+      if (rank == 0) write("", e, full);
     }
   }
 
   // Optimizer state: every rank owning part of a tensor's flat range sends that piece; rank 0
-  // assembles the full tensor. Everyone walks the same (stage, state, entry, replica) order, so
-  // sends and receives pair up in order; the tags only need to differ between neighbours.
-  const std::vector<std::pair<std::string, Tensor>> states = mine_.optimizer().state();
+  // assembles each tensor-parallel shard, then the full tensor. Everyone walks the same
+  // (stage, state, entry, tp rank, replica) order, so sends and receives pair up in order; the
+  // tags only need to differ between neighbours.
   int tag = 0;
-  for (int s = 0; s < grid_.pp_size(); ++s) {
-    const StageRange r = stages_[static_cast<size_t>(s)];
-    const Ownership owners = mine_.ownership_of(r);
-    for (const auto& [state, local] : states)
+  for (size_t vs = 0; vs < stages_.size(); ++vs) {
+    const int s = pipeline_rank(vs);
+    const StageRange r = stages_[vs];
+    DataParallel& chunk = *mine_[chunk_of(vs)];
+    const Ownership owners = chunk.ownership_of(r);
+    for (const auto& [state, local] : chunk.optimizer().state())
       for (const layers::ParamEntry& e : layers::ParameterStore::layout(model_, r.begin, r.end)) {
         if (!e.trainable) continue;
-        const Tensor full = rank == 0 ? Tensor::empty(e.shape) : Tensor();
-        for (int q = 0; q < owners.state_owners(); ++q) {
-          const Shard range = owners.state(q);
-          const layers::Overlap o = layers::overlap(e, range.begin, range.end);
-          if (o.size == 0) continue;
-          const int from = grid_.rank_of(s, q);
-          tag = (tag + 1) % kMaxTag;
-          if (from == rank && rank == 0)
-            full.view(o.in_entry, {o.size}).copy_from(local.view(o.in_range, {o.size}));
-          else if (from == rank)
-            world.send(host_f32(local.view(o.in_range, {o.size})), 0, tag);
-          else if (rank == 0)
-            world.recv(full.view(o.in_entry, {o.size}), from, tag);
+        const Tensor full = rank == 0 ? Tensor::empty(e.full_shape()) : Tensor();
+        for (int t = 0; t < e.split.parts; ++t) {
+          const Tensor shard = rank == 0 ? Tensor::empty(e.shape) : Tensor();
+          for (int q = 0; q < owners.state_owners(); ++q) {
+            const Shard range = owners.state(q);
+            const layers::Overlap o = layers::overlap(e, range.begin, range.end);
+            if (o.size == 0) continue;
+            const int from = rank_at(s, q, t);
+            tag = (tag + 1) % kMaxTag;
+            if (from == rank && rank == 0)
+              shard.view(o.in_entry, {o.size}).copy_from(local.view(o.in_range, {o.size}));
+            else if (from == rank)
+              world.send(host_f32(local.view(o.in_range, {o.size})), 0, tag);
+            else if (rank == 0)
+              world.recv(shard.view(o.in_entry, {o.size}), from, tag);
+          }
+          if (rank == 0) layers::put_shard(shard, with_index(e.split, t), full);
         }
         if (rank == 0) write(state, e, full);
       }
@@ -79,25 +110,32 @@ void StateGather::gather(const Write& write) {
 
 void StateGather::load_model(const Read& read) {
   // Read whole (a checksum covers the whole tensor), kept whole or only this rank's part.
-  for (const layers::ParamEntry& e : mine_.store().entries()) {
-    const Tensor t = Tensor::empty(e.shape);
-    read("", e, t);
-    mine_.set_value(e, t);
-  }
+  for (DataParallel* chunk : mine_)
+    for (const layers::ParamEntry& e : chunk->store().entries()) chunk->set_value(e, read_shard(read, "", e));
 }
 
 void StateGather::load_optimizer(const Read& read) {
-  const Shard mine = mine_.ownership().state(grid_.replica());
-  for (const auto& [state, local] : mine_.optimizer().state()) {
-    if (state == "master") continue;  // set by load_model, also from checkpoints of f32 runs
-    for (const layers::ParamEntry& e : mine_.store().entries()) {
-      const layers::Overlap o = layers::overlap(e, mine.begin, mine.end);
-      if (!e.trainable || o.size == 0) continue;
-      const Tensor full = Tensor::empty(e.shape);
-      read(state, e, full);
-      local.view(o.in_range, {o.size}).copy_from(full.view(o.in_entry, {o.size}));
+  for (DataParallel* chunk : mine_) {
+    const Shard mine = chunk->ownership().state(grid_.replica());
+    for (const auto& [state, local] : chunk->optimizer().state()) {
+      if (state == "master") continue;  // set by load_model, also from checkpoints of f32 runs
+      for (const layers::ParamEntry& e : chunk->store().entries()) {
+        const layers::Overlap o = layers::overlap(e, mine.begin, mine.end);
+        if (!e.trainable || o.size == 0) continue;
+        const Tensor shard = read_shard(read, state, e);
+        local.view(o.in_range, {o.size}).copy_from(shard.view(o.in_entry, {o.size}));
+      }
     }
   }
+}
+
+Tensor StateGather::read_shard(const Read& read, const std::string& state, const layers::ParamEntry& e) {
+  const Tensor full = Tensor::empty(e.full_shape());
+  read(state, e, full);
+  if (!e.split.split()) return full;
+  const Tensor shard = Tensor::empty(e.shape);
+  layers::take_shard(full, e.split, shard);
+  return shard;
 }
 
 }  // namespace strata::parallel

@@ -12,6 +12,7 @@ namespace {
 constexpr int kGradientTag = kMaxTag;
 constexpr int kWeightTag = kMaxTag - 1;
 
+// The (virtual) stage holding `layer`.
 int stage_of(const std::vector<StageRange>& stages, size_t layer) {
   for (size_t s = 0; s < stages.size(); ++s)
     if (layer >= stages[s].begin && layer < stages[s].end) return static_cast<int>(s);
@@ -20,30 +21,35 @@ int stage_of(const std::vector<StageRange>& stages, size_t layer) {
 
 }  // namespace
 
-TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::vector<StageRange>& stages, int zero) {
+TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::vector<StageRange>& stages,
+                                        int pipeline_ranks, int zero) {
   Pair pair;
   for (size_t i = 0; i < model.size(); ++i) {
     auto* head = dynamic_cast<layers::LMHead*>(&model.layer(i));
     if (!head || !head->tied()) continue;
     pair.head = head;
     while (&model.layer(pair.embedding_layer) != head->tied_to()) ++pair.embedding_layer;
-    pair.embedding_stage = stage_of(stages, pair.embedding_layer);
-    pair.head_stage = stage_of(stages, i);
-    // ZeRO 2 and 3 rebind the Embedding's gradient and parameter views as buckets and windows
-    // pass; a head reading them would find stale ones.
-    pair.copy = pair.embedding_stage != pair.head_stage || zero >= 2;
+    // Virtual stage vs is chunk vs / P of pipeline rank vs % P (one chunk per rank: vs itself).
+    const int embedding_vs = stage_of(stages, pair.embedding_layer), head_vs = stage_of(stages, i);
+    pair.embedding_stage = embedding_vs % pipeline_ranks;
+    pair.head_stage = head_vs % pipeline_ranks;
+    // Another chunk has another DataParallel. ZeRO 2 and 3 rebind the Embedding's gradient and
+    // parameter views as buckets and windows pass; a head reading them would find stale ones.
+    pair.copy = embedding_vs != head_vs || zero >= 2;
+    STRATA_CHECK(!pair.copy || pair.embedding_stage != pair.head_stage || embedding_vs == head_vs,
+                 "a tied head on another chunk of its embedding's pipeline rank");
     break;
   }
   return pair;
 }
 
 std::pair<int64_t, int64_t> TiedEmbedding::planned_bytes(const layers::Model& model,
-                                                         const std::vector<StageRange>& stages, int stage, int zero,
-                                                         DType dtype) {
-  const Pair pair = find(model, stages, zero);
+                                                         const std::vector<StageRange>& stages, int pipeline_ranks,
+                                                         int stage, int zero, DType dtype) {
+  const Pair pair = find(model, stages, pipeline_ranks, zero);
   if (!pair.copy) return {0, 0};
   const auto* embedding = pair.head->tied_to();
-  const int64_t numel = embedding->vocab() * embedding->embed();
+  const int64_t numel = embedding->local_vocab() * embedding->embed();  // this tp rank's rows
   if (stage == pair.head_stage)
     return {numel * static_cast<int64_t>(dtype_size(dtype)), numel * static_cast<int64_t>(sizeof(float))};
   if (stage == pair.embedding_stage) return {0, std::min(numel, kChunkElements) * static_cast<int64_t>(sizeof(float))};
@@ -53,14 +59,14 @@ std::pair<int64_t, int64_t> TiedEmbedding::planned_bytes(const layers::Model& mo
 TiedEmbedding::TiedEmbedding(Communicator& pp, const layers::Model& model, const std::vector<StageRange>& stages,
                              int zero, DType dtype, Device device)
     : pp_(pp) {
-  const Pair pair = find(model, stages, zero);
+  const Pair pair = find(model, stages, pp.size(), zero);
   if (!pair.copy) return;
   head_ = pair.head;
   embedding_ = head_->tied_to();
   embedding_layer_ = pair.embedding_layer;
   embedding_stage_ = pair.embedding_stage;
   head_stage_ = pair.head_stage;
-  const Shape shape{embedding_->vocab(), embedding_->embed()};
+  const Shape shape{embedding_->local_vocab(), embedding_->embed()};  // this tp rank's rows of wte
   if (holds_head()) {
     weight_ = Tensor::zeros(shape, dtype, device);
     grad_ = Tensor::zeros(shape, DType::F32, device);

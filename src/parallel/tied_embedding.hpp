@@ -27,8 +27,9 @@ class TiedEmbedding {
  public:
   static constexpr int64_t kChunkElements = int64_t{1} << 22;  // 16 MiB of f32
 
-  // `pp`: this replica's pipeline communicator (rank = stage). Gives the tied head a copy where
-  // needed; call before the stage's DataParallel binds the layers.
+  // `pp`: this replica's pipeline communicator (rank = stage); `stages`: every (virtual)
+  // stage's layers, virtual stage vs on pipeline rank vs % P (interleaved; else vs itself). Gives
+  // the tied head a copy where needed; call before the stage's DataParallel binds the layers.
   TiedEmbedding(Communicator& pp, const layers::Model& model, const std::vector<StageRange>& stages, int zero,
                 DType dtype, Device device);
   TiedEmbedding(const TiedEmbedding&) = delete;
@@ -53,9 +54,10 @@ class TiedEmbedding {
   // embedding stage's receive chunk (counted with the gradients).
   int64_t parameter_bytes() const;
   int64_t gradient_bytes() const;
-  // What a TiedEmbedding on `stage` allocates, without making one: {parameter, gradient} bytes.
+  // What a TiedEmbedding on pipeline rank `stage` of `pipeline_ranks` allocates, without making
+  // one: {parameter, gradient} bytes.
   static std::pair<int64_t, int64_t> planned_bytes(const layers::Model& model, const std::vector<StageRange>& stages,
-                                                   int stage, int zero, DType dtype);
+                                                   int pipeline_ranks, int stage, int zero, DType dtype);
 
  private:
   // The tied head and its embedding, and whether the head needs a copy.
@@ -65,7 +67,7 @@ class TiedEmbedding {
     int embedding_stage = 0, head_stage = 0;
     bool copy = false;
   };
-  static Pair find(const layers::Model& model, const std::vector<StageRange>& stages, int zero);
+  static Pair find(const layers::Model& model, const std::vector<StageRange>& stages, int pipeline_ranks, int zero);
 
   bool holds_embedding() const { return pp_.rank() == embedding_stage_; }
   bool holds_head() const { return pp_.rank() == head_stage_; }

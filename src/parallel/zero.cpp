@@ -51,6 +51,10 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, const 
       inner_(config, shard_.numel(), store.params().device()) {
   // None for models without parameter groups: then one update over the whole shard.
   inner_.set_no_decay(layers::no_decay_ranges(store.entries(), shard_.begin, shard_.end));
+  for (const layers::ParamEntry& e : store.entries())
+    if (const layers::Overlap o = layers::overlap(e, shard_.begin, shard_.end);
+        e.trainable && e.split.split() && o.size)
+      split_ranges_.emplace_back(o.in_range, o.size);
   const Tensor& params = store.params();
   if (params.dtype() == DType::F32) return;
   // The masters start from the (rounded) initial parameters, identical on every replica.
@@ -80,8 +84,14 @@ Tensor ShardedOptimizer::owned_grads(const Tensor& grads) const {
   return ownership_.shards_grads() ? grads.view(0, {shard_.numel()}) : owned(grads);
 }
 
-double ShardedOptimizer::grad_sum_squares(const Tensor& grads) {
-  const double local = shard_.numel() > 0 ? ops::sum_squares(owned_grads(grads)) : 0.0;
+double ShardedOptimizer::grad_sum_squares(const Tensor& grads, bool count_replicated) {
+  double local = 0;
+  if (shard_.numel() > 0 && count_replicated) {
+    local = ops::sum_squares(owned_grads(grads));
+  } else if (shard_.numel() > 0) {
+    const Tensor owned = owned_grads(grads);
+    for (const auto& [begin, size] : split_ranges_) local += ops::sum_squares(owned.view(begin, {size}));
+  }
   if (!ownership_.shards_state() || dp_.size() == 1) return local;
   std::vector<double> sum{local};
   all_reduce_sum(dp_, sum);

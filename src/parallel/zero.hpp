@@ -84,8 +84,10 @@ class ShardedOptimizer {
 
   // Sum of squares of this stage's gradients (replicas hold the same summed gradients):
   // each rank adds up its own shard and the shards are all-reduced over dp, so it stays right
-  // once gradients are sharded (stage 2). The caller adds the other pipeline stages.
-  double grad_sum_squares(const Tensor& grads);
+  // once gradients are sharded (stage 2). The caller adds the other pipeline stages and
+  // tensor-parallel ranks; `count_replicated` false (tp ranks but the first) leaves out the
+  // parameters every tp rank holds whole, so the sum over tp counts them once.
+  double grad_sum_squares(const Tensor& grads, bool count_replicated = true);
   // The view of the flat parameter buffer that this rank updates.
   Tensor owned(const Tensor& flat) const;
   // The view of `grads` that this rank steps with (its owned range).
@@ -120,7 +122,9 @@ class ShardedOptimizer {
   Communicator& dp_;
   Shard shard_;
   layers::Optimizer inner_;  // state for shard_ only
-  Tensor master_;            // f32 copy of the owned parameters when they are stored in bf16/f16
+  // The elements of shard_ (relative to its start) that are tensor-parallel shards.
+  std::vector<std::pair<int64_t, int64_t>> split_ranges_;
+  Tensor master_;  // f32 copy of the owned parameters when they are stored in bf16/f16
   int64_t steps_ = 0;
 };
 

@@ -162,9 +162,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("eval-only", po::value(&c.eval_only)->default_value(false)->implicit_value(true), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
     ("log-all-ranks", po::value(&c.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
-    ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp (dp = ranks / pp)")
+    ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp x tp (dp = ranks / (pp x tp))")
+    ("tp", po::value(&c.tp)->default_value(1), "tensor parallelism: each layer of a gpt model split over this many consecutive ranks (whole heads, vocabulary slices; Megatron-style)")
     ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
-    ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b")
+    ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b | interleaved (1F1B over --virtual-stages chunks per rank; Megatron's)")
+    ("virtual-stages", po::value(&c.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
@@ -220,11 +222,14 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   c.device = parallel::parse_device_kind(device);
   c.comm = parallel::parse_transport(comm, c.device);
   c.schedule_kind = parallel::parse_schedule_kind(schedule);
-  // The schedule and executor run interleaved programs (schedule.hpp, pipeline.hpp), but a rank
-  // of `train` holds one contiguous stage: virtual stages are not wired in yet (issue #17).
-  STRATA_REQUIRE(c.schedule_kind != parallel::ScheduleKind::Interleaved,
-                 "--schedule interleaved is not available in train yet (a rank holds one contiguous stage); use "
-                 "1f1b or gpipe");
+  STRATA_REQUIRE(c.virtual_stages >= 1, "--virtual-stages must be at least 1, found ", c.virtual_stages);
+  STRATA_REQUIRE(c.virtual_stages == 1 || c.schedule_kind == parallel::ScheduleKind::Interleaved, "--virtual-stages ",
+                 c.virtual_stages, " needs --schedule interleaved, found --schedule ",
+                 parallel::to_string(c.schedule_kind));
+  // One pipeline rank has no bubble for chunks to fill, and a tied head would share its rank with the embedding's
+  // chunk.
+  STRATA_REQUIRE(c.virtual_stages == 1 || c.pp >= 2, "--virtual-stages ", c.virtual_stages,
+                 " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.pp);
   c.precision = parse_precision(precision);
   validate(c);
 

@@ -41,14 +41,16 @@ struct Config {
   int prefetch = 2;
   bool log_all_ranks = false;
   float bucket_mb = 25;                // gradient all-reduce bucket size
-  int pp = 1;                          // pipeline stages; dp = world size / pp
+  int pp = 1;                          // pipeline stages; dp = world size / (tp * pp)
+  int tp = 1;                          // tensor-parallel ranks per layer (Megatron-style; gpt models)
   std::string partition = "balanced";  // or cut points "3,7"
   // --schedule gpipe | 1f1b
   parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
-  std::string timeline;  // SVG of the last step's pipeline timeline
-  int zero = 0;          // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;  // print the plan (per-rank bytes from shapes) and exit, allocating nothing
-  int world = 0;         // --dry-run: plan for this many ranks (0: the ranks launched)
+  int virtual_stages = 1;  // --virtual-stages: chunks per pipeline rank (interleaved)
+  std::string timeline;    // SVG of the last step's pipeline timeline
+  int zero = 0;            // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  bool dry_run = false;    // print the plan (per-rank bytes from shapes) and exit, allocating nothing
+  int world = 0;           // --dry-run: plan for this many ranks (0: the ranks launched)
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
   parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
   bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory

@@ -27,16 +27,34 @@ std::string human(int64_t bytes) {
   return text;
 }
 
-// "rank 3 (stage 1, replica 1)" or "ranks 0-2 (stage 0, replicas 0-2)".
-std::string ranks_str(int first, int last, int dp) {
+// "rank 3 (stage 1, replica 1)" or "ranks 0-2 (stage 0, replicas 0-2)"; with tensor
+// parallelism the ranks of a line are a stage's replicas and their tp ranks.
+std::string ranks_str(int first, int last, const GridShape& g) {
   std::ostringstream os;
-  if (first == last)
-    os << "rank " << first << " (stage " << first / dp << ", replica " << first % dp << ")";
-  else
-    os << "ranks " << first << "-" << last << " (stage " << first / dp << ", replicas " << first % dp << "-"
-       << last % dp << ")";
+  os << (first == last ? "rank " : "ranks ") << first;
+  if (last != first) os << "-" << last;
+  os << " (stage " << g.stage(first) << ", replica" << (g.replica(first) != g.replica(last) ? "s " : " ")
+     << g.replica(first);
+  if (g.replica(first) != g.replica(last)) os << "-" << g.replica(last);
+  if (g.tp > 1) os << ", tp " << g.tp_rank(first) << (first != last ? detail::cat("-", g.tp_rank(last)) : "");
+  os << ")";
   return os.str();
 }
+
+// A plan's tensor-parallel group: rank 0 of `size`, for the shapes of its shards. Nothing runs.
+class PlannedTensorParallel final : public layers::TensorParallelGroup {
+ public:
+  explicit PlannedTensorParallel(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  void all_reduce_sum(const Tensor&) override { STRATA_THROW("a planned tensor-parallel group does not communicate"); }
+  void all_gather(const Tensor&, const Tensor&) override {
+    STRATA_THROW("a planned tensor-parallel group does not communicate");
+  }
+
+ private:
+  int size_;
+};
 
 bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
   return a.params == b.params && a.grads == b.grads && a.optimizer == b.optimizer && a.activations == b.activations &&
@@ -44,6 +62,12 @@ bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
 }
 
 }  // namespace
+
+std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config) {
+  std::vector<parallel::ProcessGrid::Axis> axes{{"pp", config.pp}, {"dp", std::nullopt}};
+  if (config.tp > 1) axes.push_back({"tp", config.tp});
+  return axes;
+}
 
 parallel::MemoryLayout memory_layout(const Config& config, int dp) {
   const parallel::BatchPlan batch = parallel::make_batch_plan(config.global_batch, config.micro_batch, dp);
@@ -57,45 +81,54 @@ parallel::MemoryLayout memory_layout(const Config& config, int dp) {
   layout.micro = batch.micro;
   layout.micro_batches = static_cast<int>(batch.count);
   layout.schedule = config.schedule_kind;
+  layout.virtual_stages = config.virtual_stages;
   return layout;
 }
 
 std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::StageRange>& stages, int world_size) {
-  const int pp = config.pp, dp = world_size / pp;
+  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
+  const int pp = g.pp, dp = g.dp;
   const parallel::MemoryLayout layout = memory_layout(config, dp);
   const layers::LossScaler scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
                                                                    config.loss_scale_init, config.loss_scale_window);
   std::ostringstream os;
-  os << "plan: " << pp << " stage(s) x " << dp << " replica(s), schedule " << parallel::to_string(config.schedule_kind)
+  os << "plan: " << pp << " stage(s) x " << dp << " replica(s)"
+     << (g.tp > 1 ? detail::cat(" x ", g.tp, " tensor-parallel ranks") : std::string()) << ", schedule "
+     << parallel::to_string(config.schedule_kind)
+     << (config.virtual_stages > 1 ? detail::cat(" (", config.virtual_stages, " chunks per rank)") : std::string())
      << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.zero
      << ", optimizer " << config.optimizer.name << ", " << parallel::device_kind_name(config.device) << " "
      << precision_name(config.precision) << " (loss scale " << scaler.describe() << "):\n"
-     << parallel::ProcessGrid::describe({{"pp", pp}, {"dp", std::nullopt}}, world_size);
-  for (int s = 0; s < pp; ++s) {
-    const parallel::StageRange r = stages[static_cast<size_t>(s)];
+     << parallel::ProcessGrid::describe(grid_axes(config), world_size);
+  for (size_t vs = 0; vs < stages.size(); ++vs) {
+    const parallel::StageRange r = stages[vs];
     int64_t trainable = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
       if (e.trainable) trainable += shape_numel(e.shape);
-    os << "\n  stage " << s << ": layers " << r.begin << "-" << r.end - 1 << " (" << model.layer(r.begin).name()
-       << " .. " << model.layer(r.end - 1).name() << "), " << trainable << " parameters";
+    os << "\n  stage " << vs % static_cast<size_t>(pp)
+       << (config.virtual_stages > 1 ? detail::cat(" chunk ", vs / static_cast<size_t>(pp)) : std::string())
+       << ": layers " << r.begin << "-" << r.end - 1 << " (" << model.layer(r.begin).name() << " .. "
+       << model.layer(r.end - 1).name() << "), " << trainable << " parameters"
+       << (g.tp > 1 ? " per tensor-parallel rank" : "");
   }
 
   std::vector<parallel::RankBytes> ranks;
   int fullest = 0;
   for (int k = 0; k < world_size; ++k) {
-    ranks.push_back(parallel::plan_rank(model, stages, k / dp, k % dp, layout));
+    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
+    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
     if (ranks.back().total() > ranks[static_cast<size_t>(fullest)].total()) fullest = k;
   }
   os << "\n  bytes per rank (params include non-trained buffers; activations: the stage's layer outputs per "
         "micro-batch, times the micro-batches the schedule keeps in flight):";
   for (int first = 0; first < world_size;) {
     int last = first;  // ranks of one stage with the same bytes share a line
-    while (last + 1 < world_size && (last + 1) / dp == first / dp &&
+    while (last + 1 < world_size && g.stage(last + 1) == g.stage(first) &&
            same_bytes(ranks[static_cast<size_t>(last + 1)], ranks[static_cast<size_t>(first)]))
       ++last;
     const parallel::RankBytes& b = ranks[static_cast<size_t>(first)];
-    os << "\n  " << ranks_str(first, last, dp) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
+    os << "\n  " << ranks_str(first, last, g) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
        << b.optimizer << ", activations " << b.activations << " x " << b.in_flight << " in flight, total " << b.total()
        << " (" << human(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
     first = last + 1;
@@ -126,10 +159,13 @@ void dry_run(const Config& config, MPI_Comm world) {
     classes = spec.vocab;
   }
   STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
-  const layers::Model model = layers::build_model(config.model, input, static_cast<int>(classes));
-  STRATA_REQUIRE(world_size % config.pp == 0, "--pp ", config.pp, " does not divide the ", world_size,
-                 " ranks of the world");
-  const std::vector<parallel::StageRange> stages = parallel::partition_layers(model, config.pp, config.partition);
+  // The grid's checks first (the sizes fit the world), then the model's (heads and vocabulary divide by --tp).
+  parallel::ProcessGrid::describe(grid_axes(config), world_size);
+  PlannedTensorParallel tp(config.tp);
+  const layers::Model model =
+      layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);
+  const std::vector<parallel::StageRange> stages =
+      parallel::partition_layers(model, config.pp, config.partition, config.virtual_stages);
   const std::string report = plan_report(config, model, stages, world_size);
   log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
   log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");

@@ -13,11 +13,24 @@
 #include "layers/model.hpp"
 #include "parallel/memory_plan.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/process_grid.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
 
-// The plan's text for a world of `world_size` ranks (pp x dp, dp fastest).
+// The grid's axes for the configuration: {pp, dp} with dp open, and tp (fastest) with --tp > 1.
+std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config);
+
+// World rank k's coordinates in the grid {pp, dp, tp} (tp fastest), as ProcessGrid lays them
+// out, for plans of worlds that were not launched (--world).
+struct GridShape {
+  int pp = 1, dp = 1, tp = 1;
+  int stage(int k) const { return k / (dp * tp); }
+  int replica(int k) const { return k / tp % dp; }
+  int tp_rank(int k) const { return k % tp; }
+};
+
+// The plan's text for a world of `world_size` ranks (pp x dp x tp, tp fastest).
 std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::StageRange>& stages, int world_size);
 

@@ -54,15 +54,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   const DeviceKind kind = config_.device;
   const parallel::Transport transport = config_.comm;
   device_ = parallel::select_device(world, kind, transport);
-  // Pipeline stages slowest, data-parallel replicas fastest: gradient traffic stays in a node.
-  grid_ = std::make_unique<parallel::ProcessGrid>(
-      world, std::vector<parallel::ProcessGrid::Axis>{{"pp", config_.pp}, {"dp", std::nullopt}}, transport, device_,
-      config_.shared_memory);
+  grid_ = std::make_unique<parallel::ProcessGrid>(world, grid_axes(config_), transport, device_, config_.shared_memory);
   ops::set_allow_tf32(config_.tf32);
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
   replica_ = grid_->replica();
   stage_ = grid_->stage();
+  tp_rank_ = grid_->coord("tp");
+  if (grid_->has("tp")) tensor_parallel_ = std::make_unique<parallel::TensorParallel>(grid_->comm("tp"));
+  loss_ = layers::SoftmaxCrossEntropy(tensor_parallel_.get());
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0
@@ -86,25 +86,32 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
-  model_ =
-      std::make_unique<layers::Model>(layers::build_model(config_.model, shape_source.input_shape(), num_classes_));
-  stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition);
-  range_ = stages_[static_cast<size_t>(stage_)];
+  model_ = std::make_unique<layers::Model>(
+      layers::build_model(config_.model, shape_source.input_shape(), num_classes_, tensor_parallel_.get()));
+  // P x v virtual stages; this rank's chunk c is virtual stage c·P + stage (v = 1 but interleaved).
+  const int v = config_.virtual_stages;
+  stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition, v);
   tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
-  replica_state_ = std::make_unique<parallel::DataParallel>(
-      grid_->dp(), *model_, range_,
-      parallel::DataParallelConfig{config_.zero, static_cast<int64_t>(config_.bucket_mb * (1 << 20)), config_.seed,
-                                   dtype_, device_, config_.optimizer});
-  replica_state_->set_before_reduce([this](size_t layer) { tied_->add_head_gradient(layer); });
-  state_gather_ = std::make_unique<parallel::StateGather>(*grid_, *model_, stages_, *replica_state_);
-
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
+  std::vector<Shape> input_shapes, output_shapes;
+  for (int c = 0; c < v; ++c) {
+    const parallel::StageRange range = chunk_range(c);
+    chunks_.push_back(std::make_unique<parallel::DataParallel>(
+        grid_->dp(), *model_, range,
+        parallel::DataParallelConfig{config_.zero, static_cast<int64_t>(config_.bucket_mb * (1 << 20)), config_.seed,
+                                     dtype_, device_, config_.optimizer}));
+    chunks_.back()->set_before_reduce([this](size_t layer) { tied_->add_head_gradient(layer); });
+    chunk_ptrs_.push_back(chunks_.back().get());
+    input_shapes.push_back(layers::batch_shape(plan_.micro, model_->shape(range.begin)));
+    output_shapes.push_back(layers::batch_shape(plan_.micro, model_->shape(range.end)));
+  }
+  state_gather_ = std::make_unique<parallel::StateGather>(*grid_, *model_, stages_, chunk_ptrs_);
 
   // The schedule is generated and checked (matching messages, no deadlock) before any step.
-  pipeline_ = std::make_unique<parallel::PipelineExecutor>(
-      grid_->pp(), config_.schedule_kind, static_cast<int>(plan_.count),
-      layers::batch_shape(plan_.micro, model_->shape(range_.begin)),
-      layers::batch_shape(plan_.micro, model_->shape(range_.end)), dtype_, device_, config_.bench_stage_ms);
+  pipeline_ = std::make_unique<parallel::PipelineExecutor>(grid_->pp(), config_.schedule_kind,
+                                                           static_cast<int>(plan_.count), v, input_shapes,
+                                                           output_shapes, dtype_, device_, config_.bench_stage_ms);
+  if (grid_->has("tp")) pipeline_->set_tensor_parallel(&grid_->comm("tp"));
 
   if (train_data_) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
@@ -144,8 +151,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     // Also when --resume auto found nothing: the run starts again from step 0.
     if (config_.resume != "none") metrics_.drop_after(start_step_);
   });
-  replica_state_->broadcast_parameters();  // every replica starts from replica 0's values
-  tied_->refresh(*replica_state_);         // a tied head's copy from wte as initialised or loaded
+  for (auto& chunk : chunks_) chunk->broadcast_parameters();  // every replica starts from replica 0's values
+  tied_->refresh(*chunks_.front());  // a tied head's copy from wte (chunk 0) as initialised or loaded
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(world, [&] {
     if (rank_ == 0 && !config_.eval_only) check_output_paths();
@@ -187,7 +194,7 @@ void Trainer::resume_from(const std::string& path) {
   start_step_ = saved.step;
   window_loss_ = saved.log_window_loss;
   window_steps_ = saved.log_window_steps;
-  replica_state_->optimizer().set_steps_taken(saved.optimizer_step);
+  for (auto& chunk : chunks_) chunk->optimizer().set_steps_taken(saved.optimizer_step);
   next_epoch_ = saved.epoch;
   next_in_epoch_ = saved.step_in_epoch;
   const int64_t saved_batch = saved.global_batch;
@@ -214,14 +221,18 @@ void Trainer::print_plan() {
   log::info(plan_report(config_, *model_, stages_, grid_->world().size()));
   // The plan is computed from shapes (what --dry-run prints); rank 0 checks it against what
   // every rank allocated, so a plan that drifts from the allocations is seen, not trusted.
-  const std::vector<int64_t> real =
-      parallel::all_gather_values(grid_->mpi_world(), {replica_state_->parameter_bytes() + tied_->parameter_bytes(),
-                                                       replica_state_->gradient_bytes() + tied_->gradient_bytes(),
-                                                       replica_state_->optimizer_bytes()});
+  std::vector<int64_t> mine{tied_->parameter_bytes(), tied_->gradient_bytes(), 0};
+  for (const auto& chunk : chunks_) {
+    mine[0] += chunk->parameter_bytes();
+    mine[1] += chunk->gradient_bytes();
+    mine[2] += chunk->optimizer_bytes();
+  }
+  const std::vector<int64_t> real = parallel::all_gather_values(grid_->mpi_world(), mine);
   if (rank_ != 0) return;
   const parallel::MemoryLayout layout = memory_layout(config_, dp_);
+  const GridShape g{grid_->pp_size(), dp_, grid_->size("tp")};
   for (int k = 0; k < grid_->world().size(); ++k) {
-    const parallel::RankBytes p = parallel::plan_rank(*model_, stages_, k / dp_, k % dp_, layout);
+    const parallel::RankBytes p = parallel::plan_rank(*model_, stages_, g.stage(k), g.replica(k), layout);
     const int64_t* r = real.data() + 3 * k;
     if (r[0] != p.params || r[1] != p.grads || r[2] != p.optimizer)
       log::warn("rank ", k, " allocated params ", r[0], ", grads ", r[1], ", optimizer ", r[2], " but its plan says ",
@@ -252,8 +263,10 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const bool record = !config_.timeline.empty() && step + 1 == total_steps_;
   if (record) grid_->world().barrier();  // a common origin for every stage's clock
   const int64_t dp_bytes_before = grid_->dp().bytes_sent();
+  parallel::Communicator* tp = grid_->has("tp") ? &grid_->comm("tp") : nullptr;
+  const int64_t tp_bytes_before = tp ? tp->bytes_sent() : 0;
 
-  replica_state_->zero_grads();
+  for (auto& chunk : chunks_) chunk->zero_grads();
   tied_->zero_head_gradient();
   double loss_sum = 0;
   // The loss is the mean over the GLOBAL batch, so summing gradients over replicas (and over
@@ -263,37 +276,40 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const auto first_of = [this](int micro) { return micro * plan_.micro; };
   parallel::StageWork work;
   work.input = [&](int micro) { return to_compute(batch.x.slice(first_of(micro), first_of(micro) + plan_.micro)); };
-  work.forward = [&](int micro, int, const Tensor& x, std::vector<layers::Context>& ctx) {
-    return replica_state_->forward(x, ctx,
-                                   {layers::Mode::Train, config_.seed, step, batch.first_sample + first_of(micro)});
+  work.forward = [&](int micro, int chunk, const Tensor& x, std::vector<layers::Context>& ctx) {
+    return chunks_[static_cast<size_t>(chunk)]->forward(
+        x, ctx, {layers::Mode::Train, config_.seed, step, batch.first_sample + first_of(micro)});
   };
   work.loss = [&](int micro, const Tensor& y) {
     layers::Context loss_ctx;
     loss_sum += loss_.forward(y, to_device(batch.y.slice(first_of(micro), first_of(micro) + plan_.micro)), loss_ctx);
     return loss_.backward(loss_ctx, scale);
   };
-  work.backward = [&](int, int, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
-    return replica_state_->backward(dy, ctx, last_of_step, !first_stage());
+  work.backward = [&](int, int chunk, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
+    // The first virtual stage (stage 0, chunk 0) has no input gradient to send.
+    return chunks_[static_cast<size_t>(chunk)]->backward(dy, ctx, last_of_step, !first_stage() || chunk > 0);
   };
   pipeline_->run_step(work, record);
   tied_->send_head_gradient();
-  exposed_comm_s_ += replica_state_->take_exposed_comm_seconds();
+  for (auto& chunk : chunks_) exposed_comm_s_ += chunk->take_exposed_comm_seconds();
   if (step + 1 == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step + 1, " (--debug-fail-step)");
 
   const double loss_scale = scaler_.scale();
   const bool overflow_injected = step + 1 == config_.debug_overflow_step && rank_ == 0;
-  const bool stepped = replica_state_->step(layers::learning_rate(config_.schedule, step), scaler_, config_.clip_grad,
-                                            grid_->world(), grid_->pp(), overflow_injected);
-  if (stepped) tied_->refresh(*replica_state_);
+  const bool stepped = parallel::optimizer_step(chunk_ptrs_, layers::learning_rate(config_.schedule, step), scaler_,
+                                                config_.clip_grad, grid_->world(), grid_->pp(), tp, overflow_injected);
+  if (stepped) tied_->refresh(*chunks_.front());
   if (!stepped && rank_ == 0)  // the same on every rank: agreed over the world
     log::warn("step ", step + 1, ": gradients overflowed at loss scale ", loss_scale, "; step skipped, loss scale now ",
               scaler_.scale());
   if (record) write_timeline();
   dp_bytes_per_step_ = grid_->dp().bytes_sent() - dp_bytes_before;
+  tp_bytes_per_step_ = tp ? tp->bytes_sent() - tp_bytes_before : 0;
   // The preemption flag rides on the all-reduce every step does anyway: all ranks agree
   // at the same step boundary without an extra collective.
-  std::vector<double> loss{loss_sum, g_stop_signal != 0 ? 1.0 : 0.0};  // loss: non-zero on last stages only
+  // The loss: non-zero on last stages only, counted once per tensor-parallel group.
+  std::vector<double> loss{tp_rank_ == 0 ? loss_sum : 0.0, g_stop_signal != 0 ? 1.0 : 0.0};
   sum_over_world(loss);
   stop_agreed_ = loss[1] > 0;
   return loss[0];
@@ -380,12 +396,15 @@ TrainEnd Trainer::train() {
   if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_);
   // Peak micro-batches in flight per stage (activation memory), from replica 0 of each.
   std::vector<double> peaks(static_cast<size_t>(grid_->pp_size()), 0.0);
-  if (replica_ == 0) peaks[static_cast<size_t>(stage_)] = pipeline_->peak_in_flight();
+  if (replica_ == 0 && tp_rank_ == 0) peaks[static_cast<size_t>(stage_)] = pipeline_->peak_in_flight();
   sum_over_world(peaks);
   std::ostringstream os;
   for (double p : peaks) os << " " << p;
   log::info("peak micro-batches in flight per stage:", os.str(), " (", parallel::to_string(config_.schedule_kind), ", ",
             plan_.count, " micro-batches)");
+  // The Megatron collectives, the cross-entropy's and the pipeline's all-gathers, as the tp
+  // communicator counts them (parallel::Communicator::bytes_sent): the formula's check.
+  if (grid_->has("tp")) log::info("tensor-parallel bytes sent by rank 0 in the last step: ", tp_bytes_per_step_);
   return TrainEnd::Finished;
 }
 
@@ -394,39 +413,43 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   // runs it forward through the pipeline, and the last stages' sums are reduced.
   // Every replica evaluates with replica 0's BatchNorm statistics (the ones checkpoints keep,
   // as PyTorch DDP broadcasts its buffers), so the metric is the saved model's.
-  replica_state_->broadcast_buffers();
+  for (auto& chunk : chunks_) chunk->broadcast_buffers();
   const int64_t n = data.size();
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
-  // The same number of chunks on every replica: ZeRO 3 gathers each layer's parameters across
+  // The same number of pieces on every replica: ZeRO 3 gathers each layer's parameters across
   // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
   const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(plan_.micro, 256);
-  const int64_t chunks = std::max<int64_t>(1, (largest_slice + most - 1) / most);
+  const int64_t pieces = std::max<int64_t>(1, (largest_slice + most - 1) / most);
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
-  for (int64_t k = 0; k < chunks; ++k) {
-    const int64_t first = begin + (end - begin) * k / chunks, last = begin + (end - begin) * (k + 1) / chunks;
+  for (int64_t k = 0; k < pieces; ++k) {
+    const int64_t first = begin + (end - begin) * k / pieces, last = begin + (end - begin) * (k + 1) / pieces;
     const bool counted = last > first;
     const int64_t b = counted ? first : 0, count = counted ? last - first : 1;
-    const Shape input_shape = layers::batch_shape(count, model_->shape(range_.begin));
+    const auto input_shape = [&](int chunk) {
+      return layers::batch_shape(count, model_->shape(chunk_range(chunk).begin));
+    };
     const Tensor y = Tensor::empty(layers::batch_shape(count, data.target_shape()), DType::I32);
     const Tensor out = pipeline_->forward_only(
         [&] {
-          const Tensor x = Tensor::empty(input_shape, data.input_dtype());
+          const Tensor x = Tensor::empty(input_shape(0), data.input_dtype());
           io::read_range(data, b, b + count, x, y);
           return to_compute(x);
         },
         input_shape,
-        [&](const Tensor& x) {
-          return replica_state_->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
+        [&](int chunk, const Tensor& x) {
+          return chunks_[static_cast<size_t>(chunk)]->forward(x, ctx, {layers::Mode::Eval, config_.seed, 0, b});
         });
     if (!last_stage() || !counted) continue;
     if (!first_stage()) io::read_range(data, b, b + count, Tensor(), y);
     const Tensor labels = to_device(y);
     layers::Context loss_ctx;
-    sums[0] += loss_.forward(out, labels, loss_ctx);
+    const double loss = loss_.forward(out, labels, loss_ctx);
     // Every target counts: a class label, or each next token of a window.
-    sums[1] += static_cast<double>(ops::count_correct(out.reshape({labels.numel(), out.numel() / labels.numel()}),
-                                                      labels.reshape({labels.numel()})));
+    const int64_t correct = loss_.count_correct(out, labels);
+    if (tp_rank_ != 0) continue;  // every rank of a tensor-parallel group has the same sums
+    sums[0] += loss;
+    sums[1] += static_cast<double>(correct);
   }
   sum_over_world(sums);
   const auto targets = static_cast<double>(n * targets_per_sample_);
@@ -444,7 +467,7 @@ void Trainer::save_checkpoint(int64_t step) {
   const int64_t per_epoch = sampler_->steps_per_epoch();
   io::RunState saved;
   saved.step = step;
-  saved.optimizer_step = replica_state_->optimizer().steps_taken();
+  saved.optimizer_step = chunks_.front()->optimizer().steps_taken();
   saved.epoch = next_epoch_ + next_in_epoch_ / per_epoch;
   saved.step_in_epoch = next_in_epoch_ % per_epoch;
   saved.seed = config_.seed;

@@ -1,5 +1,6 @@
-// The training program's wiring and epoch loop over a pp x dp process grid: this rank runs one
-// pipeline stage (a range of the model's layers) for one data-parallel replica. The parallel
+// The training program's wiring and epoch loop over a pp x dp x tp process grid: this rank runs
+// one pipeline stage (a range of the model's layers) for one data-parallel replica, holding its
+// tensor-parallel rank's shards of those layers. The parallel
 // logic has its owners in src/parallel — the pipeline executor runs the stage's schedule,
 // DataParallel syncs gradients and steps the (ZeRO-sharded) optimizer, StateGather assembles
 // checkpoints — and the file formats theirs in src/io; the trainer supplies data, loss and
@@ -24,6 +25,7 @@
 #include "parallel/pipeline.hpp"
 #include "parallel/process_grid.hpp"
 #include "parallel/state_gather.hpp"
+#include "parallel/tensor_parallel.hpp"
 #include "parallel/tied_embedding.hpp"
 #include "train/config.hpp"
 
@@ -69,6 +71,10 @@ class Trainer {
 
  private:
   bool first_stage() const { return stage_ == 0; }
+  // The layers of this rank's chunk c (virtual stage c·P + stage).
+  parallel::StageRange chunk_range(int chunk) const {
+    return stages_[static_cast<size_t>(chunk * grid_->pp_size() + stage_)];
+  }
   bool last_stage() const { return stage_ == grid_->pp_size() - 1; }
   // One optimizer step over this replica's slice of the global batch; returns the global
   // batch's summed loss (on every rank) and sets stop_agreed_ when any rank was signalled.
@@ -94,14 +100,19 @@ class Trainer {
   Device device_ = Device::cpu();  // this rank's device (--device)
   layers::LossScaler scaler_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
-  int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0;
+  int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0, tp_rank_ = 0;
+  // The layers' tensor-parallel group (null without --tp): the Megatron collectives.
+  std::unique_ptr<parallel::TensorParallel> tensor_parallel_;
   std::unique_ptr<io::Samples> train_data_, val_data_;
   std::unique_ptr<io::EpochSampler> sampler_;
   std::unique_ptr<layers::Model> model_;
+  // Every virtual stage's layers: P x v of them, chunk c of pipeline rank s being virtual stage
+  // c·P + s (v = --virtual-stages, 1 but with the interleaved schedule).
   std::vector<parallel::StageRange> stages_;
-  parallel::StageRange range_;                     // this stage's layers
   std::unique_ptr<parallel::TiedEmbedding> tied_;  // a tied LM head's copy of wte, where it needs one
-  std::unique_ptr<parallel::DataParallel> replica_state_;
+  // This rank's chunks, each a stage's layers replicated over the dp group, and plain pointers to them.
+  std::vector<std::unique_ptr<parallel::DataParallel>> chunks_;
+  std::vector<parallel::DataParallel*> chunk_ptrs_;
   std::unique_ptr<parallel::PipelineExecutor> pipeline_;
   std::unique_ptr<parallel::StateGather> state_gather_;
   layers::SoftmaxCrossEntropy loss_;
@@ -120,6 +131,7 @@ class Trainer {
   int64_t window_steps_ = 0;       // and their count (both saved in checkpoints)
   double exposed_comm_s_ = 0;      // waiting for gradient buckets since the last progress line
   int64_t dp_bytes_per_step_ = 0;  // sent on the dp communicator by this rank in the last step
+  int64_t tp_bytes_per_step_ = 0;  // and on the tp communicator
 };
 
 }  // namespace strata::train

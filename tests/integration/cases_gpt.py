@@ -60,13 +60,13 @@ def assert_close(a, b, what, rtol=1e-5):
     return worst
 
 
-def gpt_run(args, ranks, flags, data, name, steps=50, extra=()):
-    """Trains the tiny GPT `steps` steps (global batch 16, seed 3) into checkpoint dir `name`;
-    returns (/model tensors of the last checkpoint, stdout)."""
+def gpt_run(args, ranks, flags, data, name, steps=50, extra=(), model=GPT):
+    """Trains the tiny GPT (`model`'s flags) `steps` steps (global batch 16, seed 3) into
+    checkpoint dir `name`; returns (/model tensors of the last checkpoint, stdout)."""
     ck = os.path.join(args.workdir, "ck-" + name)
     shutil.rmtree(ck, ignore_errors=True)
     t0 = time.monotonic()
-    out = train_ranks(args, ranks, GPT + list(flags) + [
+    out = train_ranks(args, ranks, model + list(flags) + [
         "--data", data[0], "--val-data", data[1], "--steps", str(steps), "--global-batch", "16", "--seed", "3",
         "--log-every", "25", "--bucket-mb", "0.01", "--checkpoint-dir", ck] + list(extra))
     print(f"  {name}: {ranks} rank(s), {time.monotonic() - t0:.1f} s")
@@ -133,12 +133,12 @@ def case_gpt_equivalence(args):
           f"value ({worst_name}), tolerance 3")
 
 
-def resume(args, data, name, save, resume_layout, flags, split=20, steps=50):
+def resume(args, data, name, save, resume_layout, flags, split=20, steps=50, model=GPT):
     """Trains `split` steps under save=(ranks, flags) with a checkpoint, then --resume auto in a
     new process under resume_layout up to `steps`; returns the final /model tensors."""
     ck = os.path.join(args.workdir, "ck-resume-" + name)
     shutil.rmtree(ck, ignore_errors=True)
-    common = GPT + list(flags) + ["--data", data[0], "--val-data", data[1], "--global-batch", "16", "--seed", "3",
+    common = model + list(flags) + ["--data", data[0], "--val-data", data[1], "--global-batch", "16", "--seed", "3",
                                   "--log-every", "10", "--bucket-mb", "0.01", "--checkpoint-dir", ck]
     train_ranks(args, save[0], common + list(save[1]) + ["--steps", str(split), "--save-every", str(split)])
     assert open(os.path.join(ck, "latest")).read().strip() == f"step-{split:08d}.h5"

@@ -30,8 +30,9 @@ def case_ddp_batchnorm(args):
 
 
 def case_pipeline_equivalence(args):
-    """p pipeline stages with m micro-batches == 1 stage accumulating m micro-batches, for both
-    schedules, on the MLP and the CNN: pp=2, pp=4 and pp=2 x dp=2 on 4 ranks, after 50 steps,
+    """p pipeline stages with m micro-batches == 1 stage accumulating m micro-batches, for the three
+    schedules (interleaved with 2 and 3 chunks per rank), on the MLP and the CNN: pp=2, pp=4 and
+    pp=2 x dp=2 on 4 ranks, after 50 steps,
     with the one-node shared-memory transports and with --shared-memory false (all MPI).
     Checkpoints are gathered from every stage to rank 0, so this also checks the gathering."""
     # One thread per rank everywhere: thread count splits the convolution sums differently.
@@ -42,6 +43,11 @@ def case_pipeline_equivalence(args):
             s = ("--schedule", schedule)
             layouts += [(2, 8, ("--pp", "2") + s), (4, 8, ("--pp", "4") + s), (4, 4, ("--pp", "2") + s),
                         (4, 8, ("--pp", "4", "--partition", "1,2,3") + s)]
+        # Interleaved 1F1B: each rank holds v chunks (virtual stages s, s + P, ...), each with its
+        # own gradient buckets and optimizer; m = 4 micro-batches (global batch 32), a multiple of P.
+        il = ("--schedule", "interleaved", "--virtual-stages")
+        layouts += [(2, 8, ("--pp", "2") + il + ("2",)), (2, 8, ("--pp", "2") + il + ("3",)),
+                    (4, 8, ("--pp", "4") + il + ("2",)), (4, 4, ("--pp", "2", "--zero", "1") + il + ("2",))]
         # Everything through MPI instead of shared memory (messages, all-reduce, ZeRO 1's reduce
         # and all-gather): the same model.
         layouts += [(4, 4, ("--pp", "2", "--shared-memory", "false")),
@@ -95,8 +101,12 @@ def case_pipeline_bad_inputs(args):
     expect_bad_input(args, base + ["--pp", "4", "--partition", "1,2,9"], r"cut points.*1\.\.3.*'9'", ranks=4)
     expect_bad_input(args, base + ["--pp", "2", "--partition", "3,2"], r"increase", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--micro-batch", "3"], r"micro-batch \(3\)", ranks=2)
-    expect_bad_input(args, base + ["--pp", "2", "--schedule", "interleaved"],
-                     r"--schedule interleaved is not available in train yet", ranks=2)
+    expect_bad_input(args, base + ["--pp", "2", "--virtual-stages", "2"],
+                     r"--virtual-stages 2 needs --schedule interleaved, found --schedule 1f1b", ranks=2)
+    expect_bad_input(args, base + ["--schedule", "interleaved", "--virtual-stages", "2"],
+                     r"--virtual-stages 2 needs --pp 2 or more.*found --pp 1", ranks=2)
+    expect_bad_input(args, base + ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3"],
+                     r"--pp 2 x --virtual-stages 3 \(6 stages\) needs at least 6 layers, but the model has 4", ranks=2)
     expect_bad_input(args, base + ["--pp", "2", "--bench-stage-ms", "-1"], r"--bench-stage-ms must be in", ranks=2)
 
 

@@ -1,10 +1,12 @@
 // The memory plan against the real allocations, under real MPI (2 and 4 ranks): for every
-// ZeRO stage, compute dtype, optimizer and pipeline cut tried, the bytes plan_rank predicts for
-// this rank equal what DataParallel and TiedEmbedding then allocate (their own byte counts,
+// ZeRO stage, compute dtype, optimizer and pipeline cut tried (one stage per rank, or two
+// interleaved chunks), the bytes plan_rank predicts for this rank equal what its DataParallels
+// and TiedEmbedding then allocate (their own byte counts,
 // which sum the tensors they hold). Models: an mlp, a cnn with BatchNorm (non-trained buffers),
 // and a tiny GPT tied (the head's copy of wte across stages and under ZeRO 2/3) and untied.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,45 +63,59 @@ std::vector<layers::OptimizerConfig> optimizers() {
 TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
   const int rank = world_rank(), size = world_size();
   int checked = 0;
-  for (int pp : {1, 2}) {
+  // (pp, chunks per rank): one stage per rank, and the interleaved schedule's two chunks.
+  for (const auto [pp, v] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
     // Stage rank % pp of replica rank / pp, as the process grid lays them out.
     const auto pipeline = split_world(rank / pp, "pp");
     const auto dp = split_world(rank % pp, "dp");
     const int stage = pipeline->rank(), replica = dp->rank();
     for (const Case& c : cases()) {
       const layers::Model model = layers::build_model(c.spec, c.input, c.classes);
-      const std::vector<StageRange> stages = partition_layers(model, pp, "balanced");
+      const std::vector<StageRange> stages = partition_layers(model, pp, "balanced", v);
       for (int zero = 0; zero <= 3; ++zero)
         for (DType dtype : {DType::F32, DType::BF16})
           for (const layers::OptimizerConfig& optimizer : optimizers())
             for (int64_t bucket_bytes : {int64_t{256}, int64_t{25} << 20}) {
-              SCOPED_TRACE(c.name + " pp " + std::to_string(pp) + " dp " + std::to_string(size / pp) + " zero " +
-                           std::to_string(zero) + " " + dtype_name(dtype) + " " + optimizer.name + " momentum " +
-                           std::to_string(optimizer.momentum) + " buckets " + std::to_string(bucket_bytes) + " stage " +
-                           std::to_string(stage) + " replica " + std::to_string(replica));
+              SCOPED_TRACE(c.name + " pp " + std::to_string(pp) + " x " + std::to_string(v) + " chunks dp " +
+                           std::to_string(size / pp) + " zero " + std::to_string(zero) + " " + dtype_name(dtype) + " " +
+                           optimizer.name + " momentum " + std::to_string(optimizer.momentum) + " buckets " +
+                           std::to_string(bucket_bytes) + " stage " + std::to_string(stage) + " replica " +
+                           std::to_string(replica));
               const TiedEmbedding tied(*pipeline, model, stages, zero, dtype, Device::cpu());
               DataParallelConfig config;
               config.zero = zero;
               config.bucket_bytes = bucket_bytes;
               config.dtype = dtype;
               config.optimizer = optimizer;
-              const DataParallel real(*dp, model, stages[static_cast<size_t>(stage)], config);
+              // Chunk k of this rank: virtual stage k·pp + stage, each its own DataParallel.
+              std::vector<std::unique_ptr<DataParallel>> chunks;
+              int64_t params = tied.parameter_bytes(), grads = tied.gradient_bytes(), state = 0;
+              for (int k = 0; k < v; ++k) {
+                chunks.push_back(
+                    std::make_unique<DataParallel>(*dp, model, stages[static_cast<size_t>(k * pp + stage)], config));
+                params += chunks.back()->parameter_bytes();
+                grads += chunks.back()->gradient_bytes();
+                state += chunks.back()->optimizer_bytes();
+              }
               MemoryLayout layout;
               layout.pp = pp;
+              layout.virtual_stages = v;
+              layout.schedule = v > 1 ? ScheduleKind::Interleaved : ScheduleKind::OneFOneB;
+              layout.micro_batches = 2;
               layout.dp = dp->size();
               layout.zero = zero;
               layout.dtype = dtype;
               layout.optimizer = optimizer;
               layout.bucket_bytes = bucket_bytes;
               const RankBytes plan = plan_rank(model, stages, stage, replica, layout);
-              EXPECT_EQ(plan.params, real.parameter_bytes() + tied.parameter_bytes());
-              EXPECT_EQ(plan.grads, real.gradient_bytes() + tied.gradient_bytes());
-              EXPECT_EQ(plan.optimizer, real.optimizer_bytes());
+              EXPECT_EQ(plan.params, params);
+              EXPECT_EQ(plan.grads, grads);
+              EXPECT_EQ(plan.optimizer, state);
               ++checked;
             }
     }
   }
-  EXPECT_EQ(checked, 2 * 4 * 4 * 2 * 3 * 2);
+  EXPECT_EQ(checked, 3 * 4 * 4 * 2 * 3 * 2);
 }
 
 TEST(MemoryPlan, ActivationsCountTheSchedulesMicroBatchesInFlight) {
@@ -122,6 +138,24 @@ TEST(MemoryPlan, ActivationsCountTheSchedulesMicroBatchesInFlight) {
     EXPECT_EQ(one_f_one_b.in_flight, 2 - s);  // min(P - s, m)
     layout.schedule = ScheduleKind::GPipe;
     EXPECT_EQ(plan_rank(model, stages, s, 0, layout).in_flight, 4);  // m
+  }
+  // Interleaved, 2 chunks per rank: a chunk micro-batch in flight holds one chunk's outputs,
+  // counted at the rank's largest chunk; in flight as the schedule keeps them.
+  const std::vector<StageRange> virtual_stages = partition_layers(model, 2, "balanced", 2);
+  layout.schedule = ScheduleKind::Interleaved;
+  layout.virtual_stages = 2;
+  for (int s = 0; s < 2; ++s) {
+    int64_t largest = 0;
+    for (int c = 0; c < 2; ++c) {
+      int64_t outputs = 0;
+      const StageRange r = virtual_stages[static_cast<size_t>(c * 2 + s)];
+      for (size_t i = r.begin; i < r.end; ++i) outputs += shape_numel(model.shape(i + 1));
+      largest = std::max(largest, outputs);
+    }
+    const RankBytes b = plan_rank(model, virtual_stages, s, 0, layout);
+    EXPECT_EQ(b.activations, largest * 3 * 4);
+    EXPECT_EQ(b.in_flight, peak_in_flight(make_schedule(ScheduleKind::Interleaved, 2, 4, 2)[static_cast<size_t>(s)]));
+    EXPECT_GT(b.in_flight, 2 - s);  // more chunk micro-batches than 1F1B's micro-batches, each smaller
   }
 }
 
