@@ -11,6 +11,7 @@ run is paired with one of `train --shared-memory false` (messages through MPI in
 shared-memory mailboxes), the baseline columns.
 
   python3 bench/pipeline_bubble.py --train build/train --data-tool build/strata-data [--stages 2 4]
+      [--schedules gpipe 1f1b interleaved] [--virtual-stages 2 4]
 Run with the OpenBLAS kernels named (OPENBLAS_CORETYPE=SkylakeX on AVX-512 CPUs, as bench/lib.sh does).
 
 With --sleep-ms T, every stage sleeps T ms per micro-batch forward and 2T per backward
@@ -28,11 +29,15 @@ import tempfile
 EVENT = re.compile(r"<title>stage (\d+) ([FB])(\d+): ([0-9.e+-]+) - ([0-9.e+-]+) s</title>")
 
 
-def run_case(args, data, stages, m, kind, work, extra=()):
-    hidden = ",".join([str(args.width)] * (stages + 1))
-    # layers: flatten, (fc_i, relu_i) x (stages+1), fc_out; stage 0 = fc1 + fc2, then one fc each
-    cuts = ",".join(str(5 + 2 * k) for k in range(stages - 1))
+def run_case(args, data, stages, m, kind, work, extra=(), chunks=1):
+    # chunks > 1: the interleaved schedule, P x chunks virtual stages of one layer each.
+    virtual = stages * chunks
+    hidden = ",".join([str(args.width)] * (virtual + 1))
+    # layers: flatten, (fc_i, relu_i) x (virtual+1), fc_out; stage 0 = fc1 + fc2, then one fc each
+    cuts = ",".join(str(5 + 2 * k) for k in range(virtual - 1))
     svg = os.path.join(work, f"tl-{kind}-{stages}-{m}.svg")
+    if chunks > 1:
+        extra = tuple(extra) + ("--virtual-stages", str(chunks))
     cmd = shlex.split(args.mpirun) + ["-np", str(stages), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
            "--hidden", hidden, "--data", data, "--steps", str(args.steps), "--global-batch", str(m * args.micro_batch),
            "--micro-batch", str(args.micro_batch), "--pp", str(stages), "--partition", cuts, "--schedule", kind,
@@ -41,8 +46,12 @@ def run_case(args, data, stages, m, kind, work, extra=()):
                OMPI_MCA_mpi_yield_when_idle="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     bubbles = [float(v) for v in re.search(r"bubble \(idle\) fraction per stage: ([0-9.e\- ]+?)\s+\(", out).group(1).split()]
+    found = EVENT.findall(open(svg).read())
+    step = max(float(b) for *_, b in found) - min(float(a) for *_, a, _ in found)
+    if chunks > 1:  # events carry no chunk: no per-hand-off gaps
+        return bubbles, float("nan"), step
     events = {}
-    for s, op, i, a, b in EVENT.findall(open(svg).read()):
+    for s, op, i, a, b in found:
         events[(int(s), op, int(i))] = (float(a), float(b))
     gaps = []
     for s in range(1, stages):
@@ -52,7 +61,6 @@ def run_case(args, data, stages, m, kind, work, extra=()):
             earlier = [e[1] for k, e in events.items() if k[0] == s and e[1] <= start and e != events[(s, "F", i)]]
             if not earlier or max(earlier) < prev_end:  # stage s was idle, waiting for this message
                 gaps.append(start - prev_end)
-    step = max(e[1] for e in events.values()) - min(e[0] for e in events.values())
     return bubbles, (statistics.median(gaps) if gaps else float("nan")), step
 
 
@@ -67,6 +75,8 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7, help="runs per case; medians reported (one step is noisy)")
     p.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in compute per micro-batch forward (2x backward), no core used")
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], help="gpipe, 1f1b, interleaved")
+    p.add_argument("--virtual-stages", type=int, nargs="+", default=[2], help="interleaved: chunks per rank (one layer each)")
     a = p.parse_args()
     a.width = 64 if a.sleep_ms > 0 else 1024
     work = tempfile.mkdtemp(prefix="strata-bubble-")
@@ -79,17 +89,21 @@ def main():
           f"per stage; {compute}; medians of {a.repeats} runs per case")
     print("Messages through shared-memory mailboxes (train's default on one node); baseline: the same runs with "
           "--shared-memory false (MPI point-to-point), interleaved")
+    print("Interleaved, v chunks per rank: each chunk's forward sleeps the stand-in time, formula (P-1)/(v*m+P-1)")
     print("| P | m | schedule | formula (P-1)/(m+P-1) | measured idle per stage | worst - formula | p2p overhead per "
           "micro-batch | step | MPI p2p: worst - formula | MPI p2p: overhead per micro-batch |")
     print("|---:|---:|---|---:|---|---:|---:|---:|---:|---:|")
     for stages in a.stages:
         for m in a.micro:
-            for kind in ("gpipe", "1f1b"):
-                formula = (stages - 1) / (m + stages - 1)
+            cases = [(k, 1) for k in a.schedules if k != "interleaved"]
+            if "interleaved" in a.schedules and m % stages == 0:  # its chunks take turns in groups of P
+                cases += [("interleaved", v) for v in a.virtual_stages]
+            for kind, v in cases:
+                formula = (stages - 1) / (v * m + stages - 1)
                 runs, base = [], []
                 for _ in range(a.repeats):
-                    runs.append(run_case(a, data + ".h5", stages, m, kind, work))
-                    base.append(run_case(a, data + ".h5", stages, m, kind, work, ("--shared-memory", "false")))
+                    runs.append(run_case(a, data + ".h5", stages, m, kind, work, chunks=v))
+                    base.append(run_case(a, data + ".h5", stages, m, kind, work, ("--shared-memory", "false"), chunks=v))
 
                 def summary(rs):
                     bubbles = [statistics.median(r[0][s] for r in rs) for s in range(stages)]
@@ -99,7 +113,8 @@ def main():
                 bubbles, worst, gap, step = summary(runs)
                 _, base_worst, base_gap, _ = summary(base)
                 note = " (oversubscribed)" if stages > (os.cpu_count() or 1) and a.sleep_ms == 0 else ""
-                print(f"| {stages}{note} | {m} | {kind} | {100 * formula:.1f}% | "
+                label = kind if v == 1 else f"interleaved v={v}"
+                print(f"| {stages}{note} | {m} | {label} | {100 * formula:.1f}% | "
                       f"{' '.join(f'{100 * b:.1f}%' for b in bubbles)} | {100 * worst:.1f} pt | "
                       f"{1e6 * gap:.0f} µs | {1e3 * step:.1f} ms | {100 * base_worst:.1f} pt | {1e6 * base_gap:.0f} µs |",
                       flush=True)

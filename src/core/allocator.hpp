@@ -20,6 +20,8 @@ class Allocator {
   virtual void* allocate(size_t bytes) = 0;
   virtual void deallocate(void* ptr, size_t bytes) noexcept = 0;
   virtual Device device() const = 0;
+  // The most bytes (size classes) handed out at once so far: the memory a run needed.
+  virtual size_t peak_in_use() const = 0;
 };
 
 struct AllocatorStats {
@@ -37,6 +39,7 @@ class HostCachingAllocator final : public Allocator {
   void* allocate(size_t bytes) override;
   void deallocate(void* ptr, size_t bytes) noexcept override;
   Device device() const override { return Device::cpu(); }
+  size_t peak_in_use() const override { return stats().peak_in_use; }
 
   // The size actually reserved for a request of `bytes`.
   static size_t size_class(size_t bytes);

@@ -24,12 +24,14 @@ void MetricsWriter::append(const ProgressRecord& r) {
   if (path_.empty()) return;
   char comm[32] = "null";
   if (r.exposed_comm_fraction) std::snprintf(comm, sizeof comm, "%.4f", *r.exposed_comm_fraction);
-  char json[1024];  // room for any finite double in %f (up to 317 characters each)
+  char json[1536];  // room for any finite double in %f (up to 317 characters each)
   std::snprintf(json, sizeof json,
                 "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld}\n",
+                "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld, \"tp_bytes_per_step\": %lld, "
+                "\"peak_bytes\": %lld}\n",
                 static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, comm,
-                static_cast<long long>(r.dp_bytes_per_step));
+                static_cast<long long>(r.dp_bytes_per_step), static_cast<long long>(r.tp_bytes_per_step),
+                static_cast<long long>(r.peak_bytes));
   std::ofstream out(path_, std::ios::app);
   out << json;
   out.flush();

@@ -17,6 +17,8 @@ struct ProgressRecord {
   double loss = 0, lr = 0, samples_per_s = 0;
   std::optional<double> exposed_comm_fraction;  // null where it is not measured (NCCL)
   int64_t dp_bytes_per_step = 0;
+  int64_t tp_bytes_per_step = 0;  // on the tensor-parallel communicator (0 without --tp)
+  int64_t peak_bytes = 0;         // rank 0's memory high-water mark so far (allocator + shared buffers)
 };
 
 class MetricsWriter {

@@ -57,7 +57,7 @@ struct ParamSpec {
   bool no_weight_decay = false;
   // A tensor-parallel shard: `shape` is this rank's part of the full tensor (tensor_parallel.hpp).
   // Initial values are the full tensor's at the shard's positions, so they do not depend on T.
-  TensorSplit split;
+  TensorSplit split{};
 };
 
 class Layer {

@@ -89,7 +89,7 @@ struct ParamEntry {
   bool trainable = true;
   size_t layer = 0;              // index of the top-level layer that owns it
   bool no_weight_decay = false;  // ParamSpec::no_weight_decay: stepped without weight decay
-  TensorSplit split;             // ParamSpec::split: `shape` is this tp rank's shard
+  TensorSplit split{};           // ParamSpec::split: `shape` is this tp rank's shard
   // The shape of the tensor checkpoints hold (shape itself unless split).
   Shape full_shape() const { return layers::full_shape(shape, split); }
 };

@@ -76,12 +76,20 @@ class SegmentRegistry final : public Allocator {
     const auto it = mappings_.find(static_cast<char*>(ptr));
     if (it == mappings_.end()) return;
     for (char* p : it->second.at) munmap(p, it->second.bytes);
+    in_use_ -= it->second.bytes;
     mappings_.erase(it);
   }
   Device device() const override { return Device::cpu(); }
+  // This rank's own segments (the peers' mappings are theirs, counted by them).
+  size_t peak_in_use() const override {
+    std::lock_guard lock(mutex_);
+    return peak_;
+  }
 
   void add(Mapping m) {
     std::lock_guard lock(mutex_);
+    in_use_ += m.bytes;
+    peak_ = std::max(peak_, in_use_);
     char* own = m.at[static_cast<size_t>(m.rank)];
     mappings_.emplace(own, std::move(m));
   }
@@ -100,6 +108,7 @@ class SegmentRegistry final : public Allocator {
  private:
   mutable std::mutex mutex_;
   std::map<char*, Mapping> mappings_;
+  size_t in_use_ = 0, peak_ = 0;
 };
 
 SegmentRegistry& registry() {
@@ -574,5 +583,7 @@ bool NodeSharedMemory::advance(Op& op) {
   ++op.phase;
   return true;
 }
+
+size_t shared_memory_peak_bytes() { return registry().peak_in_use(); }
 
 }  // namespace strata::parallel

@@ -130,4 +130,8 @@ class NodeSharedMemory {
   std::deque<Unexpected> unexpected_;  // oldest first (per peer: older than its slots' messages)
 };
 
+// The most bytes of this rank's own shared-memory segments mapped at once (the gradient and
+// parameter buffers that Communicator::allocate handed out; not part of the host allocator's).
+size_t shared_memory_peak_bytes();
+
 }  // namespace strata::parallel

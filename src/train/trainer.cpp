@@ -6,11 +6,13 @@
 #include <cstdio>
 #include <sstream>
 
+#include "core/allocator.hpp"
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
 #include "io/timeline.hpp"
 #include "io/training_state.hpp"
+#include "parallel/shared_memory.hpp"
 #include "parallel/values.hpp"
 #include "train/plan.hpp"
 
@@ -327,7 +329,8 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, d
                 lr, samples_per_s, comm, format_duration(eta_s).c_str());
   log::info(line);
   metrics_.append({step, epoch, loss, lr, samples_per_s,
-                   comm_measured ? std::optional<double>(comm_fraction) : std::nullopt, dp_bytes_per_step_});
+                   comm_measured ? std::optional<double>(comm_fraction) : std::nullopt, dp_bytes_per_step_,
+                   tp_bytes_per_step_, peak_bytes()});
 }
 
 TrainEnd Trainer::train() {
@@ -405,6 +408,11 @@ TrainEnd Trainer::train() {
   // The Megatron collectives, the cross-entropy's and the pipeline's all-gathers, as the tp
   // communicator counts them (parallel::Communicator::bytes_sent): the formula's check.
   if (grid_->has("tp")) log::info("tensor-parallel bytes sent by rank 0 in the last step: ", tp_bytes_per_step_);
+  // What every rank needed at most, to set beside the plan printed at the start.
+  const std::vector<int64_t> peaks_bytes = parallel::all_gather_values(grid_->mpi_world(), {peak_bytes()});
+  std::ostringstream mem;
+  for (int64_t b : peaks_bytes) mem << " " << b;
+  log::info("memory high-water mark per rank (bytes: allocator and shared-memory buffers):", mem.str());
   return TrainEnd::Finished;
 }
 
@@ -418,7 +426,11 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   const int64_t begin = n * replica_ / dp_, end = n * (replica_ + 1) / dp_;
   // The same number of pieces on every replica: ZeRO 3 gathers each layer's parameters across
   // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
-  const int64_t largest_slice = (n + dp_ - 1) / dp_, most = std::max<int64_t>(plan_.micro, 256);
+  // At most 256 samples per piece, and at most ~64 MiB of outputs (a language model's logits:
+  // 256 windows of GPT-2's 1024 x 50257 would be 52 GB), at least one sample.
+  const int64_t output_bytes = shape_numel(model_->shape(model_->size())) * static_cast<int64_t>(sizeof(float));
+  const int64_t largest_slice = (n + dp_ - 1) / dp_,
+                most = std::clamp<int64_t>((int64_t{64} << 20) / std::max<int64_t>(output_bytes, 1), 1, 256);
   const int64_t pieces = std::max<int64_t>(1, (largest_slice + most - 1) / most);
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;
@@ -489,9 +501,17 @@ void Trainer::save_checkpoint(int64_t step) {
   log::info("saved checkpoint ", path);
 }
 
+int64_t Trainer::peak_bytes() const {
+  // The gradient and parameter buffers of one-node CPU groups are shared-memory segments, not
+  // allocator blocks: both count.
+  return static_cast<int64_t>(allocator_for(device_).peak_in_use() +
+                              (device_.is_cpu() ? parallel::shared_memory_peak_bytes() : 0));
+}
+
 void Trainer::write_timeline() {
-  // Replica 0 of every stage sends its events to rank 0, which renders them.
-  if (replica_ != 0) return;
+  // Replica 0 of every stage (tp rank 0: the others run the same schedule) sends its events to
+  // rank 0, which renders them.
+  if (replica_ != 0 || tp_rank_ != 0) return;
   const std::vector<parallel::TimelineEvent> all = pipeline_->gather_timeline(grid_->mpi_pp());
   if (stage_ != 0) return;
   log::info(io::write_timeline(config_.timeline, all, grid_->pp_size(), plan_.count,

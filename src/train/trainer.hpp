@@ -91,6 +91,8 @@ class Trainer {
   void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
                     double eta_s);
   void write_timeline();
+  // This rank's memory high-water mark so far: its allocator's and its shared-memory buffers.
+  int64_t peak_bytes() const;
   void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
   // --resume: the model, this rank's optimizer-state shard, the step count and data position.
   void resume_from(const std::string& path);

@@ -94,7 +94,8 @@ def case_help(args):
 
 
 def case_train_h5py(args):
-    """Trains on h5py-written data; checks accuracy, metrics, checkpoint (read back by h5py), eval-only."""
+    """Trains on h5py-written data; checks accuracy, metrics (with the memory high-water mark),
+    checkpoint (read back by h5py), eval-only."""
     w = args.workdir
     train = write_dataset(os.path.join(w, "train.h5"), n=1024, seed=1)
     test = write_dataset(os.path.join(w, "test.h5"), n=256, seed=2)
@@ -118,7 +119,18 @@ def case_train_h5py(args):
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60], records
     assert records[-1]["loss"] < records[0]["loss"], records
     for r in records:
-        assert set(r) >= {"step", "epoch", "loss", "lr", "samples_per_s"}, r
+        assert set(r) >= {"step", "epoch", "loss", "lr", "samples_per_s", "peak_bytes", "tp_bytes_per_step"}, r
+    # The memory high-water mark: at least the parameters, gradients and optimizer state the
+    # plan counts (what lives the whole run), and never falling from one line to the next.
+    plan = re.search(r"rank 0 \(stage 0, replica 0\): params (\d+), grads (\d+), optimizer (\d+)", out)
+    peak = re.search(r"memory high-water mark per rank \(bytes: [^)]*\): (\d+)$", out, re.M)
+    assert plan and peak, out
+    persistent = sum(int(v) for v in plan.groups())
+    assert int(peak.group(1)) >= persistent, (peak.group(1), persistent)
+    peaks = [r["peak_bytes"] for r in records]
+    assert peaks == sorted(peaks) and persistent <= peaks[0] and peaks[-1] <= int(peak.group(1)), (peaks, persistent)
+    print(f"memory high-water mark {peak.group(1)} bytes; the plan's parameters, gradients and optimizer state "
+          f"{persistent}; metrics {peaks[0]}..{peaks[-1]}")
     for step in (30, 60):
         path = os.path.join(ckdir, f"step-{step:08d}.h5")
         with h5py.File(path, "r") as f:

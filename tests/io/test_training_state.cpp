@@ -215,13 +215,15 @@ TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  w.append({3, 1, 0.1234567, 0.001, 1234.56, std::nullopt, 4096});
+  w.append({3, 1, 0.1234567, 0.001, 1234.56, std::nullopt, 4096, 512, 1 << 20});
   w.append({4, 2, 2.5, 0.05, 10.0, 0.123456, 0});
   EXPECT_EQ(read_all(path),
             "{\"step\": 3, \"epoch\": 1, \"loss\": 0.123457, \"lr\": 0.001, \"samples_per_s\": 1234.6, "
-            "\"exposed_comm_fraction\": null, \"dp_bytes_per_step\": 4096}\n"
+            "\"exposed_comm_fraction\": null, \"dp_bytes_per_step\": 4096, \"tp_bytes_per_step\": 512, "
+            "\"peak_bytes\": 1048576}\n"
             "{\"step\": 4, \"epoch\": 2, \"loss\": 2.500000, \"lr\": 0.05, \"samples_per_s\": 10.0, "
-            "\"exposed_comm_fraction\": 0.1235, \"dp_bytes_per_step\": 0}\n");
+            "\"exposed_comm_fraction\": 0.1235, \"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, "
+            "\"peak_bytes\": 0}\n");
 }
 
 TEST(Metrics, EmptyPathWritesNothing) {
@@ -239,7 +241,7 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
   const auto line_of = [&](int64_t step) {
     std::ostringstream os;
     os << "{\"step\": " << step << ", \"epoch\": 0, \"loss\": 1.000000, \"lr\": 0.1, \"samples_per_s\": 100.0, "
-       << "\"exposed_comm_fraction\": 0.0000, \"dp_bytes_per_step\": 8}\n";
+       << "\"exposed_comm_fraction\": 0.0000, \"dp_bytes_per_step\": 8, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0}\n";
     return os.str();
   };
   ASSERT_EQ(all, line_of(10) + line_of(20) + line_of(30) + line_of(40));
@@ -279,7 +281,8 @@ TEST(Metrics, HugeValuesStillMakeCompleteLines) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  w.append({1, 0, 1e300, 0.1, 1e300, 0.5, std::numeric_limits<int64_t>::max()});
+  const int64_t most = std::numeric_limits<int64_t>::max();
+  w.append({1, 0, 1e300, 0.1, 1e300, 0.5, most, most, most});
   w.append({2, 0, 1.0, 0.1, 1.0, 0.5, 1});
   const std::string all = read_all(path);
   ASSERT_FALSE(all.empty());
@@ -287,7 +290,7 @@ TEST(Metrics, HugeValuesStillMakeCompleteLines) {
   for (char c : all) lines += c == '\n';
   EXPECT_EQ(lines, 2u) << all.size() << " bytes";
   EXPECT_EQ(all.substr(all.find('\n') - 1, 2), "}\n") << "the first line is cut short";
-  EXPECT_NE(all.find("\"dp_bytes_per_step\": 9223372036854775807}\n"), std::string::npos);
+  EXPECT_NE(all.find("\"peak_bytes\": 9223372036854775807}\n"), std::string::npos);
 }
 
 TEST(Metrics, UnwritablePathWarnsOnceAndGoesOn) {

@@ -64,7 +64,7 @@ TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
   const int rank = world_rank(), size = world_size();
   int checked = 0;
   // (pp, chunks per rank): one stage per rank, and the interleaved schedule's two chunks.
-  for (const auto [pp, v] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+  for (const auto& [pp, v] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
     // Stage rank % pp of replica rank / pp, as the process grid lays them out.
     const auto pipeline = split_world(rank / pp, "pp");
     const auto dp = split_world(rank % pp, "dp");

@@ -554,7 +554,9 @@ TEST(PipelineTensorParallel, EachTpRankSendsItsPartAndTheGroupGathers) {
           return x;
         },
         kShape, [](const Tensor& x) { return x; });
-    if (stage == 1) EXPECT_EQ(count_wrong(y, [](int64_t k) { return k + 1; }), 0);
+    if (stage == 1) {
+      EXPECT_EQ(count_wrong(y, [](int64_t k) { return k + 1; }), 0);
+    }
   }
 }
 

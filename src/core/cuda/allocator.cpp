@@ -3,6 +3,7 @@
 // again), allocator_for() for every device, and the pinned host staging pool (allocator.hpp).
 #include "core/cuda/allocator.hpp"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,7 @@ class CudaCachingAllocator final : public Allocator {
       if (it != free_.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
+        count_in_use(size);
         return p;
       }
     }
@@ -47,16 +49,24 @@ class CudaCachingAllocator final : public Allocator {
       release_cached();
       CUDA_CHECK(cudaMalloc(&p, size));
     }
+    std::lock_guard lock(mutex_);
+    count_in_use(size);
     return p;
   }
 
   void deallocate(void* ptr, size_t bytes) noexcept override {
     if (ptr == nullptr) return;
     std::lock_guard lock(mutex_);
-    free_[HostCachingAllocator::size_class(bytes)].push_back(ptr);
+    const size_t size = HostCachingAllocator::size_class(bytes);
+    in_use_ -= size;
+    free_[size].push_back(ptr);
   }
 
   Device device() const override { return Device::cuda(device_); }
+  size_t peak_in_use() const override {
+    std::lock_guard lock(mutex_);
+    return peak_;
+  }
 
   void release_cached() noexcept {
     std::lock_guard lock(mutex_);
@@ -73,9 +83,15 @@ class CudaCachingAllocator final : public Allocator {
   }
 
  private:
+  void count_in_use(size_t size) {  // under mutex_
+    in_use_ += size;
+    peak_ = std::max(peak_, in_use_);
+  }
+
   int device_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
+  size_t in_use_ = 0, peak_ = 0;
 };
 
 }  // namespace
