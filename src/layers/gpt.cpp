@@ -265,9 +265,45 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
 
 // ---- TransformerBlock ------------------------------------------------------------------------
 
+Recompute parse_recompute(const std::string& name) {
+  if (name == "none") return Recompute::None;
+  if (name == "block") return Recompute::Block;
+  if (name == "full") return Recompute::Full;
+  STRATA_THROW_INPUT("--recompute must be none, block or full, found '", name, "'");
+}
+
+namespace {
+
+// Train mode: runs layer's forward, then keeps only its input (and the StepInfo that keys its
+// dropout masks) in ctx; backward_recomputing rebuilds the rest. Eval: a plain forward.
+Tensor forward_keeping_input(Layer& layer, const Tensor& x, Context& ctx, const StepInfo& info) {
+  Tensor y = layer.forward(x, ctx, info);
+  if (info.mode == Mode::Train) {
+    ctx.clear();
+    ctx.saved = {x};
+    ctx.info = info;
+  }
+  return y;
+}
+
+// Re-runs the forward that forward_keeping_input ran (same input, same StepInfo: the same
+// values and masks), then its backward. Consumes ctx.
+Tensor backward_recomputing(Layer& layer, const Tensor& dy, Context& ctx) {
+  const Tensor x = ctx.saved.at(0);
+  const StepInfo info = ctx.info;
+  Context rebuilt;
+  layer.forward(x, rebuilt, info);  // the output is dropped: only the contexts are wanted
+  rebuilt.input_grad = ctx.input_grad;
+  ctx.clear();
+  return layer.backward(dy, rebuilt);
+}
+
+}  // namespace
+
 TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout, AttentionKind kind,
-                                   double proj_std, TensorParallelGroup* tp)
+                                   double proj_std, TensorParallelGroup* tp, Recompute recompute)
     : Layer(std::move(name)),
+      recompute_(recompute),
       ln_1_("ln_1", embed),
       attn_("attn", embed, heads, dropout, kind, proj_std, tp),
       ln_2_("ln_2", embed),
@@ -277,7 +313,10 @@ TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t head
 }
 
 std::string TransformerBlock::describe() const {
-  return "transformer_block(" + attn_.describe() + ", mlp " + mlp_.describe() + ")";
+  const char* recompute = recompute_ == Recompute::Block  ? ", recompute block"
+                          : recompute_ == Recompute::Full ? ", recompute full"
+                                                          : "";
+  return "transformer_block(" + attn_.describe() + ", mlp " + mlp_.describe() + recompute + ")";
 }
 
 Shape TransformerBlock::output_shape(const Shape& input) const {
@@ -312,25 +351,52 @@ void TransformerBlock::set_index(int index) {
   mlp_.set_index(index * 1024 + 4);
 }
 
-Tensor TransformerBlock::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+Tensor TransformerBlock::run(const Tensor& x, Context& ctx, const StepInfo& info, bool rebuild) {
   ctx.children.resize(4);
   std::vector<Context>& c = ctx.children;
-  const Tensor a = attn_.forward(ln_1_.forward(x, c[0], info), c[1], info);
+  const bool full = recompute_ == Recompute::Full && info.mode == Mode::Train;
+  const Tensor n1 = ln_1_.forward(x, c[0], info);
+  const Tensor a = full ? forward_keeping_input(attn_, n1, c[1], info) : attn_.forward(n1, c[1], info);
   Tensor h = Tensor::empty(x.shape(), x.dtype(), x.device());
   ops::add(x, a, h);
-  const Tensor m = mlp_.forward(ln_2_.forward(h, c[2], info), c[3], info);
+  const Tensor n2 = ln_2_.forward(h, c[2], info);
+  if (rebuild && full) {  // the MLP's backward recomputes it from its input: no forward now
+    c[3].saved = {n2};
+    c[3].info = info;
+    return Tensor();
+  }
+  const Tensor m = full ? forward_keeping_input(mlp_, n2, c[3], info) : mlp_.forward(n2, c[3], info);
+  if (rebuild) return Tensor();
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   ops::add(h, m, y);
   return y;
 }
 
+Tensor TransformerBlock::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+  Tensor y = run(x, ctx, info, /*rebuild=*/false);
+  if (recompute_ != Recompute::None && info.mode == Mode::Train) {  // backward rebuilds the rest from x
+    ctx.clear();
+    ctx.saved = {x};
+    ctx.info = info;
+  }
+  return y;
+}
+
 Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
+  if (recompute_ != Recompute::None) {
+    // The same forward on the same input with the same StepInfo: bit-identical contexts.
+    // ZeRO 3 binds this layer's parameters for all of its backward (ParameterGather).
+    const Tensor x = ctx.saved.at(0);
+    const StepInfo info = ctx.info;
+    run(x, ctx, info, /*rebuild=*/true);
+  }
+  const bool full = recompute_ == Recompute::Full;
   std::vector<Context>& c = ctx.children;
   for (Context& child : c) child.input_grad = true;  // the residual paths need every branch's dx
-  const Tensor dm = ln_2_.backward(mlp_.backward(dy, c[3]), c[2]);
+  const Tensor dm = ln_2_.backward(full ? backward_recomputing(mlp_, dy, c[3]) : mlp_.backward(dy, c[3]), c[2]);
   Tensor dh = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
   ops::add(dy, dm, dh);
-  Tensor dx = ln_1_.backward(attn_.backward(dh, c[1]), c[0]);
+  Tensor dx = ln_1_.backward(full ? backward_recomputing(attn_, dh, c[1]) : attn_.backward(dh, c[1]), c[0]);
   ops::axpy(1.0f, dh, dx);
   ctx.clear();
   return dx;

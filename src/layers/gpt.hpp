@@ -97,16 +97,31 @@ class CausalSelfAttention final : public Layer {
   Dropout resid_drop_;
 };
 
+// Activation recomputation (--recompute), per TransformerBlock, in Train mode:
+// None:  every child keeps what its backward needs (the default).
+// Block: the block keeps only its input x; backward re-runs the block's forward with the same
+//        StepInfo (so the dropout masks, keyed by (seed, step, layer, sample), replay exactly)
+//        to rebuild the children's contexts, then backpropagates as with None.
+// Full:  Block, and inside the block the attention and the MLP each keep only their input
+//        (the LayerNorms' outputs) and re-run their own forward just before their backward; the
+//        rebuild skips the MLP's forward (its output is not needed to rebuild anything).
+// Same ops on the same inputs in the same order: results are bit-identical to None.
+enum class Recompute { None, Block, Full };
+// "none" | "block" | "full"; anything else is an Input error.
+Recompute parse_recompute(const std::string& name);
+
 // Pre-LayerNorm block: h = x + attn(ln_1(x)), y = h + mlp(ln_2(h)), the MLP being c_fc
 // (D -> 4D), exact GELU, c_proj (4D -> D), dropout. Children "ln_1", "attn", "ln_2", "mlp", so
 // parameters are "<block>/attn/c_attn/weight", "<block>/mlp/c_fc/bias", ... proj_std is the
 // init std of the two residual projections (attn/c_proj, mlp/c_proj). With tp: the attention
 // as above, c_fc column-parallel and c_proj row-parallel; LayerNorms and dropouts replicated.
+// recompute: see Recompute (with tp, a recomputed forward re-issues its all-reduces, the same on
+// every tp rank).
 class TransformerBlock final : public Layer {
  public:
   TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
                    AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
-                   TensorParallelGroup* tp = nullptr);
+                   TensorParallelGroup* tp = nullptr, Recompute recompute = Recompute::None);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -117,8 +132,13 @@ class TransformerBlock final : public Layer {
   void set_index(int index) override;
   int64_t heads() const { return attn_.heads(); }
   float ln_eps() const { return ln_1_.eps(); }  // both LayerNorms'
+  Recompute recompute() const { return recompute_; }
 
  private:
+  // The block's forward into ctx.children. rebuild: backward's recomputation, which needs the
+  // children's contexts but not y (returns an undefined tensor).
+  Tensor run(const Tensor& x, Context& ctx, const StepInfo& info, bool rebuild);
+  Recompute recompute_;
   LayerNorm ln_1_;
   CausalSelfAttention attn_;
   LayerNorm ln_2_;

@@ -194,6 +194,7 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
     tp = nullptr;
   }
   const AttentionKind kind = spec.attention == "plain" ? AttentionKind::Plain : AttentionKind::Flash;
+  const Recompute recompute = parse_recompute(spec.recompute);
   // GPT-2: the residual projections are scaled by 1/sqrt(2 * layers) at init.
   const double proj_std = kGptInitStd / std::sqrt(2.0 * spec.layers);
 
@@ -204,7 +205,7 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
   for (int i = 0; i < spec.layers; ++i)
     b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind, proj_std,
-                            tp);
+                            tp, recompute);
   auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed);
   ln_f->set_no_weight_decay();
   b.add(std::move(ln_f));
@@ -260,6 +261,8 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
   const bool split = tp != nullptr && tp->size() > 1;
   const bool classic = spec.name == "mlp" || spec.name == "cnn" || spec.name == "resnet";
   STRATA_REQUIRE(!split || !classic, "--tp applies to the gpt models; --model ", spec.name, " runs with --tp 1");
+  STRATA_REQUIRE(!classic || spec.recompute == "none", "--recompute ", spec.recompute,
+                 " applies to the gpt models' transformer blocks; --model ", spec.name, " runs with --recompute none");
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);

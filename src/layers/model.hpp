@@ -31,6 +31,9 @@ struct ModelSpec {
                                     // else at least that (padded, e.g. 50304)
   bool tie_embeddings = true;       // lm_head uses wte (see gpt.hpp: LMHead for the limits)
   std::string attention = "flash";  // flash (memory-efficient) | plain
+  // Activation recomputation of the transformer blocks: none | block | full (gpt.hpp:
+  // Recompute); only the gpt models have it (other models: an Input error unless "none").
+  std::string recompute = "none";
 };
 
 // The GPT presets' names and, for one of them, the spec with its shape fields set (layers,

@@ -83,6 +83,11 @@ void validate(const Config& c) {
                  "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
   STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
+  STRATA_REQUIRE(c.model.recompute == "none" || c.model.recompute == "block" || c.model.recompute == "full",
+                 "--recompute must be none, block or full, found '", c.model.recompute, "'");
+  STRATA_REQUIRE(c.model.recompute == "none" || layers::is_language_model(c.model), "--recompute ", c.model.recompute,
+                 " applies to the gpt models' transformer blocks; --model ", c.model.name,
+                 " runs with --recompute none");
   STRATA_REQUIRE(c.keep >= 0, "--keep must not be negative, found ", c.keep);
   STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
@@ -128,6 +133,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("tie-embeddings", po::value(&c.model.tie_embeddings)->default_value(true), "gpt: the LM head uses the token embedding's weights (GPT-2)")
     ("vocab", po::value(&c.model.vocab)->default_value(0), "gpt: logits per position, at least the data's vocabulary (0: the data's; a preset: 50257), e.g. 50304 to pad to a multiple of 64; --dry-run without --data plans with it")
     ("attention", po::value(&c.model.attention)->default_value("flash"), "gpt: flash (memory-efficient, O(T) memory per head) | plain (materialised probabilities)")
+    ("recompute", po::value(&c.model.recompute)->default_value("none"), "gpt: activation recomputation: none | block (each transformer block keeps only its input and re-runs its forward in backward) | full (also the attention and the MLP inside it); bit-identical results")
     ("data", po::value(&c.data), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
     ("val-data", po::value(&c.val_data), "evaluation data, same forms as --data")
     ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps; both: whichever ends first)")

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
+#include <set>
 
 #include "core/ops.hpp"
 #include "expect_error.hpp"
@@ -225,6 +227,100 @@ TEST(Gpt, FlopsForPartitioning) {
   const int64_t t = 16, d = 32;
   EXPECT_EQ(m.layer(1).flops(m.shape(1)), 12 * t * d * d + t * t * d);  // a block
   EXPECT_EQ(m.layer(4).flops(m.shape(4)), t * d * 256);                 // the head
+}
+
+// ---- activation recomputation (--recompute) ---------------------------------------------------
+
+// The bytes of the distinct tensors held in the contexts (views of one buffer counted once).
+int64_t saved_bytes(const Context& ctx, std::set<const void*>& seen) {
+  int64_t bytes = 0;
+  for (const Tensor& t : ctx.saved)
+    if (t.defined() && seen.insert(t.raw()).second) bytes += static_cast<int64_t>(t.nbytes());
+  for (const Context& child : ctx.children) bytes += saved_bytes(child, seen);
+  return bytes;
+}
+
+struct TrainPass {
+  double loss = 0;
+  std::vector<uint32_t> logits, grads;  // bit patterns
+  int64_t saved = 0;                    // activation bytes held after forward
+};
+
+std::vector<uint32_t> bits(const Tensor& t) {
+  std::vector<uint32_t> b(static_cast<size_t>(t.numel()));
+  std::memcpy(b.data(), t.data<float>(), b.size() * sizeof(float));
+  return b;
+}
+
+// Forward + backward of one micro-batch of the tiny GPT (2 blocks, 4 heads, width 32, T 16,
+// dropout 0.1, untied) with the given recompute and attention.
+TrainPass train_pass(const std::string& recompute, const std::string& attention) {
+  ModelSpec s = gpt(2, 4, 32, false, 0.1f, attention);
+  s.recompute = recompute;
+  const Model m = build_model(s, {16}, 64);
+  const ParameterStore store(m, 1);
+  store.grads().fill_zero();
+  StepInfo info;
+  info.seed = 7;
+  info.step = 3;
+  info.first_sample = 5;
+  std::vector<Context> ctx;
+  const Tensor logits = m.forward(tokens(3, 16, 64), ctx, info);
+  TrainPass r;
+  std::set<const void*> seen;
+  for (const Context& c : ctx) r.saved += saved_bytes(c, seen);
+  SoftmaxCrossEntropy loss;
+  Context lctx;
+  r.loss = loss.forward(logits, tokens(3, 16, 64, 9), lctx);
+  m.backward(loss.backward(lctx, 1.0f / 48), ctx);
+  r.logits = bits(logits);
+  r.grads = bits(store.grads());
+  return r;
+}
+
+TEST(Recompute, BlockAndFullAreBitIdenticalAndKeepLess) {
+  for (const std::string attention : {"flash", "plain"}) {
+    const TrainPass none = train_pass("none", attention);
+    const TrainPass block = train_pass("block", attention);
+    const TrainPass full = train_pass("full", attention);
+    std::printf("saved activation bytes after forward (%s attention, B 3): none %lld, block %lld, full %lld\n",
+                attention.c_str(), static_cast<long long>(none.saved), static_cast<long long>(block.saved),
+                static_cast<long long>(full.saved));
+    for (const TrainPass* r : {&block, &full}) {
+      const char* name = r == &block ? "block" : "full";
+      EXPECT_EQ(std::memcmp(&r->loss, &none.loss, sizeof(double)), 0) << name << " " << attention;
+      EXPECT_TRUE(r->logits == none.logits) << name << " " << attention;
+      ASSERT_EQ(r->grads.size(), none.grads.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < none.grads.size(); ++i) differ += r->grads[i] != none.grads[i];
+      EXPECT_EQ(differ, 0u) << name << " " << attention << ": gradient elements not bit-identical to none";
+    }
+    // Non-trivial gradients (a test of zeros would pass anything).
+    size_t nonzero = 0;
+    for (uint32_t g : none.grads) nonzero += (g & 0x7fffffffu) != 0;
+    EXPECT_GT(nonzero, none.grads.size() / 2);
+    EXPECT_LT(block.saved, none.saved);
+    EXPECT_LE(full.saved, block.saved);
+  }
+  expect_input_error(
+      [] {
+        build_model(
+            [] {
+              ModelSpec s = gpt();
+              s.recompute = "all";
+              return s;
+            }(),
+            {16}, 256);
+      },
+      {"--recompute", "none, block or full", "all"});
+  expect_input_error(
+      [] {
+        ModelSpec s;
+        s.name = "mlp";
+        s.recompute = "block";
+        build_model(s, {4}, 2);
+      },
+      {"--recompute", "mlp", "none"});
 }
 
 // ---- parameter groups in the optimizer --------------------------------------------------------
