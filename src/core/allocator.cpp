@@ -23,10 +23,19 @@ size_t HostCachingAllocator::size_class(size_t bytes) {
   return (bytes + step - 1) / step * step;
 }
 
+void HostCachingAllocator::set_limit(size_t bytes) {
+  std::lock_guard lock(mutex_);
+  limit_ = bytes;
+}
+
 void* HostCachingAllocator::allocate(size_t bytes) {
   const size_t size = size_class(bytes);
   {
     std::lock_guard lock(mutex_);
+    // The cap (--device-memory on the CPU): an Input error, before any memory is touched.
+    STRATA_REQUIRE(limit_ == 0 || stats_.bytes_in_use + size <= limit_, "--device-memory: ", size,
+                   " more bytes would bring this rank to ", stats_.bytes_in_use + size, " bytes of tensors, over its ",
+                   limit_, " (activations or workspace beyond what fitted at setup; see the plan, --dry-run)");
     auto it = free_.find(size);
     if (it != free_.end() && !it->second.empty()) {
       void* p = it->second.back();

@@ -46,11 +46,15 @@ class HostCachingAllocator final : public Allocator {
   AllocatorStats stats() const;
   // Returns all cached blocks to the system.
   void release_cached();
+  // At most `bytes` handed out at once (0: no limit); an allocation past it is an Input error
+  // naming the sizes (--device-memory on the CPU device, so its behaviour is testable here).
+  void set_limit(size_t bytes);
 
  private:
   mutable std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
   AllocatorStats stats_;
+  size_t limit_ = 0;
 };
 
 HostCachingAllocator& host_allocator();

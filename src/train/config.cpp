@@ -36,6 +36,35 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
   return values;
 }
 
+int64_t parse_bytes(const std::string& text, const std::string& flag) {
+  // A number and an optional unit: 80GiB, 512MiB, 1.5GB, 4096.
+  static const std::pair<const char*, double> units[] = {{"TiB", 1099511627776.0},
+                                                         {"GiB", 1073741824.0},
+                                                         {"MiB", 1048576.0},
+                                                         {"KiB", 1024.0},
+                                                         {"TB", 1e12},
+                                                         {"GB", 1e9},
+                                                         {"MB", 1e6},
+                                                         {"KB", 1e3},
+                                                         {"kB", 1e3},
+                                                         {"B", 1.0}};
+  size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = used > 0 ? text.substr(used) : "";
+  double scale = unit.empty() ? 1.0 : 0.0;
+  for (const auto& [name, factor] : units)
+    if (unit == name) scale = factor;
+  const double bytes = value * scale;
+  STRATA_REQUIRE(used > 0 && scale > 0 && std::isfinite(bytes) && bytes >= 0 && bytes < 9.2e18, flag,
+                 " expects a size such as 80GiB, 512MiB, 1.5GB or a number of bytes, found '", text, "'");
+  return static_cast<int64_t>(bytes);
+}
+
 namespace {
 
 std::string any_to_string(const boost::any& v) {
@@ -115,7 +144,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   Config c;
   std::string hidden = "1024,1024", config_file;
   // Enumerated options, read as text and parsed below.
-  std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32";
+  std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32", device_memory = "0";
   po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
   // clang-format off
   desc.add_options()
@@ -175,6 +204,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("virtual-stages", po::value(&c.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
+    ("device-memory", po::value(&device_memory)->default_value("0"), "the memory each rank may use (80GiB, 512MiB, ...; 0: no limit): a layout whose plan needs more is refused before anything is allocated, naming what does not fit; on the CPU device the allocator also holds every rank to it")
     ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
     ("world", po::value(&c.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
@@ -237,6 +267,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   STRATA_REQUIRE(c.virtual_stages == 1 || c.pp >= 2, "--virtual-stages ", c.virtual_stages,
                  " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.pp);
   c.precision = parse_precision(precision);
+  c.device_memory = parse_bytes(device_memory, "--device-memory");
   validate(c);
 
   for (const auto& [name, value] : vm)

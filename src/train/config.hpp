@@ -46,11 +46,12 @@ struct Config {
   std::string partition = "balanced";  // or cut points "3,7"
   // --schedule gpipe | 1f1b
   parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
-  int virtual_stages = 1;  // --virtual-stages: chunks per pipeline rank (interleaved)
-  std::string timeline;    // SVG of the last step's pipeline timeline
-  int zero = 0;            // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;    // print the plan (per-rank bytes from shapes) and exit, allocating nothing
-  int world = 0;           // --dry-run: plan for this many ranks (0: the ranks launched)
+  int virtual_stages = 1;     // --virtual-stages: chunks per pipeline rank (interleaved)
+  std::string timeline;       // SVG of the last step's pipeline timeline
+  int zero = 0;               // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
+  int world = 0;              // --dry-run: plan for this many ranks (0: the ranks launched)
+  int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
   parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
   bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory
@@ -86,5 +87,7 @@ void validate(const Config& c);
 
 // Parses "1024,1024" into sizes; throws an Input error naming the flag otherwise.
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag);
+// "80GiB", "512MiB", "1.5GB", "4096" -> bytes; an Input error naming `flag` otherwise.
+int64_t parse_bytes(const std::string& text, const std::string& flag);
 
 }  // namespace strata::train

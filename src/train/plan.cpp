@@ -1,5 +1,6 @@
 #include "train/plan.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 
@@ -136,6 +137,36 @@ std::string plan_report(const Config& config, const layers::Model& model,
   return os.str();
 }
 
+void check_fits(const Config& config, const layers::Model& model, const std::vector<parallel::StageRange>& stages,
+                int world_size) {
+  if (config.device_memory <= 0) return;
+  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
+  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
+  int fullest = 0;
+  parallel::RankBytes worst;
+  for (int k = 0; k < world_size; ++k)
+    if (const parallel::RankBytes b = parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout);
+        b.total() > worst.total()) {
+      worst = b;
+      fullest = k;
+    }
+  if (worst.total() <= config.device_memory) return;
+  // The part that pushes the rank over: the largest.
+  const std::pair<const char*, int64_t> parts[] = {{"parameters", worst.params},
+                                                   {"gradients", worst.grads},
+                                                   {"optimizer state", worst.optimizer},
+                                                   {"activations", worst.activations * worst.in_flight}};
+  const auto largest = *std::max_element(std::begin(parts), std::end(parts),
+                                         [](const auto& a, const auto& b) { return a.second < b.second; });
+  STRATA_THROW_INPUT("--device-memory ", human(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g),
+                     " needs ", human(worst.total()), " by the plan (parameters ", human(worst.params), ", gradients ",
+                     human(worst.grads), ", optimizer state ", human(worst.optimizer), ", activations of stage ",
+                     g.stage(fullest), " ", human(worst.activations), " x ", worst.in_flight,
+                     " micro-batches in flight); the largest part, ", largest.first, " (", human(largest.second),
+                     "), does not fit: run the same command with --dry-run --world N to see every rank's bytes, and "
+                     "divide them with --zero 3, --pp or --tp");
+}
+
 void dry_run(const Config& config, MPI_Comm world) {
   int world_size = 0;
   MPI_Comm_size(world, &world_size);
@@ -169,6 +200,7 @@ void dry_run(const Config& config, MPI_Comm world) {
   const std::string report = plan_report(config, model, stages, world_size);
   log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
   log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");
+  check_fits(config, model, stages, world_size);
 }
 
 }  // namespace strata::train

@@ -37,6 +37,11 @@ std::string plan_report(const Config& config, const layers::Model& model,
 // What plan_rank needs of the configuration, for `dp` replicas.
 parallel::MemoryLayout memory_layout(const Config& config, int dp);
 
+// --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
+// of a `world_size` world needs more, naming the fullest rank, its parts and the largest.
+void check_fits(const Config& config, const layers::Model& model, const std::vector<parallel::StageRange>& stages,
+                int world_size);
+
 // --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
 // --seq-len), builds the model and prints the plan for --world ranks (default: the job's).
 // Collective over `world`: every rank checks, rank 0 prints.

@@ -93,6 +93,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   // P x v virtual stages; this rank's chunk c is virtual stage c·P + stage (v = 1 but interleaved).
   const int v = config_.virtual_stages;
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition, v);
+  // A layout that cannot fit is refused before anything is allocated; on the CPU the allocator
+  // then holds each rank to the cap (device memory is the GPU's to refuse).
+  check_fits(config_, *model_, stages_, grid_->world().size());
+  if (device_.is_cpu()) host_allocator().set_limit(static_cast<size_t>(config_.device_memory));
   tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
   std::vector<Shape> input_shapes, output_shapes;
@@ -153,6 +157,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     // Also when --resume auto found nothing: the run starts again from step 0.
     if (config_.resume != "none") metrics_.drop_after(start_step_);
   });
+  // The shared-memory buffers (one-node CPU groups) count against the cap too.
+  if (device_.is_cpu() && config_.device_memory > 0)
+    host_allocator().set_limit(static_cast<size_t>(
+        std::max<int64_t>(1, config_.device_memory - static_cast<int64_t>(parallel::shared_memory_peak_bytes()))));
   for (auto& chunk : chunks_) chunk->broadcast_parameters();  // every replica starts from replica 0's values
   tied_->refresh(*chunks_.front());  // a tied head's copy from wte (chunk 0) as initialised or loaded
   // What rank 0 writes during training, checked now rather than after hours of it.
@@ -427,10 +435,13 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   // The same number of pieces on every replica: ZeRO 3 gathers each layer's parameters across
   // the replicas in every forward. A replica out of samples runs sample 0 and counts nothing.
   // At most 256 samples per piece, and at most ~64 MiB of outputs (a language model's logits:
-  // 256 windows of GPT-2's 1024 x 50257 would be 52 GB), at least one sample.
+  // 256 windows of GPT-2's 1024 x 50257 would be 52 GB), at least one sample; under
+  // --device-memory a training micro-batch, whose activations are known to fit.
   const int64_t output_bytes = shape_numel(model_->shape(model_->size())) * static_cast<int64_t>(sizeof(float));
   const int64_t largest_slice = (n + dp_ - 1) / dp_,
-                most = std::clamp<int64_t>((int64_t{64} << 20) / std::max<int64_t>(output_bytes, 1), 1, 256);
+                most = config_.device_memory > 0
+                           ? plan_.micro
+                           : std::clamp<int64_t>((int64_t{64} << 20) / std::max<int64_t>(output_bytes, 1), 1, 256);
   const int64_t pieces = std::max<int64_t>(1, (largest_slice + most - 1) / most);
   std::vector<double> sums{0, 0};  // loss, correct
   std::vector<layers::Context> ctx;

@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 
 #include "core/allocator.hpp"
+#include "core/error.hpp"
 
 using namespace strata;
 
@@ -47,6 +49,32 @@ TEST(HostCachingAllocator, SecondAllocationOfSameSizeIsACacheHit) {
   a.release_cached();
   EXPECT_EQ(a.stats().bytes_cached, 0u);
   EXPECT_EQ(a.stats().bytes_in_use, 0u);
+}
+
+// --device-memory on the CPU: past the limit an allocation is an Input error naming the sizes,
+// freed memory counts again, and the peak is what was handed out at once.
+TEST(HostCachingAllocator, LimitRefusesWhatWouldExceedIt) {
+  HostCachingAllocator a;
+  const size_t block = HostCachingAllocator::size_class(4096);
+  a.set_limit(2 * block);
+  void* p = a.allocate(4096);
+  void* q = a.allocate(4096);
+  try {
+    a.allocate(4096);
+    FAIL() << "a third block fitted under a limit of two";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Input);
+    EXPECT_NE(std::string(e.what()).find("--device-memory"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(3 * block)), std::string::npos) << e.what();
+  }
+  a.deallocate(q, 4096);
+  q = a.allocate(4096);  // back under the limit
+  EXPECT_EQ(a.peak_in_use(), 2 * block);
+  a.deallocate(p, 4096);
+  a.deallocate(q, 4096);
+  a.set_limit(0);  // no limit
+  void* big = a.allocate(16 * block);
+  a.deallocate(big, 16 * block);
 }
 
 TEST(HostCachingAllocator, AllocatorForCpu) {

@@ -84,6 +84,28 @@ class TempFile {
   std::string path_;
 };
 
+TEST(Config, DeviceMemorySizes) {
+  EXPECT_EQ(parse_bytes("4096", "--device-memory"), 4096);
+  EXPECT_EQ(parse_bytes("512MiB", "--device-memory"), int64_t{512} << 20);
+  EXPECT_EQ(parse_bytes("80GiB", "--device-memory"), int64_t{80} << 30);
+  EXPECT_EQ(parse_bytes("1.5GB", "--device-memory"), 1500000000);
+  EXPECT_EQ(parse_bytes("0", "--device-memory"), 0);
+  EXPECT_EQ(parse({"--data", "x.h5", "--steps", "1", "--device-memory", "2KiB"})->device_memory, 2048);
+  for (const char* bad : {"", "GiB", "12 GiB", "12XB", "-1GiB", "nan", "1e30TiB"})
+    EXPECT_THROW(
+        {
+          try {
+            parse_bytes(bad, "--device-memory");
+          } catch (const Error& e) {
+            EXPECT_EQ(e.kind(), ErrorKind::Input);
+            EXPECT_NE(std::string(e.what()).find("--device-memory expects a size"), std::string::npos) << e.what();
+            throw;
+          }
+        },
+        Error)
+        << bad;
+}
+
 TEST(Config, HelpReturnsNothing) { EXPECT_FALSE(parse({"--help"}).has_value()); }
 
 TEST(Config, Defaults) {
