@@ -4,10 +4,9 @@ the same cap once tensor and pipeline parallelism divide it, with the 1-rank res
 import os
 import re
 
-from cases_gpt import GPT, SGD, UNTIED, assert_close, gpt_run, tokenize
-from harness import expect_bad_input, train_ranks
-
-GPT4 = [("4" if flag == "2" and GPT[i - 1] == "--heads" else flag) for i, flag in enumerate(GPT)] + ["--vocab", "260"]
+from cases_gpt import SGD, UNTIED, assert_close, gpt_run, tokenize
+from cases_tensor_parallel import GPT4
+from harness import expect_bad_input
 
 
 def case_memory_cap(args):
