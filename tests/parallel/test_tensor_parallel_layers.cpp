@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/ops.hpp"
+#include "expect_error.hpp"
 #include "layers/basic.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
@@ -345,18 +346,7 @@ TEST(TensorParallelGpt, OneRankGroupIsTheWholeModel) {
 
 // ---- bad input -------------------------------------------------------------------------------
 
-template <class Fn>
-void expect_input_error(Fn&& fn, const std::vector<std::string>& words) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning " << ::testing::PrintToString(words);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::Input) << e.what();
-    EXPECT_EQ(e.message().find('\n'), std::string::npos) << "not one line: " << e.message();
-    for (const auto& w : words)
-      EXPECT_NE(e.message().find(w), std::string::npos) << "'" << w << "' missing in: " << e.message();
-  }
-}
+using test::expect_input_error;
 
 TEST(TensorParallelGpt, BadInputsAreOneLine) {
   World world;
