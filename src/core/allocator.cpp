@@ -89,8 +89,22 @@ HostCachingAllocator& host_allocator() {
   return *allocator;
 }
 
+void* MetaAllocator::allocate(size_t bytes) {
+  in_use_ += HostCachingAllocator::size_class(bytes);
+  peak_ = std::max(peak_, in_use_);
+  return reinterpret_cast<void*>(kAlignment);  // never dereferenced: meta ops do nothing
+}
+
+void MetaAllocator::deallocate(void*, size_t bytes) noexcept { in_use_ -= HostCachingAllocator::size_class(bytes); }
+
+MetaAllocator& meta_allocator() {
+  static auto* allocator = new MetaAllocator();  // leaked like the host allocator
+  return *allocator;
+}
+
 #if !STRATA_WITH_CUDA
 Allocator& allocator_for(Device device) {
+  if (device.is_meta()) return meta_allocator();
   STRATA_REQUIRE(device.is_cpu(), "device ", device.str(),
                  " requested, but this build of Strata has no CUDA support (configure with -DSTRATA_CUDA=ON)");
   return host_allocator();

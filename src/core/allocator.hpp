@@ -59,7 +59,33 @@ class HostCachingAllocator final : public Allocator {
 
 HostCachingAllocator& host_allocator();
 
-// The allocator for a device: the host cache for CPU; the CUDA caching allocator for GPUs.
+// The meta device's allocator: hands out no memory (a fixed non-null address that nothing may
+// read) and counts what the host cache would reserve (its size classes), so running layers on
+// meta tensors measures a step's activations without allocating them (parallel::plan_activations).
+// One thread at a time.
+class MetaAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override;
+  void deallocate(void* ptr, size_t bytes) noexcept override;
+  Device device() const override { return Device::meta(); }
+  size_t peak_in_use() const override { return peak_; }
+  size_t in_use() const { return in_use_; }
+  // Starts a new high-water mark at what is in use now.
+  void reset_peak() { peak_ = in_use_; }
+  // Whether meta ops count the f32 scratch the CPU kernels stage bf16/f16 tensors through
+  // (planning for the CPU) or not (a GPU computes in the tensors' dtype).
+  bool host_staging() const { return host_staging_; }
+  void set_host_staging(bool on) { host_staging_ = on; }
+
+ private:
+  size_t in_use_ = 0, peak_ = 0;
+  bool host_staging_ = true;
+};
+
+MetaAllocator& meta_allocator();
+
+// The allocator for a device: the host cache for CPU, the CUDA caching allocator for GPUs, the
+// counting meta allocator for meta tensors.
 Allocator& allocator_for(Device device);
 
 }  // namespace strata

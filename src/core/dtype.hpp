@@ -133,8 +133,9 @@ constexpr DType dtype_of<uint8_t>() {
   return DType::U8;
 }
 
-// Where a tensor's memory lives.
-enum class DeviceKind : uint8_t { CPU, CUDA };
+// Where a tensor's memory lives. Meta tensors have shapes and no memory: ops on them do nothing,
+// and the meta allocator only counts the bytes a real device would hand out (memory planning).
+enum class DeviceKind : uint8_t { CPU, CUDA, Meta };
 
 struct Device {
   DeviceKind kind = DeviceKind::CPU;
@@ -142,8 +143,10 @@ struct Device {
 
   static Device cpu() { return {}; }
   static Device cuda(int index) { return {DeviceKind::CUDA, index}; }
+  static Device meta() { return {DeviceKind::Meta, 0}; }
   bool is_cpu() const { return kind == DeviceKind::CPU; }
   bool is_cuda() const { return kind == DeviceKind::CUDA; }
+  bool is_meta() const { return kind == DeviceKind::Meta; }
   std::string str() const;
   friend bool operator==(const Device&, const Device&) = default;
 };

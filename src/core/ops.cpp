@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "core/allocator.hpp"
 #include "core/ops/cpu/cpu_ops.hpp"
 #if STRATA_WITH_CUDA
 #include "core/ops/cuda/cuda_ops.hpp"
@@ -173,6 +174,17 @@ void check_optional_stat(const Tensor& t, int64_t n, const char* name) {
   check_f32(t, name);
 }
 
+// Meta tensors (memory planning): no kernel runs. Planning for the CPU, the op also allocates,
+// for its duration, the f32 scratch that on_cpu's F32Staging gives its bf16/f16 tensors
+// (`staged`: the CPU branch goes through on_cpu), so the plan's peak is the CPU allocator's.
+void meta_op(std::initializer_list<const Tensor*> tensors, bool staged) {
+  if (!staged || !meta_allocator().host_staging()) return;
+  std::vector<Tensor> scratch;
+  for (const Tensor* t : tensors)
+    if (t->defined() && is_float_type(t->dtype()) && t->dtype() != DType::F32)
+      scratch.push_back(Tensor::empty(t->shape(), DType::F32, Device::meta()));
+}
+
 std::atomic<bool> g_allow_tf32{false};
 
 }  // namespace
@@ -206,6 +218,7 @@ void copy(const Tensor& src, const Tensor& dst) {
 
 void fill(const Tensor& x, float value) {
   check_float(x, "x");
+  if (x.device().is_meta()) return meta_op({&x}, true);
   if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { cpu::fill(s.out(x), value); });
   STRATA_CUDA_OP(x.device(), fill, x, value);
 }
@@ -217,6 +230,7 @@ void cast(const Tensor& x, const Tensor& y) {
   STRATA_CHECK(x.dtype() == y.dtype() || (is_float_type(x.dtype()) && is_float_type(y.dtype())), "cast from ",
                dtype_name(x.dtype()), " to ", dtype_name(y.dtype()), " is not supported");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, false);
   if (d.is_cpu()) return cpu::cast(x, y);
   STRATA_CUDA_OP(d, cast, x, y);
 }
@@ -226,6 +240,7 @@ void axpy(float alpha, const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_numel(x, y, "x");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::axpy(alpha, s.in(x), s.inout(y)); });
   STRATA_CUDA_OP(d, axpy, alpha, x, y);
 }
@@ -235,12 +250,14 @@ void add(const Tensor& a, const Tensor& b, const Tensor& y) {
   check_like(a, y, "a");
   check_like(b, y, "b");
   const Device d = common_device({&a, &b, &y});
+  if (d.is_meta()) return meta_op({&a, &b, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add(s.in(a), s.in(b), s.out(y)); });
   STRATA_CUDA_OP(d, add, a, b, y);
 }
 
 void scale(const Tensor& x, float alpha) {
   check_float(x, "x");
+  if (x.device().is_meta()) return meta_op({&x}, true);
   if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { cpu::scale(s.inout(x), alpha); });
   STRATA_CUDA_OP(x.device(), scale, x, alpha);
 }
@@ -257,6 +274,7 @@ void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::v
   STRATA_CHECK(mean.size() == 1 || static_cast<int64_t>(mean.size()) == x.dim(1), "mean/std hold ", mean.size(),
                " values for ", x.dim(1), " channels of ", x.str());
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::normalize_u8(x, s.out(y), in_scale, mean, std); });
   STRATA_CUDA_OP(d, normalize_u8, x, y, in_scale, mean, std);
 }
@@ -267,6 +285,7 @@ void relu_forward(const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_like(y, x, "y");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_forward(s.in(x), s.out(y)); });
   STRATA_CUDA_OP(d, relu_forward, x, y);
 }
@@ -276,6 +295,7 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   check_like(dy, y, "dy");
   check_like(dx, y, "dx");
   const Device d = common_device({&y, &dy, &dx});
+  if (d.is_meta()) return meta_op({&y, &dy, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_backward(s.in(y), s.in(dy), s.out(dx)); });
   STRATA_CUDA_OP(d, relu_backward, y, dy, dx);
 }
@@ -284,6 +304,7 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_like(y, x, "y");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_forward(s.in(x), s.out(y)); });
   STRATA_CUDA_OP(d, gelu_forward, x, y);
 }
@@ -293,6 +314,7 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   check_like(dy, x, "dy");
   check_like(dx, x, "dx");
   const Device d = common_device({&x, &dy, &dx});
+  if (d.is_meta()) return meta_op({&x, &dy, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_backward(s.in(x), s.in(dy), s.out(dx)); });
   STRATA_CUDA_OP(d, gelu_backward, x, dy, dx);
 }
@@ -310,6 +332,7 @@ void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& 
 void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   check_dropout(x, y, p, key);
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::dropout_forward(s.in(x), s.out(y), p, key); });
   STRATA_CUDA_OP(d, dropout_forward, x, y, p, key);
 }
@@ -317,6 +340,7 @@ void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key) {
   check_dropout(dy, dx, p, key);
   const Device d = common_device({&dy, &dx});
+  if (d.is_meta()) return meta_op({&dy, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::dropout_backward(s.in(dy), s.out(dx), p, key); });
   STRATA_CUDA_OP(d, dropout_backward, dy, dx, p, key);
 }
@@ -338,6 +362,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   for (int64_t dim : {m, n, k}) check_blas_size(dim, "gemm dimension");
   STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
   const Device d = common_device({&a, &b, &c});
+  if (d.is_meta()) return meta_op({&a, &b, &c}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::gemm(s.in(a), trans_a, s.in(b), trans_b, beta == 0.0f ? s.out(c) : s.inout(c), alpha, beta);
@@ -359,6 +384,7 @@ void add_bias(const Tensor& y, const Tensor& bias) {
   check_rows_and_vec(y, bias, "y", "bias");
   check_same_dtype(bias, y, "bias");
   const Device d = common_device({&y, &bias});
+  if (d.is_meta()) return meta_op({&y, &bias}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add_bias(s.inout(y), s.in(bias)); });
   STRATA_CUDA_OP(d, add_bias, y, bias);
 }
@@ -367,6 +393,7 @@ void bias_grad(const Tensor& dy, const Tensor& db) {
   check_rows_and_vec(dy, db, "dy", "db");
   check_grad_dtype(db, dy, "db");
   const Device d = common_device({&dy, &db});
+  if (d.is_meta()) return meta_op({&dy, &db}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::bias_grad(s.in(dy), s.inout(db)); });
   STRATA_CUDA_OP(d, bias_grad, dy, db);
 }
@@ -397,6 +424,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
   check_conv(x, w, y, g, "y");
   check_optional_param(bias, g.out_channels, x, "bias");
   const Device d = common_device({&x, &w, &bias, &y});
+  if (d.is_meta()) return meta_op({&x, &w, &bias, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::conv2d_forward(s.in(x), s.in(w), s.in(bias), s.out(y), g); });
   STRATA_CUDA_OP(d, conv2d_forward, x, w, bias, y, g);
 }
@@ -414,6 +442,7 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   }
   check_optional_grad(db, g.out_channels, x, "db");
   const Device d = common_device({&x, &w, &dy, &dx, &dw, &db});
+  if (d.is_meta()) return meta_op({&x, &w, &dy, &dx, &dw, &db}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::conv2d_backward(s.in(x), s.in(w), s.in(dy), s.out(dx), s.inout(dw), s.inout(db), g);
@@ -448,6 +477,7 @@ void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, 
   check_pool(x, y, g, "x", "y");
   check_argmax(argmax, y);
   const Device d = common_device({&x, &y, &argmax});
+  if (d.is_meta()) return meta_op({&x, &y, &argmax}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_forward(s.in(x), s.out(y), argmax, g); });
   STRATA_CUDA_OP(d, max_pool2d_forward, x, y, argmax, g);
 }
@@ -456,6 +486,7 @@ void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& d
   check_pool(dx, dy, g, "dx", "dy");
   check_argmax(argmax, dy);
   const Device d = common_device({&dy, &argmax, &dx});
+  if (d.is_meta()) return meta_op({&dy, &argmax, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_backward(s.in(dy), argmax, s.out(dx), g); });
   STRATA_CUDA_OP(d, max_pool2d_backward, dy, argmax, dx, g);
 }
@@ -463,6 +494,7 @@ void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& d
 void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g) {
   check_pool(x, y, g, "x", "y");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::avg_pool2d_forward(s.in(x), s.out(y), g); });
   STRATA_CUDA_OP(d, avg_pool2d_forward, x, y, g);
 }
@@ -470,6 +502,7 @@ void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& 
 void avg_pool2d_backward(const Tensor& dy, const Tensor& dx, const Pool2dGeometry& g) {
   check_pool(dx, dy, g, "dx", "dy");
   const Device d = common_device({&dy, &dx});
+  if (d.is_meta()) return meta_op({&dy, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::avg_pool2d_backward(s.in(dy), s.out(dx), g); });
   STRATA_CUDA_OP(d, avg_pool2d_backward, dy, dx, g);
 }
@@ -486,6 +519,7 @@ void check_global_pool(const Tensor& x, const Tensor& y, const char* x_name, con
 void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
   check_global_pool(x, y, "x", "y");
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::global_avg_pool_forward(s.in(x), s.out(y)); });
   STRATA_CUDA_OP(d, global_avg_pool_forward, x, y);
 }
@@ -493,6 +527,7 @@ void global_avg_pool_forward(const Tensor& x, const Tensor& y) {
 void global_avg_pool_backward(const Tensor& dy, const Tensor& dx) {
   check_global_pool(dx, dy, "dx", "dy");
   const Device d = common_device({&dy, &dx});
+  if (d.is_meta()) return meta_op({&dy, &dx}, true);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::global_avg_pool_backward(s.in(dy), s.out(dx)); });
   STRATA_CUDA_OP(d, global_avg_pool_backward, dy, dx);
 }
@@ -522,6 +557,7 @@ void batch_norm_forward_train(const Tensor& x, const Tensor& gamma, const Tensor
                          {&running_var, "running_var"}})
     check_optional_stat(*t, c, name);
   const Device d = common_device({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var});
+  if (d.is_meta()) return meta_op({&x, &gamma, &beta, &y, &save_mean, &save_invstd, &running_mean, &running_var}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::batch_norm_forward_train(s.in(x), s.in(gamma), s.in(beta), s.out(y), save_mean, save_invstd, running_mean,
@@ -541,6 +577,7 @@ void batch_norm_forward_eval(const Tensor& x, const Tensor& gamma, const Tensor&
   check_optional_stat(running_mean, c, "running_mean");
   check_optional_stat(running_var, c, "running_var");
   const Device d = common_device({&x, &gamma, &beta, &running_mean, &running_var, &y});
+  if (d.is_meta()) return meta_op({&x, &gamma, &beta, &running_mean, &running_var, &y}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::batch_norm_forward_eval(s.in(x), s.in(gamma), s.in(beta), running_mean, running_var, s.out(y), eps);
@@ -560,6 +597,7 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   check_optional_grad(dgamma, c, x, "dgamma");
   check_optional_grad(dbeta, c, x, "dbeta");
   const Device d = common_device({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta});
+  if (d.is_meta()) return meta_op({&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::batch_norm_backward(s.in(x), s.in(dy), s.in(gamma), save_mean, save_invstd, s.out(dx), s.inout(dgamma),
@@ -594,6 +632,7 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
   check_row_stats(mean, m, "mean", false);
   check_row_stats(rstd, m, "rstd", false);
   const Device d = common_device({&x, &gamma, &beta, &y, &mean, &rstd});
+  if (d.is_meta()) return meta_op({&x, &gamma, &beta, &y, &mean, &rstd}, true);
   if (d.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::layer_norm_forward(s.in(x), s.in(gamma), s.in(beta), s.out(y), mean, rstd, eps); });
@@ -610,6 +649,7 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   check_optional_grad(dgamma, f, x, "dgamma");
   check_optional_grad(dbeta, f, x, "dbeta");
   const Device d = common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta});
+  if (d.is_meta()) return meta_op({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::layer_norm_backward(s.in(x), s.in(dy), s.in(gamma), mean, rstd, s.out(dx), s.inout(dgamma), s.inout(dbeta));
@@ -688,6 +728,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, const Tensor& wp
   check_same_dtype(y, wte, "y");
   check_shape(y, Shape{b, t, d}, "y");
   const Device dev = common_device({&tokens, &wte, &wpe, &y});
+  if (dev.is_meta()) return meta_op({&tokens, &wte, &wpe, &y}, true);
   if (dev.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::embedding_forward(tokens, s.in(wte), wpe.defined() ? s.in(wpe) : Tensor(), s.out(y), first_token, vocab);
@@ -712,6 +753,7 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
     check_position_table(dwpe, t, d, "dwpe");
   }
   const Device dev = common_device({&tokens, &dy, &dwte, &dwpe});
+  if (dev.is_meta()) return meta_op({&tokens, &dy, &dwte, &dwpe}, true);
   if (dev.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::embedding_backward(tokens, s.in(dy), s.inout(dwte), s.inout(dwpe), first_token); });
@@ -744,6 +786,7 @@ void check_heads_layout(const Tensor& x, const Tensor& y) {
 void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v) {
   check_qkv(qkv, q, k, v, "qkv", "q", "k", "v");
   const Device d = common_device({&qkv, &q, &k, &v});
+  if (d.is_meta()) return meta_op({&qkv, &q, &k, &v}, false);
   if (d.is_cpu()) return cpu::split_qkv(qkv, q, k, v);  // a copy: any float dtype as is
   STRATA_CUDA_OP(d, split_qkv, qkv, q, k, v);
 }
@@ -751,6 +794,7 @@ void split_qkv(const Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor
 void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dqkv) {
   check_qkv(dqkv, dq, dk, dv, "dqkv", "dq", "dk", "dv");
   const Device d = common_device({&dq, &dk, &dv, &dqkv});
+  if (d.is_meta()) return meta_op({&dq, &dk, &dv, &dqkv}, false);
   if (d.is_cpu()) return cpu::merge_qkv(dq, dk, dv, dqkv);
   STRATA_CUDA_OP(d, merge_qkv, dq, dk, dv, dqkv);
 }
@@ -758,6 +802,7 @@ void merge_qkv(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tenso
 void merge_heads(const Tensor& x, const Tensor& y) {
   check_heads_layout(x, y);
   const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, false);
   if (d.is_cpu()) return cpu::merge_heads(x, y);
   STRATA_CUDA_OP(d, merge_heads, x, y);
 }
@@ -765,6 +810,7 @@ void merge_heads(const Tensor& x, const Tensor& y) {
 void split_heads(const Tensor& y, const Tensor& x) {
   check_heads_layout(x, y);
   const Device d = common_device({&y, &x});
+  if (d.is_meta()) return meta_op({&y, &x}, false);
   if (d.is_cpu()) return cpu::split_heads(y, x);
   STRATA_CUDA_OP(d, split_heads, y, x);
 }
@@ -776,6 +822,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   check_attention_dropout(p, key, q);
   check_no_alias({&y, &probs}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &probs});
+  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &probs}, true);
   if (d.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::attention_forward(s.in(q), s.in(k), s.in(v), s.out(y), s.out(probs), p, key); });
@@ -789,6 +836,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &probs, &dy});
   const Device d = common_device({&q, &k, &v, &probs, &dy, &dq, &dk, &dv});
+  if (d.is_meta()) return meta_op({&q, &k, &v, &probs, &dy, &dq, &dk, &dv}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::attention_backward(s.in(q), s.in(k), s.in(v), s.in(probs), s.in(dy), s.out(dq), s.out(dk), s.out(dv), p,
@@ -804,6 +852,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   check_attention_dropout(p, key, q);
   check_no_alias({&y, &lse}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &lse});
+  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse}, true);
   if (d.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::flash_attention_forward(s.in(q), s.in(k), s.in(v), s.out(y), lse, p, key); });
@@ -818,6 +867,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
   const Device d = common_device({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv});
+  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::flash_attention_backward(s.in(q), s.in(k), s.in(v), s.in(y), lse, s.in(dy), s.out(dq), s.out(dk), s.out(dv),
@@ -844,6 +894,7 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   check_float(probs, "probs");
   check_shape(probs, logits.shape(), "probs");
   const Device d = common_device({&logits, &labels, &probs});
+  if (d.is_meta()) return meta_op({&logits, &labels, &probs}, true), 0;
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) { return cpu::softmax_xent_forward(s.in(logits), labels, s.out(probs)); });
   STRATA_CUDA_OP(d, softmax_xent_forward, logits, labels, probs);
@@ -854,6 +905,7 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
   check_float(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
   const Device d = common_device({&probs, &labels, &dlogits});
+  if (d.is_meta()) return meta_op({&probs, &labels, &dlogits}, true);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) { cpu::softmax_xent_backward(s.in(probs), labels, s.out(dlogits), scale); });
   STRATA_CUDA_OP(d, softmax_xent_backward, probs, labels, dlogits, scale);
@@ -862,6 +914,7 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   check_logits_labels(logits, labels, "logits");
   const Device d = common_device({&logits, &labels});
+  if (d.is_meta()) return meta_op({&logits, &labels}, true), 0;
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::count_correct(s.in(logits), labels); });
   STRATA_CUDA_OP(d, count_correct, logits, labels);
 }
@@ -870,12 +923,14 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels) {
 
 double sum_squares(const Tensor& x) {
   check_float(x, "x");
+  if (x.device().is_meta()) return meta_op({&x}, true), 0;
   if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::sum_squares(s.in(x)); });
   STRATA_CUDA_OP(x.device(), sum_squares, x);
 }
 
 bool all_finite(const Tensor& x) {
   check_float(x, "x");
+  if (x.device().is_meta()) return meta_op({&x}, true), true;
   if (x.device().is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::all_finite(s.in(x)); });
   STRATA_CUDA_OP(x.device(), all_finite, x);
 }
@@ -889,6 +944,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
                "nesterov momentum requires momentum > 0 and dampening == 0");
   if (p.momentum != 0.0f) check_f32_like(momentum_buf, param, "momentum_buf");
   const Device d = common_device({&param, &grad, &momentum_buf});
+  if (d.is_meta()) return meta_op({&param, &grad, &momentum_buf}, false);
   if (d.is_cpu()) return cpu::sgd_update(param, grad, momentum_buf, p);
   STRATA_CUDA_OP(d, sgd_update, param, grad, momentum_buf, p);
 }
@@ -903,6 +959,7 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   STRATA_CHECK(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f && p.eps >= 0.0f,
                "bad AdamW parameters: betas (", p.beta1, ", ", p.beta2, "), eps ", p.eps);
   const Device d = common_device({&param, &grad, &exp_avg, &exp_avg_sq});
+  if (d.is_meta()) return meta_op({&param, &grad, &exp_avg, &exp_avg_sq}, false);
   if (d.is_cpu()) return cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, p);
   STRATA_CUDA_OP(d, adamw_update, param, grad, exp_avg, exp_avg_sq, p);
 }

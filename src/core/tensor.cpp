@@ -48,7 +48,7 @@ const char* precision_name(DType t) {
   }
 }
 
-std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
+std::string Device::str() const { return is_cpu() ? "cpu" : is_meta() ? "meta" : "cuda:" + std::to_string(index); }
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
@@ -153,7 +153,7 @@ void Tensor::copy_from(const Tensor& src) const {
 }
 
 void Tensor::fill_zero() const {
-  if (numel_ == 0) return;
+  if (numel_ == 0 || device().is_meta()) return;
   if (device().is_cpu()) {
     std::memset(raw(), 0, nbytes());
     return;

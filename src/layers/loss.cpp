@@ -89,7 +89,9 @@ double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, 
   const std::vector<float> mx = global_max(*tp_, x, n, cols);
   // Per row: this slice's sum of exp(x - max) and the target logit if this slice holds it
   // (0 elsewhere); one all-reduce gives the row's sum and its target logit on every rank.
-  Tensor p_host = Tensor::empty({n, cols});
+  // On the host in f32, probs itself is written: no second (rows x V/T) buffer.
+  const bool in_place = probs.device().is_cpu() && probs.dtype() == DType::F32;
+  Tensor p_host = in_place ? probs : Tensor::empty({n, cols});
   Tensor sums = Tensor::empty({n, 2});
   float* p = p_host.data<float>();
   float* s = sums.data<float>();
@@ -111,7 +113,7 @@ double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, 
     // -log softmax[label] = log(sum) - (x[label] - max), as ops::softmax_xent_forward.
     total += std::log(static_cast<double>(s[2 * r])) - (static_cast<double>(s[2 * r + 1]) - static_cast<double>(mx[r]));
   }
-  ops::copy(p_host, probs);
+  if (!in_place) ops::copy(p_host, probs);
   ctx.saved[1] = lab_host;
   return total;
 }
@@ -124,8 +126,9 @@ Tensor SoftmaxCrossEntropy::backward(Context& ctx, float scale) const {
   } else {
     // softmax - onehot on this slice: the label's column only on the rank that holds it.
     const int64_t n = probs.dim(0), cols = probs.dim(1), first = tp_->rank() * cols;
-    Tensor d = host_f32(probs);
-    if (d.same_storage(probs)) d = d.clone();
+    const bool in_place = dlogits.device().is_cpu() && dlogits.dtype() == DType::F32;
+    Tensor d = in_place ? dlogits : Tensor::empty(probs.shape());
+    ops::copy(probs, d);
     float* g = d.data<float>();
     const int32_t* lab = ctx.saved.at(1).data<int32_t>();
     for (int64_t r = 0; r < n; ++r) {
@@ -133,7 +136,7 @@ Tensor SoftmaxCrossEntropy::backward(Context& ctx, float scale) const {
       const int64_t j = lab[r] - first;
       if (j >= 0 && j < cols) g[r * cols + j] -= scale;
     }
-    ops::copy(d, dlogits);
+    if (!in_place) ops::copy(d, dlogits);
   }
   if (ctx.input_shape.size() != 2) dlogits = dlogits.reshape(ctx.input_shape);
   ctx.clear();

@@ -25,6 +25,7 @@ struct MemoryLayout {
   int micro_batches = 1;  // per replica and step
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   int virtual_stages = 1;  // chunks per pipeline rank (interleaved)
+  bool cpu = true;         // CPU kernels: bf16/f16 ops stage their tensors through f32 scratch
 };
 
 struct RankBytes {
@@ -36,16 +37,31 @@ struct RankBytes {
   int64_t grads = 0;
   // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.
   int64_t optimizer = 0;
-  // Outputs of the stage's layers for one micro-batch, in the compute dtype (interleaved: of
-  // its largest chunk).
+  // The step's activation high-water mark (plan_activations(...).peak; plan_rank leaves it 0).
   int64_t activations = 0;
   // Micro-batches (interleaved: chunk micro-batches) whose activations the stage holds at once.
   int in_flight = 1;
-  int64_t total() const { return params + grads + optimizer + activations * in_flight; }
+  int64_t total() const { return params + grads + optimizer + activations; }
 };
 
-// Rank (stage, replica) of the layout, whose (virtual) stages cut the model as `stages` does:
-// pp x virtual_stages of them, chunk c of pipeline rank s being virtual stage c·pp + s.
+// Activations of pipeline rank `stage` over a training step, measured by running it on meta
+// tensors (nothing is allocated; core/allocator.hpp's MetaAllocator counts): the forward and
+// backward of every micro-batch of every chunk in the schedule's order, with the loss on the
+// last stage, keeping what the executor keeps (PipelineExecutor: receive buffers, each
+// micro-batch's output and input gradient until the next step). So what layers save for
+// backward, recomputation, backward's temporaries and the caching allocator's rounding come
+// from the layers' own code, not from a second model of it. `model` is built for planning:
+// its layers are bound to meta parameters here (a tied head on another stage to a meta copy).
+// Not counted: the CPU kernels' f32 staging of bf16/f16 tensors (transient, within one op).
+struct ActivationBytes {
+  int64_t peak = 0;      // high-water mark above the parameters, over a whole step
+  int64_t retained = 0;  // held between steps (receive buffers, outputs, input gradients)
+};
+ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
+                                 const MemoryLayout& layout);
+
+// Parameter, gradient and optimizer bytes of rank (stage, replica) of the layout, whose (virtual) stages cut the model
+// as `stages` does: pp x virtual_stages of them, chunk c of pipeline rank s being virtual stage c·pp + s.
 RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
                     const MemoryLayout& layout);
 

@@ -48,14 +48,42 @@ class PlannedTensorParallel final : public layers::TensorParallelGroup {
   explicit PlannedTensorParallel(int size) : size_(size) {}
   int rank() const override { return 0; }
   int size() const override { return size_; }
-  void all_reduce_sum(const Tensor&) override { STRATA_THROW("a planned tensor-parallel group does not communicate"); }
-  void all_gather(const Tensor&, const Tensor&) override {
-    STRATA_THROW("a planned tensor-parallel group does not communicate");
-  }
+  // Meta tensors (plan_activations) have no values to move; a real tensor here is a bug.
+  void all_reduce_sum(const Tensor& t) override { require_meta(t); }
+  void all_gather(const Tensor& local, const Tensor&) override { require_meta(local); }
 
  private:
+  static void require_meta(const Tensor& t) {
+    STRATA_CHECK(t.device().is_meta(), "a planned tensor-parallel group moves no values, got ", t.str());
+  }
   int size_;
 };
+
+// Every rank's bytes: parameters, gradients and optimizer state from the layout's arithmetic,
+// activations from running each stage on meta tensors (once per stage: replicas and tp ranks
+// run the same shapes), on a model built for it.
+std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
+                                            const std::vector<parallel::StageRange>& stages, const GridShape& g) {
+  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
+  PlannedTensorParallel tp(config.tp);
+  layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
+  std::vector<int64_t> activations;
+  for (int s = 0; s < g.pp; ++s) activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
+  std::vector<parallel::RankBytes> ranks;
+  for (int k = 0; k < g.pp * g.dp * g.tp; ++k) {
+    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
+    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
+    ranks.back().activations = activations[static_cast<size_t>(g.stage(k))];
+  }
+  return ranks;
+}
+
+// The rank with the most bytes (the first of equals).
+int fullest_rank(const std::vector<parallel::RankBytes>& ranks) {
+  return static_cast<int>(
+      std::max_element(ranks.begin(), ranks.end(), [](const auto& a, const auto& b) { return a.total() < b.total(); }) -
+      ranks.begin());
+}
 
 bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
   return a.params == b.params && a.grads == b.grads && a.optimizer == b.optimizer && a.activations == b.activations &&
@@ -83,10 +111,11 @@ parallel::MemoryLayout memory_layout(const Config& config, int dp) {
   layout.micro_batches = static_cast<int>(batch.count);
   layout.schedule = config.schedule_kind;
   layout.virtual_stages = config.virtual_stages;
+  layout.cpu = config.device == DeviceKind::CPU;
   return layout;
 }
 
-std::string plan_report(const Config& config, const layers::Model& model,
+std::string plan_report(const Config& config, const layers::Model& model, int classes,
                         const std::vector<parallel::StageRange>& stages, int world_size) {
   const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
   const int pp = g.pp, dp = g.dp;
@@ -114,15 +143,10 @@ std::string plan_report(const Config& config, const layers::Model& model,
        << (g.tp > 1 ? " per tensor-parallel rank" : "");
   }
 
-  std::vector<parallel::RankBytes> ranks;
-  int fullest = 0;
-  for (int k = 0; k < world_size; ++k) {
-    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
-    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
-    if (ranks.back().total() > ranks[static_cast<size_t>(fullest)].total()) fullest = k;
-  }
-  os << "\n  bytes per rank (params include non-trained buffers; activations: the stage's layer outputs per "
-        "micro-batch, times the micro-batches the schedule keeps in flight):";
+  const std::vector<parallel::RankBytes> ranks = plan_ranks(config, model, classes, stages, g);
+  const int fullest = fullest_rank(ranks);
+  os << "\n  bytes per rank (params include non-trained buffers; activations: the step's high-water mark of what "
+        "the stage's layers allocate, with the micro-batches the schedule keeps in flight):";
   for (int first = 0; first < world_size;) {
     int last = first;  // ranks of one stage with the same bytes share a line
     while (last + 1 < world_size && g.stage(last + 1) == g.stage(first) &&
@@ -130,38 +154,32 @@ std::string plan_report(const Config& config, const layers::Model& model,
       ++last;
     const parallel::RankBytes& b = ranks[static_cast<size_t>(first)];
     os << "\n  " << ranks_str(first, last, g) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
-       << b.optimizer << ", activations " << b.activations << " x " << b.in_flight << " in flight, total " << b.total()
+       << b.optimizer << ", activations " << b.activations << " (" << b.in_flight << " in flight), total " << b.total()
        << " (" << human(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
     first = last + 1;
   }
   return os.str();
 }
 
-void check_fits(const Config& config, const layers::Model& model, const std::vector<parallel::StageRange>& stages,
-                int world_size) {
+void check_fits(const Config& config, const layers::Model& model, int classes,
+                const std::vector<parallel::StageRange>& stages, int world_size) {
   if (config.device_memory <= 0) return;
   const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
-  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
-  int fullest = 0;
-  parallel::RankBytes worst;
-  for (int k = 0; k < world_size; ++k)
-    if (const parallel::RankBytes b = parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout);
-        b.total() > worst.total()) {
-      worst = b;
-      fullest = k;
-    }
+  const std::vector<parallel::RankBytes> ranks = plan_ranks(config, model, classes, stages, g);
+  const int fullest = fullest_rank(ranks);
+  const parallel::RankBytes& worst = ranks[static_cast<size_t>(fullest)];
   if (worst.total() <= config.device_memory) return;
   // The part that pushes the rank over: the largest.
   const std::pair<const char*, int64_t> parts[] = {{"parameters", worst.params},
                                                    {"gradients", worst.grads},
                                                    {"optimizer state", worst.optimizer},
-                                                   {"activations", worst.activations * worst.in_flight}};
+                                                   {"activations", worst.activations}};
   const auto largest = *std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& a, const auto& b) { return a.second < b.second; });
   STRATA_THROW_INPUT("--device-memory ", human(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g),
                      " needs ", human(worst.total()), " by the plan (parameters ", human(worst.params), ", gradients ",
                      human(worst.grads), ", optimizer state ", human(worst.optimizer), ", activations of stage ",
-                     g.stage(fullest), " ", human(worst.activations), " x ", worst.in_flight,
+                     g.stage(fullest), " ", human(worst.activations), " with ", worst.in_flight,
                      " micro-batches in flight); the largest part, ", largest.first, " (", human(largest.second),
                      "), does not fit: run the same command with --dry-run --world N to see every rank's bytes, and "
                      "divide them with --zero 3, --pp or --tp");
@@ -197,10 +215,10 @@ void dry_run(const Config& config, MPI_Comm world) {
       layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =
       parallel::partition_layers(model, config.pp, config.partition, config.virtual_stages);
-  const std::string report = plan_report(config, model, stages, world_size);
+  const std::string report = plan_report(config, model, static_cast<int>(classes), stages, world_size);
   log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
   log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");
-  check_fits(config, model, stages, world_size);
+  check_fits(config, model, static_cast<int>(classes), stages, world_size);
 }
 
 }  // namespace strata::train

@@ -31,7 +31,8 @@ struct GridShape {
 };
 
 // The plan's text for a world of `world_size` ranks (pp x dp x tp, tp fastest).
-std::string plan_report(const Config& config, const layers::Model& model,
+// `classes`: what `model` was built for (the plan builds another from it, on meta tensors).
+std::string plan_report(const Config& config, const layers::Model& model, int classes,
                         const std::vector<parallel::StageRange>& stages, int world_size);
 
 // What plan_rank needs of the configuration, for `dp` replicas.
@@ -39,8 +40,8 @@ parallel::MemoryLayout memory_layout(const Config& config, int dp);
 
 // --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
 // of a `world_size` world needs more, naming the fullest rank, its parts and the largest.
-void check_fits(const Config& config, const layers::Model& model, const std::vector<parallel::StageRange>& stages,
-                int world_size);
+void check_fits(const Config& config, const layers::Model& model, int classes,
+                const std::vector<parallel::StageRange>& stages, int world_size);
 
 // --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
 // --seq-len), builds the model and prints the plan for --world ranks (default: the job's).

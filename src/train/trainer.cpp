@@ -95,7 +95,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition, v);
   // A layout that cannot fit is refused before anything is allocated; on the CPU the allocator
   // then holds each rank to the cap (device memory is the GPU's to refuse).
-  check_fits(config_, *model_, stages_, grid_->world().size());
+  check_fits(config_, *model_, num_classes_, stages_, grid_->world().size());
   if (device_.is_cpu()) host_allocator().set_limit(static_cast<size_t>(config_.device_memory));
   tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
@@ -228,7 +228,7 @@ void Trainer::resume_from(const std::string& path) {
 }
 
 void Trainer::print_plan() {
-  log::info(plan_report(config_, *model_, stages_, grid_->world().size()));
+  log::info(plan_report(config_, *model_, num_classes_, stages_, grid_->world().size()));
   // The plan is computed from shapes (what --dry-run prints); rank 0 checks it against what
   // every rank allocated, so a plan that drifts from the allocations is seen, not trusted.
   std::vector<int64_t> mine{tied_->parameter_bytes(), tied_->gradient_bytes(), 0};

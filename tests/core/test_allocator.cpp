@@ -6,6 +6,8 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "core/ops.hpp"
+#include "core/tensor.hpp"
 
 using namespace strata;
 
@@ -80,4 +82,38 @@ TEST(HostCachingAllocator, LimitRefusesWhatWouldExceedIt) {
 TEST(HostCachingAllocator, AllocatorForCpu) {
   EXPECT_EQ(&allocator_for(Device::cpu()), &host_allocator());
   EXPECT_TRUE(allocator_for(Device::cpu()).device().is_cpu());
+}
+
+TEST(MetaAllocator, CountsSizeClassesAndHandsOutNoMemory) {
+  MetaAllocator& meta = meta_allocator();
+  const size_t before = meta.in_use();
+  const size_t a_bytes = HostCachingAllocator::size_class(12000), b_bytes = HostCachingAllocator::size_class(20000);
+  {
+    const Tensor a = Tensor::empty({1000, 3}, DType::F32, Device::meta());
+    EXPECT_EQ(meta.in_use() - before, a_bytes);
+    meta.reset_peak();
+    {
+      const Tensor b = Tensor::zeros({5000}, DType::F32, Device::meta());  // no memset: nothing to write
+      ops::gelu_forward(a, a);                                             // no kernel runs
+      EXPECT_EQ(meta.peak_in_use() - before, a_bytes + b_bytes);
+    }
+    EXPECT_EQ(meta.in_use() - before, a_bytes);
+  }
+  EXPECT_EQ(meta.in_use(), before);
+  EXPECT_TRUE(allocator_for(Device::meta()).device().is_meta());
+}
+
+TEST(MetaAllocator, CountsTheCpuKernelsF32StagingOfBf16WhenPlanningForTheCpu) {
+  MetaAllocator& meta = meta_allocator();
+  const Tensor x = Tensor::empty({256}, DType::BF16, Device::meta());
+  const Tensor y = Tensor::empty({256}, DType::BF16, Device::meta());
+  const size_t before = meta.in_use();
+  for (const bool cpu : {true, false}) {
+    meta.set_host_staging(cpu);
+    meta.reset_peak();
+    ops::gelu_forward(x, y);  // the CPU widens x and y into f32 scratch for the op
+    EXPECT_EQ(meta.peak_in_use() - before, cpu ? 2 * HostCachingAllocator::size_class(256 * 4) : 0) << cpu;
+    EXPECT_EQ(meta.in_use(), before);
+  }
+  meta.set_host_staging(true);
 }

@@ -6,26 +6,28 @@ import re
 
 from cases_gpt import SGD, UNTIED, assert_close, gpt_run, tokenize
 from cases_tensor_parallel import GPT4
-from harness import expect_bad_input
+from harness import expect_bad_input, train_ranks
 
 
 def case_memory_cap(args):
-    """The tiny GPT (4 heads, vocabulary 260) plans 924 KiB on one rank, which measures ~2.6 MB
-    (the plan does not count what layers save for backward yet). Under --device-memory 800KiB:
-    one rank is refused by the plan (exit 2, one line naming the fullest rank, its parts and
-    the largest, activations); with 1500KiB the plan fits but the allocator stops the run
-    during the first step (exit 2, one line); tp 2 x pp 2 on 4 ranks trains under that 1500KiB
-    (checkpoints and the final evaluation included) and matches 1 rank without a cap within 1e-5."""
+    """The tiny GPT (4 heads, vocabulary 260) plans 2.48 MiB on one rank (measured: 1% more,
+    case_plan_matches_peak). Under --device-memory 1500KiB: one rank is refused by the plan
+    (exit 2, one line naming the fullest rank, its parts and the largest, activations); with a
+    cap 1 KiB above the plan, the plan fits but the allocator stops the run during the first
+    step (exit 2, one line); tp 2 x pp 2 on 4 ranks trains under 1500KiB (checkpoints and the
+    final evaluation included) and matches 1 rank without a cap within 1e-5."""
     data = tokenize(args, "byte")
     flags = GPT4 + SGD + UNTIED + ["--data", data[0], "--steps", "2", "--global-batch", "16"]
-    expect_bad_input(args, flags + ["--device-memory", "800KiB"],
-                     r"--device-memory 800\.00 KiB is too small: rank 0 \(stage 0, replica 0\) needs [0-9.]+ KiB by "
-                     r"the plan \(parameters .*; the largest part, activations .* does not fit", ranks=1)
     expect_bad_input(args, flags + ["--device-memory", "1500KiB"],
-                     r"--device-memory: \d+ more bytes would bring this rank to \d+ bytes of tensors, over its 1536000",
+                     r"--device-memory 1\.46 MiB is too small: rank 0 \(stage 0, replica 0\) needs [0-9.]+ MiB by "
+                     r"the plan \(parameters .*; the largest part, activations .* does not fit", ranks=1)
+    planned = planned_totals(train_ranks(args, 1, flags + ["--dry-run"]), 1)[0]
+    cap = planned + 1024
+    expect_bad_input(args, flags + ["--device-memory", str(cap)],
+                     rf"--device-memory: \d+ more bytes would bring this rank to \d+ bytes of tensors, over its {cap}",
                      ranks=1)
     expect_bad_input(args, flags + ["--device-memory", "12 GiB"], r"--device-memory expects a size", ranks=1)
-    print("1 rank under 800KiB: refused by the plan; under 1500KiB: stopped by the allocator")
+    print(f"1 rank under 1500KiB: refused by the plan; under {cap} bytes (the plan + 1 KiB): stopped by the allocator")
 
     reference, _ = gpt_run(args, 1, SGD + UNTIED, data, "cap-1", model=GPT4)
     layout = ["--tp", "2", "--pp", "2", "--micro-batch", "4", "--device-memory", "1500KiB"]
@@ -34,3 +36,50 @@ def case_memory_cap(args):
     assert len(peaks) == 4 and max(peaks) <= 1500 * 1024, peaks
     assert_close(model, reference, "tp 2 x pp 2 under --device-memory 1500KiB vs 1 rank without")
     print(f"tp 2 x pp 2 under 1500 KiB (which 1 rank cannot meet): high-water marks {peaks} bytes")
+
+
+# (name, ranks, flags): the layouts whose plan must meet the measured high-water mark.
+PLAN_LAYOUTS = [
+    ("1 rank", 1, []),
+    ("dp 2", 2, []),
+    ("dp 2 zero 1", 2, ["--zero", "1"]),
+    ("dp 2 zero 2", 2, ["--zero", "2"]),
+    ("dp 2 zero 3", 2, ["--zero", "3"]),
+    ("pp 2 1f1b, 4 micro-batches", 2, ["--pp", "2", "--micro-batch", "4"]),
+    ("pp 2 gpipe, 4 micro-batches", 2, ["--pp", "2", "--micro-batch", "4", "--schedule", "gpipe"]),
+    ("pp 2 interleaved", 2, ["--pp", "2", "--micro-batch", "4", "--schedule", "interleaved", "--virtual-stages", "2"]),
+    ("tp 2", 2, ["--tp", "2"]),
+    ("tp 2 x pp 2, zero 1", 4, ["--tp", "2", "--pp", "2", "--micro-batch", "4", "--zero", "1"]),
+    ("recompute block", 1, ["--recompute", "block"]),
+    ("recompute full, pp 2", 2, ["--recompute", "full", "--pp", "2", "--micro-batch", "4"]),
+    ("bf16", 1, ["--precision", "bf16"]),
+    ("bf16 dp 2 zero 2", 2, ["--precision", "bf16", "--zero", "2"]),
+]
+
+
+def planned_totals(out, ranks):
+    """Per-rank totals from the plan's lines ("rank 2 (...)" or "ranks 0-1 (...)" ... "total N")."""
+    totals = {}
+    for first, last, total in re.findall(r"^\s+ranks? (\d+)(?:-(\d+))? \(.*total (\d+) ", out, re.M):
+        for k in range(int(first), int(last or first) + 1):
+            totals[k] = int(total)
+    assert sorted(totals) == list(range(ranks)), out
+    return [totals[k] for k in range(ranks)]
+
+
+def case_plan_matches_peak(args):
+    """The plan that rank 0 prints before training is within 5% of every rank's measured
+    high-water mark (allocator and shared-memory buffers) for each layout of PLAN_LAYOUTS
+    on the 4-head tiny GPT."""
+    data = tokenize(args, "byte")
+    base = GPT4 + SGD + UNTIED + ["--data", data[0], "--steps", "3", "--global-batch", "16"]
+    worst = 0.0
+    for name, ranks, flags in PLAN_LAYOUTS:
+        out = train_ranks(args, ranks, base + flags)
+        planned = planned_totals(out, ranks)
+        measured = [int(v) for v in re.search(r"memory high-water mark per rank \([^)]*\):([ 0-9]+)$", out,
+                                              re.M).group(1).split()]
+        errors = [p / m - 1 for p, m in zip(planned, measured)]
+        print(f"{name:32s} planned {planned} measured {measured} error {', '.join(f'{e:+.1%}' for e in errors)}")
+        worst = max(worst, max(abs(e) for e in errors))
+    assert worst <= 0.05, f"the plan is {worst:.1%} off the measured high-water mark"

@@ -98,6 +98,7 @@ class CudaCachingAllocator final : public Allocator {
 
 Allocator& allocator_for(Device device) {
   if (device.is_cpu()) return host_allocator();
+  if (device.is_meta()) return meta_allocator();
   // One allocator per GPU, created once; leaked on purpose like the host allocator, because
   // tensors held by static objects may be freed after main returns.
   static std::vector<CudaCachingAllocator*>* allocators = [] {
