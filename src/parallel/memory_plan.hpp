@@ -16,6 +16,23 @@
 
 namespace strata::parallel {
 
+// A plan's tensor-parallel group: rank 0 of `size`, for the shapes of its shards. It moves
+// nothing: meta tensors (plan_activations) have no values, and a real tensor is an Internal error.
+class PlannedTensorParallel final : public layers::TensorParallelGroup {
+ public:
+  explicit PlannedTensorParallel(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  void all_reduce_sum(const Tensor& t) override { require_meta(t); }
+  void all_gather(const Tensor& local, const Tensor&) override { require_meta(local); }
+
+ private:
+  static void require_meta(const Tensor& t) {
+    STRATA_CHECK(t.device().is_meta(), "a planned tensor-parallel group moves no values, got ", t.str());
+  }
+  int size_;
+};
+
 struct MemoryLayout {
   int pp = 1, dp = 1, zero = 0;
   DType dtype = DType::F32;  // parameters and activations

@@ -125,6 +125,11 @@ void validate(const Config& c) {
   STRATA_REQUIRE(c.world >= 0, "--world must not be negative, found ", c.world);
   STRATA_REQUIRE(c.world == 0 || c.dry_run, "--world ", c.world,
                  " plans a layout without launching it: it needs --dry-run");
+  STRATA_REQUIRE(!c.plan || c.dry_run, "--plan searches layouts without launching them: it needs --dry-run");
+  STRATA_REQUIRE(std::isfinite(c.plan_tflops) && c.plan_tflops >= 0,
+                 "--plan-tflops must be a rate >= 0 (0: measure), found ", c.plan_tflops);
+  STRATA_REQUIRE(std::isfinite(c.plan_gbps) && c.plan_gbps > 0, "--plan-gbps must be a bandwidth > 0, found ",
+                 c.plan_gbps);
   STRATA_REQUIRE(c.model.vocab >= 0, "--vocab must not be negative, found ", c.model.vocab);
   // parallel::select_device checks this too; here it is found before any communicator exists.
   STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
@@ -207,6 +212,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("device-memory", po::value(&device_memory)->default_value("0"), "the memory each rank may use (80GiB, 512MiB, ...; 0: no limit): a layout whose plan needs more is refused before anything is allocated, naming what does not fit; on the CPU device the allocator also holds every rank to it")
     ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
     ("world", po::value(&c.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
+    ("plan", po::value(&c.plan)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
+    ("plan-tflops", po::value(&c.plan_tflops)->default_value(0), "--plan: compute rate per rank in TFLOP/s (0: a GEMM measured here on the CPU device; 300 for cuda)")
+    ("plan-gbps", po::value(&c.plan_gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
@@ -271,7 +279,10 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   validate(c);
 
   for (const auto& [name, value] : vm)
-    if (name != "help") c.effective.emplace_back(name, any_to_string(value.value()));
+    if (name != "help") {
+      c.effective.emplace_back(name, any_to_string(value.value()));
+      if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
+    }
   return c;
 }
 

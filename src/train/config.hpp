@@ -51,6 +51,9 @@ struct Config {
   int zero = 0;               // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
   bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
   int world = 0;              // --dry-run: plan for this many ranks (0: the ranks launched)
+  bool plan = false;          // --dry-run --plan: search the layouts that fit --device-memory
+  double plan_tflops = 0;     // --plan: compute rate per rank (0: measured on the CPU; cuda: 300)
+  double plan_gbps = 25;      // --plan: communication bandwidth per rank, GB/s
   int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
   parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
@@ -72,6 +75,8 @@ struct Config {
 
   // "key = value" lines of every option, for the start-of-run printout.
   std::vector<std::pair<std::string, std::string>> effective;
+  // The flags given on the command line or in --config (not defaulted), for the commands --plan prints.
+  std::vector<std::pair<std::string, std::string>> given;
 };
 
 // Parses argv (and the --config file), then validate()s. Returns nullopt after printing

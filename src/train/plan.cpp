@@ -1,13 +1,18 @@
 #include "train/plan.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <iomanip>
+#include <set>
 #include <sstream>
 
 #include "core/log.hpp"
+#include "core/ops.hpp"
 #include "io/samples.hpp"
 #include "layers/loss_scaler.hpp"
 #include "parallel/batch_plan.hpp"
+#include "parallel/layout_search.hpp"
 #include "parallel/process_grid.hpp"
 
 namespace strata::train {
@@ -42,30 +47,13 @@ std::string ranks_str(int first, int last, const GridShape& g) {
   return os.str();
 }
 
-// A plan's tensor-parallel group: rank 0 of `size`, for the shapes of its shards. Nothing runs.
-class PlannedTensorParallel final : public layers::TensorParallelGroup {
- public:
-  explicit PlannedTensorParallel(int size) : size_(size) {}
-  int rank() const override { return 0; }
-  int size() const override { return size_; }
-  // Meta tensors (plan_activations) have no values to move; a real tensor here is a bug.
-  void all_reduce_sum(const Tensor& t) override { require_meta(t); }
-  void all_gather(const Tensor& local, const Tensor&) override { require_meta(local); }
-
- private:
-  static void require_meta(const Tensor& t) {
-    STRATA_CHECK(t.device().is_meta(), "a planned tensor-parallel group moves no values, got ", t.str());
-  }
-  int size_;
-};
-
 // Every rank's bytes: parameters, gradients and optimizer state from the layout's arithmetic,
 // activations from running each stage on meta tensors (once per stage: replicas and tp ranks
 // run the same shapes), on a model built for it.
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
                                             const std::vector<parallel::StageRange>& stages, const GridShape& g) {
   const parallel::MemoryLayout layout = memory_layout(config, g.dp);
-  PlannedTensorParallel tp(config.tp);
+  parallel::PlannedTensorParallel tp(config.tp);
   layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
   std::vector<int64_t> activations;
   for (int s = 0; s < g.pp; ++s) activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
@@ -88,6 +76,39 @@ int fullest_rank(const std::vector<parallel::RankBytes>& ranks) {
 bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
   return a.params == b.params && a.grads == b.grads && a.optimizer == b.optimizer && a.activations == b.activations &&
          a.in_flight == b.in_flight;
+}
+
+const char* recompute_flag(layers::Recompute r) {
+  return r == layers::Recompute::None ? "none" : r == layers::Recompute::Block ? "block" : "full";
+}
+
+// --plan's compute rate: the flag's, or on the CPU a 512^3 f32 GEMM timed here (best of 5).
+double compute_rate(const Config& config) {
+  if (config.plan_tflops > 0) return config.plan_tflops * 1e12;
+  if (config.device != DeviceKind::CPU) return 300e12;
+  constexpr int64_t n = 512;
+  const Tensor a = Tensor::zeros({n, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({n, n});
+  double best = 1e30;
+  for (int k = 0; k < 5; ++k) {
+    const auto start = std::chrono::steady_clock::now();
+    ops::gemm(a, false, b, false, c);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return 2.0 * n * n * n / best;
+}
+
+// The train command of a layout: the flags given, less the planning and layout ones, plus the layout's.
+std::string layout_command(const Config& config, const parallel::LayoutChoice& c, int world) {
+  static const std::set<std::string> replaced{"dry-run",     "plan",      "world",    "plan-tflops",
+                                              "plan-gbps",   "tp",        "pp",       "zero",
+                                              "micro-batch", "recompute", "schedule", "virtual-stages"};
+  std::ostringstream os;
+  os << "mpirun -np " << world << " ./build/train";
+  for (const auto& [name, value] : config.given)
+    if (!replaced.count(name)) os << " --" << name << " " << value;
+  os << " --tp " << c.tp << " --pp " << c.pp << " --zero " << c.zero << " --micro-batch " << c.micro << " --recompute "
+     << recompute_flag(c.recompute);
+  return os.str();
 }
 
 }  // namespace
@@ -176,13 +197,56 @@ void check_fits(const Config& config, const layers::Model& model, int classes,
                                                    {"activations", worst.activations}};
   const auto largest = *std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& a, const auto& b) { return a.second < b.second; });
-  STRATA_THROW_INPUT("--device-memory ", human(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g),
-                     " needs ", human(worst.total()), " by the plan (parameters ", human(worst.params), ", gradients ",
-                     human(worst.grads), ", optimizer state ", human(worst.optimizer), ", activations of stage ",
-                     g.stage(fullest), " ", human(worst.activations), " with ", worst.in_flight,
-                     " micro-batches in flight); the largest part, ", largest.first, " (", human(largest.second),
-                     "), does not fit: run the same command with --dry-run --world N to see every rank's bytes, and "
-                     "divide them with --zero 3, --pp or --tp");
+  STRATA_THROW_INPUT(
+      "--device-memory ", human(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g), " needs ",
+      human(worst.total()), " by the plan (parameters ", human(worst.params), ", gradients ", human(worst.grads),
+      ", optimizer state ", human(worst.optimizer), ", activations of stage ", g.stage(fullest), " ",
+      human(worst.activations), " with ", worst.in_flight, " micro-batches in flight); the largest part, ",
+      largest.first, " (", human(largest.second),
+      "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
+}
+
+std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
+  parallel::SearchSpace space;
+  space.world = world_size;
+  space.global_batch = config.global_batch;
+  space.device_bytes = config.device_memory;
+  space.base = memory_layout(config, 1);
+  space.partition = config.partition;
+  space.can_recompute = layers::is_language_model(config.model);
+  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
+  const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
+    layers::ModelSpec spec = config.model;
+    spec.recompute = recompute_flag(recompute);
+    return layers::build_model(spec, input, classes, group);
+  };
+  const parallel::SearchResult r = parallel::search_layouts(space, rates, model_for);
+  std::ostringstream os;
+  os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
+     << "recompute; 1F1B), " << r.fitting.size() << " fit "
+     << (config.device_memory > 0 ? human(config.device_memory) + " per rank" : std::string("(no --device-memory)"))
+     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan_gbps
+     << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
+  for (const std::string& why : r.skipped) os << "\n  skipped " << why;
+  if (r.fitting.empty()) {
+    const parallel::LayoutChoice& s = r.smallest;
+    os << "\n  none fits: the smallest, tp " << s.tp << " pp " << s.pp << " dp " << s.dp << " zero " << s.zero
+       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs " << human(s.bytes)
+       << " on its fullest rank; add ranks or memory";
+    return os.str();
+  }
+  os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
+  const size_t shown = std::min<size_t>(r.fitting.size(), 5);
+  for (size_t k = 0; k < shown; ++k) {
+    const parallel::LayoutChoice& c = r.fitting[k];
+    char row[200];
+    std::snprintf(
+        row, sizeof row, "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
+        c.tp, c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute), human(c.bytes).c_str(),
+        c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
+    os << row << "\n     " << layout_command(config, c, world_size);
+  }
+  return os.str();
 }
 
 void dry_run(const Config& config, MPI_Comm world) {
@@ -208,9 +272,14 @@ void dry_run(const Config& config, MPI_Comm world) {
     classes = spec.vocab;
   }
   STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
+  if (config.plan) {
+    log::info(plan_layouts(config, input, static_cast<int>(classes), world_size),
+              "\n--dry-run: not training (planned from shapes, nothing allocated)");
+    return;
+  }
   // The grid's checks first (the sizes fit the world), then the model's (heads and vocabulary divide by --tp).
   parallel::ProcessGrid::describe(grid_axes(config), world_size);
-  PlannedTensorParallel tp(config.tp);
+  parallel::PlannedTensorParallel tp(config.tp);
   const layers::Model model =
       layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =

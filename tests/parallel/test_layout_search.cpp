@@ -1,0 +1,135 @@
+// The --plan layout search: the step-time model against numbers worked out by hand, and the
+// search's rules (every layout of the world tried, only those within the device listed,
+// fastest first, the smallest named when none fits, widths the model cannot take skipped).
+#include <gtest/gtest.h>
+
+#include <set>
+#include <tuple>
+
+#include "parallel/layout_search.hpp"
+#include "parallel/partition.hpp"
+
+namespace strata::parallel {
+namespace {
+
+layers::ModelSpec tiny_gpt() {
+  layers::ModelSpec spec;
+  spec.name = "gpt";
+  spec.layers = 4;
+  spec.heads = 4;
+  spec.embed = 32;
+  spec.seq_len = 16;
+  return spec;
+}
+
+ModelFor gpt_for(const layers::ModelSpec& spec) {
+  return [spec](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
+    layers::ModelSpec s = spec;
+    s.recompute = recompute == layers::Recompute::None    ? "none"
+                  : recompute == layers::Recompute::Block ? "block"
+                                                          : "full";
+    return layers::build_model(s, {16}, 64, group);
+  };
+}
+
+TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
+  const layers::Model model = gpt_for(tiny_gpt())(1, layers::Recompute::None, nullptr);
+  const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
+  LayoutChoice c;
+  c.pp = 2;
+  c.dp = 2;
+  c.micro = 2;
+  c.micro_batches = 4;  // 16 samples per replica of a global batch of 32
+  const Rates rates{1e9, 1e6};
+  const StepTime t = estimate_step_time(model, stages, c, 32, DType::F32, rates);
+  // By hand, for each stage: MACs per sample from the layers, trainable elements, block inputs.
+  double slowest = 0;
+  StepTime expected;
+  for (const StageRange& r : stages) {
+    double macs = 0, trainable = 0, blocks = 0;
+    for (size_t i = r.begin; i < r.end; ++i) {
+      macs += static_cast<double>(model.layer(i).flops(model.shape(i)));
+      for (const layers::ParamSpec& p : model.layer(i).param_specs())
+        trainable += static_cast<double>(shape_numel(p.shape));
+      blocks += dynamic_cast<const layers::TransformerBlock*>(&model.layer(i)) != nullptr;
+    }
+    StepTime s;
+    s.compute_s = 6 * macs * 16 / 1e9;
+    s.bubble_s = s.compute_s * 1 / 4;
+    s.dp_s = 2.0 * 1 / 2 * 4 * trainable / 1e6;
+    s.tp_s = 0;
+    s.pp_s = 2.0 * 2 * static_cast<double>(shape_numel(model.shape(r.end))) * 4 * 4 / 1e6;
+    EXPECT_GT(blocks, 0);
+    if (s.total() > slowest) {
+      slowest = s.total();
+      expected = s;
+    }
+  }
+  EXPECT_DOUBLE_EQ(t.compute_s, expected.compute_s);
+  EXPECT_DOUBLE_EQ(t.bubble_s, expected.bubble_s);
+  EXPECT_NEAR(t.dp_s, expected.dp_s, 1e-12 * expected.dp_s + 1e-15);  // padding-free: sums of the same shapes
+  EXPECT_DOUBLE_EQ(t.pp_s, expected.pp_s);
+  // Recomputation adds a forward: 4/3 of the compute; tensor parallelism costs all-reduces.
+  c.recompute = layers::Recompute::Block;
+  EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, DType::F32, rates).compute_s, expected.compute_s * 4 / 3);
+  c.recompute = layers::Recompute::None;
+  c.tp = 2;
+  EXPECT_GT(estimate_step_time(model, stages, c, 32, DType::F32, rates).tp_s, 0);
+}
+
+TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
+  SearchSpace space;
+  space.world = 4;
+  space.global_batch = 16;
+  space.can_recompute = true;
+  const Rates rates{1e9, 1e9};
+  const SearchResult all = search_layouts(space, rates, gpt_for(tiny_gpt()));
+  ASSERT_FALSE(all.fitting.empty());
+  EXPECT_EQ(static_cast<int>(all.fitting.size()), all.tried);  // no cap: every layout fits
+  std::set<std::tuple<int, int, int, int, int64_t, int>> seen;
+  for (size_t k = 0; k < all.fitting.size(); ++k) {
+    const LayoutChoice& c = all.fitting[k];
+    EXPECT_EQ(c.tp * c.pp * c.dp, 4);
+    EXPECT_EQ(c.micro * c.micro_batches * c.dp, 16);
+    EXPECT_TRUE(c.dp > 1 || c.zero == 0);
+    EXPECT_TRUE(seen.emplace(c.tp, c.pp, c.dp, c.zero, c.micro, static_cast<int>(c.recompute)).second);
+    if (k > 0) EXPECT_LE(all.fitting[k - 1].time.total(), c.time.total());
+  }
+  // tp 1, 2 and 4 (4 heads), pp up to the cut's limit, ZeRO 0-3, three recomputations.
+  EXPECT_TRUE(std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.tp == 4; }));
+  EXPECT_TRUE(std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.pp == 4; }));
+
+  // A cap between the smallest and the largest: exactly the layouts within it are listed.
+  int64_t largest = 0;
+  for (const LayoutChoice& c : all.fitting) largest = std::max(largest, c.bytes);
+  space.device_bytes = (all.smallest.bytes + largest) / 2;
+  const SearchResult capped = search_layouts(space, rates, gpt_for(tiny_gpt()));
+  EXPECT_EQ(capped.tried, all.tried);
+  const auto within = std::count_if(all.fitting.begin(), all.fitting.end(),
+                                    [&](const LayoutChoice& c) { return c.bytes <= space.device_bytes; });
+  EXPECT_EQ(static_cast<int64_t>(capped.fitting.size()), within);
+  EXPECT_GT(within, 0);
+  EXPECT_LT(within, all.tried);
+  for (const LayoutChoice& c : capped.fitting) EXPECT_LE(c.bytes, space.device_bytes);
+
+  // Below the smallest: nothing fits, and the smallest is named.
+  space.device_bytes = all.smallest.bytes - 1;
+  const SearchResult none = search_layouts(space, rates, gpt_for(tiny_gpt()));
+  EXPECT_TRUE(none.fitting.empty());
+  EXPECT_EQ(none.smallest.bytes, all.smallest.bytes);
+}
+
+TEST(LayoutSearch, SkipsWidthsTheModelCannotTake) {
+  layers::ModelSpec spec = tiny_gpt();
+  spec.heads = 2;  // tp 4 cannot split 2 heads
+  SearchSpace space;
+  space.world = 4;
+  space.global_batch = 8;
+  const SearchResult r = search_layouts(space, Rates{1e9, 1e9}, gpt_for(spec));
+  ASSERT_EQ(r.skipped.size(), 1u);
+  EXPECT_NE(r.skipped[0].find("tp 4: --heads (2) must be divisible by --tp (4)"), std::string::npos) << r.skipped[0];
+  for (const LayoutChoice& c : r.fitting) EXPECT_LE(c.tp, 2);
+}
+
+}  // namespace
+}  // namespace strata::parallel
