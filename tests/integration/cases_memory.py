@@ -50,6 +50,14 @@ def case_memory_cap(args):
     print(f"--plan picked {layout}: trains under 700 KiB (which no layout of 1 rank meets), high-water marks {peaks} bytes")
 
 
+# The small GPT: 4 blocks of width 64 over 64 positions, in place of the tiny one's values.
+SMALL = {"--layers": "4", "--embed": "64", "--seq-len": "64"}
+
+
+def small(flags):
+    """The layout's flags with the tiny GPT's model flags changed to the small one's."""
+    model = [SMALL.get(GPT4[i - 1], f) if i else f for i, f in enumerate(GPT4)]
+    return ["--model-flags"] + model + flags
 # (name, ranks, flags): the layouts whose plan must meet the measured high-water mark.
 PLAN_LAYOUTS = [
     ("1 rank", 1, []),
@@ -66,6 +74,10 @@ PLAN_LAYOUTS = [
     ("recompute full, pp 2", 2, ["--recompute", "full", "--pp", "2", "--micro-batch", "4"]),
     ("bf16", 1, ["--precision", "bf16"]),
     ("bf16 dp 2 zero 2", 2, ["--precision", "bf16", "--zero", "2"]),
+    ("small: 1 rank", 1, small([])),
+    ("small: pp 2 x dp 2, zero 3, bf16", 4, small(["--pp", "2", "--zero", "3", "--precision", "bf16",
+                                                   "--micro-batch", "2"])),
+    ("small: tp 2 x dp 2, recompute block", 4, small(["--tp", "2", "--recompute", "block"])),
 ]
 
 
@@ -82,12 +94,15 @@ def planned_totals(out, ranks):
 def case_plan_matches_peak(args):
     """The plan that rank 0 prints before training is within 5% of every rank's measured
     high-water mark (allocator and shared-memory buffers) for each layout of PLAN_LAYOUTS
-    on the 4-head tiny GPT."""
+    on the 4-head tiny GPT and a small one (4 blocks of width 64, 64 positions)."""
     data = tokenize(args, "byte")
-    base = GPT4 + SGD + UNTIED + ["--data", data[0], "--steps", "3", "--global-batch", "16"]
+    common = SGD + UNTIED + ["--data", data[0], "--steps", "3", "--global-batch", "16"]
     worst = 0.0
     for name, ranks, flags in PLAN_LAYOUTS:
-        out = train_ranks(args, ranks, base + flags)
+        model = GPT4
+        if flags[:1] == ["--model-flags"]:  # small(): its own model flags first
+            model, flags = flags[1:len(GPT4) + 1], flags[len(GPT4) + 1:]
+        out = train_ranks(args, ranks, model + common + flags)
         planned = planned_totals(out, ranks)
         measured = [int(v) for v in re.search(r"memory high-water mark per rank \([^)]*\):([ 0-9]+)$", out,
                                               re.M).group(1).split()]
