@@ -66,6 +66,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   if (grid_->has("tp")) tensor_parallel_ = std::make_unique<parallel::TensorParallel>(grid_->comm("tp"));
   loss_ = layers::SoftmaxCrossEntropy(tensor_parallel_.get());
 
+  // One job per checkpoint directory, from before anything is read or written in it to the end.
+  parallel::agree(world, [&] {
+    if (rank_ != 0 || config_.checkpoint_dir.empty() || config_.eval_only) return;
+    io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
+    directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);
+  });
+
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0
                           : config_.model.seq_len > 0               ? config_.model.seq_len
@@ -508,7 +515,8 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->commit();
   // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
   io::update_latest(config_.checkpoint_dir, path);
-  io::prune_checkpoints(config_.checkpoint_dir, config_.keep, path);
+  if (written_.empty() || written_.back() != path) written_.push_back(path);
+  io::prune_checkpoints(written_, config_.keep);
   log::info("saved checkpoint ", path);
 }
 

@@ -9,6 +9,7 @@
 
 #include <memory>
 
+#include "io/checkpoint.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
 #include "io/metrics.hpp"
@@ -98,6 +99,10 @@ class Trainer {
   void resume_from(const std::string& path);
 
   Config config_;
+  // Rank 0's lock on --checkpoint-dir, held for the run; the checkpoints this job wrote, oldest
+  // first (the only ones --keep may remove).
+  std::unique_ptr<io::DirectoryLock> directory_lock_;
+  std::vector<std::string> written_;
   DType dtype_ = DType::F32;       // parameters and activations (--precision)
   Device device_ = Device::cpu();  // this rank's device (--device)
   layers::LossScaler scaler_;
