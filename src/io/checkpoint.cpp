@@ -296,10 +296,10 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   if (has_attr("epoch")) p.epoch = attr_int("epoch");
   if (has_attr("step_in_epoch")) p.step_in_epoch = attr_int("step_in_epoch");
   if (has_attr("seed")) p.seed = static_cast<uint64_t>(attr_int("seed"));
-  check_position_range(path_, p);
   const int64_t named = step_of_name(path_);
   STRATA_REQUIRE(named < 0 || named == p.step, "checkpoint '", path_, "' holds step ", p.step,
                  " but its name says step ", named);
+  check_position_range(path_, p);
   if (manifest && manifest->position)
     STRATA_REQUIRE(p == *manifest->position, "checkpoint '", path_, "': its position attributes (step ", p.step,
                    ", epoch ", p.epoch, ", step_in_epoch ", p.step_in_epoch, ", seed ", p.seed,
@@ -369,9 +369,24 @@ int64_t CheckpointReader::attr_int(const std::string& name) const {
   return static_cast<int64_t>(v);
 }
 
+namespace {
+
+// An attribute HDF5 cannot read (an empty one, a damaged heap) is bad input, named as such.
+template <class Read>
+auto read_attr(const std::string& path, const std::string& name, Read read) {
+  try {
+    return read();
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Input) throw;
+    STRATA_THROW_INPUT("checkpoint '", path, "': attribute '", name, "' cannot be read (", e.message(), ")");
+  }
+}
+
+}  // namespace
+
 double CheckpointReader::attr_double(const std::string& name) const {
   require_attr(name);
-  const std::vector<double> values = h5::read_attr_numbers(file_, name);
+  const std::vector<double> values = read_attr(path_, name, [&] { return h5::read_attr_numbers(file_, name); });
   STRATA_REQUIRE(values.size() == 1, "checkpoint '", path_, "': attribute '", name, "' holds ", values.size(),
                  " values, expected one");
   return values[0];
@@ -379,7 +394,7 @@ double CheckpointReader::attr_double(const std::string& name) const {
 
 std::string CheckpointReader::attr_string(const std::string& name) const {
   require_attr(name);
-  return h5::read_attr_string(file_, name);
+  return read_attr(path_, name, [&] { return h5::read_attr_string(file_, name); });
 }
 
 std::vector<std::string> CheckpointReader::list_tensors(const std::string& group) const {
