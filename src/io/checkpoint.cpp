@@ -275,9 +275,7 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   STRATA_REQUIRE(!fs::is_directory(path_, ec), "checkpoint '", path_,
                  "' is a directory; expected a step-NNNNNNNN.h5 file (or --resume auto with --checkpoint-dir)");
   const std::optional<Manifest> manifest = check_manifest(path_);  // before HDF5 reads a byte
-  if (!manifest)
-    log::info("note: checkpoint ", path_, " has no manifest (written before manifests): its whole-file checksum and ",
-              "position are not checked");
+  has_manifest_ = manifest.has_value();
   file_ = h5::open_readonly(path_, "checkpoint '" + path_ + "' ");
   STRATA_REQUIRE(h5::has_attr(file_, "format_version"), "'", path_,
                  "' is not a Strata checkpoint (no format_version attribute)");

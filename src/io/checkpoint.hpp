@@ -90,10 +90,12 @@ class CheckpointReader {
   // Input error (one line) when `path` is missing, unreadable, not a Strata checkpoint, fails
   // its manifest (checked before HDF5 opens it), or holds a position that is out of range, does
   // not match the manifest's or, for a step-NNNNNNNN.h5 file, not the step of its name. A file
-  // without a manifest (older) loads with a one-line note.
+  // without a manifest (older) loads: has_manifest() says so.
   explicit CheckpointReader(std::string path);
 
   const std::string& path() const { return path_; }
+  // False for a checkpoint from before manifests (loaded unchecked by them; callers note it).
+  bool has_manifest() const { return has_manifest_; }
   bool has(const std::string& name) const;
   Shape shape(const std::string& name) const;
   DType dtype(const std::string& name) const;
@@ -120,6 +122,7 @@ class CheckpointReader {
 
   std::string path_;
   h5::File file_;
+  bool has_manifest_ = false;
 };
 
 // ---- checkpoint directories ------------------------------------------------------------------

@@ -93,6 +93,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   parallel::agree(world, [&] {
     if (config_.init_from.empty()) return;
     init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
+    note_unchecked(*init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
   model_ = std::make_unique<layers::Model>(
@@ -190,8 +191,15 @@ void Trainer::check_output_paths() const {
     if (!path.empty()) io::require_writable_file(path, flag);
 }
 
+void Trainer::note_unchecked(const io::CheckpointReader& reader) const {
+  if (!reader.has_manifest() && rank_ == 0)
+    log::info("note: checkpoint ", reader.path(), " has no manifest (written before manifests): its whole-file ",
+              "checksum and position are not checked");
+}
+
 void Trainer::resume_from(const std::string& path) {
   const io::CheckpointReader reader(path);
+  note_unchecked(reader);
   STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint ", path,
                  " holds no training state (format_version 1): use --init-from to start from its model");
   const io::RunState saved = io::read_run_state(reader);

@@ -96,6 +96,8 @@ class Trainer {
   int64_t peak_bytes() const;
   void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
   // --resume: the model, this rank's optimizer-state shard, the step count and data position.
+  // One line on stdout when a checkpoint has no manifest (docs/checkpoints.md).
+  void note_unchecked(const io::CheckpointReader& reader) const;
   void resume_from(const std::string& path);
 
   Config config_;

@@ -115,6 +115,7 @@ TEST(Manifest, WrittenWithTheFileAndChecked) {
   EXPECT_EQ(*m->position, (Position{20, 2, 4, 3}));
   EXPECT_FALSE(fs::exists(manifest_path(path) + ".tmp"));
   CheckpointReader r(path);
+  EXPECT_TRUE(r.has_manifest());
   EXPECT_EQ(read_run_state(r).step, 20);
 }
 
@@ -177,6 +178,7 @@ TEST(Manifest, MissingManifestLoadsAsOlderFormat) {
   EXPECT_FALSE(check_manifest(path).has_value());
   {
     CheckpointReader r(path);
+    EXPECT_FALSE(r.has_manifest());
     EXPECT_EQ(read_run_state(r).step, 20);
     Tensor t = Tensor::empty({3, 4});
     r.read_tensor("model/fc/weight", t);
@@ -338,9 +340,12 @@ TEST(CheckpointDir, LatestKeepAndNewest) {
 TEST(CheckpointDir, DirectoryLock) {
   test::TempDir dir;
   const std::string d = dir.path().string();
+  ::setenv("SLURM_JOB_ID", "4242", 1);
   {
     DirectoryLock held(d);
-    EXPECT_NE(read_text(dir / ".lock").find("pid " + std::to_string(::getpid())), std::string::npos);
+    ::unsetenv("SLURM_JOB_ID");
+    EXPECT_NE(read_text(dir / ".lock").find("pid " + std::to_string(::getpid()) + " slurm_job 4242"), std::string::npos)
+        << read_text(dir / ".lock");
     test::expect_input_error([&] { DirectoryLock second(d); }, {"--checkpoint-dir " + d + " is in use by another job",
                                                                 "pid " + std::to_string(::getpid())});
   }
