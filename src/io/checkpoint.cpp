@@ -257,6 +257,9 @@ void CheckpointWriter::commit() {
                                  fs::path(path_).filename().string(), "\nsize ", size, "\ncrc32 ", hex32(crc), "\n");
   if (position_)
     text += position_text(*position_) + "position_crc32 " + hex32(crc32_of_text(position_text(*position_))) + "\n";
+  // A manifest of an earlier save of this step (this name is ours to write) would not describe
+  // the new file: it goes first.
+  std::remove(manifest_path(path_).c_str());
   STRATA_CHECK(std::rename(tmp_path_.c_str(), path_.c_str()) == 0, "cannot rename '", tmp_path_, "' to '", path_,
                "': ", std::strerror(errno));
   committed_ = true;

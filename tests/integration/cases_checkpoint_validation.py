@@ -5,6 +5,7 @@ checkpoint directory. Each run is a few seconds of a 16-unit MLP."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import zlib
@@ -192,13 +193,22 @@ def case_checkpoint_dir_lock(args):
         time.sleep(0.05)
     holder = open(lock).read().strip()
     pids = train_processes(first.pid, args.train)
-    took = []
-    for ranks in (2, 4):
-        t0 = time.monotonic()
-        expect_bad_input(args, flags(args, ck, steps) + ["--keep", "1"], r"--checkpoint-dir .* is in use by another "
-                         r"job \(host \S+ pid \d+\); one job per checkpoint directory", ranks=ranks)
-        took.append(f"{ranks} ranks: {time.monotonic() - t0:.1f} s")
-    assert first.poll() is None, "the first job ended before the second tried: the test proves nothing"
+    assert len(pids) == 2, pids
+    # Paused (not ended) while the others try, so that the first is surely still holding the
+    # lock however slow this machine is; a pause changes nothing in its result.
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        took = []
+        for ranks in (2, 4):
+            t0 = time.monotonic()
+            expect_bad_input(args, flags(args, ck, steps) + ["--keep", "1"], r"--checkpoint-dir .* is in use by another "
+                             r"job \(host \S+ pid \d+\); one job per checkpoint directory", ranks=ranks)
+            took.append(f"{ranks} ranks: {time.monotonic() - t0:.1f} s")
+        assert first.poll() is None, "the first job ended before the second tried: the test proves nothing"
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     assert int(re.search(r"pid (\d+)", holder).group(1)) in pids, (holder, pids)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, f"{out}\n{err}"
