@@ -508,6 +508,9 @@ std::string newest_checkpoint(const std::string& dir) {
 // ---- directory lock --------------------------------------------------------------------------
 
 DirectoryLock::DirectoryLock(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", dir, "': ", ec.message());
   const std::string path = (fs::path(dir) / ".lock").string();
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   STRATA_REQUIRE(fd_ >= 0, "--checkpoint-dir: cannot open '", path, "': ", std::strerror(errno));

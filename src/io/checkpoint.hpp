@@ -144,10 +144,9 @@ void prune_checkpoints(std::vector<std::string>& written, int64_t keep);
 // Empty when there is none.
 std::string newest_checkpoint(const std::string& dir);
 
-// An advisory lock (flock) on DIR/.lock held while the object lives, so that one job at a time
-// writes a checkpoint directory. The file names the holder ("host H pid P slurm_job J"); a
-// second job gets an Input error naming it. The kernel drops the lock when the process dies,
-// so a requeued job gets it back.
+// Creates DIR if needed and takes an advisory lock (flock) on DIR/.lock held while the object lives, so that one job at
+// a time writes a checkpoint directory. The file names the holder ("host H pid P slurm_job J"); a second job gets an
+// Input error naming it. The kernel drops the lock when the process dies, so a requeued job gets it back.
 class DirectoryLock {
  public:
   explicit DirectoryLock(const std::string& dir);

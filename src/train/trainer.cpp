@@ -69,8 +69,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   // One job per checkpoint directory, from before anything is read or written in it to the end.
   parallel::agree(world, [&] {
     if (rank_ != 0 || config_.checkpoint_dir.empty() || config_.eval_only) return;
+    directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);  // first: the probe is ours
     io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
-    directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);
   });
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
