@@ -2,17 +2,22 @@
 #include "io/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "core/log.hpp"
+#include "io/training_state.hpp"
 
 namespace strata::io {
 
@@ -43,7 +48,147 @@ std::string join(const std::string& group, const char* name) {
   return g.empty() ? std::string(name) : g + "/" + name;
 }
 
+// step-NNNNNNNN.h5, the names checkpoint_path gives.
+bool is_step_file_name(const std::string& name) {
+  return name.size() == 16 && name.starts_with("step-") && name.ends_with(".h5") &&
+         std::all_of(name.begin() + 5, name.begin() + 13, [](char c) { return c >= '0' && c <= '9'; });
+}
+
+constexpr int kManifestVersion = 1;
+
+// The position lines of a manifest; their crc32 is stored too, so an edited value is seen.
+std::string position_text(const Position& p) {
+  return detail::cat("step ", p.step, "\nepoch ", p.epoch, "\nstep_in_epoch ", p.step_in_epoch, "\nseed ", p.seed,
+                     "\n");
+}
+
+uint32_t crc32_of_text(const std::string& text) {
+  return static_cast<uint32_t>(
+      crc32_z(crc32_z(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(text.data()), static_cast<z_size_t>(text.size())));
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+// Steps count from 0; an epoch and a step within it take at least one step each.
+void check_position_range(const std::string& path, const Position& p) {
+  STRATA_REQUIRE(p.step >= 0 && p.epoch >= 0 && p.epoch <= p.step && p.step_in_epoch >= 0 && p.step_in_epoch <= p.step,
+                 "checkpoint '", path, "' has an impossible position: step ", p.step, ", epoch ", p.epoch,
+                 ", step_in_epoch ", p.step_in_epoch, " (expected 0 <= epoch, step_in_epoch <= step)");
+}
+
+// The step in a step-NNNNNNNN.h5 name; -1 for other names.
+int64_t step_of_name(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  return is_step_file_name(name) ? std::stoll(name.substr(5, 8)) : -1;
+}
+
+// Writes `text` to `path` durably: path.tmp, fsync, rename (the caller fsyncs the directory).
+void write_file_durably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out.good()) {
+      const std::string why = std::strerror(errno);
+      out.close();
+      std::remove(tmp.c_str());
+      STRATA_THROW("cannot write '", tmp, "': ", why);
+    }
+  }
+  fsync_path(tmp, O_RDONLY);
+  STRATA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path,
+               "': ", std::strerror(errno));
+}
+
 }  // namespace
+
+// ---- manifest --------------------------------------------------------------------------------
+
+std::string manifest_path(const std::string& checkpoint) { return checkpoint + ".manifest"; }
+
+std::pair<int64_t, uint32_t> file_size_and_crc32(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  STRATA_REQUIRE(in.good(), "cannot read '", path, "': ", std::strerror(errno));
+  std::vector<char> block(1 << 20);
+  uLong crc = crc32_z(0L, Z_NULL, 0);
+  int64_t size = 0;
+  while (in) {
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    const auto n = static_cast<size_t>(in.gcount());
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(block.data()), n);
+    size += static_cast<int64_t>(n);
+  }
+  STRATA_REQUIRE(in.eof(), "cannot read '", path, "': ", std::strerror(errno));
+  return {size, static_cast<uint32_t>(crc)};
+}
+
+std::optional<Manifest> check_manifest(const std::string& checkpoint) {
+  const std::string mpath = manifest_path(checkpoint);
+  std::ifstream in(mpath);
+  if (!in) return std::nullopt;
+  // "key value" lines; every key of version 1 is required (position: all or none).
+  std::vector<std::pair<std::string, std::string>> lines;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream fields(line);
+    std::string key, value, extra;
+    STRATA_REQUIRE(fields >> key >> value && !(fields >> extra), "manifest '", mpath, "' has a malformed line '",
+                   line.substr(0, 80), "'; expected 'key value'");
+    lines.emplace_back(key, value);
+  }
+  const auto get = [&](const std::string& key, bool required) -> std::optional<std::string> {
+    for (const auto& [k, v] : lines)
+      if (k == key) return v;
+    STRATA_REQUIRE(!required, "manifest '", mpath, "' has no '", key, "' line");
+    return std::nullopt;
+  };
+  const auto number = [&](const std::string& key, int base = 10) {
+    const std::string text = *get(key, true);
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(text.c_str(), &end, base);
+    STRATA_REQUIRE(errno == 0 && end != text.c_str() && *end == '\0', "manifest '", mpath, "': '", key,
+                   "' is not a number (found '", text.substr(0, 40), "')");
+    return static_cast<int64_t>(v);
+  };
+  STRATA_REQUIRE(get("strata-checkpoint-manifest", true) == std::to_string(kManifestVersion), "manifest '", mpath,
+                 "' has version ", *get("strata-checkpoint-manifest", true), "; this build reads version ",
+                 kManifestVersion);
+  Manifest m;
+  m.file = *get("file", true);
+  m.size = number("size");
+  m.crc32 = static_cast<uint32_t>(number("crc32", 16));
+  const std::string name = fs::path(checkpoint).filename().string();
+  STRATA_REQUIRE(m.file == name, "checkpoint '", checkpoint, "': its manifest describes '", m.file, "', not '", name,
+                 "'");
+  if (get("step", false)) {
+    Position p;
+    p.step = number("step");
+    p.epoch = number("epoch");
+    p.step_in_epoch = number("step_in_epoch");
+    p.seed = static_cast<uint64_t>(std::stoull(*get("seed", true)));
+    STRATA_REQUIRE(static_cast<uint32_t>(number("position_crc32", 16)) == crc32_of_text(position_text(p)),
+                   "checkpoint '", checkpoint, "': its manifest's position fails its checksum (edited?)");
+    check_position_range(checkpoint, p);
+    const int64_t named = step_of_name(checkpoint);
+    STRATA_REQUIRE(named < 0 || named == p.step, "checkpoint '", checkpoint, "': its manifest says step ", p.step,
+                   ", its name step ", named);
+    m.position = p;
+  }
+  // The whole file, before HDF5 reads any of it.
+  std::error_code ec;
+  const auto size = static_cast<int64_t>(fs::file_size(checkpoint, ec));
+  STRATA_REQUIRE(!ec && size == m.size, "checkpoint '", checkpoint, "' has ", ec ? -1 : size,
+                 " bytes, its manifest says ", m.size, " (truncated or replaced?)");
+  const uint32_t crc = file_size_and_crc32(checkpoint).second;
+  STRATA_REQUIRE(crc == m.crc32, "checkpoint '", checkpoint, "' is corrupt: whole-file crc32 ", hex32(crc),
+                 ", its manifest says ", hex32(m.crc32));
+  return m;
+}
 
 // ---- writer ----------------------------------------------------------------------------------
 
@@ -86,6 +231,14 @@ void CheckpointWriter::write_tensor(const std::string& name, const Tensor& t) {
   h5::write_attr_u32(ds, "crc32", crc32_of(t));
 }
 
+void CheckpointWriter::set_position(const Position& p) {
+  set_attr("step", p.step);
+  set_attr("epoch", p.epoch);
+  set_attr("step_in_epoch", p.step_in_epoch);
+  set_attr("seed", p.seed);
+  position_ = p;
+}
+
 void CheckpointWriter::set_attr(const std::string& name, int64_t value) { h5::write_attr(file_, name, value); }
 void CheckpointWriter::set_attr(const std::string& name, double value) { h5::write_attr(file_, name, value); }
 void CheckpointWriter::set_attr(const std::string& name, const std::string& value) {
@@ -97,9 +250,20 @@ void CheckpointWriter::commit() {
   H5_CHECK(H5Fflush(file_, H5F_SCOPE_GLOBAL), "flushing ", tmp_path_);
   H5_CHECK(H5Fclose(file_.release()), "closing ", tmp_path_);
   fsync_path(tmp_path_, O_RDONLY);
+  // The manifest describes the bytes just synced; it goes into place after the file, so a crash
+  // in between leaves a complete file without a manifest (loaded as an older checkpoint).
+  const auto [size, crc] = file_size_and_crc32(tmp_path_);
+  std::string text = detail::cat("strata-checkpoint-manifest ", kManifestVersion, "\nfile ",
+                                 fs::path(path_).filename().string(), "\nsize ", size, "\ncrc32 ", hex32(crc), "\n");
+  if (position_)
+    text += position_text(*position_) + "position_crc32 " + hex32(crc32_of_text(position_text(*position_))) + "\n";
+  // A manifest of an earlier save of this step (this name is ours to write) would not describe
+  // the new file: it goes first.
+  std::remove(manifest_path(path_).c_str());
   STRATA_CHECK(std::rename(tmp_path_.c_str(), path_.c_str()) == 0, "cannot rename '", tmp_path_, "' to '", path_,
                "': ", std::strerror(errno));
   committed_ = true;
+  write_file_durably(manifest_path(path_), text);
   // The rename is durable only once the directory entry is.
   fs::path dir = fs::path(path_).parent_path();
   fsync_path(dir.empty() ? "." : dir.string(), O_RDONLY | O_DIRECTORY);
@@ -113,6 +277,8 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   STRATA_REQUIRE(fs::exists(path_, ec), "checkpoint '", path_, "' does not exist");
   STRATA_REQUIRE(!fs::is_directory(path_, ec), "checkpoint '", path_,
                  "' is a directory; expected a step-NNNNNNNN.h5 file (or --resume auto with --checkpoint-dir)");
+  const std::optional<Manifest> manifest = check_manifest(path_);  // before HDF5 reads a byte
+  has_manifest_ = manifest.has_value();
   file_ = h5::open_readonly(path_, "checkpoint '" + path_ + "' ");
   STRATA_REQUIRE(h5::has_attr(file_, "format_version"), "'", path_,
                  "' is not a Strata checkpoint (no format_version attribute)");
@@ -120,6 +286,27 @@ CheckpointReader::CheckpointReader(std::string path) : path_(std::move(path)) {
   STRATA_REQUIRE(version >= kOldestReadableVersion && version <= kCheckpointFormatVersion, "checkpoint '", path_,
                  "' has format_version ", version, "; this build reads versions ", kOldestReadableVersion, " to ",
                  kCheckpointFormatVersion);
+  if (!has_attr("step")) {
+    STRATA_REQUIRE(!manifest || !manifest->position, "checkpoint '", path_,
+                   "' has no step attribute but its manifest has a position");
+    return;
+  }
+  // The position attributes: in range, the name's step, and the manifest's (which its checksum covers).
+  Position p;
+  p.step = attr_int("step");
+  if (has_attr("epoch")) p.epoch = attr_int("epoch");
+  if (has_attr("step_in_epoch")) p.step_in_epoch = attr_int("step_in_epoch");
+  if (has_attr("seed")) p.seed = static_cast<uint64_t>(attr_int("seed"));
+  const int64_t named = step_of_name(path_);
+  STRATA_REQUIRE(named < 0 || named == p.step, "checkpoint '", path_, "' holds step ", p.step,
+                 " but its name says step ", named);
+  check_position_range(path_, p);
+  if (manifest && manifest->position)
+    STRATA_REQUIRE(p == *manifest->position, "checkpoint '", path_, "': its position attributes (step ", p.step,
+                   ", epoch ", p.epoch, ", step_in_epoch ", p.step_in_epoch, ", seed ", p.seed,
+                   ") differ from its manifest's (step ", manifest->position->step, ", epoch ",
+                   manifest->position->epoch, ", step_in_epoch ", manifest->position->step_in_epoch, ", seed ",
+                   manifest->position->seed, ")");
 }
 
 bool CheckpointReader::has(const std::string& name) const {
@@ -176,18 +363,39 @@ void CheckpointReader::require_attr(const std::string& name) const {
 }
 
 int64_t CheckpointReader::attr_int(const std::string& name) const {
-  require_attr(name);
-  return static_cast<int64_t>(h5::read_attr_numbers(file_, name).at(0));
+  const double v = attr_double(name);
+  // 2^63 is the first double past int64's range; NaN fails every comparison.
+  STRATA_REQUIRE(v >= -0x1p63 && v < 0x1p63 && v == std::floor(v), "checkpoint '", path_, "': attribute '", name,
+                 "' is not an integer (found ", v, ")");
+  return static_cast<int64_t>(v);
 }
+
+namespace {
+
+// An attribute HDF5 cannot read (an empty one, a damaged heap) is bad input, named as such.
+template <class Read>
+auto read_attr(const std::string& path, const std::string& name, Read read) {
+  try {
+    return read();
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Input) throw;
+    STRATA_THROW_INPUT("checkpoint '", path, "': attribute '", name, "' cannot be read (", e.message(), ")");
+  }
+}
+
+}  // namespace
 
 double CheckpointReader::attr_double(const std::string& name) const {
   require_attr(name);
-  return h5::read_attr_numbers(file_, name).at(0);
+  const std::vector<double> values = read_attr(path_, name, [&] { return h5::read_attr_numbers(file_, name); });
+  STRATA_REQUIRE(values.size() == 1, "checkpoint '", path_, "': attribute '", name, "' holds ", values.size(),
+                 " values, expected one");
+  return values[0];
 }
 
 std::string CheckpointReader::attr_string(const std::string& name) const {
   require_attr(name);
-  return h5::read_attr_string(file_, name);
+  return read_attr(path_, name, [&] { return h5::read_attr_string(file_, name); });
 }
 
 std::vector<std::string> CheckpointReader::list_tensors(const std::string& group) const {
@@ -236,12 +444,6 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 
 namespace {
 
-// step-NNNNNNNN.h5, the names checkpoint_path gives.
-bool is_step_file_name(const std::string& name) {
-  return name.size() == 16 && name.starts_with("step-") && name.ends_with(".h5") &&
-         std::all_of(name.begin() + 5, name.begin() + 13, [](char c) { return c >= '0' && c <= '9'; });
-}
-
 // step-*.h5 files of `dir`, newest (highest step) first.
 std::vector<fs::path> step_files(const std::string& dir) {
   std::vector<fs::path> files;
@@ -255,34 +457,21 @@ std::vector<fs::path> step_files(const std::string& dir) {
 }  // namespace
 
 void update_latest(const std::string& dir, const std::string& path) {
-  const std::string tmp = (fs::path(dir) / "latest.tmp").string(), latest = (fs::path(dir) / "latest").string();
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << fs::path(path).filename().string() << "\n";
-    out.flush();
-    if (!out.good()) {  // `latest` still names the previous checkpoint
-      const std::string why = std::strerror(errno);
-      out.close();
-      std::remove(tmp.c_str());
-      STRATA_THROW("cannot write '", tmp, "': ", why);
-    }
-  }
-  fsync_path(tmp, O_RDONLY);
-  STRATA_CHECK(std::rename(tmp.c_str(), latest.c_str()) == 0, "cannot rename '", tmp, "' to '", latest,
-               "': ", std::strerror(errno));
+  // On failure `latest` still names the previous checkpoint.
+  write_file_durably((fs::path(dir) / "latest").string(), fs::path(path).filename().string() + "\n");
   fsync_path(dir, O_RDONLY | O_DIRECTORY);
 }
 
-void prune_checkpoints(const std::string& dir, int64_t keep, const std::string& newest) {
-  if (keep <= 0) return;
-  const std::string name = fs::path(newest).filename().string();
-  int64_t kept = 0;  // of the files up to and including `newest`, newest first
-  for (const fs::path& file : step_files(dir)) {
-    if (file.filename().string() > name || ++kept <= keep) continue;  // zero-padded: names sort by step
-    std::error_code ec;
-    fs::remove(file, ec);
-    if (ec) log::warn("cannot remove old checkpoint ", file.string(), ": ", ec.message());
-  }
+void prune_checkpoints(std::vector<std::string>& written, int64_t keep) {
+  if (keep <= 0 || static_cast<int64_t>(written.size()) <= keep) return;
+  const auto old_end = written.end() - keep;
+  for (auto it = written.begin(); it != old_end; ++it)
+    for (const std::string& file : {manifest_path(*it), *it}) {  // the manifest first: no orphan file stays checked
+      std::error_code ec;
+      fs::remove(file, ec);
+      if (ec) log::warn("cannot remove old checkpoint ", file, ": ", ec.message());
+    }
+  written.erase(written.begin(), old_end);
 }
 
 std::string newest_checkpoint(const std::string& dir) {
@@ -303,16 +492,51 @@ std::string newest_checkpoint(const std::string& dir) {
     if (candidates.empty() || p.string() != candidates.front()) candidates.push_back(p.string());
   for (const std::string& path : candidates) {
     try {
-      CheckpointReader reader(path);
+      CheckpointReader reader(path);  // the manifest first: a damaged file is never parsed
       STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint '", path,
                      "' holds no training state (format_version 1)");
+      read_run_state(reader);
       reader.verify();
       return path;
-    } catch (const Error& e) {
-      log::warn("skipping checkpoint: ", e.what());
+    } catch (const std::exception& e) {  // whatever the damage, the next older one may be good
+      log::warn("skipping checkpoint ", path, ": ", e.what());
     }
   }
   return {};
+}
+
+// ---- directory lock --------------------------------------------------------------------------
+
+DirectoryLock::DirectoryLock(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", dir, "': ", ec.message());
+  const std::string path = (fs::path(dir) / ".lock").string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  STRATA_REQUIRE(fd_ >= 0, "--checkpoint-dir: cannot open '", path, "': ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::ifstream in(path);
+    std::string holder;
+    std::getline(in, holder);
+    ::close(fd_);
+    fd_ = -1;
+    STRATA_REQUIRE(err != EWOULDBLOCK, "--checkpoint-dir ", dir, " is in use by another job (",
+                   holder.empty() ? "holder unknown" : holder, "); one job per checkpoint directory");
+    STRATA_THROW_INPUT("--checkpoint-dir: cannot lock '", path, "': ", std::strerror(err));
+  }
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  const char* job = std::getenv("SLURM_JOB_ID");
+  const std::string text =
+      detail::cat("host ", host, " pid ", ::getpid(), job ? detail::cat(" slurm_job ", job) : std::string(), "\n");
+  // The holder's name is informative only: the lock is the flock, not the content.
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
+    log::warn("cannot write the holder into ", path, ": ", std::strerror(errno));
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock; the file stays (removing it would race a new holder)
 }
 
 }  // namespace strata::io

@@ -7,7 +7,9 @@
 
 #include <concepts>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -19,6 +21,31 @@ namespace strata::io {
 // version 1 files (model only) still load with --init-from.
 constexpr int64_t kCheckpointFormatVersion = 2;
 constexpr int64_t kOldestReadableVersion = 1;
+
+// A training run's position, stored both as root attributes (step, epoch, step_in_epoch, seed)
+// and in the manifest, whose checksum covers it.
+struct Position {
+  int64_t step = 0, epoch = 0, step_in_epoch = 0;
+  uint64_t seed = 0;
+  bool operator==(const Position&) const = default;
+};
+
+// The manifest beside each checkpoint, PATH.manifest (format in docs/checkpoints.md): read and
+// checked before HDF5 parses the file, so that a damaged file (which may make libhdf5 loop
+// forever) is refused by its size and whole-file crc32 without being opened.
+struct Manifest {
+  std::string file;  // the checkpoint's file name (no directory)
+  int64_t size = 0;
+  uint32_t crc32 = 0;
+  std::optional<Position> position;  // training checkpoints only
+};
+std::string manifest_path(const std::string& checkpoint);
+// Size and zlib crc32 of a whole file, read in 1 MiB blocks.
+std::pair<int64_t, uint32_t> file_size_and_crc32(const std::string& path);
+// Checks `checkpoint` against its manifest: the manifest when it holds (file name, size, crc32,
+// position checksum and ranges), nullopt when there is none (a checkpoint from before
+// manifests); an Input error naming the file and the mismatch otherwise.
+std::optional<Manifest> check_manifest(const std::string& checkpoint);
 
 class CheckpointWriter {
  public:
@@ -42,8 +69,11 @@ class CheckpointWriter {
   void set_attr(const std::string& name, T value) {  // any integer, without ambiguity
     set_attr(name, static_cast<int64_t>(value));
   }
+  // Writes the position's root attributes and records it for the manifest.
+  void set_position(const Position& position);
 
-  // Flushes and closes the file, fsyncs it, renames it to `path` and fsyncs the directory.
+  // Flushes and closes the file, fsyncs it, writes and fsyncs its manifest (size, crc32 and the
+  // position, if set), renames both into place and fsyncs the directory.
   void commit();
 
   const std::string& path() const { return path_; }
@@ -51,15 +81,21 @@ class CheckpointWriter {
  private:
   std::string path_, tmp_path_;
   h5::File file_;
+  std::optional<Position> position_;
   bool committed_ = false;
 };
 
 class CheckpointReader {
  public:
-  // Input error (one line) when `path` is missing, unreadable or not a Strata checkpoint.
+  // Input error (one line) when `path` is missing, unreadable, not a Strata checkpoint, fails
+  // its manifest (checked before HDF5 opens it), or holds a position that is out of range, does
+  // not match the manifest's or, for a step-NNNNNNNN.h5 file, not the step of its name. A file
+  // without a manifest (older) loads: has_manifest() says so.
   explicit CheckpointReader(std::string path);
 
   const std::string& path() const { return path_; }
+  // False for a checkpoint from before manifests (loaded unchecked by them; callers note it).
+  bool has_manifest() const { return has_manifest_; }
   bool has(const std::string& name) const;
   Shape shape(const std::string& name) const;
   DType dtype(const std::string& name) const;
@@ -70,6 +106,7 @@ class CheckpointReader {
   void read_tensor(const std::string& name, const Tensor& out) const;
 
   bool has_attr(const std::string& name) const;
+  // Input error unless the attribute holds one finite integer.
   int64_t attr_int(const std::string& name) const;
   double attr_double(const std::string& name) const;
   std::string attr_string(const std::string& name) const;
@@ -85,6 +122,7 @@ class CheckpointReader {
 
   std::string path_;
   h5::File file_;
+  bool has_manifest_ = false;
 };
 
 // ---- checkpoint directories ------------------------------------------------------------------
@@ -96,13 +134,28 @@ void require_writable_directory(const std::string& dir, const std::string& flag)
 std::string checkpoint_path(const std::string& dir, int64_t step);
 // Points DIR/latest at `path` (a file in DIR): writes latest.tmp, fsyncs, renames, fsyncs DIR.
 void update_latest(const std::string& dir, const std::string& path);
-// Keeps `newest` (the checkpoint just written, a file in DIR) and the keep - 1 step-*.h5 files
-// of DIR before it, and removes the older ones (keep <= 0: removes nothing). Files of higher
-// steps, another run's, are left alone: they are not this run's to delete.
-void prune_checkpoints(const std::string& dir, int64_t keep, const std::string& newest);
-// The newest complete checkpoint of DIR: the one `latest` names, else step-*.h5 from the
-// highest step down; each candidate is opened and verified, and a bad one is skipped with a
-// one-line warning. Empty when there is none.
+// `written`: the checkpoints this job wrote, oldest first. Keeps the newest `keep` of them and
+// removes the older ones with their manifests (keep <= 0: removes nothing). No job deletes a
+// file it did not write: other jobs' checkpoints (an earlier run's, before a requeue) stay.
+void prune_checkpoints(std::vector<std::string>& written, int64_t keep);
+// The newest checkpoint of DIR that validates: the one `latest` names, else step-*.h5 from the
+// highest step down; each candidate must pass its manifest, open, give its run state and pass
+// every tensor's crc32, and a bad one is skipped with a one-line warning naming it and why.
+// Empty when there is none.
 std::string newest_checkpoint(const std::string& dir);
+
+// Creates DIR if needed and takes an advisory lock (flock) on DIR/.lock held while the object lives, so that one job at
+// a time writes a checkpoint directory. The file names the holder ("host H pid P slurm_job J"); a second job gets an
+// Input error naming it. The kernel drops the lock when the process dies, so a requeued job gets it back.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& dir);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 }  // namespace strata::io

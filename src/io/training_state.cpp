@@ -23,11 +23,8 @@ void read_model_value(const CheckpointReader& reader, const std::string& entry, 
 }
 
 void write_run_state(CheckpointWriter& writer, const RunState& s) {
-  writer.set_attr("step", s.step);
+  writer.set_position({s.step, s.epoch, s.step_in_epoch, s.seed});  // also the manifest's
   writer.set_attr("optimizer_step", s.optimizer_step);
-  writer.set_attr("epoch", s.epoch);
-  writer.set_attr("step_in_epoch", s.step_in_epoch);
-  writer.set_attr("seed", s.seed);
   writer.set_attr("global_batch", s.global_batch);
   writer.set_attr("model", s.model);
   writer.set_attr("optimizer", s.optimizer);

@@ -66,6 +66,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   if (grid_->has("tp")) tensor_parallel_ = std::make_unique<parallel::TensorParallel>(grid_->comm("tp"));
   loss_ = layers::SoftmaxCrossEntropy(tensor_parallel_.get());
 
+  // One job per checkpoint directory, from before anything is read or written in it to the end.
+  parallel::agree(world, [&] {
+    if (rank_ != 0 || config_.checkpoint_dir.empty() || config_.eval_only) return;
+    directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);  // first: the probe is ours
+    io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
+  });
+
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0
                           : config_.model.seq_len > 0               ? config_.model.seq_len
@@ -86,6 +93,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   parallel::agree(world, [&] {
     if (config_.init_from.empty()) return;
     init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
+    note_unchecked(*init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
   model_ = std::make_unique<layers::Model>(
@@ -183,8 +191,15 @@ void Trainer::check_output_paths() const {
     if (!path.empty()) io::require_writable_file(path, flag);
 }
 
+void Trainer::note_unchecked(const io::CheckpointReader& reader) const {
+  if (!reader.has_manifest() && rank_ == 0)
+    log::info("note: checkpoint ", reader.path(), " has no manifest (written before manifests): its whole-file ",
+              "checksum and position are not checked");
+}
+
 void Trainer::resume_from(const std::string& path) {
   const io::CheckpointReader reader(path);
+  note_unchecked(reader);
   STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint ", path,
                  " holds no training state (format_version 1): use --init-from to start from its model");
   const io::RunState saved = io::read_run_state(reader);
@@ -508,7 +523,8 @@ void Trainer::save_checkpoint(int64_t step) {
   writer->commit();
   // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
   io::update_latest(config_.checkpoint_dir, path);
-  io::prune_checkpoints(config_.checkpoint_dir, config_.keep, path);
+  if (written_.empty() || written_.back() != path) written_.push_back(path);
+  io::prune_checkpoints(written_, config_.keep);
   log::info("saved checkpoint ", path);
 }
 

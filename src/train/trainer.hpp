@@ -9,6 +9,7 @@
 
 #include <memory>
 
+#include "io/checkpoint.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
 #include "io/metrics.hpp"
@@ -95,9 +96,15 @@ class Trainer {
   int64_t peak_bytes() const;
   void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
   // --resume: the model, this rank's optimizer-state shard, the step count and data position.
+  // One line on stdout when a checkpoint has no manifest (docs/checkpoints.md).
+  void note_unchecked(const io::CheckpointReader& reader) const;
   void resume_from(const std::string& path);
 
   Config config_;
+  // Rank 0's lock on --checkpoint-dir, held for the run; the checkpoints this job wrote, oldest
+  // first (the only ones --keep may remove).
+  std::unique_ptr<io::DirectoryLock> directory_lock_;
+  std::vector<std::string> written_;
   DType dtype_ = DType::F32;       // parameters and activations (--precision)
   Device device_ = Device::cpu();  // this rank's device (--device)
   layers::LossScaler scaler_;

@@ -53,7 +53,8 @@ def case_checkpoint_keep(args):
             os.remove(os.path.join(ck, f))
     base = ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "16", "--checkpoint-dir", ck]
     train_ranks(args, 2, base + ["--steps", "50", "--save-every", "10", "--keep", "2"])
-    assert sorted(os.listdir(ck)) == ["latest", "step-00000040.h5", "step-00000050.h5"], os.listdir(ck)
+    assert sorted(os.listdir(ck)) == [".lock", "latest", "step-00000040.h5", "step-00000040.h5.manifest",
+                                      "step-00000050.h5", "step-00000050.h5.manifest"], os.listdir(ck)
     assert open(os.path.join(ck, "latest")).read().strip() == "step-00000050.h5"
     cmd = [args.mpirun, "-np", "2", "--oversubscribe", args.train] + base[:-4] + [
         "--global-batch", "32", "--checkpoint-dir", ck, "--steps", "60", "--resume", "auto"]
@@ -65,8 +66,9 @@ def case_checkpoint_keep(args):
 
 
 def snapshot(directory):
-    """{file name: bytes} of a directory, to show that nothing on disk changed."""
-    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
+    """{file name: bytes} of a directory, to show that nothing on disk changed (but .lock, which
+    names the last job that held the directory)."""
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory)) if n != ".lock"}
 
 
 def case_checkpoint_bad(args):

@@ -182,7 +182,7 @@ def case_divergence(args):
     rc, out, err = run(args, cmd)
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 1 and len(lines) == 1 and re.match(r"error: the loss of step \d+ is nan", lines[0]), f"{rc}\n{out}\n{err}"
-    assert sorted(os.listdir(ck)) == ["latest", "step-00000003.h5"], os.listdir(ck)
+    assert sorted(os.listdir(ck)) == [".lock", "latest", "step-00000003.h5", "step-00000003.h5.manifest"], os.listdir(ck)
     records = [json.loads(l) for l in open(metrics)]  # every line parses
     assert all(math.isfinite(r["loss"]) for r in records), records
     print(f"--lr 1e30: {lines[0]}; checkpoints {sorted(os.listdir(ck))}; {len(records)} metrics lines, all finite")

@@ -1,16 +1,21 @@
-// Checkpoints: round trip, atomic commit, crc32 corruption, one-line input errors, and the
-// checkpoint directory (latest pointer, --keep pruning, newest complete checkpoint). With
+// Checkpoints: round trip, atomic commit, crc32 corruption, one-line input errors, manifests
+// (whole-file checksum, position), and the checkpoint directory (latest pointer, --keep pruning
+// of this job's files, newest valid checkpoint, the directory lock). With
 // STRATA_CHECKPOINT_ORACLE=PATH set, CheckpointOracle.Write writes a known checkpoint there
 // for tests/io/py/check_checkpoint.py to read with h5py.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "io/checkpoint.hpp"
+#include "io/training_state.hpp"
 #include "io_test_util.hpp"
 
 namespace strata::io {
@@ -37,6 +42,161 @@ void write_known(const std::string& path) {
   w.set_attr("lr", 0.05);
   w.set_attr("model", "cnn");
   w.commit();
+}
+
+// A training checkpoint at `step` (position and run state, as train writes it).
+void write_run(const std::string& path, int64_t step) {
+  CheckpointWriter w(path);
+  w.write_tensor("model/fc/weight", arange({3, 4}, static_cast<float>(step)));
+  RunState s;
+  s.step = s.optimizer_step = step;
+  s.epoch = step / 8;
+  s.step_in_epoch = step % 8;
+  s.seed = 3;
+  s.global_batch = 16;
+  s.optimizer = "sgd";
+  write_run_state(w, s);
+  w.commit();
+}
+
+std::string read_text(const std::string& path) {
+  std::ostringstream text;
+  text << std::ifstream(path).rdbuf();
+  return text.str();
+}
+
+void flip_byte(const std::string& path, int64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c = 0;
+  f.get(c);
+  f.seekp(offset);
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
+// Rewrites a root attribute with HDF5 (int or double).
+template <class T>
+void set_root_attr(const std::string& path, const std::string& name, T value) {
+  h5::File f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  ASSERT_TRUE(f.valid());
+  H5Adelete(f, name.c_str());
+  h5::write_attr(f, name, value);
+}
+
+// The manifest made to match the file's bytes again, as a tool that re-sealed a file would.
+void reseal(const std::string& path) {
+  const auto [size, crc] = file_size_and_crc32(path);
+  std::istringstream in(read_text(manifest_path(path)));
+  std::string out;
+  char hex[16];
+  std::snprintf(hex, sizeof hex, "%08x", crc);
+  for (std::string line; std::getline(in, line);)
+    out += (line.starts_with("size ")    ? "size " + std::to_string(size)
+            : line.starts_with("crc32 ") ? "crc32 " + std::string(hex)
+                                         : line) +
+           "\n";
+  std::ofstream(manifest_path(path)) << out;
+}
+
+TEST(Manifest, WrittenWithTheFileAndChecked) {
+  test::TempDir dir;
+  const std::string path = checkpoint_path(dir.path().string(), 20);
+  write_run(path, 20);
+  const std::string text = read_text(manifest_path(path));
+  const auto [size, crc] = file_size_and_crc32(path);
+  EXPECT_EQ(size, static_cast<int64_t>(fs::file_size(path)));
+  EXPECT_NE(text.find("strata-checkpoint-manifest 1\nfile step-00000020.h5\nsize " + std::to_string(size)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("step 20\nepoch 2\nstep_in_epoch 4\nseed 3\nposition_crc32 "), std::string::npos) << text;
+  const std::optional<Manifest> m = check_manifest(path);
+  ASSERT_TRUE(m && m->position);
+  EXPECT_EQ(m->crc32, crc);
+  EXPECT_EQ(*m->position, (Position{20, 2, 4, 3}));
+  EXPECT_FALSE(fs::exists(manifest_path(path) + ".tmp"));
+  CheckpointReader r(path);
+  EXPECT_TRUE(r.has_manifest());
+  EXPECT_EQ(read_run_state(r).step, 20);
+}
+
+// Any flipped byte is refused by the whole-file crc32 before HDF5 opens the file, as is a file
+// of another size.
+TEST(Manifest, FlippedByteAndWrongSize) {
+  test::TempDir dir;
+  const std::string path = checkpoint_path(dir.path().string(), 20);
+  write_run(path, 20);
+  const auto size = static_cast<int64_t>(fs::file_size(path));
+  for (int64_t offset : {int64_t{0}, size / 3, size - 1}) {
+    flip_byte(path, offset);
+    test::expect_input_error([&] { CheckpointReader r(path); }, {"step-00000020.h5", "is corrupt: whole-file crc32"});
+    flip_byte(path, offset);  // back: the file is whole again
+    EXPECT_NO_THROW(CheckpointReader r(path));
+  }
+  std::ofstream(path, std::ios::app) << 'x';
+  test::expect_input_error([&] { CheckpointReader r(path); },
+                           {"step-00000020.h5", "has " + std::to_string(size + 1) + " bytes, its manifest says"});
+}
+
+// Position attributes: covered by the manifest (even when the file's checksum was redone), by
+// the file's name, and by range checks that need no manifest.
+TEST(Manifest, TamperedPosition) {
+  test::TempDir dir;
+  const std::string d = dir.path().string(), path = checkpoint_path(d, 20);
+  write_run(path, 20);
+  const std::string manifest = read_text(manifest_path(path));
+  set_root_attr(path, "step", int64_t{7});
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"is corrupt: whole-file crc32"});
+  reseal(path);  // the bytes match again; the attribute still differs from the manifest's position
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"holds step 7 but its name says step 20"});
+  set_root_attr(path, "step", int64_t{20});
+  set_root_attr(path, "seed", int64_t{4});
+  reseal(path);
+  test::expect_input_error([&] { CheckpointReader r(path); },
+                           {"position attributes (step 20, epoch 2, step_in_epoch 4, seed 4)",
+                            "differ from its manifest's (step 20, epoch 2, step_in_epoch 4, seed 3)"});
+  // The manifest's own position edited: its checksum fails.
+  write_run(path, 20);
+  std::string edited = read_text(manifest_path(path));
+  edited.replace(edited.find("epoch 2"), 7, "epoch 1");
+  std::ofstream(manifest_path(path)) << edited;
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"manifest's position fails its checksum"});
+  // A step-20 file and its manifest renamed to step 30.
+  write_run(path, 20);
+  fs::copy_file(path, checkpoint_path(d, 30));
+  fs::copy_file(manifest_path(path), manifest_path(checkpoint_path(d, 30)));
+  test::expect_input_error([&] { CheckpointReader r(checkpoint_path(d, 30)); },
+                           {"its manifest describes 'step-00000020.h5', not 'step-00000030.h5'"});
+}
+
+// A checkpoint from before manifests loads (with a note); its position is still range- and
+// name-checked: step 7 in the step-20 file, a negative or NaN step, epoch 2^62.
+TEST(Manifest, MissingManifestLoadsAsOlderFormat) {
+  test::TempDir dir;
+  const std::string path = checkpoint_path(dir.path().string(), 20);
+  write_run(path, 20);
+  fs::remove(manifest_path(path));
+  EXPECT_FALSE(check_manifest(path).has_value());
+  {
+    CheckpointReader r(path);
+    EXPECT_FALSE(r.has_manifest());
+    EXPECT_EQ(read_run_state(r).step, 20);
+    Tensor t = Tensor::empty({3, 4});
+    r.read_tensor("model/fc/weight", t);
+    EXPECT_EQ(t.data<float>()[1], 20.5f);
+  }
+  set_root_attr(path, "step", int64_t{7});
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"holds step 7 but its name says step 20"});
+  // The range checks, on a copy whose name says no step.
+  const std::string copy = dir / "copy.h5";
+  fs::copy_file(path, copy);
+  set_root_attr(copy, "step", int64_t{-5});
+  test::expect_input_error([&] { CheckpointReader r(copy); }, {"impossible position: step -5"});
+  set_root_attr(copy, "step", std::nan(""));
+  test::expect_input_error([&] { CheckpointReader r(copy); }, {"attribute 'step' is not an integer (found nan)"});
+  set_root_attr(copy, "step", int64_t{20});
+  set_root_attr(copy, "epoch", int64_t{1} << 62);
+  test::expect_input_error([&] { CheckpointReader r(copy); },
+                           {"impossible position: step 20, epoch 4611686018427387904"});
 }
 
 TEST(Checkpoint, RoundTrip) {
@@ -106,6 +266,8 @@ TEST(Checkpoint, DetectsCorruptData) {
     ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), 0);
   }
   Tensor out = Tensor::empty({256});
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"c.h5", "is corrupt: whole-file crc32"});
+  fs::remove(manifest_path(path));  // as a file from before manifests: the tensor's crc32 sees it
   test::expect_input_error([&] { CheckpointReader(path).read_tensor("model/w", out); },
                            {"c.h5", "model/w", "corrupt", "crc32"});
 }
@@ -128,41 +290,66 @@ TEST(Checkpoint, InputErrors) {
   test::expect_input_error([&] { r.attr_int("epoch"); }, {"c.h5", "no attribute 'epoch'"});
 }
 
-// A checkpoint directory: `latest` names the newest, pruning keeps the newest K, and the
-// newest complete checkpoint skips a corrupt or truncated file for the one before it.
+// A checkpoint directory: `latest` names the newest, pruning removes only this job's older
+// files (with their manifests), and the newest valid checkpoint skips a truncated file, a
+// corrupt one and one whose run state does not read for the one before them.
 TEST(CheckpointDir, LatestKeepAndNewest) {
   test::TempDir dir;
   const std::string d = dir.path().string();
   EXPECT_EQ(newest_checkpoint(d), "");
-  for (int64_t step : {10, 20, 30, 40}) {
+  write_run(checkpoint_path(d, 5), 5);  // an earlier job's: not this one's to delete
+  std::vector<std::string> written;
+  for (int64_t step : {10, 20, 30, 40, 50}) {
     const std::string path = checkpoint_path(d, step);
-    write_known(path);
+    write_run(path, step);
     update_latest(d, path);
+    written.push_back(path);
+    prune_checkpoints(written, 4);
   }
   EXPECT_FALSE(fs::exists(dir / "latest.tmp"));
   std::string latest;
   std::ifstream(dir / "latest") >> latest;
-  EXPECT_EQ(latest, "step-00000040.h5");
-  prune_checkpoints(d, 3, checkpoint_path(d, 40));
+  EXPECT_EQ(latest, "step-00000050.h5");
+  EXPECT_EQ(written, (std::vector<std::string>{checkpoint_path(d, 20), checkpoint_path(d, 30), checkpoint_path(d, 40),
+                                               checkpoint_path(d, 50)}));
   EXPECT_FALSE(fs::exists(checkpoint_path(d, 10)));
-  EXPECT_TRUE(fs::exists(checkpoint_path(d, 20)));
-  EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 40));
-  // A run that starts again below another run's files prunes only up to its own newest.
-  write_known(checkpoint_path(d, 5));
-  write_known(checkpoint_path(d, 6));
-  prune_checkpoints(d, 1, checkpoint_path(d, 6));
-  EXPECT_TRUE(fs::exists(checkpoint_path(d, 6)));
-  EXPECT_FALSE(fs::exists(checkpoint_path(d, 5)));
-  for (int64_t step : {20, 30, 40}) EXPECT_TRUE(fs::exists(checkpoint_path(d, step))) << step;
-  // Truncate the newest (named by latest) and corrupt the next: the third is chosen.
-  fs::resize_file(checkpoint_path(d, 40), fs::file_size(checkpoint_path(d, 40)) / 2);
+  EXPECT_FALSE(fs::exists(manifest_path(checkpoint_path(d, 10))));
+  EXPECT_TRUE(fs::exists(checkpoint_path(d, 5)));
+  EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 50));
+  // Truncate the newest (named by latest), corrupt the next, give the third an empty string
+  // attribute (resealed, so only the run state's read fails): the fourth is chosen.
+  fs::resize_file(checkpoint_path(d, 50), fs::file_size(checkpoint_path(d, 50)) / 2);
   {
-    h5::File f(H5Fopen(checkpoint_path(d, 30).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    h5::File f(H5Fopen(checkpoint_path(d, 40).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
     h5::DataSet ds(H5Dopen2(f, "model/fc/weight", H5P_DEFAULT));
     Tensor t = arange({3, 4}, 1.0f);
     ASSERT_GE(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), 0);
   }
+  {
+    h5::File f(H5Fopen(checkpoint_path(d, 30).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    H5Adelete(f, "optimizer_step");
+  }
+  reseal(checkpoint_path(d, 30));
   EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 20));
+  prune_checkpoints(written, 0);  // keep 0: nothing removed
+  EXPECT_EQ(written.size(), 4u);
+}
+
+// One job per directory: a second lock (even in this process: flock is per open file) is an
+// Input error naming the holder; once the holder is gone the lock is free again.
+TEST(CheckpointDir, DirectoryLock) {
+  test::TempDir dir;
+  const std::string d = dir.path().string();
+  ::setenv("SLURM_JOB_ID", "4242", 1);
+  {
+    DirectoryLock held(d);
+    ::unsetenv("SLURM_JOB_ID");
+    EXPECT_NE(read_text(dir / ".lock").find("pid " + std::to_string(::getpid()) + " slurm_job 4242"), std::string::npos)
+        << read_text(dir / ".lock");
+    test::expect_input_error([&] { DirectoryLock second(d); }, {"--checkpoint-dir " + d + " is in use by another job",
+                                                                "pid " + std::to_string(::getpid())});
+  }
+  EXPECT_NO_THROW(DirectoryLock again(d));
 }
 
 // A full disk while saving, emulated by a file-size limit: an error that says which file, no
@@ -170,7 +357,7 @@ TEST(CheckpointDir, LatestKeepAndNewest) {
 TEST(CheckpointDir, FullDiskKeepsThePreviousCheckpoint) {
   test::TempDir dir;
   const std::string d = dir.path().string();
-  write_known(checkpoint_path(d, 1));
+  write_run(checkpoint_path(d, 1), 1);
   update_latest(d, checkpoint_path(d, 1));
   rlimit old{};
   ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
@@ -203,6 +390,7 @@ TEST(CheckpointDir, FullDiskKeepsThePreviousCheckpoint) {
   std::signal(SIGXFSZ, previous);
   EXPECT_FALSE(fs::exists(checkpoint_path(d, 2) + ".tmp"));
   EXPECT_FALSE(fs::exists(checkpoint_path(d, 2)));
+  EXPECT_FALSE(fs::exists(manifest_path(checkpoint_path(d, 2))));
   EXPECT_FALSE(fs::exists(dir / "latest.tmp"));
   EXPECT_EQ(newest_checkpoint(d), checkpoint_path(d, 1));
 }
