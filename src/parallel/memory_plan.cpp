@@ -6,6 +6,7 @@
 #include "layers/gpt.hpp"
 #include "layers/loss.hpp"
 #include "parallel/gradient_sync.hpp"
+#include "parallel/pipeline.hpp"
 #include "parallel/tied_embedding.hpp"
 #include "parallel/zero.hpp"
 
@@ -96,11 +97,38 @@ void bind_meta(layers::Model& model, StageRange range, DType dtype, const std::v
   }
 }
 
+// A pipeline communicator of a plan: rank `rank` of `size`, every operation done at once, no
+// values moved (the tensors are meta).
+class PlannedCommunicator final : public Communicator {
+ public:
+  PlannedCommunicator(int rank, int size) : rank_(rank), size_(size) {}
+  const std::string& name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  WorkPtr all_reduce_async(const Tensor&, ReduceOp) override { return done(); }
+  WorkPtr reduce_scatter_async(const Tensor&, const Tensor&, ReduceOp) override { return done(); }
+  WorkPtr all_gather_async(const Tensor&, const Tensor&) override { return done(); }
+  WorkPtr reduce_async(const Tensor&, int, ReduceOp) override { return done(); }
+  WorkPtr broadcast_async(const Tensor&, int) override { return done(); }
+  WorkPtr send_async(const Tensor&, int, int) override { return done(); }
+  WorkPtr recv_async(const Tensor&, int, int) override { return done(); }
+  WorkPtr barrier_async() override { return done(); }
+
+ private:
+  struct Done final : Work {
+    void wait() override {}
+    bool test() override { return true; }
+  };
+  static WorkPtr done() { return std::make_unique<Done>(); }
+  std::string name_ = "planned pp";
+  int rank_, size_;
+};
+
 }  // namespace
 
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
                                  const MemoryLayout& layout) {
-  const int pp = layout.pp, v = layout.virtual_stages, m = layout.micro_batches;
+  const int pp = layout.pp, v = layout.virtual_stages;
   const auto chunk_range = [&](int c) { return stages.at(static_cast<size_t>(c * pp + stage)); };
   std::vector<size_t> rank_layers;
   for (int c = 0; c < v; ++c)
@@ -110,59 +138,42 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   MetaAllocator& meta = meta_allocator();
   meta.set_host_staging(layout.cpu);
   const size_t base = meta.in_use();
-  const auto first = [&](int c) { return stage == 0 && c == 0; };
-  const auto last = [&](int c) { return stage == pp - 1 && c == v - 1; };
   const auto batch = [&](const Shape& sample) { return layers::batch_shape(layout.micro, sample); };
-  const bool tokens = dynamic_cast<const layers::Embedding*>(&model.layer(0)) != nullptr;
-  const Shape output = model.shape(model.size());  // the logits: (V) or (T, V)
-  const Shape labels = batch(output.size() > 1 ? Shape(output.begin(), output.end() - 1) : Shape{});
-
-  const auto per_chunk = [&] { return std::vector<std::vector<Tensor>>(v, std::vector<Tensor>(m)); };
-  // The executor's receive buffers, one per micro-batch and chunk, made once (more than one
-  // stage; one stage hands a chunk's output to the next in memory).
-  auto received_activations = per_chunk(), received_grads = per_chunk();
-  for (int c = 0; c < v && pp > 1; ++c)
-    for (int i = 0; i < m; ++i) {
-      const StageRange r = chunk_range(c);
-      if (!first(c))
-        received_activations[c][i] = Tensor::empty(batch(model.shape(r.begin)), layout.dtype, Device::meta());
-      if (!last(c)) received_grads[c][i] = Tensor::empty(batch(model.shape(r.end)), layout.dtype, Device::meta());
-    }
-  auto outputs = per_chunk(), input_grads = per_chunk();
-  std::vector<std::vector<std::vector<layers::Context>>> contexts(
-      static_cast<size_t>(v), std::vector<std::vector<layers::Context>>(static_cast<size_t>(m)));
-  const layers::SoftmaxCrossEntropy loss;
-  const StageProgram program = make_schedule(layout.schedule, pp, m, v).at(static_cast<size_t>(stage));
-  const layers::StepInfo info{layers::Mode::Train, 0, 0, 0};
-
-  ActivationBytes bytes;
-  for (int step = 0; step < 2; ++step) {  // the second step starts with what the first retained
-    if (step == 1) {
-      bytes.retained = static_cast<int64_t>(meta.in_use() - base);
-      meta.reset_peak();
-    }
-    auto x = per_chunk(), dy = per_chunk();
-    for (const Action& a : program) {
-      const auto c = static_cast<size_t>(a.chunk), i = static_cast<size_t>(a.micro_batch);
-      const StageRange r = chunk_range(a.chunk);
-      if (a.op == Op::RecvActivation) x[c][i] = pp > 1 ? received_activations[c][i] : outputs[c - 1][i];
-      if (a.op == Op::RecvGrad) dy[c][i] = pp > 1 ? received_grads[c][i] : input_grads[c + 1][i];
-      if (a.op == Op::Forward) {
-        const Tensor in = first(a.chunk)
-                              ? Tensor::empty(batch(model.shape(0)), tokens ? DType::I32 : layout.dtype, Device::meta())
-                              : x[c][i];
-        outputs[c][i] = model.forward(in, contexts[c][i], info, r.begin, r.end);
-        if (last(a.chunk)) {  // the loss's gradient takes the output's place
-          layers::Context loss_ctx;
-          loss.forward(outputs[c][i], Tensor::empty(labels, DType::I32, Device::meta()), loss_ctx);
-          outputs[c][i] = loss.backward(loss_ctx, 1.0f);
-        }
-      }
-      if (a.op == Op::Backward)
-        input_grads[c][i] = model.backward(last(a.chunk) ? outputs[c][i] : dy[c][i], contexts[c][i], r.begin, r.end, {},
-                                           !first(a.chunk));
-    }
+  std::vector<Shape> inputs, outputs;
+  for (int c = 0; c < v; ++c) {
+    inputs.push_back(batch(model.shape(chunk_range(c).begin)));
+    outputs.push_back(batch(model.shape(chunk_range(c).end)));
   }
+  // The executor itself, over a communicator that moves nothing: what it keeps and when it lets
+  // go is the real run's (receive buffers, outputs until sent, contexts until backward).
+  PlannedCommunicator pp_comm(stage, pp);
+  PipelineExecutor executor(pp_comm, layout.schedule, layout.micro_batches, v, inputs, outputs, layout.dtype,
+                            Device::meta());
+  const bool tokens = dynamic_cast<const layers::Embedding*>(&model.layer(0)) != nullptr;
+  const Shape logits = model.shape(model.size());  // (V) or (T, V)
+  const Shape labels = batch(logits.size() > 1 ? Shape(logits.begin(), logits.end() - 1) : Shape{});
+  const layers::SoftmaxCrossEntropy loss;
+  const layers::StepInfo info{layers::Mode::Train, 0, 0, 0};
+  StageWork work;
+  work.input = [&](int) {
+    return Tensor::empty(batch(model.shape(0)), tokens ? DType::I32 : layout.dtype, Device::meta());
+  };
+  work.forward = [&](int, int chunk, const Tensor& x, std::vector<layers::Context>& ctx) {
+    return model.forward(x, ctx, info, chunk_range(chunk).begin, chunk_range(chunk).end);
+  };
+  work.loss = [&](int, const Tensor& y) {
+    layers::Context ctx;
+    loss.forward(y, Tensor::empty(labels, DType::I32, Device::meta()), ctx);
+    return loss.backward(ctx, 1.0f);
+  };
+  work.backward = [&](int, int chunk, const Tensor& dy, std::vector<layers::Context>& ctx, bool) {
+    return model.backward(dy, ctx, chunk_range(chunk).begin, chunk_range(chunk).end, {}, stage > 0 || chunk > 0);
+  };
+  ActivationBytes bytes;
+  executor.run_step(work);  // the second step starts with what the first left behind
+  bytes.retained = static_cast<int64_t>(meta.in_use() - base);
+  meta.reset_peak();
+  executor.run_step(work);
   bytes.peak = static_cast<int64_t>(meta.peak_in_use() - base);
   return bytes;
 }

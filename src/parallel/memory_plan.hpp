@@ -62,14 +62,14 @@ struct RankBytes {
 };
 
 // Activations of pipeline rank `stage` over a training step, measured by running it on meta
-// tensors (nothing is allocated; core/allocator.hpp's MetaAllocator counts): the forward and
-// backward of every micro-batch of every chunk in the schedule's order, with the loss on the
-// last stage, keeping what the executor keeps (PipelineExecutor: receive buffers, each
-// micro-batch's output and input gradient until the next step). So what layers save for
-// backward, recomputation, backward's temporaries and the caching allocator's rounding come
-// from the layers' own code, not from a second model of it. `model` is built for planning:
-// its layers are bound to meta parameters here (a tied head on another stage to a meta copy).
-// Not counted: the CPU kernels' f32 staging of bf16/f16 tensors (transient, within one op).
+// tensors (nothing is allocated; core/allocator.hpp's MetaAllocator counts): the real
+// PipelineExecutor runs two steps of the schedule over a communicator that moves nothing, with
+// the stage's layers and, on the last stage, the loss. So what layers save for backward,
+// recomputation, backward's temporaries, what the executor holds (receive buffers, outputs
+// until sent) and the caching allocator's rounding come from the code that runs, not from a
+// second model of it. `model` is built for planning: its layers are bound to meta parameters
+// here (a tied head on another stage to a meta copy). Not counted: MPI's and the shared-memory
+// mailboxes' own buffers.
 struct ActivationBytes {
   int64_t peak = 0;      // high-water mark above the parameters, over a whole step
   int64_t retained = 0;  // held between steps (receive buffers, outputs, input gradients)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <utility>
 
 #include "parallel/values.hpp"
 
@@ -110,7 +111,7 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
     switch (a.op) {
       case Op::RecvActivation:
         if (local) {
-          x[c][i] = outputs_[pc][i];
+          x[c][i] = std::move(outputs_[pc][i]);
         } else {
           receive(received_activations_[c][i], peer.stage, tag);
           x[c][i] = received_activations_[c][i];
@@ -118,21 +119,27 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
         break;
       case Op::RecvGrad:
         if (local) {
-          dy[c][i] = input_grads_[pc][i];
+          dy[c][i] = std::move(input_grads_[pc][i]);
         } else {
           receive(received_grads_[c][i], peer.stage, tag);
           dy[c][i] = received_grads_[c][i];
         }
         break;
+      // A started send keeps its tensor alive (every transport's Work holds it), so the stage
+      // lets go of what it sent at once, and of everything a micro-batch used once its compute
+      // has run: nothing of a step is held into the next, and the last stage does not keep the
+      // loss gradients (micro-batch x logits each) of all m micro-batches.
       case Op::SendActivation:
-        if (!local) sends_.push_back(pp_.send_async(message_part(outputs_[c][i]), peer.stage, tag));
+        if (!local) sends_.push_back(pp_.send_async(message_part(std::exchange(outputs_[c][i], {})), peer.stage, tag));
         break;
       case Op::SendGrad:
-        if (!local) sends_.push_back(pp_.send_async(message_part(input_grads_[c][i]), peer.stage, tag));
+        if (!local)
+          sends_.push_back(pp_.send_async(message_part(std::exchange(input_grads_[c][i], {})), peer.stage, tag));
         break;
       case Op::Forward: {
         const Tensor input = first_virtual_stage(a.chunk) ? work.input(a.micro_batch) : x[c][i];
         outputs_[c][i] = work.forward(a.micro_batch, a.chunk, input, contexts_[c][i]);
+        x[c][i] = Tensor();  // what backward needs of it, the contexts keep
         // The last virtual stage keeps the loss's gradient where the output was: its
         // backward's input.
         if (last_virtual_stage(a.chunk)) outputs_[c][i] = work.loss(a.micro_batch, outputs_[c][i]);
@@ -143,6 +150,8 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
       case Op::Backward: {
         const Tensor& grad = last_virtual_stage(a.chunk) ? outputs_[c][i] : dy[c][i];
         input_grads_[c][i] = work.backward(a.micro_batch, a.chunk, grad, contexts_[c][i], k == last_backward_[c]);
+        dy[c][i] = Tensor();
+        if (last_virtual_stage(a.chunk)) outputs_[c][i] = Tensor();  // the loss gradient, used
         --in_flight;
         stand_in_compute(2 * stand_in_ms_);
         break;

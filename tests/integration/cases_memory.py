@@ -11,16 +11,17 @@ from harness import expect_bad_input, train_ranks
 
 def case_memory_cap(args):
     """The tiny GPT (4 heads, vocabulary 260) plans 2.48 MiB on one rank (measured: 1% more,
-    case_plan_matches_peak). Under --device-memory 700KiB: one rank is refused by the plan
+    case_plan_matches_peak). Under --device-memory 500KiB: one rank is refused by the plan
     (exit 2, one line naming the fullest rank, its parts and the largest, activations); with a
     cap 1 KiB above the plan, the plan fits but the allocator stops the run during the first
-    step (exit 2, one line); no layout of 1 rank fits 700KiB (--plan), and the layout
-    `--dry-run --plan --world 4` puts first trains on 4 ranks under 700KiB (checkpoints and the final evaluation included) and matches 1 rank without a
+    step (exit 2, one line); no layout of 1 rank fits 500KiB (--plan), and the layout
+    `--dry-run --plan --world 4` puts first trains on 4 ranks under 500KiB (checkpoints and
+    the final evaluation included) and matches 1 rank without a
     cap within 1e-5."""
     data = tokenize(args, "byte")
     flags = GPT4 + SGD + UNTIED + ["--data", data[0], "--steps", "2", "--global-batch", "16"]
-    expect_bad_input(args, flags + ["--device-memory", "700KiB"],
-                     r"--device-memory 700\.00 KiB is too small: rank 0 \(stage 0, replica 0\) needs [0-9.]+ MiB by "
+    expect_bad_input(args, flags + ["--device-memory", "500KiB"],
+                     r"--device-memory 500\.00 KiB is too small: rank 0 \(stage 0, replica 0\) needs [0-9.]+ MiB by "
                      r"the plan \(parameters .*; the largest part, activations .* does not fit", ranks=1)
     planned = planned_totals(train_ranks(args, 1, flags + ["--dry-run"]), 1)[0]
     cap = planned + 1024
@@ -28,26 +29,26 @@ def case_memory_cap(args):
                      rf"--device-memory: \d+ more bytes would bring this rank to \d+ bytes of tensors, over its {cap}",
                      ranks=1)
     expect_bad_input(args, flags + ["--device-memory", "12 GiB"], r"--device-memory expects a size", ranks=1)
-    print(f"1 rank under 700KiB: refused by the plan; under {cap} bytes (the plan + 1 KiB): stopped by the allocator")
+    print(f"1 rank under 500KiB: refused by the plan; under {cap} bytes (the plan + 1 KiB): stopped by the allocator")
 
     # No layout of 1 rank fits (micro-batches of 1 and full recomputation included); --plan on
     # one process picks a layout of 4 ranks, and that command, run as printed, trains.
-    out = train_ranks(args, 1, flags + ["--dry-run", "--plan", "--device-memory", "700KiB"])
-    assert re.search(r"0 fit 700\.00 KiB per rank.*\n  none fits: the smallest, .* needs [0-9.]+ KiB", out), out
+    out = train_ranks(args, 1, flags + ["--dry-run", "--plan", "--device-memory", "500KiB"])
+    assert re.search(r"0 fit 500\.00 KiB per rank.*\n  none fits: the smallest, .* needs [0-9.]+ KiB", out), out
     out = train_ranks(args, 1, flags + ["--bucket-mb", "0.01", "--dry-run", "--plan", "--world", "4",
-                                        "--device-memory", "700KiB"])
+                                        "--device-memory", "500KiB"])
     command = re.search(r"^  1\. .*\n\s+(mpirun -np 4 \./build/train .*)$", out, re.M)
     assert command, out
     printed = command.group(1).split()[4:]
     assert "--data" in printed and "--device-memory" in printed and "--plan" not in printed, printed
     layout = re.search(r"--tp \d+ --pp \d+ --zero \d+ --micro-batch \d+ --recompute \w+$", command.group(1)).group(0)
     reference, _ = gpt_run(args, 1, SGD + UNTIED, data, "cap-1", model=GPT4)
-    model, out = gpt_run(args, 4, SGD + UNTIED + layout.split() + ["--device-memory", "700KiB"], data, "cap-planned",
+    model, out = gpt_run(args, 4, SGD + UNTIED + layout.split() + ["--device-memory", "500KiB"], data, "cap-planned",
                          model=GPT4)
     peaks = [int(v) for v in re.search(r"memory high-water mark per rank \([^)]*\):([ 0-9]+)$", out, re.M).group(1).split()]
-    assert len(peaks) == 4 and max(peaks) <= 700 * 1024, peaks
-    assert_close(model, reference, f"the plan's layout ({layout}) under --device-memory 700KiB vs 1 rank without")
-    print(f"--plan picked {layout}: trains under 700 KiB (which no layout of 1 rank meets), high-water marks {peaks} bytes")
+    assert len(peaks) == 4 and max(peaks) <= 500 * 1024, peaks
+    assert_close(model, reference, f"the plan's layout ({layout}) under --device-memory 500KiB vs 1 rank without")
+    print(f"--plan picked {layout}: trains under 500 KiB (which no layout of 1 rank meets), high-water marks {peaks} bytes")
 
 
 # The small GPT: 4 blocks of width 64 over 64 positions, in place of the tiny one's values.

@@ -93,7 +93,9 @@ TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
     EXPECT_EQ(c.micro * c.micro_batches * c.dp, 16);
     EXPECT_TRUE(c.dp > 1 || c.zero == 0);
     EXPECT_TRUE(seen.emplace(c.tp, c.pp, c.dp, c.zero, c.micro, static_cast<int>(c.recompute)).second);
-    if (k > 0) EXPECT_LE(all.fitting[k - 1].time.total(), c.time.total());
+    if (k > 0) {
+      EXPECT_LE(all.fitting[k - 1].time.total(), c.time.total());
+    }
   }
   // tp 1, 2 and 4 (4 heads), pp up to the cut's limit, ZeRO 0-3, three recomputations.
   EXPECT_TRUE(std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.tp == 4; }));
