@@ -122,7 +122,8 @@ def case_zero_equivalence(args):
     per-replica batch: ZeRO 2 and 3 reduce every micro-batch into the shard). dp = 4 splits the
     MLP's 6384 elements into 1600-element shards, so the last rank's shard is shorter (1584);
     --bucket-mb 0.01 cuts the MLP into buckets that straddle shard boundaries, and fc1 (4160
-    elements) spans three owners' shards. The CNN runs once under ZeRO 3. A checkpoint saved
+    elements) spans two buckets and three owners' shards; with --bucket-mb 0.001 ZeRO 2/3's
+    gradient ring wraps. The CNN runs once under ZeRO 3. A checkpoint saved
     under ZeRO 3 loads with --init-from under ZeRO 0 and evaluates the same as under ZeRO 3."""
     for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"), ("--optimizer", "adamw", "--clip-grad", "1.0")):
         # The last three accumulate 4 micro-batches per replica (global batch 32).
@@ -133,6 +134,15 @@ def case_zero_equivalence(args):
             for z in stages[1:]:
                 assert_same_model(runs[layouts[z]], runs[layouts["0"]],
                                   f"zero {z} vs 0, {ranks} ranks micro-batch {micro} {grid} {optimizer}")
+    # --bucket-mb 0.001 (262 elements): ZeRO 2/3's gradient ring (fc1 + a bucket, 4422 elements)
+    # is smaller than the buffer (6384, 6400), so fc1 does not fit below fc2 and wraps to the top:
+    # the bucket the wrap splits is reduced as two pieces. With and without accumulation.
+    for ranks, micro in ((2, 16), (4, 2)):
+        layouts = {z: (ranks, micro, ("--optimizer", "sgd", "--momentum", "0.9", "--zero", z)) for z in "023"}
+        runs = equivalence_runs(args, ZERO_MLP, list(layouts.values()), bucket_mb="0.001")
+        for z in "23":
+            assert_same_model(runs[layouts[z]], runs[layouts["0"]],
+                              f"zero {z} vs 0, {ranks} ranks micro-batch {micro}, a ring that wraps")
     # The CNN with SGD-momentum. (With AdamW + clipping ZeRO 2 and 3 are bit-identical to each
     # other and 9.2e-6 from ZeRO 0 after 50 steps: AdamW's m/sqrt(v) amplifies last-bit gradient
     # differences on near-zero gradients; too close to the tolerance for a stable test.)
