@@ -7,7 +7,7 @@ K bytes of optimizer state per parameter; here everything is fp32, so parameters
 are 4 Psi each and K = 4 for SGD-momentum (the momentum), K = 8 for AdamW (two moments):
   stage 0: 4Psi + 4Psi + K Psi        stage 1: 4Psi + 4Psi + K Psi / Nd
   stage 2: 4Psi + (4Psi + K Psi) / Nd stage 3: (4Psi + 4Psi + K Psi) / Nd
-Strata adds alignment padding, two gradient scratch slots of the largest bucket (stages 2-3)
+Strata adds alignment padding, a gradient ring of the largest layer + one bucket (stages 2-3)
 and two parameter windows of the largest layer (stage 3); the table shows both.
 
   OPENBLAS_CORETYPE=SkylakeX python3 bench/zero_bench.py \\

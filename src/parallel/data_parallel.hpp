@@ -75,8 +75,8 @@ class DataParallel {
 
   // Seconds spent waiting for gradient buckets since the last call.
   double take_exposed_comm_seconds();
-  // Bytes this rank allocated: parameters (+ buffers, + ZeRO-3 windows), gradients (+ sync
-  // slots), optimizer state (+ master weights).
+  // Bytes this rank allocated: parameters (+ buffers, + ZeRO-3 windows), gradients (+ ZeRO-2/3
+  // ring), optimizer state (+ master weights).
   int64_t parameter_bytes() const;
   int64_t gradient_bytes() const;
   int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }

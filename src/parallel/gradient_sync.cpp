@@ -1,5 +1,5 @@
 // Bucketed gradient sync: all-reduce per bucket (ZeRO 0/1) or reduce to the shard owners
-// through two scratch slots (ZeRO 2).
+// through a ring of layer gradients (ZeRO 2).
 #include "parallel/gradient_sync.hpp"
 
 #include <algorithm>
@@ -13,22 +13,67 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
   return make_buckets(store.layer_ranges(), store.flat_numel(), bucket_bytes);
 }
 
+std::vector<layers::ParameterStore::LayerRange> layer_extents(
+    const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel) {
+  STRATA_CHECK(ranges.empty() || ranges.back().end <= flat_numel, "layers end at element ", ranges.back().end,
+               ", past the flat buffer's ", flat_numel);
+  std::vector<layers::ParameterStore::LayerRange> extents = ranges;
+  for (size_t k = 0; k < extents.size(); ++k) {
+    extents[k].begin = k == 0 ? 0 : ranges[k].begin;
+    extents[k].end = k + 1 < ranges.size() ? ranges[k + 1].begin : flat_numel;
+  }
+  return extents;
+}
+
+namespace {
+
+int64_t bucket_elements(int64_t bucket_bytes) {
+  return std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
+}
+
+}  // namespace
+
 std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
                                  int64_t bucket_bytes) {
-  const int64_t total = flat_numel;
-  const int64_t min_elements = std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
+  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
+  const int64_t size = bucket_elements(bucket_bytes);
   std::vector<Bucket> buckets;
-  int64_t end = total;  // the last bucket also covers the alignment padding at the end
-  for (size_t k = ranges.size(); k-- > 0;) {
-    const bool first = k == 0;
-    if (end - ranges[k].begin >= min_elements || first) {
-      // Bucket boundaries sit on layer starts; the first bucket reaches down to element 0.
-      const int64_t begin = first ? 0 : ranges[k].begin;
-      buckets.push_back({begin, end, ranges[k].layer});
-      end = begin;
-    }
+  size_t k = extents.size();  // the extent holding the bucket's first element (extents tile the buffer)
+  for (int64_t end = extents.empty() ? 0 : flat_numel; end > 0;) {
+    const int64_t begin = std::max<int64_t>(end - size, 0);
+    while (extents[k - 1].begin > begin) --k;
+    buckets.push_back({begin, end, extents[k - 1].layer});
+    end = begin;
   }
   return buckets;
+}
+
+int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                      int64_t bucket_bytes) {
+  int64_t largest = 0;
+  for (const auto& e : layer_extents(ranges, flat_numel)) largest = std::max(largest, e.end - e.begin);
+  if (largest == 0) return 0;
+  // The largest layer while the bucket above it is still being reduced; never more than the
+  // whole buffer, which holds every layer without a wrap.
+  return std::min(largest + bucket_elements(bucket_bytes), flat_numel);
+}
+
+std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                                    int64_t ring) {
+  std::vector<RingSlot> slots;
+  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
+  int64_t top = ring;  // the lowest ring element taken since the last wrap
+  for (size_t k = extents.size(); k-- > 0;) {
+    const int64_t n = extents[k].end - extents[k].begin;
+    STRATA_CHECK(n <= ring, "layer ", extents[k].layer, "'s ", n, " gradients do not fit the ring's ", ring);
+    // Descending positions keep flat order inside the ring, so a bucket is one piece of it
+    // unless a wrap splits it.
+    const bool wraps = n > top;
+    if (wraps) top = ring;
+    top -= n;
+    slots.push_back({extents[k].layer, extents[k].begin, extents[k].end, top, wraps});
+  }
+  return slots;
 }
 
 GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
@@ -44,19 +89,10 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
   model_ = &model;
   shard_size_ = shard_size;
   shard_grads_ = Tensor::zeros({shard_size}, DType::F32, store.params().device());
-  int64_t largest = 0;
-  bucket_layers_.resize(buckets_.size());
-  for (size_t k = 0; k < buckets_.size(); ++k) {
-    largest = std::max(largest, buckets_[k].end - buckets_[k].begin);
-    for (const layers::ParamEntry& e : store.entries()) {
-      std::vector<size_t>& layers = bucket_layers_[k];
-      if (e.trainable && e.offset >= buckets_[k].begin && e.offset < buckets_[k].end &&
-          (layers.empty() || layers.back() != e.layer))
-        layers.push_back(e.layer);
-    }
-  }
+  const int64_t ring = ring_elements(store.layer_ranges(), store.flat_numel(), bucket_bytes);
+  slots_ = place_in_ring(store.layer_ranges(), store.flat_numel(), ring);
   // From the communicator: on one node, shared memory that the reduces read in place.
-  for (Tensor& slot : slots_) slot = dp.allocate(largest, DType::F32, store.params().device());
+  ring_ = dp.allocate(ring, DType::F32, store.params().device());
 }
 
 void GradientSync::broadcast_parameters() {
@@ -71,65 +107,66 @@ void GradientSync::broadcast_buffers() {
 }
 
 int64_t GradientSync::allocated_bytes() const {
-  int64_t bytes = static_cast<int64_t>(shard_grads_.nbytes());
-  for (const Tensor& slot : slots_) bytes += static_cast<int64_t>(slot.nbytes());
-  return bytes;
+  return static_cast<int64_t>(shard_grads_.nbytes()) + static_cast<int64_t>(ring_.nbytes());
 }
 
 void GradientSync::begin() {
   work_.clear();
   next_ = 0;
-  if (sharded()) bind_bucket(0);
+  started_ = store_.flat_numel();
+  if (!sharded()) return;
+  placed_ = 0;
+  place_next();
 }
 
-void GradientSync::bind_bucket(size_t k) {
-  if (k >= buckets_.size()) return;
-  // The slot is free once the reductions of the bucket before last (which used it) are done.
-  std::vector<Piece>& previous = pending_[k % 2];
-  retire(previous, /*wait=*/true);
-  const Bucket& b = buckets_[k];
-  // Layers accumulate into their gradient views, so the slot starts at zero.
-  const Tensor slot = slots_[k % 2].view(0, {b.end - b.begin});
-  slot.fill_zero();
-  for (size_t layer : bucket_layers_[k]) store_.bind_grads(*model_, layer, slot, b.begin);
+void GradientSync::place_next() {
+  if (placed_ == slots_.size()) return;
+  const RingSlot& s = slots_[placed_++];
+  // Every layer placed since the last wrap is done (the layer above this one was the last):
+  // their elements are final, so what of them is not reduced yet is, before being overwritten.
+  if (s.wraps) start_down_to(s.end);
+  ring_shift_ = s.begin - s.offset;
+  const int64_t n = s.end - s.begin;
+  retire(/*wait=*/true, s.offset, s.offset + n);  // all started: no replica waits on another's future
+  // Layers accumulate into their gradient views, so the range starts at zero.
+  const Tensor grads = ring_.view(s.offset, {n});
+  grads.fill_zero();
+  store_.bind_grads(*model_, s.layer, grads, s.begin);
 }
 
-std::vector<GradientSync::Piece> GradientSync::reduce_to_owners(size_t k, const Tensor& data) {
-  // One reduce per owner whose shard [o*S, (o+1)*S) overlaps the bucket; every replica starts
-  // them in the same order, as collectives on one communicator must be.
-  const Bucket& b = buckets_[k];
-  std::vector<Piece> pieces;
-  for (int o = 0; o < dp_.size(); ++o) {
-    const int64_t lo = std::max(b.begin, o * shard_size_), hi = std::min(b.end, (o + 1) * shard_size_);
-    if (lo >= hi) continue;
-    const Tensor piece = data.view(lo - b.begin, {hi - lo});
-    Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor()};
-    if (sharded() && o == dp_.rank()) p.into = shard_grads_.view(lo - o * shard_size_, {hi - lo});
-    pieces.push_back(std::move(p));
-  }
-  return pieces;
-}
-
-void GradientSync::start(size_t k) {
-  const Bucket& b = buckets_[k];
-  if (!sharded()) {
-    const Tensor grads = store_.grads().view(b.begin, {b.end - b.begin});
-    if (shard_size_ == 0) {
-      work_.push_back(dp_.all_reduce_async(grads, ReduceOp::Sum));
-    } else {  // ZeRO 1: the owner's piece is summed in place in its full gradient buffer
-      for (Piece& p : reduce_to_owners(k, grads)) work_.push_back(std::move(p.work));
+void GradientSync::start_down_to(int64_t lo) {
+  // Bucket by bucket from the top, each owner's piece of it in owner order: every replica
+  // starts the same collectives in the same order, as collectives on one communicator must.
+  while (started_ > lo) {
+    const Bucket& b = buckets_[next_];
+    const int64_t from = std::max(lo, b.begin), to = started_;
+    if (!sharded() && shard_size_ == 0) {
+      work_.push_back(dp_.all_reduce_async(store_.grads().view(from, {to - from}), ReduceOp::Sum));
+    } else {
+      for (int o = 0; o < dp_.size(); ++o) {
+        const int64_t piece_lo = std::max(from, o * shard_size_), piece_hi = std::min(to, (o + 1) * shard_size_);
+        if (piece_lo >= piece_hi) continue;
+        if (!sharded()) {  // ZeRO 1: the owner's piece is summed in place in its full gradient buffer
+          work_.push_back(dp_.reduce_async(store_.grads().view(piece_lo, {piece_hi - piece_lo}), o, ReduceOp::Sum));
+          continue;
+        }
+        const int64_t at = piece_lo - ring_shift_;
+        const Tensor piece = ring_.view(at, {piece_hi - piece_lo});
+        Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor(), at, at + piece.numel()};
+        if (o == dp_.rank()) p.into = shard_grads_.view(piece_lo - o * shard_size_, {piece_hi - piece_lo});
+        pending_.push_back(std::move(p));
+      }
     }
-    return;
+    started_ = from;
+    if (from == b.begin) ++next_;
   }
-  for (Piece& p : reduce_to_owners(k, slots_[k % 2])) pending_[k % 2].push_back(std::move(p));
-  // The next bucket's layers run next: point their gradients at the other slot now.
-  bind_bucket(k + 1);
 }
 
-void GradientSync::retire(std::vector<Piece>& pieces, bool wait) {
+void GradientSync::retire(bool wait, int64_t lo, int64_t hi) {
   // A reduced piece is added to the owner's shard as soon as it is complete, once: the
-  // accumulator sums micro-batches, the slot is reused for the next bucket.
-  std::erase_if(pieces, [wait](Piece& p) {
+  // accumulator sums micro-batches, the ring is reused by the next layers.
+  std::erase_if(pending_, [wait, lo, hi](Piece& p) {
+    if (p.ring_end <= lo || p.ring_begin >= hi) return false;
     if (wait)
       p.work->wait();
     else if (!p.work->test())
@@ -140,12 +177,14 @@ void GradientSync::retire(std::vector<Piece>& pieces, bool wait) {
 }
 
 void GradientSync::layer_done(size_t layer) {
-  // ZeRO 2 goes through the slots even on one rank (a reduce to itself).
+  // ZeRO 2 goes through the ring even on one rank (a reduce to itself).
   if (dp_.size() == 1 && !sharded()) return;
   // Backward runs from the last layer down, so buckets complete in order.
-  while (next_ < buckets_.size() && layer <= buckets_[next_].first_layer) start(next_++);
+  while (next_ < buckets_.size() && layer <= buckets_[next_].first_layer) start_down_to(buckets_[next_].begin);
+  // The layer bound last is done: the next one down runs next.
+  if (sharded() && placed_ > 0 && layer <= slots_[placed_ - 1].layer) place_next();
   dp_.progress();
-  for (std::vector<Piece>& pieces : pending_) retire(pieces, /*wait=*/false);
+  retire(/*wait=*/false);
 }
 
 void GradientSync::finish() {
@@ -153,7 +192,7 @@ void GradientSync::finish() {
   layer_done(0);  // anything not yet started (layers without parameters at the front)
   for (WorkPtr& w : work_) w->wait();
   work_.clear();
-  for (std::vector<Piece>& pieces : pending_) retire(pieces, /*wait=*/true);
+  retire(/*wait=*/true);
 }
 
 }  // namespace strata::parallel

@@ -1,18 +1,24 @@
-// Data-parallel gradient sync: the flat gradient buffer is cut into buckets in reverse layer
-// order (backward produces gradients from the last layer to the first), and each bucket's
+// Data-parallel gradient sync: the flat gradient buffer is cut into fixed-size buckets from
+// its end (backward produces gradients from the last layer to the first), and each bucket's
 // reduction over the data-parallel group starts as soon as backward has written all of its
-// gradients, so communication overlaps the rest of backward.
+// gradients, so communication overlaps the rest of backward. A large layer spans several
+// buckets, several small layers share one.
 //
-// ZeRO 0 and 1: each bucket of the store's full gradient buffer is all-reduced, during the
-// step's last backward only (earlier micro-batches accumulate locally).
-// ZeRO 2: there is no full gradient buffer. Backward writes each bucket into one of two
-// bucket-sized scratch slots (the layers' gradient views are rebound to it just before its
-// layers run), the complete bucket is reduced piece by piece to the rank(s) whose shard it
-// overlaps, and each owner adds its piece into a persistent accumulator of its own shard only:
-// 4 * (S + 2 * largest bucket) bytes of gradients per rank. This runs for every micro-batch.
+// ZeRO 0 and 1: each bucket of the store's full gradient buffer is all-reduced (ZeRO 1: reduced
+// to the owners of its pieces), during the step's last backward only (earlier micro-batches
+// accumulate locally).
+// ZeRO 2 and 3: there is no full gradient buffer. Backward writes each layer's gradients into a
+// ring of R = min(largest layer + one bucket, the whole buffer) elements: layers are placed from
+// the top down in backward order, so flat order holds inside the ring, and wrap to the top when
+// the next one does not fit below (the part of the ring written since the last wrap is then
+// reduced first). A complete bucket is reduced piece by piece (split at wraps and at shards) to
+// the rank(s) whose shard it overlaps, and each owner adds its pieces into a persistent
+// accumulator of its own shard only: 4 * (S + R) bytes of gradients per rank. This runs for
+// every micro-batch.
 #pragma once
 
-#include <array>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "layers/model.hpp"
@@ -20,17 +26,43 @@
 
 namespace strata::parallel {
 
+// A layer's extent in the flat gradient buffer: its trainable elements and the alignment
+// padding after them, up to the next layer's (the first layer's from element 0, the last's to
+// the padded end), so the extents tile the buffer. Forward order.
+std::vector<layers::ParameterStore::LayerRange> layer_extents(
+    const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel);
+
 struct Bucket {
   int64_t begin = 0, end = 0;  // element range of the flat gradient buffer
-  size_t first_layer = 0;      // the lowest layer with gradients in it: done last in backward
+  size_t first_layer = 0;      // the lowest layer whose extent overlaps it: done last in backward
 };
 
-// Cuts the gradients of a store into buckets of at least bucket_bytes (whole layers each,
-// so a bucket is complete when its first layer's backward is), last layers first.
+// Cuts the flat gradient buffer [0, flat_numel) into buckets of bucket_bytes / 4 elements from
+// its end, last elements first; the last one cut (from element 0) may be shorter. A bucket is
+// complete when its first layer's backward is. No layers, no buckets.
 std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bucket_bytes);
 // The same from a layout's layer ranges and padded length (flat_numel), without a store.
 std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
                                  int64_t bucket_bytes);
+
+// ZeRO 2/3: elements of the gradient ring, min(largest extent + one bucket, flat_numel).
+int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                      int64_t bucket_bytes);
+
+// Where a layer's gradients live in the ring during one backward: its extent [begin, end) at
+// ring elements [offset, offset + end - begin).
+struct RingSlot {
+  size_t layer = 0;
+  int64_t begin = 0, end = 0;
+  int64_t offset = 0;
+  bool wraps = false;  // placed at the top again: what was written since the last wrap is reduced first
+};
+
+// The placement of every layer's extent in a ring of `ring` elements, in backward order: each
+// right below the one before, or at the top when it does not fit there. The same on every
+// replica, so all start the same reduces in the same order.
+std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
+                                    int64_t ring);
 
 class GradientSync {
  public:
@@ -42,7 +74,7 @@ class GradientSync {
   GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
                int64_t owner_shard_size = 0);
   // ZeRO 2 and 3: `store` has no gradient buffer (allocate_grads = false) and is padded to dp shards
-  // of `shard_size` elements; gradients of `model`'s layers go through the scratch slots into
+  // of `shard_size` elements; gradients of `model`'s layers go through the ring into
   // shard_grads().
   GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store, int64_t bucket_bytes,
                int64_t shard_size);
@@ -67,39 +99,44 @@ class GradientSync {
   // ZeRO 2: this rank's gradient shard (S elements; element i is element rank*S + i of the
   // flat layout), summed over replicas and micro-batches. The caller zeroes it per step.
   const Tensor& shard_grads() const { return shard_grads_; }
-  // Bytes of the gradient memory this object allocated (ZeRO 2: shard and slots; else 0).
+  // Bytes of the gradient memory this object allocated (ZeRO 2: shard and ring; else 0).
   int64_t allocated_bytes() const;
 
  private:
-  // One reduction of a bucket's piece to its owner; `into` is defined on the owner only.
+  // One reduction of a piece to its owner; `into` is defined on the owner only. ZeRO 2: the
+  // piece reads ring elements [ring_begin, ring_end).
   struct Piece {
     WorkPtr work;
     Tensor reduced, into;
+    int64_t ring_begin = 0, ring_end = 0;
   };
-  // Starts a complete bucket's all-reduce (ZeRO 0) or its reduces to the owners (ZeRO 1, 2).
-  void start(size_t bucket);
-  // Starts the reduce of every piece of bucket `k`, stored in `data` (the bucket's elements),
-  // to the owner of the shard it falls in; returns the pieces in owner order.
-  std::vector<Piece> reduce_to_owners(size_t k, const Tensor& data);
-  // ZeRO 2: points the bucket's layers' gradients at its slot, zeroed, once the slot is free.
-  void bind_bucket(size_t bucket);
-  // ZeRO 2: adds completed (or, with wait, all) pieces into the shard and forgets them.
-  void retire(std::vector<Piece>& pieces, bool wait);
+  // Starts the reductions of flat elements [lo, started_) (a complete bucket, or ZeRO 2 what
+  // the ring holds since the last wrap), bucket by bucket: all-reduces (ZeRO 0) or reduces of
+  // each owner's piece (ZeRO 1, 2).
+  void start_down_to(int64_t lo);
+  // ZeRO 2: binds the next layer's gradients to its ring range, zeroed, once nothing reads it.
+  void place_next();
+  // ZeRO 2: adds completed (or, with wait, all) pieces that read ring elements [lo, hi) into
+  // the shard and forgets them.
+  void retire(bool wait, int64_t lo = 0, int64_t hi = std::numeric_limits<int64_t>::max());
 
   Communicator& dp_;
   const layers::ParameterStore& store_;
   std::vector<Bucket> buckets_;
   std::vector<WorkPtr> work_;
-  size_t next_ = 0;  // the next bucket to start, in order
+  size_t next_ = 0;      // the highest bucket not yet wholly started
+  int64_t started_ = 0;  // flat elements from here on have their reductions started
 
   int64_t shard_size_ = 0;  // ZeRO 1 and 2: S, the elements of each rank's shard
 
   // ZeRO 2 only.
   const layers::Model* model_ = nullptr;
   Tensor shard_grads_;
-  std::array<Tensor, 2> slots_;                     // bucket k is written into slots_[k % 2]
-  std::array<std::vector<Piece>, 2> pending_;       // reductions still reading each slot
-  std::vector<std::vector<size_t>> bucket_layers_;  // the layers whose gradients each bucket holds
+  Tensor ring_;
+  std::vector<RingSlot> slots_;  // backward order
+  size_t placed_ = 0;            // slots_ bound so far in this backward
+  int64_t ring_shift_ = 0;       // since the last wrap, flat element f is at ring element f - ring_shift_
+  std::vector<Piece> pending_;   // reductions still reading the ring
 };
 
 }  // namespace strata::parallel

@@ -33,11 +33,8 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
     for (const auto& r : ranges) largest = std::max(largest, r.end - r.begin);
     b.params += 2 * largest * dtype_bytes;
   }
-  if (ownership.shards_grads()) {  // GradientSync: the shard and two slots of the largest bucket
-    int64_t largest = 0;
-    for (const Bucket& k : make_buckets(ranges, flat, layout.bucket_bytes))
-      largest = std::max(largest, k.end - k.begin);
-    b.grads = (shard.size + 2 * largest) * f32;
+  if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest layer + a bucket)
+    b.grads = (shard.size + ring_elements(ranges, flat, layout.bucket_bytes)) * f32;
   } else {
     b.grads = flat * f32;
   }

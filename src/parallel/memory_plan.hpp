@@ -3,7 +3,7 @@
 // GPT-2 1.5B included. DataParallel, TiedEmbedding and the ZeRO classes then allocate exactly
 // this for real; test_memory_plan holds the two equal for every ZeRO stage, dtype, optimizer
 // and pipeline cut it tries. The arithmetic is theirs (Ownership, ParameterStore::layout,
-// make_buckets, Optimizer::state_tensors, TiedEmbedding::planned_bytes), not a copy.
+// ring_elements, Optimizer::state_tensors, TiedEmbedding::planned_bytes), not a copy.
 #pragma once
 
 #include <cstdint>
@@ -49,8 +49,8 @@ struct RankBytes {
   // Parameters in the compute dtype (ZeRO 3: the shard and two gather windows), f32 buffers,
   // a tied head's copy of wte.
   int64_t params = 0;
-  // f32 gradients (ZeRO 2/3: the shard and two bucket slots), a tied head's copy's gradient
-  // and the embedding stage's receive chunk.
+  // f32 gradients (ZeRO 2/3: the shard and the ring of the largest layer + one bucket), a tied
+  // head's copy's gradient and the embedding stage's receive chunk.
   int64_t grads = 0;
   // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.
   int64_t optimizer = 0;

@@ -5,12 +5,13 @@
 // pads params and grads to dp*S elements so every all-gather chunk has the same size.
 //
 // Stage 0 is plain data parallelism: one shard is the whole buffer. Stage 1 shards the
-// optimizer state. Stage 2 also shards the gradients: GradientSync reduces each bucket to the
-// owners and keeps only this rank's S-element gradient shard, which is what step() and
-// grad_sum_squares() then receive. Stage 3 also shards the parameters: the store holds only
-// this rank's S elements, ParameterGather broadcasts each layer's pieces from their owners into
-// a window just before the layer runs (forward and backward), and the step updates the shard
-// with no all-gather after it.
+// optimizer state. Stage 2 also shards the gradients: backward writes them into GradientSync's
+// ring (the largest layer + one bucket), each bucket is reduced to the owners and only this
+// rank's S-element gradient shard is kept, which is what step() and grad_sum_squares() then
+// receive. Stage 3 also shards the parameters: the store holds only this rank's S elements,
+// ParameterGather broadcasts each layer's pieces from their owners into a window just before
+// the layer runs (forward and backward), and the step updates the shard with no all-gather
+// after it.
 #pragma once
 
 #include <array>

@@ -122,7 +122,8 @@ def case_zero_equivalence(args):
     per-replica batch: ZeRO 2 and 3 reduce every micro-batch into the shard). dp = 4 splits the
     MLP's 6384 elements into 1600-element shards, so the last rank's shard is shorter (1584);
     --bucket-mb 0.01 cuts the MLP into buckets that straddle shard boundaries, and fc1 (4160
-    elements) spans three owners' shards. The CNN runs once under ZeRO 3. A checkpoint saved
+    elements) spans two buckets and three owners' shards; with --bucket-mb 0.001 ZeRO 2/3's
+    gradient ring wraps. The CNN runs once under ZeRO 3. A checkpoint saved
     under ZeRO 3 loads with --init-from under ZeRO 0 and evaluates the same as under ZeRO 3."""
     for optimizer in (("--optimizer", "sgd", "--momentum", "0.9"), ("--optimizer", "adamw", "--clip-grad", "1.0")):
         # The last three accumulate 4 micro-batches per replica (global batch 32).
@@ -133,6 +134,15 @@ def case_zero_equivalence(args):
             for z in stages[1:]:
                 assert_same_model(runs[layouts[z]], runs[layouts["0"]],
                                   f"zero {z} vs 0, {ranks} ranks micro-batch {micro} {grid} {optimizer}")
+    # --bucket-mb 0.001 (262 elements): ZeRO 2/3's gradient ring (fc1 + a bucket, 4422 elements)
+    # is smaller than the buffer (6384, 6400), so fc1 does not fit below fc2 and wraps to the top:
+    # the bucket the wrap splits is reduced as two pieces. With and without accumulation.
+    for ranks, micro in ((2, 16), (4, 2)):
+        layouts = {z: (ranks, micro, ("--optimizer", "sgd", "--momentum", "0.9", "--zero", z)) for z in "023"}
+        runs = equivalence_runs(args, ZERO_MLP, list(layouts.values()), bucket_mb="0.001")
+        for z in "23":
+            assert_same_model(runs[layouts[z]], runs[layouts["0"]],
+                              f"zero {z} vs 0, {ranks} ranks micro-batch {micro}, a ring that wraps")
     # The CNN with SGD-momentum. (With AdamW + clipping ZeRO 2 and 3 are bit-identical to each
     # other and 9.2e-6 from ZeRO 0 after 50 steps: AdamW's m/sqrt(v) amplifies last-bit gradient
     # differences on near-zero gradients; too close to the tolerance for a stable test.)
@@ -174,20 +184,14 @@ def dry_run_table(args, ranks, flags):
     return rows
 
 
-def largest_bucket(layer_sizes, total, bucket_mb):
-    """Elements of the largest gradient bucket, as GradientSync cuts them: whole layers from the
-    last one backwards, closed once at least bucket_mb MiB; the last bucket (the first cut) also
-    covers the padding up to `total`, the first reaches down to element 0. layer_sizes: each
-    layer's aligned trainable elements, in forward order."""
-    starts = [sum(layer_sizes[:k]) for k in range(len(layer_sizes))]
-    minimum = max(int(bucket_mb * (1 << 20)) // 4, 1)
-    sizes, end = [], total
-    for k in reversed(range(len(layer_sizes))):
-        if end - starts[k] >= minimum or k == 0:
-            begin = 0 if k == 0 else starts[k]
-            sizes.append(end - begin)
-            end = begin
-    return max(sizes)
+def ring_elements(layer_sizes, total, bucket_mb):
+    """Elements of ZeRO 2/3's gradient ring, as GradientSync sizes it: the largest layer extent
+    (a layer's aligned elements; the last one's reaches to the padded end `total`) plus one
+    bucket of bucket_mb MiB, at most the whole buffer. layer_sizes: each layer's aligned
+    trainable elements, in forward order."""
+    extents = layer_sizes[:-1] + [total - sum(layer_sizes[:-1])]
+    bucket = max(int(bucket_mb * (1 << 20)) // 4, 1)
+    return min(max(extents) + bucket, total)
 
 
 def case_zero_memory(args):
@@ -195,7 +199,7 @@ def case_zero_memory(args):
     optimizer state for S = align_up(ceil(N / dp), 16) elements (64-byte alignment), 4 bytes x
     (1 for SGD-momentum, 2 for AdamW) each; the last rank may hold less (N - (dp-1) S).
     Parameters stay whole, padded to dp x S elements; so do gradients with ZeRO 1, while ZeRO 2
-    and 3 keep a gradient shard of S elements plus two scratch slots of the largest bucket.
+    and 3 keep a gradient shard of S elements plus a ring of the largest layer + one bucket.
     ZeRO 3 keeps a parameter shard of S elements plus two window slots of the largest layer
     (from its first parameter to the end of its last: fc1's 4096 + 64 elements)."""
     align = lambda n, m=16: (n + m - 1) // m * m
@@ -206,25 +210,25 @@ def case_zero_memory(args):
                    align(sizes[4]) + align(sizes[5])]
     n = sum(align(s) for s in sizes)
     window = max(align(sizes[k]) + sizes[k + 1] for k in (0, 2, 4))
-    bucket_mb = 0.005  # 1310 elements: buckets [0, 4160) and [4160, dp*S) - two, of different sizes
+    bucket_mb = 0.005  # 1310 elements: fc1 (4160) spans four buckets, ring 4160 + 1310 < dp*S
     for optimizer, per_element in (("sgd", 1), ("adamw", 2)):
         for dp in (1, 2, 4):
             flags = ZERO_MLP + ["--optimizer", optimizer, "--bucket-mb", str(bucket_mb)]
             base = dry_run_table(args, dp, flags + ["--zero", "0"])
             shard = align(-(-n // dp))
-            bucket = largest_bucket(layer_sizes, dp * shard, bucket_mb)
+            ring = ring_elements(layer_sizes, dp * shard, bucket_mb)
             for zero in (1, 2, 3):
                 rows = dry_run_table(args, dp, flags + ["--zero", str(zero)])
                 for r in range(dp):
                     assert base[r]["grads"] == 4 * n and base[r]["optimizer"] == 4 * per_element * n, (r, base[r])
                     owned = max(0, min(shard, n - r * shard))
                     assert owned == shard or r == dp - 1, (dp, r, owned)
-                    grads = 4 * dp * shard if zero == 1 else 4 * shard + 2 * 4 * bucket
+                    grads = 4 * dp * shard if zero == 1 else 4 * shard + 4 * ring
                     params = 4 * dp * shard if zero < 3 else 4 * shard + 2 * 4 * window
                     expected = {"params": params, "grads": grads, "optimizer": 4 * per_element * owned,
                                 "activations": base[r]["activations"]}
                     assert rows[r] == expected, f"{optimizer} zero {zero} dp={dp} rank {r}: {rows[r]}, expected {expected}"
-                print(f"{optimizer} zero {zero} dp={dp}: N={n} S={shard} largest bucket {bucket}: optimizer bytes per "
+                print(f"{optimizer} zero {zero} dp={dp}: N={n} S={shard} gradient ring {ring}: optimizer bytes per "
                       f"rank {[rows[r]['optimizer'] for r in range(dp)]} (zero 0: {base[0]['optimizer']}), "
                       f"params/grads {rows[0]['params']}/{rows[0]['grads']} "
                       f"(zero 0: {base[0]['params']}/{base[0]['grads']})")

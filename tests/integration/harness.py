@@ -80,18 +80,18 @@ def assert_same_model(a, b, what, rtol=1e-5, only_trainable=False):
     print(f"{what}: {len(names)} tensors, worst relative difference {worst:.3g}")
 
 
-def equivalence_runs(args, model_flags, layouts, steps=50, global_batch=32, outputs=None):
+def equivalence_runs(args, model_flags, layouts, steps=50, global_batch=32, outputs=None, bucket_mb="0.01"):
     """Trains the same model under each layout (ranks, micro_batch[, extra flags]); returns
     their /model tensors by layout (and their stdout in `outputs` if given)."""
     data = write_dataset(os.path.join(args.workdir, "eq.h5"), n=2048, shape=(1, 8, 8), classes=4, seed=7)
     models = {}
     for layout in layouts:
         ranks, micro, extra = (tuple(layout) + ((),))[:3]
-        name = "-".join(model_flags + [str(ranks), str(micro)] + list(extra)).replace("/", "_").replace(",", "_")
+        name = "-".join(model_flags + [str(ranks), str(micro), bucket_mb] + list(extra)).replace("/", "_").replace(",", "_")
         ck = os.path.join(args.workdir, "ck" + name)
         out = train_ranks(args, ranks, model_flags + list(extra) + [
             "--data", data, "--steps", str(steps), "--global-batch", str(global_batch), "--micro-batch", str(micro),
-            "--lr", "0.05", "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25", "--bucket-mb", "0.01"])
+            "--lr", "0.05", "--seed", "3", "--checkpoint-dir", ck, "--log-every", "25", "--bucket-mb", bucket_mb])
         if outputs is not None:
             outputs[layout] = out
         models[layout] = read_model(os.path.join(ck, f"step-{steps:08d}.h5"))

@@ -163,6 +163,8 @@ std::vector<Recipe> recipes() {
   layers::OptimizerConfig adamw;
   adamw.name = "adamw";
   adamw.weight_decay = 0.01f;
+  // 64-byte buckets are 16 elements: every layer (64, 80 and 48 elements with padding) spans
+  // several, and ZeRO 2/3's gradient ring (80 + 16 elements) wraps at each of the lower layers.
   return {
       {"sgd", sgd, 0.05f, 1, 25 << 20, 0, 0},
       {"sgd_2micro_small_buckets_clip", sgd, 0.05f, 2, 64, 0.05f, 0},
