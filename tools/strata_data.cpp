@@ -11,6 +11,7 @@
 // Bad input exits with code 2 and one line on stderr; other failures with code 1.
 #include <zlib.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cmath>
@@ -320,7 +321,13 @@ int inspect(const std::vector<std::string>& args) {
             << "per-class counts:\n";
   std::vector<int64_t> counts(static_cast<size_t>(info.num_classes));
   for (int32_t y : ds.labels()) ++counts[static_cast<size_t>(y)];
-  for (size_t k = 0; k < counts.size(); ++k) std::cout << "  " << k << ": " << counts[k] << "\n";
+  // Up to 2^24 classes (io::kMaxClasses): a terminal's worth, then a summary line.
+  constexpr size_t kShown = 50;
+  for (size_t k = 0; k < std::min(counts.size(), kShown); ++k) std::cout << "  " << k << ": " << counts[k] << "\n";
+  if (counts.size() > kShown)
+    std::cout << "  ... " << counts.size() - kShown << " more classes ("
+              << std::count_if(counts.begin() + kShown, counts.end(), [](int64_t n) { return n > 0; })
+              << " of them with samples)\n";
   return 0;
 }
 
