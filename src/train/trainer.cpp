@@ -1,5 +1,7 @@
 #include "train/trainer.hpp"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -34,7 +36,18 @@ std::string format_duration(double seconds) {
 // Set by the preemption handlers; read at step boundaries. sig_atomic_t: async-signal-safe.
 volatile std::sig_atomic_t g_stop_signal = 0;
 
-extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
+// A second SIGINT or SIGTERM while a stop is pending means the graceful stop takes too long (a
+// save stuck in I/O, a rank that never reaches the step boundary): leave at once, with one line
+// by write(2) and _exit, the async-signal-safe calls. The last committed checkpoint stays intact
+// (saves are atomic). A repeated SIGUSR1 (Slurm's warning) keeps waiting for the save.
+extern "C" void on_preemption_signal(int signal) {
+  if (g_stop_signal != 0 && signal != SIGUSR1) {
+    static const char kLine[] = "error: a second stop signal: exiting at once, without saving (exit code 4)\n";
+    [[maybe_unused]] const ssize_t ignored = write(STDERR_FILENO, kLine, sizeof kLine - 1);
+    _exit(kExitSecondSignal);
+  }
+  g_stop_signal = signal;
+}
 
 }  // namespace
 
