@@ -177,6 +177,9 @@ void validate(const Config& c) {
   // parallel::select_device checks this too; here it is found before any communicator exists.
   STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
                  "--comm nccl needs --device cuda (NCCL moves GPU memory); use --comm mpi or auto with --device cpu");
+  STRATA_REQUIRE(std::isfinite(c.loss_scale_init) && c.loss_scale_init > 0,
+                 "--loss-scale-init must be finite and > 0, found ", c.loss_scale_init);
+  require_in("--loss-scale-window", c.loss_scale_window, int64_t{1}, kMaxSteps);
   // --loss-scale, --loss-scale-init and --loss-scale-window, as the trainer's scaler reads them.
   layers::LossScaler::from_flags(c.loss_scale, precision_name(c.precision), c.loss_scale_init, c.loss_scale_window);
   if (c.eval_only) {

@@ -197,8 +197,8 @@ TEST(Config, ValidateRules) {
       {{"--comm", "nccl"}, "--comm nccl needs --device cuda (NCCL moves GPU memory)"},
       {{"--loss-scale", "big"}, "--loss-scale must be auto, dynamic, none or a positive number, found 'big'"},
       {{"--loss-scale", "0"}, "--loss-scale must be auto, dynamic, none or a positive number, found '0'"},
-      {{"--precision", "fp16", "--loss-scale-window", "0"}, "--loss-scale-window must be positive, found 0"},
-      {{"--loss-scale", "dynamic", "--loss-scale-init", "0"}, "the loss scale must be a positive number, found 0"},
+      {{"--precision", "fp16", "--loss-scale-window", "0"}, "--loss-scale-window must be in [1, 68719476736], found 0"},
+      {{"--loss-scale", "dynamic", "--loss-scale-init", "0"}, "--loss-scale-init must be finite and > 0, found 0"},
       {{"--global-batch", "0"}, "--global-batch must be in [1, 16777216], found 0"},
       {{"--micro-batch=-1"}, "--micro-batch must be in [0, 64], found -1"},
       {{"--lr", "0"}, "--lr must be positive and finite, found 0"},
@@ -239,6 +239,7 @@ TEST(Config, NumericRanges) {
       {{"--clip-grad", "inf"}, "--clip-grad must be finite and >= 0 (0: off), found inf"},
       {{"--weight-decay", "inf"}, "--weight-decay must be finite and >= 0, found inf"},
       {{"--bucket-mb", "inf"}, "--bucket-mb must be in (0, 65536], found inf"},
+      {{"--loss-scale-init", "inf"}, "--loss-scale-init must be finite and > 0, found inf"},
       {{"--bench-stage-ms", "nan"}, "--bench-stage-ms must be in [0, 60000], found nan"},
       {{"--dropout", "nan"}, "--dropout must be in [0, 1), found nan"},
       // Negative where only >= 0 makes sense (a signed read: no wrap to 2^64 - 1).
