@@ -57,7 +57,7 @@ Shard open_shard(const std::string& path) {
   else
     STRATA_THROW_INPUT("'inputs' have type ", h5::type_name(itype), "; expected uint8 or float32");
   h5::Space ispace(H5_REQUIRE(H5Dget_space(s.inputs), "'inputs' have an unreadable dataspace"));
-  Shape idims = h5::dims(ispace);
+  Shape idims = h5::dims(ispace, "'inputs' ");
   STRATA_REQUIRE(idims.size() >= 2, "'inputs' have shape ", shape_str(idims),
                  "; expected [N, ...] with at least 2 dimensions");
   s.count = idims[0];
@@ -73,7 +73,7 @@ Shard open_shard(const std::string& path) {
   STRATA_REQUIRE(H5Tget_class(ltype) == H5T_INTEGER, "'labels' have type ", h5::type_name(ltype),
                  "; expected an integer type");
   h5::Space lspace(H5_REQUIRE(H5Dget_space(labels), "'labels' have an unreadable dataspace"));
-  Shape ldims = h5::dims(lspace);
+  Shape ldims = h5::dims(lspace, "'labels' ");
   STRATA_REQUIRE(ldims.size() == 1 && ldims[0] == s.count, "'labels' have shape ", shape_str(ldims), "; expected [",
                  s.count, "] to match 'inputs' ", shape_str(idims));
   h5::require_stored(labels, ldims, "labels");

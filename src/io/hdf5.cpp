@@ -56,15 +56,19 @@ bool exists(hid_t loc, const std::string& path) {
   }
 }
 
-Shape dims(hid_t space) {
+Shape dims(hid_t space, const std::string& what) {
   // Dataspaces come from files: a damaged one is bad input.
-  int rank = H5_REQUIRE(H5Sget_simple_extent_ndims(space), "has an unreadable dataspace");
-  std::vector<hsize_t> d(static_cast<size_t>(rank));
-  H5_REQUIRE(H5Sget_simple_extent_dims(space, d.data(), nullptr), "has unreadable dimensions");
+  int rank = H5_REQUIRE(H5Sget_simple_extent_ndims(space), what, "has an unreadable dataspace");
+  std::vector<hsize_t> d(static_cast<size_t>(rank)), max(static_cast<size_t>(rank));
+  H5_REQUIRE(H5Sget_simple_extent_dims(space, d.data(), max.data()), what, "has unreadable dimensions");
   Shape out;
-  for (hsize_t v : d) {
+  for (size_t i = 0; i < d.size(); ++i) {
+    const hsize_t v = d[i];
+    // A well-formed file never grows a dimension past its maximum: a damaged dataspace.
+    STRATA_REQUIRE(max[i] == H5S_UNLIMITED || v <= max[i], what, "has dimension ", i, " of ", v,
+                   " beyond its declared maximum ", max[i]);
     // hsize_t is unsigned 64-bit: a dimension past int64 would turn negative.
-    STRATA_REQUIRE(v <= static_cast<hsize_t>(std::numeric_limits<int64_t>::max()), "has a dimension of ", v,
+    STRATA_REQUIRE(v <= static_cast<hsize_t>(std::numeric_limits<int64_t>::max()), what, "has a dimension of ", v,
                    "; expected at most 2^63 - 1");
     out.push_back(static_cast<int64_t>(v));
   }
@@ -78,7 +82,7 @@ void require_stored(hid_t dataset, const Shape& dims, const std::string& name) {
                  " whose size in bytes overflows 64 bits");
   PList create(H5_REQUIRE(H5Dget_create_plist(dataset), "'", name, "' have unreadable creation properties"));
   const H5D_layout_t layout = H5Pget_layout(create);
-  if (layout == H5D_CONTIGUOUS) {
+  if (layout == H5D_CONTIGUOUS && H5Pget_external_count(create) == 0) {  // external files: HDF5 checks at read
     // Storage is allocated whole or not at all; its address must leave room for every byte.
     const haddr_t offset = H5Dget_offset(dataset);
     hsize_t file_size = 0;
@@ -88,10 +92,11 @@ void require_stored(hid_t dataset, const Shape& dims, const std::string& name) {
       H5Fclose(file);
       H5_REQUIRE(got, "'", name, "': the file's size cannot be read");
     }
-    STRATA_REQUIRE(*bytes == 0 || (offset != HADDR_UNDEF && offset <= file_size &&
-                                   static_cast<hsize_t>(*bytes) <= file_size - offset),
-                   "'", name, "' declare shape ", shape_str(dims), " (", *bytes, " bytes) but the file holds ",
-                   offset == HADDR_UNDEF || offset > file_size ? 0 : file_size - offset, " bytes of them");
+    STRATA_REQUIRE(*bytes == 0 || offset != HADDR_UNDEF, "'", name, "' declare shape ", shape_str(dims), " (", *bytes,
+                   " bytes) but the file holds none of them");
+    STRATA_REQUIRE(*bytes == 0 || (offset <= file_size && static_cast<hsize_t>(*bytes) <= file_size - offset), "'",
+                   name, "' declare shape ", shape_str(dims), " (", *bytes, " bytes) at address ", offset,
+                   " but the file ends at ", file_size);
   } else if (layout == H5D_CHUNKED) {
     const int rank = static_cast<int>(dims.size());
     std::vector<hsize_t> chunk(static_cast<size_t>(rank));

@@ -92,8 +92,9 @@ void require_stored(hid_t dataset, const Shape& dims, const std::string& name);
 // component so that a missing group is not an error.
 bool exists(hid_t loc, const std::string& path);
 
-// Dimensions of a dataspace (empty for a scalar).
-Shape dims(hid_t space);
+// Dimensions of a dataspace (empty for a scalar). Input errors, prefixed by `what` (e.g.
+// "'inputs' "), for a damaged one: unreadable, a dimension past int64 or past its maximum.
+Shape dims(hid_t space, const std::string& what = "");
 
 // The HDF5 memory type for a tensor dtype (F32, I32, U8).
 hid_t native_type(DType dtype);

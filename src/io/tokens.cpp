@@ -52,7 +52,7 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
                  h5::type_name(type), "; expected uint16 or uint32");
   s.dtype = h5::type_name(type);
   h5::Space space(H5_REQUIRE(H5Dget_space(s.tokens), "'tokens' have an unreadable dataspace"));
-  const Shape dims = h5::dims(space);
+  const Shape dims = h5::dims(space, "'tokens' ");
   STRATA_REQUIRE(dims.size() == 1, "'tokens' have shape ", shape_str(dims), "; expected 1-D [num_tokens]");
   h5::require_stored(s.tokens, dims, "tokens");
   s.count = dims[0];
@@ -81,7 +81,7 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
     STRATA_REQUIRE(merges.valid(), "'tokenizer/merges' is not a dataset");
     h5::Type mtype(H5_REQUIRE(H5Dget_type(merges), "'tokenizer/merges' have an unreadable type"));
     h5::Space mspace(H5_REQUIRE(H5Dget_space(merges), "'tokenizer/merges' have an unreadable dataspace"));
-    const Shape mdims = h5::dims(mspace);
+    const Shape mdims = h5::dims(mspace, "'tokenizer/merges' ");
     STRATA_REQUIRE(H5Tget_class(mtype) == H5T_INTEGER && mdims.size() == 2 && mdims[1] == 2, "'tokenizer/merges' is ",
                    h5::type_name(mtype), " ", shape_str(mdims), "; expected int32 [M, 2]");
     h5::require_stored(merges, mdims, "tokenizer/merges");

@@ -5,6 +5,7 @@ declared shapes are what matter."""
 import os
 import re
 import signal
+import struct
 import subprocess
 import time
 
@@ -46,7 +47,7 @@ def write_bad_files(w):
         lambda f: (f.create_dataset("inputs", shape=(1 << 20, 1 << 20, 1024), dtype=np.uint8, chunks=(1, 1, 1024)),
                    f.create_dataset("labels", shape=(1 << 20,), dtype=np.int64, chunks=(1024,))))
     add("huge-contiguous", r"huge-contiguous\.h5' 'inputs' declare shape \[16777216, 1048576\] \(17592186044416 "
-        r"bytes\) but the file holds 0 bytes of them",
+        r"bytes\) but the file holds none of them",
         lambda f: (f.create_dataset("inputs", shape=(1 << 24, 1 << 20), dtype=np.uint8),
                    f.create_dataset("labels", shape=(1 << 24,), dtype=np.int64)))
 
@@ -85,7 +86,33 @@ def write_bad_files(w):
         byte = f.read(1)[0]
         f.seek(offset + 3)
         f.write(bytes([byte ^ 0xFF]))
+
+    # The data address moved past the end of the file; a maximum dimension below the current one.
+    def contiguous(f):
+        small_inputs(f)
+        f.create_dataset("labels", data=np.arange(16) % 4)
+    path = add("bad-address", r"bad-address\.h5' 'inputs' declare shape \[16, 1, 6, 6\] \(576 bytes\) at address "
+               r"\d+ but the file ends at \d+", contiguous)
+    with h5py.File(path, "r") as f:
+        offset = f["inputs"].id.get_offset()
+    replace_first(path, struct.pack("<Q", offset), struct.pack("<Q", offset + 100000))
+    path = add("beyond-maximum", r"beyond-maximum\.h5' 'inputs' has dimension 0 of 16 beyond its declared maximum 3",
+               lambda f: (f.create_dataset("inputs", data=np.zeros((16, 1, 6, 6), np.uint8), chunks=(4, 1, 6, 6),
+                                           maxshape=(77, 1, 6, 6)),
+                          f.create_dataset("labels", data=np.arange(16) % 4)))
+    replace_first(path, struct.pack("<Q", 77), struct.pack("<Q", 3))
     return files
+
+
+def replace_first(path, old, new):
+    """Overwrites the first occurrence of the bytes `old` in the file (an address or a
+    dimension in an object header)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.find(old)
+        assert at >= 0, f"{old!r} not in {path}"
+        f.seek(at)
+        f.write(new)
 
 
 def case_data_bad_shapes(args):
