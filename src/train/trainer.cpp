@@ -138,6 +138,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     sampler_ =
         std::make_unique<io::EpochSampler>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
     const int64_t per_epoch = sampler_->steps_per_epoch();
+    // Sample positions (epoch x samples) stay within int64 for any run: a multi-exabyte token
+    // file read for 2^20 epochs would not.
+    STRATA_REQUIRE(checked_mul(config_.epochs + 1, train_data_->size() + config_.global_batch), "--epochs ",
+                   config_.epochs, " over ", train_data_->size(), " samples overflows 64-bit sample positions");
     total_steps_ = config_.steps > 0 ? config_.steps : config_.epochs * per_epoch;
     if (config_.steps > 0 && config_.epochs > 0) total_steps_ = std::min(config_.steps, config_.epochs * per_epoch);
     config_.schedule.total_steps = total_steps_;  // cosine decays over the whole run
