@@ -15,12 +15,6 @@
 
 namespace strata::io {
 
-// The most classes a dataset may have (labels in [0, 2^24)): the class count sizes the output
-// layer (2^24 classes x 1024 features = 64 GiB of f32 weights), and public classification label
-// sets stay far below it (ImageNet-21k: 21,841; Amazon-3M: 2.8 M). A flipped high bit in one
-// label (e.g. 134 M) or a num_classes attribute of 3e9 is refused at open instead of allocated.
-constexpr int64_t kMaxClasses = int64_t{1} << 24;
-
 struct DatasetInfo {
   Shape sample_shape;              // e.g. {1, 28, 28} or {F}
   DType input_dtype;               // U8 or F32, as stored

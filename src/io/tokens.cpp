@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <limits>
 #include <optional>
 
 #include "io/hdf5.hpp"
@@ -63,8 +62,7 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
   }
 
   const int64_t vocab = int_attr(s.file, "vocab_size");
-  STRATA_REQUIRE(vocab >= 1 && vocab <= std::numeric_limits<int32_t>::max(), "has vocab_size ", vocab, "; expected 1..",
-                 std::numeric_limits<int32_t>::max());
+  STRATA_REQUIRE(vocab >= 1 && vocab <= kMaxClasses, "has vocab_size ", vocab, "; expected 1..", kMaxClasses);
   const int64_t eot = int_attr(s.file, "eot");
   STRATA_REQUIRE(eot >= 0 && eot < vocab, "has eot ", eot, " outside the vocabulary [0, ", vocab, ")");
   STRATA_REQUIRE(h5::has_attr(s.file, "tokenizer"), "has no root attribute 'tokenizer' (byte, bpe or external)");

@@ -140,6 +140,13 @@ def case_data_bad_shapes(args):
                      r"huge-tokens\.h5' 'tokens' declare shape \[1099511627776\] in chunks of \[65536\] but the file "
                      r"holds 0 of its 16777216 chunks")
 
+    # A vocabulary of 2^31 - 1 ids (the output layer of a GPT would be 2^31 x embed).
+    vocab = os.path.join(w, "huge-vocab.h5")
+    with h5py.File(vocab, "w") as f:
+        f.create_dataset("tokens", data=np.arange(64, dtype=np.uint32))
+        f.attrs.update({"kind": "tokens", "vocab_size": 2**31 - 1, "eot": 0, "tokenizer": "external"})
+    expect_bad_input(args, GPT + ["--data", vocab], r"huge-vocab\.h5' has vocab_size 2147483647; expected 1\.\.16777216")
+
     # inspect prints the first 50 classes, then one line for the rest.
     many = write_dataset(os.path.join(w, "sixty-classes.h5"), n=120, shape=(1, 6, 6),
                          labels=list(range(55)) * 2 + list(range(10)))
