@@ -11,6 +11,7 @@
 // Bad input exits with code 2 and one line on stderr; other failures with code 1.
 #include <zlib.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cmath>
@@ -257,19 +258,22 @@ int synthetic(const std::vector<std::string>& args) {
   parse(args, desc);
   STRATA_REQUIRE(samples >= 1, "--samples: expected >= 1, found ", samples);
   STRATA_REQUIRE(first >= 0, "--first-sample: expected >= 0, found ", first);
-  STRATA_REQUIRE(classes >= 2, "--classes: expected >= 2, found ", classes);
+  STRATA_REQUIRE(classes >= 2 && classes <= io::kMaxClasses, "--classes: expected 2..", io::kMaxClasses, ", found ",
+                 classes);
   STRATA_REQUIRE(dtype_arg == "u8" || dtype_arg == "f32", "--dtype: expected u8 or f32, found '", dtype_arg, "'");
   check_shards(shards, samples);
   const Shape sample_shape = parse_shape(shape_arg);
-  const int64_t numel = shape_numel(sample_shape);
   const bool u8 = dtype_arg == "u8";
+  Shape shape{samples};
+  shape.insert(shape.end(), sample_shape.begin(), sample_shape.end());
+  STRATA_REQUIRE(checked_numel(shape, u8 ? 1 : 4), "--samples ", samples, " of --shape ", shape_arg,
+                 " need more than 2^63 bytes");
+  const int64_t numel = shape_numel(sample_shape);
 
   // Each class has a fixed random pattern; a sample is 0.6 * its class pattern + 0.4 * noise,
   // all values in [0, 1]: easily learnable, and a pure function of the seed.
   const uint64_t key = rng::derive_key(seed, rng::kSynthetic);
   constexpr uint64_t kLabelStream = uint64_t{1} << 40, kNoiseStream = uint64_t{1} << 41;
-  Shape shape{samples};
-  shape.insert(shape.end(), sample_shape.begin(), sample_shape.end());
   Tensor inputs = Tensor::empty(shape, u8 ? DType::U8 : DType::F32);
   std::vector<int32_t> labels(static_cast<size_t>(samples));
   uint8_t* bytes = u8 ? inputs.data<uint8_t>() : nullptr;
@@ -320,7 +324,13 @@ int inspect(const std::vector<std::string>& args) {
             << "per-class counts:\n";
   std::vector<int64_t> counts(static_cast<size_t>(info.num_classes));
   for (int32_t y : ds.labels()) ++counts[static_cast<size_t>(y)];
-  for (size_t k = 0; k < counts.size(); ++k) std::cout << "  " << k << ": " << counts[k] << "\n";
+  // Up to 2^24 classes (io::kMaxClasses): a terminal's worth, then a summary line.
+  constexpr size_t kShown = 50;
+  for (size_t k = 0; k < std::min(counts.size(), kShown); ++k) std::cout << "  " << k << ": " << counts[k] << "\n";
+  if (counts.size() > kShown)
+    std::cout << "  ... " << counts.size() - kShown << " more classes ("
+              << std::count_if(counts.begin() + kShown, counts.end(), [](int64_t n) { return n > 0; })
+              << " of them with samples)\n";
   return 0;
 }
 

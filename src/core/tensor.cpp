@@ -50,13 +50,23 @@ const char* precision_name(DType t) {
 
 std::string Device::str() const { return is_cpu() ? "cpu" : is_meta() ? "meta" : "cuda:" + std::to_string(index); }
 
-int64_t shape_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    STRATA_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
-    n *= d;
-  }
+std::optional<int64_t> checked_mul(int64_t a, int64_t b) {
+  int64_t out = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
+
+std::optional<int64_t> checked_numel(const Shape& shape, int64_t element_bytes) {
+  std::optional<int64_t> n = element_bytes >= 0 ? std::optional<int64_t>(element_bytes) : std::nullopt;
+  for (int64_t d : shape)
+    if (n) n = checked_mul(*n, d);
   return n;
+}
+
+int64_t shape_numel(const Shape& shape) {
+  const std::optional<int64_t> n = checked_numel(shape);
+  STRATA_CHECK(n.has_value(), "shape ", shape_str(shape), " has a negative dimension or more than 2^63 elements");
+  return *n;
 }
 
 std::string shape_str(const Shape& shape) {
@@ -80,6 +90,8 @@ Storage::~Storage() { allocator_->deallocate(data_, bytes_); }
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   Tensor t;
   t.numel_ = shape_numel(shape);
+  STRATA_CHECK(checked_mul(t.numel_, static_cast<int64_t>(dtype_size(dtype))), "a ", dtype_name(dtype),
+               shape_str(shape), " tensor needs more than 2^63 bytes");
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.storage_ = std::make_shared<Storage>(t.nbytes(), device);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,14 @@ namespace strata {
 
 using Shape = std::vector<int64_t>;
 
+// Checked size arithmetic. The product of `shape` (times `element_bytes`), or nullopt when a
+// dimension is negative or the product exceeds int64: for sizes declared by input (dataset
+// files, checkpoints), where the caller names the file in an Input error.
+std::optional<int64_t> checked_numel(const Shape& shape, int64_t element_bytes = 1);
+// a * b for a, b >= 0, or nullopt on overflow (or a negative factor).
+std::optional<int64_t> checked_mul(int64_t a, int64_t b);
+// The number of elements of a shape built by code: an overflow or a negative dimension here is
+// a bug (input shapes are checked with checked_numel where they are read), so an Internal error.
 int64_t shape_numel(const Shape& shape);
 std::string shape_str(const Shape& shape);
 

@@ -49,45 +49,47 @@ Shard open_shard(const std::string& path) {
 
   s.inputs = h5::DataSet(H5Dopen2(s.file, "inputs", H5P_DEFAULT));
   STRATA_REQUIRE(s.inputs.valid(), "'inputs' is not a dataset");
-  h5::Type itype(H5_CHECK(H5Dget_type(s.inputs), "type of inputs in ", path));
+  h5::Type itype(H5_REQUIRE(H5Dget_type(s.inputs), "'inputs' have an unreadable type"));
   if (H5Tget_class(itype) == H5T_INTEGER && H5Tget_size(itype) == 1 && H5Tget_sign(itype) == H5T_SGN_NONE)
     s.dtype = DType::U8;
   else if (H5Tget_class(itype) == H5T_FLOAT && H5Tget_size(itype) == 4)
     s.dtype = DType::F32;
   else
     STRATA_THROW_INPUT("'inputs' have type ", h5::type_name(itype), "; expected uint8 or float32");
-  h5::Space ispace(H5_CHECK(H5Dget_space(s.inputs), "space of inputs in ", path));
-  Shape idims = h5::dims(ispace);
+  h5::Space ispace(H5_REQUIRE(H5Dget_space(s.inputs), "'inputs' have an unreadable dataspace"));
+  Shape idims = h5::dims(ispace, "'inputs' ");
   STRATA_REQUIRE(idims.size() >= 2, "'inputs' have shape ", shape_str(idims),
                  "; expected [N, ...] with at least 2 dimensions");
   s.count = idims[0];
   STRATA_REQUIRE(s.count > 0, "is empty: 'inputs' have 0 samples");
   s.sample_shape.assign(idims.begin() + 1, idims.end());
+  h5::require_stored(s.inputs, idims, "inputs");  // the sizes below cannot overflow from here on
   STRATA_REQUIRE(shape_numel(s.sample_shape) > 0, "'inputs' have shape ", shape_str(idims),
                  "; expected samples of at least one value");
 
   h5::DataSet labels(H5Dopen2(s.file, "labels", H5P_DEFAULT));
   STRATA_REQUIRE(labels.valid(), "'labels' is not a dataset");
-  h5::Type ltype(H5_CHECK(H5Dget_type(labels), "type of labels in ", path));
+  h5::Type ltype(H5_REQUIRE(H5Dget_type(labels), "'labels' have an unreadable type"));
   STRATA_REQUIRE(H5Tget_class(ltype) == H5T_INTEGER, "'labels' have type ", h5::type_name(ltype),
                  "; expected an integer type");
-  h5::Space lspace(H5_CHECK(H5Dget_space(labels), "space of labels in ", path));
-  Shape ldims = h5::dims(lspace);
+  h5::Space lspace(H5_REQUIRE(H5Dget_space(labels), "'labels' have an unreadable dataspace"));
+  Shape ldims = h5::dims(lspace, "'labels' ");
   STRATA_REQUIRE(ldims.size() == 1 && ldims[0] == s.count, "'labels' have shape ", shape_str(ldims), "; expected [",
                  s.count, "] to match 'inputs' ", shape_str(idims));
+  h5::require_stored(labels, ldims, "labels");
   std::vector<int64_t> raw(static_cast<size_t>(s.count));
-  H5_CHECK(H5Dread(labels, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()), "reading labels of ", path);
+  H5_REQUIRE(H5Dread(labels, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()), "'labels' cannot be read");
   s.labels.resize(raw.size());
   for (size_t i = 0; i < raw.size(); ++i) {
-    // The class count, highest label + 1, must fit an int32 too.
-    STRATA_REQUIRE(raw[i] >= 0 && raw[i] < std::numeric_limits<int32_t>::max(), "label ", raw[i], " at index ", i,
-                   " is out of range; expected a class index in [0, ", std::numeric_limits<int32_t>::max() - 1, "]");
+    STRATA_REQUIRE(raw[i] >= 0 && raw[i] < kMaxClasses, "label ", raw[i], " at index ", i,
+                   " of 'labels' is out of range; expected a class index in [0, ", kMaxClasses - 1, "]");
     s.labels[i] = static_cast<int32_t>(raw[i]);
   }
   if (h5::has_attr(labels, "num_classes")) {
     std::vector<double> k = h5::read_attr_numbers(labels, "num_classes");
-    STRATA_REQUIRE(k.size() == 1 && k[0] >= 1 && k[0] == std::floor(k[0]),
-                   "'labels' attribute num_classes should be one integer >= 1");
+    STRATA_REQUIRE(k.size() == 1 && k[0] >= 1 && k[0] <= kMaxClasses && k[0] == std::floor(k[0]),
+                   "'labels' attribute num_classes should be one integer in [1, ", kMaxClasses, "], found ",
+                   k.size() == 1 ? detail::cat(k[0]) : detail::cat(k.size(), " values"));
     s.num_classes_attr = static_cast<int>(k[0]);
     auto max_it = std::max_element(s.labels.begin(), s.labels.end());
     STRATA_REQUIRE(*max_it < s.num_classes_attr, "label ", *max_it, " at index ", max_it - s.labels.begin(),
@@ -219,16 +221,19 @@ Dataset Dataset::open(const std::string& spec, const std::string& flag, const Da
                  " is >= the num_classes attribute ", attr_classes);
   info.num_classes = attr_classes ? attr_classes : max_label + 1;
 
+  // Each shard's inputs are stored in full (require_stored): these products fit.
   impl->sample_numel = shape_numel(info.sample_shape);
   impl->sample_bytes = static_cast<size_t>(impl->sample_numel) * dtype_size(info.input_dtype);
-  const int64_t total_bytes = info.num_samples * static_cast<int64_t>(impl->sample_bytes);
-  if (total_bytes <= options.in_memory_limit_bytes) {
-    impl->memory.resize(static_cast<size_t>(total_bytes));
+  const std::optional<int64_t> total_bytes = checked_mul(info.num_samples, static_cast<int64_t>(impl->sample_bytes));
+  STRATA_REQUIRE(total_bytes.has_value(), flag, ": ", info.num_samples, " samples of ", shape_str(info.sample_shape),
+                 " overflow 64 bits of bytes");
+  if (*total_bytes <= options.in_memory_limit_bytes) {
+    impl->memory.resize(static_cast<size_t>(*total_bytes));
     for (size_t i = 0; i < impl->shards.size(); ++i) {
       Shard& s = impl->shards[i];
-      H5_CHECK(H5Dread(s.inputs, h5::native_type(info.input_dtype), H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                       impl->memory.data() + impl->shard_begin[i] * impl->sample_bytes),
-               "reading inputs of ", s.path);
+      H5_REQUIRE(H5Dread(s.inputs, h5::native_type(info.input_dtype), H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                         impl->memory.data() + impl->shard_begin[i] * impl->sample_bytes),
+                 flag, ": '", s.path, "' 'inputs' cannot be read");
       s.inputs.reset();  // the files are no longer needed
       s.file.reset();
     }
@@ -266,7 +271,8 @@ void Dataset::Impl::gather_from_files(std::span<const int64_t> indices) const {
     size_t j = i;
     while (j < order.size() && order[j].first < end) ++j;  // [i, j): this shard's requests
 
-    h5::Space fspace(H5_CHECK(H5Dget_space(s.inputs), "space of inputs in ", s.path));
+    h5::Space fspace(
+        H5_REQUIRE(H5Dget_space(s.inputs), flag, ": '", s.path, "' 'inputs' have an unreadable dataspace"));
     H5_CHECK(H5Sselect_none(fspace), "clearing a selection");
     int64_t rows = 0;  // distinct rows read
     for (size_t k = i; k < j;) {
@@ -282,8 +288,8 @@ void Dataset::Impl::gather_from_files(std::span<const int64_t> indices) const {
     mem_dims[0] = static_cast<hsize_t>(rows);
     h5::Space mspace(H5_CHECK(H5Screate_simple(rank, mem_dims.data(), nullptr), "creating a dataspace"));
     run_buf.resize(static_cast<size_t>(rows) * sample_bytes);
-    H5_CHECK(H5Dread(s.inputs, h5::native_type(info.input_dtype), mspace, fspace, H5P_DEFAULT, run_buf.data()),
-             "reading samples from ", s.path);
+    H5_REQUIRE(H5Dread(s.inputs, h5::native_type(info.input_dtype), mspace, fspace, H5P_DEFAULT, run_buf.data()), flag,
+               ": '", s.path, "' 'inputs' cannot be read");
 
     // Rows arrive in ascending index order: row = number of distinct indices before this one.
     int64_t row = -1;

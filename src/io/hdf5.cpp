@@ -2,6 +2,8 @@
 #include "io/hdf5.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <optional>
 
 namespace strata::io::h5 {
 
@@ -30,11 +32,15 @@ std::string last_error() {
 }
 
 namespace detail {
-void fail(const char* expr, const char* file, int line, const std::string& msg) {
+void fail(ErrorKind kind, const char* expr, const char* file, int line, const std::string& msg) {
   std::string reason = last_error();
   H5Eclear2(H5E_DEFAULT);
-  throw Error(ErrorKind::Internal,
-              strata::detail::cat(msg, " (", expr, " failed", reason.empty() ? "" : ": ", reason, ")"), file, line);
+  // Users read input errors: HDF5's reason, not our call.
+  throw Error(kind,
+              kind == ErrorKind::Input
+                  ? strata::detail::cat(msg, reason.empty() ? "" : " (", reason, reason.empty() ? "" : ")")
+                  : strata::detail::cat(msg, " (", expr, " failed", reason.empty() ? "" : ": ", reason, ")"),
+              file, line);
 }
 }  // namespace detail
 
@@ -50,11 +56,68 @@ bool exists(hid_t loc, const std::string& path) {
   }
 }
 
-Shape dims(hid_t space) {
-  int rank = H5_CHECK(H5Sget_simple_extent_ndims(space), "reading a dataspace rank");
-  std::vector<hsize_t> d(static_cast<size_t>(rank));
-  H5_CHECK(H5Sget_simple_extent_dims(space, d.data(), nullptr), "reading dataspace dims");
-  return Shape(d.begin(), d.end());
+Shape dims(hid_t space, const std::string& what) {
+  // Dataspaces come from files: a damaged one is bad input.
+  int rank = H5_REQUIRE(H5Sget_simple_extent_ndims(space), what, "has an unreadable dataspace");
+  std::vector<hsize_t> d(static_cast<size_t>(rank)), max(static_cast<size_t>(rank));
+  H5_REQUIRE(H5Sget_simple_extent_dims(space, d.data(), max.data()), what, "has unreadable dimensions");
+  Shape out;
+  for (size_t i = 0; i < d.size(); ++i) {
+    const hsize_t v = d[i];
+    // A well-formed file never grows a dimension past its maximum: a damaged dataspace.
+    STRATA_REQUIRE(max[i] == H5S_UNLIMITED || v <= max[i], what, "has dimension ", i, " of ", v,
+                   " beyond its declared maximum ", max[i]);
+    // hsize_t is unsigned 64-bit: a dimension past int64 would turn negative.
+    STRATA_REQUIRE(v <= static_cast<hsize_t>(std::numeric_limits<int64_t>::max()), what, "has a dimension of ", v,
+                   "; expected at most 2^63 - 1");
+    out.push_back(static_cast<int64_t>(v));
+  }
+  return out;
+}
+
+void require_stored(hid_t dataset, const Shape& dims, const std::string& name) {
+  Type type(H5_REQUIRE(H5Dget_type(dataset), "'", name, "' have an unreadable type"));
+  const std::optional<int64_t> bytes = checked_numel(dims, static_cast<int64_t>(H5Tget_size(type)));
+  STRATA_REQUIRE(bytes.has_value(), "'", name, "' declare shape ", shape_str(dims),
+                 " whose size in bytes overflows 64 bits");
+  PList create(H5_REQUIRE(H5Dget_create_plist(dataset), "'", name, "' have unreadable creation properties"));
+  const H5D_layout_t layout = H5Pget_layout(create);
+  if (layout == H5D_CONTIGUOUS && H5Pget_external_count(create) == 0) {  // external files: HDF5 checks at read
+    // Storage is allocated whole or not at all; its address must leave room for every byte.
+    const haddr_t offset = H5Dget_offset(dataset);
+    hsize_t file_size = 0;
+    {
+      const hid_t file = H5Iget_file_id(dataset);
+      const herr_t got = H5Fget_filesize(file, &file_size);
+      H5Fclose(file);
+      H5_REQUIRE(got, "'", name, "': the file's size cannot be read");
+    }
+    STRATA_REQUIRE(*bytes == 0 || offset != HADDR_UNDEF, "'", name, "' declare shape ", shape_str(dims), " (", *bytes,
+                   " bytes) but the file holds none of them");
+    STRATA_REQUIRE(*bytes == 0 || (offset <= file_size && static_cast<hsize_t>(*bytes) <= file_size - offset), "'",
+                   name, "' declare shape ", shape_str(dims), " (", *bytes, " bytes) at address ", offset,
+                   " but the file ends at ", file_size);
+  } else if (layout == H5D_CHUNKED) {
+    const int rank = static_cast<int>(dims.size());
+    std::vector<hsize_t> chunk(static_cast<size_t>(rank));
+    H5_REQUIRE(H5Pget_chunk(create, rank, chunk.data()), "'", name, "' have unreadable chunk dimensions");
+    std::optional<int64_t> expected = 1;
+    for (int d = 0; d < rank; ++d) {
+      STRATA_REQUIRE(chunk[static_cast<size_t>(d)] > 0, "'", name, "' have a chunk dimension of 0");
+      const auto c = static_cast<int64_t>(chunk[static_cast<size_t>(d)]);
+      const int64_t n = dims[static_cast<size_t>(d)];
+      if (expected) expected = checked_mul(*expected, n / c + (n % c != 0));
+    }
+    Space space(H5_REQUIRE(H5Dget_space(dataset), "'", name, "' have an unreadable dataspace"));
+    hsize_t stored = 0;
+    H5_REQUIRE(H5Dget_num_chunks(dataset, space, &stored), "'", name, "' have an unreadable chunk index");
+    // Unwritten chunks read as fill values: data that was never there.
+    STRATA_REQUIRE(expected && static_cast<hsize_t>(*expected) == stored, "'", name, "' declare shape ",
+                   shape_str(dims), " in chunks of ", shape_str(Shape(chunk.begin(), chunk.end())),
+                   " but the file holds ", stored, " of its ",
+                   expected ? std::to_string(*expected) : std::string("more than 2^63"), " chunks");
+  }
+  // Compact: the data lives in the object header, already read whole by H5Dopen.
 }
 
 hid_t native_type(DType dtype) {
@@ -86,38 +149,50 @@ std::string type_name(hid_t type) {
   }
 }
 
+namespace {
+// "attribute 'scale' of '/inputs'": which object's attribute, for messages.
+std::string attr_str(hid_t obj, const std::string& name) {
+  char path[256] = "";
+  if (H5Iget_name(obj, path, sizeof path) <= 0) return "attribute '" + name + "'";
+  return "attribute '" + name + "' of '" + path + "'";
+}
+}  // namespace
+
 bool has_attr(hid_t obj, const std::string& name) { return H5Aexists(obj, name.c_str()) > 0; }
 
 std::vector<double> read_attr_numbers(hid_t obj, const std::string& name) {
-  Attr attr(H5_CHECK(H5Aopen(obj, name.c_str(), H5P_DEFAULT), "opening attribute ", name));
-  Type type(H5_CHECK(H5Aget_type(attr), "attribute type of ", name));
+  Attr attr(H5_REQUIRE(H5Aopen(obj, name.c_str(), H5P_DEFAULT), attr_str(obj, name), " cannot be opened"));
+  Type type(H5_REQUIRE(H5Aget_type(attr), attr_str(obj, name), " has an unreadable type"));
   H5T_class_t cls = H5Tget_class(type);
-  STRATA_REQUIRE(cls == H5T_INTEGER || cls == H5T_FLOAT, "attribute '", name,
-                 "' should hold numbers but holds another type");
-  Space space(H5_CHECK(H5Aget_space(attr), "attribute space of ", name));
-  hssize_t n = H5_CHECK(H5Sget_simple_extent_npoints(space), "attribute size of ", name);
+  STRATA_REQUIRE(cls == H5T_INTEGER || cls == H5T_FLOAT, attr_str(obj, name),
+                 " should hold numbers but holds another type");
+  Space space(H5_REQUIRE(H5Aget_space(attr), attr_str(obj, name), " has an unreadable dataspace"));
+  // An empty (null dataspace) attribute has no value to read.
+  STRATA_REQUIRE(H5Sget_simple_extent_type(space) != H5S_NULL, attr_str(obj, name), " is empty; expected a value");
+  hssize_t n = H5_REQUIRE(H5Sget_simple_extent_npoints(space), attr_str(obj, name), " has an unreadable size");
   std::vector<double> values(static_cast<size_t>(n));
-  H5_CHECK(H5Aread(attr, H5T_NATIVE_DOUBLE, values.data()), "reading attribute ", name);
+  H5_REQUIRE(H5Aread(attr, H5T_NATIVE_DOUBLE, values.data()), attr_str(obj, name), " cannot be read");
   return values;
 }
 
 std::string read_attr_string(hid_t obj, const std::string& name) {
-  Attr attr(H5_CHECK(H5Aopen(obj, name.c_str(), H5P_DEFAULT), "opening attribute ", name));
-  Type type(H5_CHECK(H5Aget_type(attr), "attribute type of ", name));
-  STRATA_REQUIRE(H5Tget_class(type) == H5T_STRING, "attribute '", name,
-                 "' should hold a string but holds another type");
+  Attr attr(H5_REQUIRE(H5Aopen(obj, name.c_str(), H5P_DEFAULT), attr_str(obj, name), " cannot be opened"));
+  Type type(H5_REQUIRE(H5Aget_type(attr), attr_str(obj, name), " has an unreadable type"));
+  STRATA_REQUIRE(H5Tget_class(type) == H5T_STRING, attr_str(obj, name), " should hold a string but holds another type");
+  Space space(H5_REQUIRE(H5Aget_space(attr), attr_str(obj, name), " has an unreadable dataspace"));
+  STRATA_REQUIRE(H5Sget_simple_extent_type(space) != H5S_NULL, attr_str(obj, name), " is empty; expected a string");
   if (H5Tis_variable_str(type) > 0) {
     Type mem(H5_CHECK(H5Tcopy(H5T_C_S1), "copying a string type"));
     H5_CHECK(H5Tset_size(mem, H5T_VARIABLE), "sizing a string type");
     H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)), "setting a string charset");  // no ASCII<->UTF-8 conversion
     char* s = nullptr;
-    H5_CHECK(H5Aread(attr, mem, &s), "reading attribute ", name);
+    H5_REQUIRE(H5Aread(attr, mem, &s), attr_str(obj, name), " cannot be read");
     std::string out = s ? s : "";
     H5free_memory(s);
     return out;
   }
   std::string out(H5Tget_size(type), '\0');
-  H5_CHECK(H5Aread(attr, type, out.data()), "reading attribute ", name);
+  H5_REQUIRE(H5Aread(attr, type, out.data()), attr_str(obj, name), " cannot be read");
   return out.substr(0, out.find('\0'));
 }
 

@@ -69,24 +69,32 @@ using Group = Id<H5Gclose>;
 using PList = Id<H5Pclose>;
 
 namespace detail {
-[[noreturn]] void fail(const char* expr, const char* file, int line, const std::string& msg);
+[[noreturn]] void fail(ErrorKind kind, const char* expr, const char* file, int line, const std::string& msg);
 }
 
-// Returns `value` (an id or herr_t) when it is non-negative; otherwise throws an internal
-// strata::Error carrying `make_msg()` and HDF5's own message.
+// Returns `value` (an id or herr_t) when it is non-negative; otherwise throws a strata::Error
+// of `kind` carrying `make_msg()` and HDF5's own message.
 template <class T, class MakeMsg>
-T checked(T value, const char* expr, const char* file, int line, MakeMsg&& make_msg) {
+T checked(ErrorKind kind, T value, const char* expr, const char* file, int line, MakeMsg&& make_msg) {
   if (value < 0) [[unlikely]]
-    detail::fail(expr, file, line, make_msg());
+    detail::fail(kind, expr, file, line, make_msg());
   return value;
 }
+
+// Checks, before anything is allocated for it, that dataset `name` of `dims` holds all its
+// bytes in the file: the size (dims x element size) fits int64, a contiguous dataset has its
+// storage allocated inside the file, a chunked one has every chunk written. Input error
+// otherwise ("'<name>' declare ..."): a flipped bit in a dimension or a truncated file must
+// not become an allocation of exabytes or a dataset of fill values.
+void require_stored(hid_t dataset, const Shape& dims, const std::string& name);
 
 // True when `path` (e.g. "model/conv1/weight") names a link under `loc`, checking each
 // component so that a missing group is not an error.
 bool exists(hid_t loc, const std::string& path);
 
-// Dimensions of a dataspace (empty for a scalar).
-Shape dims(hid_t space);
+// Dimensions of a dataspace (empty for a scalar). Input errors, prefixed by `what` (e.g.
+// "'inputs' "), for a damaged one: unreadable, a dimension past int64 or past its maximum.
+Shape dims(hid_t space, const std::string& what = "");
 
 // The HDF5 memory type for a tensor dtype (F32, I32, U8).
 hid_t native_type(DType dtype);
@@ -109,5 +117,12 @@ void write_attr_u32(hid_t obj, const std::string& name, uint32_t value);
 
 // H5_CHECK(expr, msg...): evaluates an HDF5 call and returns its result, throwing
 // strata::Error (internal) with the message and HDF5's own reason when it is negative.
-#define H5_CHECK(expr, ...) \
-  ::strata::io::h5::checked((expr), #expr, __FILE__, __LINE__, [&] { return ::strata::detail::cat(__VA_ARGS__); })
+#define H5_CHECK(expr, ...)                                                                   \
+  ::strata::io::h5::checked(::strata::ErrorKind::Internal, (expr), #expr, __FILE__, __LINE__, \
+                            [&] { return ::strata::detail::cat(__VA_ARGS__); })
+// H5_REQUIRE(expr, msg...): the same for reads of a user's file (dataset shards, token files),
+// where a failure is damage in that file (a failed fletcher32 checksum, a corrupt address, an
+// unreadable attribute): an Input error (exit 2); the caller prefixes the file's name.
+#define H5_REQUIRE(expr, ...)                                                              \
+  ::strata::io::h5::checked(::strata::ErrorKind::Input, (expr), #expr, __FILE__, __LINE__, \
+                            [&] { return ::strata::detail::cat(__VA_ARGS__); })

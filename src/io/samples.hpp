@@ -12,6 +12,13 @@
 
 namespace strata::io {
 
+// The most classes a dataset, or tokens a vocabulary, may have (labels and ids in [0, 2^24)):
+// the count sizes the output layer (2^24 x 1024 features = 64 GiB of f32 weights), and public
+// label sets and vocabularies stay far below it (ImageNet-21k: 21,841 classes; Amazon-3M: 2.8 M;
+// Gemma: 256,000 tokens). A flipped high bit in one label (e.g. 134 M) or a num_classes
+// attribute of 3e9 is refused at open instead of allocated.
+constexpr int64_t kMaxClasses = int64_t{1} << 24;
+
 class Samples {
  public:
   virtual ~Samples() = default;

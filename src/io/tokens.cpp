@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <limits>
+#include <optional>
 
 #include "io/hdf5.hpp"
 #include "io/shards.hpp"
@@ -45,14 +45,15 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
   STRATA_REQUIRE(h5::exists(s.file, "tokens"), "has no dataset 'tokens' (expected a 1-D uint16/uint32 token array)");
   s.tokens = h5::DataSet(H5Dopen2(s.file, "tokens", H5P_DEFAULT));
   STRATA_REQUIRE(s.tokens.valid(), "'tokens' is not a dataset");
-  h5::Type type(H5_CHECK(H5Dget_type(s.tokens), "type of tokens in ", path));
+  h5::Type type(H5_REQUIRE(H5Dget_type(s.tokens), "'tokens' have an unreadable type"));
   const bool unsigned_int = H5Tget_class(type) == H5T_INTEGER && H5Tget_sign(type) == H5T_SGN_NONE;
   STRATA_REQUIRE(unsigned_int && (H5Tget_size(type) == 2 || H5Tget_size(type) == 4), "'tokens' have type ",
                  h5::type_name(type), "; expected uint16 or uint32");
   s.dtype = h5::type_name(type);
-  h5::Space space(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", path));
-  const Shape dims = h5::dims(space);
+  h5::Space space(H5_REQUIRE(H5Dget_space(s.tokens), "'tokens' have an unreadable dataspace"));
+  const Shape dims = h5::dims(space, "'tokens' ");
   STRATA_REQUIRE(dims.size() == 1, "'tokens' have shape ", shape_str(dims), "; expected 1-D [num_tokens]");
+  h5::require_stored(s.tokens, dims, "tokens");
   s.count = dims[0];
   STRATA_REQUIRE(s.count > 0, "is empty: 'tokens' holds 0 tokens");
   if (h5::has_attr(s.file, "num_tokens")) {
@@ -61,8 +62,7 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
   }
 
   const int64_t vocab = int_attr(s.file, "vocab_size");
-  STRATA_REQUIRE(vocab >= 1 && vocab <= std::numeric_limits<int32_t>::max(), "has vocab_size ", vocab, "; expected 1..",
-                 std::numeric_limits<int32_t>::max());
+  STRATA_REQUIRE(vocab >= 1 && vocab <= kMaxClasses, "has vocab_size ", vocab, "; expected 1..", kMaxClasses);
   const int64_t eot = int_attr(s.file, "eot");
   STRATA_REQUIRE(eot >= 0 && eot < vocab, "has eot ", eot, " outside the vocabulary [0, ", vocab, ")");
   STRATA_REQUIRE(h5::has_attr(s.file, "tokenizer"), "has no root attribute 'tokenizer' (byte, bpe or external)");
@@ -77,14 +77,16 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
                    "has tokenizer 'bpe' but no dataset 'tokenizer/merges' (int32 [M, 2])");
     h5::DataSet merges(H5Dopen2(s.file, "tokenizer/merges", H5P_DEFAULT));
     STRATA_REQUIRE(merges.valid(), "'tokenizer/merges' is not a dataset");
-    h5::Type mtype(H5_CHECK(H5Dget_type(merges), "type of merges in ", path));
-    h5::Space mspace(H5_CHECK(H5Dget_space(merges), "space of merges in ", path));
-    const Shape mdims = h5::dims(mspace);
+    h5::Type mtype(H5_REQUIRE(H5Dget_type(merges), "'tokenizer/merges' have an unreadable type"));
+    h5::Space mspace(H5_REQUIRE(H5Dget_space(merges), "'tokenizer/merges' have an unreadable dataspace"));
+    const Shape mdims = h5::dims(mspace, "'tokenizer/merges' ");
     STRATA_REQUIRE(H5Tget_class(mtype) == H5T_INTEGER && mdims.size() == 2 && mdims[1] == 2, "'tokenizer/merges' is ",
                    h5::type_name(mtype), " ", shape_str(mdims), "; expected int32 [M, 2]");
+    h5::require_stored(merges, mdims, "tokenizer/merges");
     std::vector<Merge> m(static_cast<size_t>(mdims[0]));
     if (!m.empty())
-      H5_CHECK(H5Dread(merges, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, m.data()), "reading merges of ", path);
+      H5_REQUIRE(H5Dread(merges, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, m.data()),
+                 "'tokenizer/merges' cannot be read");
     tok = std::make_unique<Tokenizer>(Tokenizer::bpe(std::move(m)));
     STRATA_REQUIRE(vocab == tok->vocab_size() && eot == tok->eot(), "has tokenizer 'bpe' with ", mdims[0],
                    " merges, vocab_size ", vocab, " and eot ", eot, "; expected vocab_size ", tok->vocab_size(),
@@ -159,6 +161,8 @@ TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag
                      t.merges().size(), " merges); all shards must agree");
     }
     impl->begin.push_back(impl->num_tokens);
+    const std::optional<int64_t> total = checked_mul(impl->num_tokens + s.count, 4);  // all shards, as int32
+    STRATA_REQUIRE(total.has_value(), flag, ": '", path, "' brings the token count past 2^61");
     impl->num_tokens += s.count;
     impl->counts.push_back(s.count);
     impl->dtypes.push_back(s.dtype);
@@ -174,15 +178,16 @@ TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag
   std::vector<uint32_t> buf;
   for (size_t k = 0; k < impl->shards.size(); ++k) {
     Shard& s = impl->shards[k];
-    h5::Space fspace(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", s.path));
+    h5::Space fspace(
+        H5_REQUIRE(H5Dget_space(s.tokens), flag, ": '", s.path, "' 'tokens' have an unreadable dataspace"));
     for (int64_t off = 0; off < s.count; off += kScanChunk) {
       const auto n = static_cast<hsize_t>(std::min(kScanChunk, s.count - off));
       const auto start = static_cast<hsize_t>(off);
       H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &n, nullptr), "selecting tokens");
       h5::Space mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
       buf.resize(n);
-      H5_CHECK(H5Dread(s.tokens, H5T_NATIVE_UINT32, mspace, fspace, H5P_DEFAULT, buf.data()), "reading tokens of ",
-               s.path);
+      H5_REQUIRE(H5Dread(s.tokens, H5T_NATIVE_UINT32, mspace, fspace, H5P_DEFAULT, buf.data()), flag, ": '", s.path,
+                 "' 'tokens' cannot be read");
       for (size_t i = 0; i < buf.size(); ++i)
         STRATA_REQUIRE(buf[i] < static_cast<uint64_t>(vocab), flag, ": '", s.path, "' holds token ", buf[i],
                        " at index ", off + static_cast<int64_t>(i), ", >= vocab_size ", vocab);
@@ -230,11 +235,12 @@ void TokenDataset::read_window(int64_t start, int64_t length, int32_t* out) cons
     const int64_t off = start + done - d.begin[k];
     const auto n = static_cast<hsize_t>(std::min(length - done, s.count - off));
     const auto first = static_cast<hsize_t>(off);
-    h5::Space fspace(H5_CHECK(H5Dget_space(s.tokens), "space of tokens in ", s.path));
+    h5::Space fspace(
+        H5_REQUIRE(H5Dget_space(s.tokens), d.flag, ": '", s.path, "' 'tokens' have an unreadable dataspace"));
     H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &first, nullptr, &n, nullptr), "selecting tokens");
     h5::Space mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
-    H5_CHECK(H5Dread(s.tokens, H5T_NATIVE_INT32, mspace, fspace, H5P_DEFAULT, out + done), "reading tokens of ",
-             s.path);
+    H5_REQUIRE(H5Dread(s.tokens, H5T_NATIVE_INT32, mspace, fspace, H5P_DEFAULT, out + done), d.flag, ": '", s.path,
+               "' 'tokens' cannot be read");
     done += static_cast<int64_t>(n);
     ++k;
   }

@@ -7,7 +7,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
+#include <thread>
 
 #include "core/error.hpp"
 #include "layers/loss_scaler.hpp"
@@ -80,28 +82,75 @@ std::string any_to_string(const boost::any& v) {
 
 }  // namespace
 
+// Upper bounds of the numeric options (docs/training.md, "Valid ranges"): far above any real
+// run, low enough that products such as steps x global batch (the loader's sample positions)
+// and the buffers a value sizes (prefetched batches, threads) stay within int64 and memory.
+constexpr int64_t kMaxSteps = int64_t{1} << 36;      // steps and step counts: 6.9e10
+constexpr int64_t kMaxEpochs = int64_t{1} << 20;     // 1,048,576
+constexpr int64_t kMaxBatch = int64_t{1} << 24;      // samples per step: 16,777,216
+constexpr int64_t kMaxRanks = int64_t{1} << 20;      // --world, and --pp, --tp, --virtual-stages
+constexpr int64_t kMaxModelSize = int64_t{1} << 24;  // a width, depth or hidden size
+constexpr int64_t kMaxPrefetch = 64;                 // each prefetched batch is a batch in memory
+constexpr double kMaxBucketMb = 65536;               // 64 GiB per all-reduce bucket
+
+namespace {
+
+// One line naming the flag, the valid range and the value found. NaN fails every comparison,
+// and a finite upper bound refuses inf.
+template <class T>
+void require_in(const char* flag, T value, T lo, T hi) {
+  STRATA_REQUIRE(value >= lo && value <= hi, flag, " must be in [", lo, ", ", hi, "], found ", value);
+}
+
+// The most threads a rank may run: 4 per hardware thread (oversubscription beyond that only
+// slows it down; OpenBLAS allocates a buffer per thread).
+int64_t max_threads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return 4 * static_cast<int64_t>(hw > 0 ? hw : 256);
+}
+
+}  // namespace
+
 void validate(const Config& c) {
-  STRATA_REQUIRE(c.global_batch > 0, "--global-batch must be positive, found ", c.global_batch);
-  STRATA_REQUIRE(c.micro_batch >= 0, "--micro-batch must be positive, found ", c.micro_batch);
-  STRATA_REQUIRE(c.epochs >= 0 && c.steps >= 0, "--epochs and --steps must not be negative");
+  require_in("--global-batch", c.global_batch, int64_t{1}, kMaxBatch);
+  require_in("--micro-batch", c.micro_batch, int64_t{0}, c.global_batch);
+  require_in("--epochs", c.epochs, int64_t{0}, kMaxEpochs);
+  require_in("--steps", c.steps, int64_t{0}, kMaxSteps);
   STRATA_REQUIRE(c.schedule.lr > 0 && std::isfinite(c.schedule.lr), "--lr must be positive and finite, found ",
                  c.schedule.lr);
   STRATA_REQUIRE(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "--momentum must be in [0, 1), found ",
                  c.optimizer.momentum);
   STRATA_REQUIRE(c.optimizer.weight_decay >= 0 && std::isfinite(c.optimizer.weight_decay),
-                 "--weight-decay must not be negative, found ", c.optimizer.weight_decay);
-  STRATA_REQUIRE(c.schedule.warmup_steps >= 0, "--warmup-steps must not be negative, found ", c.schedule.warmup_steps);
+                 "--weight-decay must be finite and >= 0, found ", c.optimizer.weight_decay);
+  require_in("--warmup-steps", c.schedule.warmup_steps, int64_t{0}, kMaxSteps);
+  require_in("--lr-step-size", c.schedule.step_size, int64_t{0}, kMaxSteps);
   STRATA_REQUIRE(c.schedule.gamma > 0 && c.schedule.gamma <= 1, "--lr-gamma must be in (0, 1], found ",
                  c.schedule.gamma);
   STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
                  c.schedule.lr, "], found ", c.schedule.min_lr);
-  STRATA_REQUIRE(c.bench_stage_ms >= 0 && c.bench_stage_ms <= 60000, "--bench-stage-ms must be in [0, 60000], found ",
-                 c.bench_stage_ms);
-  STRATA_REQUIRE(c.clip_grad >= 0, "--clip-grad must not be negative, found ", c.clip_grad);
-  STRATA_REQUIRE(c.threads >= 0, "--threads must not be negative, found ", c.threads);
-  STRATA_REQUIRE(c.log_every > 0, "--log-every must be positive, found ", c.log_every);
-  STRATA_REQUIRE(c.prefetch >= 1, "--prefetch must be at least 1, found ", c.prefetch);
-  STRATA_REQUIRE(c.save_every >= 0 && c.eval_every >= 0, "--save-every and --eval-every must not be negative");
+  require_in("--bench-stage-ms", c.bench_stage_ms, 0.0, 60000.0);
+  STRATA_REQUIRE(c.clip_grad >= 0 && std::isfinite(c.clip_grad), "--clip-grad must be finite and >= 0 (0: off), found ",
+                 c.clip_grad);
+  require_in("--threads", int64_t{c.threads}, int64_t{0}, max_threads());
+  require_in("--log-every", c.log_every, int64_t{1}, kMaxSteps);
+  require_in("--prefetch", int64_t{c.prefetch}, int64_t{1}, kMaxPrefetch);
+  require_in("--save-every", c.save_every, int64_t{0}, kMaxSteps);
+  require_in("--eval-every", c.eval_every, int64_t{0}, kMaxSteps);
+  require_in("--keep", c.keep, int64_t{0}, kMaxSteps);
+  require_in("--pp", int64_t{c.pp}, int64_t{1}, kMaxRanks);
+  require_in("--tp", int64_t{c.tp}, int64_t{1}, kMaxRanks);
+  require_in("--virtual-stages", int64_t{c.virtual_stages}, int64_t{1}, kMaxRanks);
+  require_in("--world", int64_t{c.world}, int64_t{0}, kMaxRanks);
+  require_in("--depth", int64_t{c.model.depth}, int64_t{1}, kMaxModelSize);
+  require_in("--width", int64_t{c.model.width}, int64_t{1}, kMaxModelSize);
+  require_in("--layers", int64_t{c.model.layers}, int64_t{1}, kMaxModelSize);
+  require_in("--heads", int64_t{c.model.heads}, int64_t{1}, kMaxModelSize);
+  require_in("--embed", int64_t{c.model.embed}, int64_t{1}, kMaxModelSize);
+  require_in("--seq-len", int64_t{c.model.seq_len}, int64_t{0}, kMaxModelSize);
+  for (int64_t h : c.model.hidden) require_in("--hidden", h, int64_t{1}, kMaxModelSize);
+  require_in("--debug-fail-step", c.debug_fail_step, int64_t{-1}, kMaxSteps);
+  require_in("--debug-fail-rank", int64_t{c.debug_fail_rank}, int64_t{-1}, kMaxRanks);
+  require_in("--debug-overflow-step", c.debug_overflow_step, int64_t{-1}, kMaxSteps);
   STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
                  c.optimizer.name, "'");
   STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
@@ -110,30 +159,30 @@ void validate(const Config& c) {
                  "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
   STRATA_REQUIRE(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
                  "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
-  STRATA_REQUIRE(c.optimizer.eps > 0, "--eps must be positive, found ", c.optimizer.eps);
+  STRATA_REQUIRE(c.optimizer.eps > 0 && c.optimizer.eps <= 1, "--eps must be in (0, 1], found ", c.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
   STRATA_REQUIRE(c.model.recompute == "none" || c.model.recompute == "block" || c.model.recompute == "full",
                  "--recompute must be none, block or full, found '", c.model.recompute, "'");
   STRATA_REQUIRE(c.model.recompute == "none" || layers::is_language_model(c.model), "--recompute ", c.model.recompute,
                  " applies to the gpt models' transformer blocks; --model ", c.model.name,
                  " runs with --recompute none");
-  STRATA_REQUIRE(c.keep >= 0, "--keep must not be negative, found ", c.keep);
   STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
-  STRATA_REQUIRE(c.bucket_mb > 0, "--bucket-mb must be positive, found ", c.bucket_mb);
-  STRATA_REQUIRE(c.world >= 0, "--world must not be negative, found ", c.world);
+  STRATA_REQUIRE(c.bucket_mb > 0 && c.bucket_mb <= kMaxBucketMb, "--bucket-mb must be in (0, ", kMaxBucketMb,
+                 "], found ", c.bucket_mb);
   STRATA_REQUIRE(c.world == 0 || c.dry_run, "--world ", c.world,
                  " plans a layout without launching it: it needs --dry-run");
   STRATA_REQUIRE(!c.plan || c.dry_run, "--plan searches layouts without launching them: it needs --dry-run");
-  STRATA_REQUIRE(std::isfinite(c.plan_tflops) && c.plan_tflops >= 0,
-                 "--plan-tflops must be a rate >= 0 (0: measure), found ", c.plan_tflops);
-  STRATA_REQUIRE(std::isfinite(c.plan_gbps) && c.plan_gbps > 0, "--plan-gbps must be a bandwidth > 0, found ",
-                 c.plan_gbps);
-  STRATA_REQUIRE(c.model.vocab >= 0, "--vocab must not be negative, found ", c.model.vocab);
+  require_in("--plan-tflops", c.plan_tflops, 0.0, 1e6);  // 0: measure
+  require_in("--plan-gbps", c.plan_gbps, 1e-3, 1e6);
+  require_in("--vocab", int64_t{c.model.vocab}, int64_t{0}, int64_t{std::numeric_limits<int32_t>::max()});
   // parallel::select_device checks this too; here it is found before any communicator exists.
   STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
                  "--comm nccl needs --device cuda (NCCL moves GPU memory); use --comm mpi or auto with --device cpu");
+  STRATA_REQUIRE(std::isfinite(c.loss_scale_init) && c.loss_scale_init > 0,
+                 "--loss-scale-init must be finite and > 0, found ", c.loss_scale_init);
+  require_in("--loss-scale-window", c.loss_scale_window, int64_t{1}, kMaxSteps);
   // --loss-scale, --loss-scale-init and --loss-scale-window, as the trainer's scaler reads them.
   layers::LossScaler::from_flags(c.loss_scale, precision_name(c.precision), c.loss_scale_init, c.loss_scale_window);
   if (c.eval_only) {
@@ -148,6 +197,7 @@ void validate(const Config& c) {
 std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help) {
   Config c;
   std::string hidden = "1024,1024", config_file;
+  int64_t seed = 0;  // read signed, so that -1 is refused rather than wrapped to 2^64 - 1
   // Enumerated options, read as text and parsed below.
   std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32", device_memory = "0";
   po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
@@ -188,7 +238,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("lr-gamma", po::value(&c.schedule.gamma)->default_value(0.1f), "step schedule: decay factor")
     ("min-lr", po::value(&c.schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
     ("clip-grad", po::value(&c.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
-    ("seed", po::value(&c.seed)->default_value(0), "seed of initialisation, shuffling and dropout")
+    ("seed", po::value(&seed)->default_value(0), "seed of initialisation, shuffling and dropout")
     ("shuffle", po::value(&c.shuffle)->default_value(true), "shuffle the training data every epoch")
     ("threads", po::value(&c.threads)->default_value(0), "threads per rank (0: cores / ranks on the node)")
     ("checkpoint-dir", po::value(&c.checkpoint_dir), "write HDF5 checkpoints here")
@@ -262,6 +312,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   }
 
   c.model.hidden = parse_int_list(hidden, "--hidden");
+  STRATA_REQUIRE(seed >= 0, "--seed must be in [0, 2^63 - 1], found ", seed);
+  c.seed = static_cast<uint64_t>(seed);
   // The lower layers' parsers: one-line Input errors naming the flag and the accepted values.
   c.device = parallel::parse_device_kind(device);
   c.comm = parallel::parse_transport(comm, c.device);

@@ -1,7 +1,8 @@
 // train: the Strata training program. `mpirun -np N train --config FILE [flags]`.
 // Setup errors are agreed on by all ranks and reported once (exit 2 for bad input); an error
 // during training is reported by the rank that hit it and ends the whole job. SIGTERM, SIGUSR1
-// or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted).
+// or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted); a
+// second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal).
 #include <cmath>
 #include <memory>
 #include <optional>

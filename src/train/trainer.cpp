@@ -1,5 +1,7 @@
 #include "train/trainer.hpp"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -34,7 +36,18 @@ std::string format_duration(double seconds) {
 // Set by the preemption handlers; read at step boundaries. sig_atomic_t: async-signal-safe.
 volatile std::sig_atomic_t g_stop_signal = 0;
 
-extern "C" void on_preemption_signal(int signal) { g_stop_signal = signal; }
+// A second SIGINT or SIGTERM while a stop is pending means the graceful stop takes too long (a
+// save stuck in I/O, a rank that never reaches the step boundary): leave at once, with one line
+// by write(2) and _exit, the async-signal-safe calls. The last committed checkpoint stays intact
+// (saves are atomic). A repeated SIGUSR1 (Slurm's warning) keeps waiting for the save.
+extern "C" void on_preemption_signal(int signal) {
+  if (g_stop_signal != 0 && signal != SIGUSR1) {
+    static const char kLine[] = "error: a second stop signal: exiting at once, without saving (exit code 4)\n";
+    [[maybe_unused]] const ssize_t ignored = write(STDERR_FILENO, kLine, sizeof kLine - 1);
+    _exit(kExitSecondSignal);
+  }
+  g_stop_signal = signal;
+}
 
 }  // namespace
 
@@ -133,6 +146,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     sampler_ =
         std::make_unique<io::EpochSampler>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
     const int64_t per_epoch = sampler_->steps_per_epoch();
+    // Sample positions (epoch x samples) stay within int64 for any run: a multi-exabyte token
+    // file read for 2^20 epochs would not.
+    STRATA_REQUIRE(checked_mul(config_.epochs + 1, train_data_->size() + config_.global_batch), "--epochs ",
+                   config_.epochs, " over ", train_data_->size(), " samples overflows 64-bit sample positions");
     total_steps_ = config_.steps > 0 ? config_.steps : config_.epochs * per_epoch;
     if (config_.steps > 0 && config_.epochs > 0) total_steps_ = std::min(config_.steps, config_.epochs * per_epoch);
     config_.schedule.total_steps = total_steps_;  // cosine decays over the whole run

@@ -35,13 +35,17 @@ namespace strata::train {
 // Exit code of a run stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint: a batch
 // script requeues the job, which continues with --resume auto (docs/checkpoints.md).
 constexpr int kExitPreempted = 3;
+// Exit code of a run stopped by a second SIGTERM or SIGINT before the first one's save was done
+// (nothing saved by this run after its last checkpoint; --resume auto continues from that one).
+constexpr int kExitSecondSignal = 4;
 
 // How train() ended. Diverged: a step's loss was not finite; nothing after the last checkpoint
 // was saved, and every rank exits 1.
 enum class TrainEnd { Finished, Preempted, Diverged };
 
 // Installs async-signal-safe handlers for SIGTERM, SIGUSR1 and SIGINT that only set a flag;
-// train() acts on it at the next step boundary.
+// train() acts on it at the next step boundary. A second SIGTERM or SIGINT exits at once
+// (kExitSecondSignal).
 void install_preemption_handlers();
 
 struct EvalResult {

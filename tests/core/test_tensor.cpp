@@ -1,6 +1,8 @@
 // Tensor: shapes, views sharing storage, copies, and the checks on misuse.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "core/tensor.hpp"
 
 using namespace strata;
@@ -51,4 +53,29 @@ TEST(Tensor, MisuseThrows) {
   EXPECT_THROW(t.dim(2), Error);
   EXPECT_THROW(Tensor().raw(), Error);
   EXPECT_THROW(t.copy_from(Tensor::zeros({3})), Error);
+}
+
+// Sizes declared by files: a wrapped product must never pass for a small one.
+TEST(Tensor, CheckedSizes) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(checked_mul(3, 4), 12);
+  EXPECT_EQ(checked_mul(max, 1), max);
+  EXPECT_EQ(checked_mul(max / 2 + 1, 2), std::nullopt);
+  EXPECT_EQ(checked_mul(-1, 2), std::nullopt);
+  EXPECT_EQ(checked_numel({2, 3, 4}, 4), 96);
+  EXPECT_EQ(checked_numel({}), 1);
+  EXPECT_EQ(checked_numel({5, 0, max}), 0);
+  // The adversarial dataset of issue #19: wrapped to 1 value per sample before.
+  EXPECT_EQ(checked_numel({2, 4294967295, 4294967297, 4294967295, 4294967297}), std::nullopt);
+  EXPECT_EQ(checked_numel({int64_t{1} << 31, int64_t{1} << 31}, 4), std::nullopt);  // 2^64 bytes
+  EXPECT_EQ(checked_numel({3, -1}), std::nullopt);
+  // Shapes built by code: a bug, an internal error.
+  try {
+    shape_numel({4294967297, 4294967297});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Internal);
+  }
+  EXPECT_THROW(Tensor::empty({int64_t{1} << 62, 4}), Error);  // 2^64 elements
+  EXPECT_THROW(Tensor::empty({int64_t{1} << 62}), Error);     // 2^64 bytes of f32
 }

@@ -8,16 +8,18 @@ stderr naming what was expected and what was found, no crash or traceback.
 
 The cases live by topic in cases_cli.py (command line, bad inputs, divergence, rank failure),
 cases_parallel.py (DDP, pipeline, ZeRO), cases_checkpoint.py (resume, bad checkpoints,
-preemption, export), cases_checkpoint_validation.py (manifests, fallback, the directory lock), cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
+preemption, export), cases_checkpoint_validation.py (manifests, fallback, the directory lock),
+cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
-(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute) and cases_memory.py
-(--device-memory), on the helpers
+(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute), cases_memory.py
+(--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
 import cases_checkpoint
 import cases_checkpoint_validation
 import cases_cli
+import cases_data
 import cases_gpt
 import cases_memory
 import cases_parallel
@@ -27,5 +29,6 @@ import cases_tensor_parallel
 import harness
 
 if __name__ == "__main__":
-    harness.main([cases_cli, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_accuracy, cases_gpt, cases_sample,
+    harness.main([cases_cli, cases_data, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_accuracy,
+                  cases_gpt, cases_sample,
                   cases_tensor_parallel, cases_recompute, cases_memory])

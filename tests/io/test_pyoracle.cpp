@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "io/dataset.hpp"
 #include "io_test_util.hpp"
 
@@ -42,6 +43,23 @@ TEST_P(PyOracle, MatchesNumpy) {
   for (size_t i = 0; i < want_x.size(); ++i)
     ASSERT_NEAR(x.data<float>()[i], want_x[i], 1e-5f * (1 + std::abs(want_x[i]))) << "element " << i;
   for (size_t b = 0; b < want_y.size(); ++b) EXPECT_EQ(y.data<int32_t>()[b], want_y[b]);
+}
+
+// Damage found while training (data read per batch): an Input error naming the flag, the file
+// and the dataset, not an internal one; batches that avoid the damaged chunk still read.
+TEST(PyOracleDamaged, ChunkChecksumFailsWhenRead) {
+  const char* dir = std::getenv("STRATA_PYDATA_DIR");
+  if (!dir) GTEST_SKIP() << "STRATA_PYDATA_DIR not set";
+  const std::string path = std::string(dir) + "/damaged/chunks.h5";
+  Dataset ds = Dataset::open(path, "--data", {0});
+  ASSERT_FALSE(ds.in_memory());
+  Shape xs{2};
+  xs.insert(xs.end(), ds.info().sample_shape.begin(), ds.info().sample_shape.end());
+  Tensor x = Tensor::empty(xs), y = Tensor::empty({2}, DType::I32);
+  const std::vector<int64_t> good{0, 15}, bad{3, 9};
+  EXPECT_NO_THROW(ds.read(good, x, y));
+  test::expect_input_error([&] { ds.read(bad, x, y); },
+                           {"--data: '", "chunks.h5' 'inputs' cannot be read", "Fletcher32"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, PyOracle, ::testing::Combine(::testing::Values("u8", "f32"), ::testing::Bool()));

@@ -190,34 +190,34 @@ TEST(Config, BadEnumsAreOneLineInputErrors) {
 
 TEST(Config, ValidateRules) {
   const std::vector<std::pair<Args, std::string>> cases = {
-      {{"--bucket-mb", "0"}, "--bucket-mb must be positive, found 0"},
-      {{"--bucket-mb=-1"}, "--bucket-mb must be positive, found -1"},
+      {{"--bucket-mb", "0"}, "--bucket-mb must be in (0, 65536], found 0"},
+      {{"--bucket-mb=-1"}, "--bucket-mb must be in (0, 65536], found -1"},
       {{"--zero", "4"}, "--zero must be 0, 1, 2 or 3, found 4"},
       {{"--zero=-1"}, "--zero must be 0, 1, 2 or 3, found -1"},
       {{"--comm", "nccl"}, "--comm nccl needs --device cuda (NCCL moves GPU memory)"},
       {{"--loss-scale", "big"}, "--loss-scale must be auto, dynamic, none or a positive number, found 'big'"},
       {{"--loss-scale", "0"}, "--loss-scale must be auto, dynamic, none or a positive number, found '0'"},
-      {{"--precision", "fp16", "--loss-scale-window", "0"}, "--loss-scale-window must be positive, found 0"},
-      {{"--loss-scale", "dynamic", "--loss-scale-init", "0"}, "the loss scale must be a positive number, found 0"},
-      {{"--global-batch", "0"}, "--global-batch must be positive, found 0"},
-      {{"--micro-batch=-1"}, "--micro-batch must be positive, found -1"},
+      {{"--precision", "fp16", "--loss-scale-window", "0"}, "--loss-scale-window must be in [1, 68719476736], found 0"},
+      {{"--loss-scale", "dynamic", "--loss-scale-init", "0"}, "--loss-scale-init must be finite and > 0, found 0"},
+      {{"--global-batch", "0"}, "--global-batch must be in [1, 16777216], found 0"},
+      {{"--micro-batch=-1"}, "--micro-batch must be in [0, 64], found -1"},
       {{"--lr", "0"}, "--lr must be positive and finite, found 0"},
       {{"--momentum", "1"}, "--momentum must be in [0, 1), found 1"},
-      {{"--weight-decay=-0.5"}, "--weight-decay must not be negative, found -0.5"},
-      {{"--warmup-steps=-1"}, "--warmup-steps must not be negative, found -1"},
+      {{"--weight-decay=-0.5"}, "--weight-decay must be finite and >= 0, found -0.5"},
+      {{"--warmup-steps=-1"}, "--warmup-steps must be in [0, 68719476736], found -1"},
       {{"--lr-gamma", "2"}, "--lr-gamma must be in (0, 1], found 2"},
       {{"--min-lr", "1"}, "--min-lr must be in [0, --lr 0.05], found 1"},
       {{"--bench-stage-ms=-1"}, "--bench-stage-ms must be in [0, 60000], found -1"},
-      {{"--clip-grad=-1"}, "--clip-grad must not be negative, found -1"},
-      {{"--threads=-1"}, "--threads must not be negative, found -1"},
-      {{"--log-every", "0"}, "--log-every must be positive, found 0"},
-      {{"--prefetch", "0"}, "--prefetch must be at least 1, found 0"},
-      {{"--save-every=-1"}, "--save-every and --eval-every must not be negative"},
+      {{"--clip-grad=-1"}, "--clip-grad must be finite and >= 0 (0: off), found -1"},
+      {{"--threads=-1"}, "--threads must be in [0, "},
+      {{"--log-every", "0"}, "--log-every must be in [1, 68719476736], found 0"},
+      {{"--prefetch", "0"}, "--prefetch must be in [1, 64], found 0"},
+      {{"--save-every=-1"}, "--save-every must be in [0, 68719476736], found -1"},
       {{"--lr-schedule", "step"}, "--lr-schedule step needs --lr-step-size > 0, found 0"},
       {{"--beta1", "1"}, "--beta1 and --beta2 must be in [0, 1), found 1 and 0.999"},
-      {{"--eps", "0"}, "--eps must be positive, found 0"},
+      {{"--eps", "0"}, "--eps must be in (0, 1], found 0"},
       {{"--dropout", "1"}, "--dropout must be in [0, 1), found 1"},
-      {{"--keep=-1"}, "--keep must not be negative, found -1"},
+      {{"--keep=-1"}, "--keep must be in [0, 68719476736], found -1"},
       {{"--resume", "auto"}, "--resume auto needs --checkpoint-dir"},
       {{"--resume", "ck.h5", "--init-from", "a.h5"}, "give --resume or --init-from, not both"},
       {{"--hidden", "64,x"},
@@ -228,10 +228,63 @@ TEST(Config, ValidateRules) {
   for (const auto& [args, part] : cases) expect_rejected_with_data(args, part);
 }
 
+// Every numeric option has a range (docs/training.md): each violation is one line naming the
+// flag, the range and the value, by class: not finite, negative, zero, past the upper bound.
+TEST(Config, NumericRanges) {
+  const std::vector<std::pair<Args, std::string>> cases = {
+      // Not finite (inf, nan): a float flag's bound must refuse them.
+      {{"--eps", "inf"}, "--eps must be in (0, 1], found inf"},
+      {{"--eps", "nan"}, "--eps must be in (0, 1], found nan"},
+      {{"--lr", "inf"}, "--lr must be positive and finite, found inf"},
+      {{"--clip-grad", "inf"}, "--clip-grad must be finite and >= 0 (0: off), found inf"},
+      {{"--weight-decay", "inf"}, "--weight-decay must be finite and >= 0, found inf"},
+      {{"--bucket-mb", "inf"}, "--bucket-mb must be in (0, 65536], found inf"},
+      {{"--loss-scale-init", "inf"}, "--loss-scale-init must be finite and > 0, found inf"},
+      {{"--bench-stage-ms", "nan"}, "--bench-stage-ms must be in [0, 60000], found nan"},
+      {{"--dropout", "nan"}, "--dropout must be in [0, 1), found nan"},
+      // Negative where only >= 0 makes sense (a signed read: no wrap to 2^64 - 1).
+      {{"--seed=-1"}, "--seed must be in [0, 2^63 - 1], found -1"},
+      {{"--epochs=-1"}, "--epochs must be in [0, 1048576], found -1"},
+      {{"--eval-every=-1"}, "--eval-every must be in [0, 68719476736], found -1"},
+      {{"--lr-step-size=-1"}, "--lr-step-size must be in [0, 68719476736], found -1"},
+      {{"--world=-1"}, "--world must be in [0, 1048576], found -1"},
+      {{"--vocab=-1"}, "--vocab must be in [0, 2147483647], found -1"},
+      {{"--seq-len=-1"}, "--seq-len must be in [0, 16777216], found -1"},
+      {{"--debug-fail-step=-2"}, "--debug-fail-step must be in [-1, 68719476736], found -2"},
+      // Zero where at least one is needed.
+      {{"--pp", "0"}, "--pp must be in [1, 1048576], found 0"},
+      {{"--tp", "0"}, "--tp must be in [1, 1048576], found 0"},
+      {{"--layers", "0"}, "--layers must be in [1, 16777216], found 0"},
+      {{"--heads", "0"}, "--heads must be in [1, 16777216], found 0"},
+      {{"--embed", "0"}, "--embed must be in [1, 16777216], found 0"},
+      {{"--width", "0"}, "--width must be in [1, 16777216], found 0"},
+      {{"--depth", "0"}, "--depth must be in [1, 16777216], found 0"},
+      // Past the upper bound (the adversarial run's --threads 100000 and --prefetch 100000000).
+      {{"--threads", "100000"}, "--threads must be in [0, "},
+      {{"--prefetch", "100000000"}, "--prefetch must be in [1, 64], found 100000000"},
+      {{"--global-batch", "16777217"}, "--global-batch must be in [1, 16777216], found 16777217"},
+      {{"--micro-batch", "65"}, "--micro-batch must be in [0, 64], found 65"},
+      {{"--epochs", "1048577"}, "--epochs must be in [0, 1048576], found 1048577"},
+      {{"--eps", "2"}, "--eps must be in (0, 1], found 2"},
+      {{"--bucket-mb", "1e9"}, "--bucket-mb must be in (0, 65536], found 1e+09"},
+      {{"--hidden", "16,100000000"}, "--hidden must be in [1, 16777216], found 100000000"},
+      {{"--schedule", "interleaved", "--pp", "2", "--virtual-stages", "2000000"},
+       "--virtual-stages must be in [1, 1048576], found 2000000"},
+  };
+  for (const auto& [args, part] : cases) expect_rejected_with_data(args, part);
+  expect_rejected({"--data", "t.h5", "--steps", "68719476737"},
+                  "--steps must be in [0, 68719476736], found 68719476737");
+  // The bounds themselves are accepted.
+  const Config c = parse_valid({"--prefetch", "64", "--seed", "9223372036854775807", "--eps", "1", "--global-batch",
+                                "16777216", "--threads", "0"});
+  EXPECT_EQ(c.seed, uint64_t{9223372036854775807u});
+  EXPECT_EQ(c.prefetch, 64);
+}
+
 TEST(Config, RequiredOptions) {
   expect_rejected({"--steps", "1"}, "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
   expect_rejected({"--data", "train.h5"}, "give --epochs or --steps (how long to train)");
-  expect_rejected({"--data", "train.h5", "--steps=-1"}, "--epochs and --steps must not be negative");
+  expect_rejected({"--data", "train.h5", "--steps=-1"}, "--steps must be in [0, 68719476736], found -1");
   EXPECT_TRUE(parse({"--data", "train.h5", "--dry-run"}).has_value());
   EXPECT_TRUE(parse({"--eval-only", "--init-from", "ck.h5", "--val-data", "val.h5"}).has_value());
   expect_rejected({"--steps", "1", "--bogus", "1"}, "(see --help)");

@@ -75,6 +75,10 @@ bad(["--images", "magic"], "convert-idx", "--images", labels, "--labels", labels
 bad(["--images", "cannot open"], "convert-idx", "--images", "/nope.gz", "--labels", labels, "--out", work + "/x")
 bad(["classes"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4")
 bad(["--shape"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4,x", "--classes", "2")
+bad(["--samples 4294967297 of --shape 4294967297,4294967297 need more than 2^63 bytes"], "synthetic", "--out", prefix,
+    "--samples", "4294967297", "--shape", "4294967297,4294967297", "--classes", "2")
+bad(["--classes: expected 2..16777216, found 30000000"], "synthetic", "--out", prefix, "--samples", "10", "--shape", "4",
+    "--classes", "30000000")
 bad(["unknown command"], "frobnicate")
 # --stats-from: a split normalised with another dataset's statistics (a test split with its
 # training split's); the values themselves are unchanged.

@@ -31,6 +31,20 @@ with h5py.File(os.path.join(out, "f32", "feat.h5"), "w") as f:
     f.create_dataset("inputs", data=xf)
     f.create_dataset("labels", data=yf)
 
+# A fletcher32-checked file whose third chunk (samples 8..11) has a flipped byte: opening
+# without loading succeeds, reading a batch that touches the chunk is an Input error.
+os.makedirs(os.path.join(out, "damaged"), exist_ok=True)
+damaged = os.path.join(out, "damaged", "chunks.h5")
+with h5py.File(damaged, "w") as f:
+    f.create_dataset("inputs", data=x[:16], chunks=(4,) + shape, fletcher32=True)
+    f.create_dataset("labels", data=y[:16])
+    offset = f["inputs"].id.get_chunk_info(2).byte_offset
+with open(damaged, "r+b") as f:
+    f.seek(offset + 5)
+    byte = f.read(1)[0]
+    f.seek(offset + 5)
+    f.write(bytes([byte ^ 0xFF]))
+
 idx_u8 = np.array([49, 0, 22, 23, 24, 7, 7, 31], np.int64)
 idx_f32 = np.array([29, 3, 4, 5, 0], np.int64)
 expect_u8 = (x[idx_u8].astype(np.float64) * scale - mean[None, :, None, None]) / std[None, :, None, None]

@@ -1,0 +1,198 @@
+"""Damaged and adversarial data files and out-of-range flags (issue #19, items 5 and 6): each is
+refused before anything is allocated for it, with exit code 2 and one line naming the file and
+the dataset (or the flag); a second SIGTERM stops a run at once. The files are small: their
+declared shapes are what matter."""
+import os
+import re
+import signal
+import struct
+import subprocess
+import time
+
+import h5py
+import numpy as np
+
+from harness import MPI_ENV, expect_bad_input, run, write_dataset
+
+MLP = ["--model", "mlp", "--hidden", "16", "--steps", "2", "--global-batch", "8", "--threads", "1"]
+GPT = ["--model", "gpt", "--layers", "1", "--heads", "2", "--embed", "16", "--seq-len", "8", "--steps", "2",
+       "--global-batch", "8", "--threads", "1"]
+
+
+def small_inputs(f, n=16):
+    f.create_dataset("inputs", data=np.zeros((n, 1, 6, 6), np.uint8))
+
+
+def write_bad_files(w):
+    """{name: (path, pattern its one line must match)}."""
+    files = {}
+
+    def add(name, pattern, write):
+        path = os.path.join(w, name + ".h5")
+        with h5py.File(path, "w") as f:
+            write(f)
+        files[name] = (path, pattern)
+        return path
+
+    # The adversarial run's shape: its product wraps to 1 value per sample in 64 bits.
+    shape = (2, 4294967295, 4294967297, 4294967295, 4294967297)
+    add("overflow", r"overflow\.h5' 'inputs' declare shape \[2, 4294967295, 4294967297, 4294967295, 4294967297\] "
+        r"whose size in bytes overflows 64 bits",
+        lambda f: (f.create_dataset("inputs", shape=shape, dtype=np.uint8, chunks=(1,) * 5),
+                   f.create_dataset("labels", data=np.array([0, 1]))))
+    # Huge but representable: 2^50 bytes declared in chunks, none written; and 2^44 bytes
+    # contiguous, never allocated (labels of 2^24 samples would be 128 MiB of fill values).
+    add("huge-chunked", r"huge-chunked\.h5' 'inputs' declare shape \[1048576, 1048576, 1024\] in chunks of "
+        r"\[1, 1, 1024\] but the file holds 0 of its 1099511627776 chunks",
+        lambda f: (f.create_dataset("inputs", shape=(1 << 20, 1 << 20, 1024), dtype=np.uint8, chunks=(1, 1, 1024)),
+                   f.create_dataset("labels", shape=(1 << 20,), dtype=np.int64, chunks=(1024,))))
+    add("huge-contiguous", r"huge-contiguous\.h5' 'inputs' declare shape \[16777216, 1048576\] \(17592186044416 "
+        r"bytes\) but the file holds none of them",
+        lambda f: (f.create_dataset("inputs", shape=(1 << 24, 1 << 20), dtype=np.uint8),
+                   f.create_dataset("labels", shape=(1 << 24,), dtype=np.int64)))
+
+    # A flipped bit 27 in one label: 134 M classes.
+    def flipped_label(f):
+        small_inputs(f)
+        labels = np.arange(16) % 4
+        labels[5] |= 1 << 27
+        f.create_dataset("labels", data=labels)
+    add("classes-134m", r"classes-134m\.h5' label 134217729 at index 5 of 'labels' is out of range; expected a "
+        r"class index in \[0, 16777215\]", flipped_label)
+
+    def classes_3e9(f):
+        small_inputs(f)
+        f.create_dataset("labels", data=np.arange(16) % 4).attrs["num_classes"] = 3e9
+    add("classes-3e9", r"classes-3e9\.h5' 'labels' attribute num_classes should be one integer in \[1, 16777216\], "
+        r"found 3e\+09", classes_3e9)
+
+    def empty_attr(f):
+        small_inputs(f)
+        f.create_dataset("labels", data=np.arange(16) % 4)
+        f["inputs"].attrs["scale"] = h5py.Empty("f4")
+    add("empty-attribute", r"empty-attribute\.h5' attribute 'scale' of '/inputs' is empty", empty_attr)
+
+    # A byte of the second chunk flipped after writing: its fletcher32 checksum fails.
+    def checksummed(f):
+        x = (np.arange(16 * 36) % 251).astype(np.uint8).reshape(16, 1, 6, 6)
+        f.create_dataset("inputs", data=x, chunks=(4, 1, 6, 6), fletcher32=True)
+        f.create_dataset("labels", data=np.arange(16) % 4)
+    path = add("fletcher32", r"fletcher32\.h5' 'inputs' cannot be read \(data error detected by Fletcher32 checksum\)",
+               checksummed)
+    with h5py.File(path, "r") as f:
+        offset = f["inputs"].id.get_chunk_info(1).byte_offset
+    with open(path, "r+b") as f:
+        f.seek(offset + 3)
+        byte = f.read(1)[0]
+        f.seek(offset + 3)
+        f.write(bytes([byte ^ 0xFF]))
+
+    # The data address moved past the end of the file; a maximum dimension below the current one.
+    def contiguous(f):
+        small_inputs(f)
+        f.create_dataset("labels", data=np.arange(16) % 4)
+    path = add("bad-address", r"bad-address\.h5' 'inputs' declare shape \[16, 1, 6, 6\] \(576 bytes\) at address "
+               r"\d+ but the file ends at \d+", contiguous)
+    with h5py.File(path, "r") as f:
+        offset = f["inputs"].id.get_offset()
+    replace_first(path, struct.pack("<Q", offset), struct.pack("<Q", offset + 100000))
+    path = add("beyond-maximum", r"beyond-maximum\.h5' 'inputs' has dimension 0 of 16 beyond its declared maximum 3",
+               lambda f: (f.create_dataset("inputs", data=np.zeros((16, 1, 6, 6), np.uint8), chunks=(4, 1, 6, 6),
+                                           maxshape=(77, 1, 6, 6)),
+                          f.create_dataset("labels", data=np.arange(16) % 4)))
+    replace_first(path, struct.pack("<Q", 77), struct.pack("<Q", 3))
+    return files
+
+
+def replace_first(path, old, new):
+    """Overwrites the first occurrence of the bytes `old` in the file (an address or a
+    dimension in an object header)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.find(old)
+        assert at >= 0, f"{old!r} not in {path}"
+        f.seek(at)
+        f.write(new)
+
+
+def case_data_bad_shapes(args):
+    w = args.workdir
+    for name, (path, pattern) in write_bad_files(w).items():
+        start = time.monotonic()
+        expect_bad_input(args, MLP + ["--data", path], r"^error: --data: '.*" + pattern)
+        elapsed = time.monotonic() - start
+        assert elapsed < 15, f"{name}: {elapsed:.1f} s"
+        # strata-data inspect opens the same way: one line, exit 2.
+        rc, out, err = run(args, [args.data_tool, "inspect", path])
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert rc == 2 and len(lines) == 1 and re.search(pattern, lines[0]), f"inspect {name}: rc {rc}\n{err}"
+        print(f"{name}: exit 2 in {elapsed:.2f} s: {lines[0]}")
+    # Every rank of a 2-rank job agrees: exit 2, one line.
+    path, pattern = write_bad_files(w)["overflow"]
+    expect_bad_input(args, MLP + ["--data", path], pattern, ranks=2)
+
+    # A token file that declares 2^40 tokens and stores none.
+    tokens = os.path.join(w, "huge-tokens.h5")
+    with h5py.File(tokens, "w") as f:
+        f.create_dataset("tokens", shape=(1 << 40,), dtype=np.uint16, chunks=(1 << 16,))
+        f.attrs.update({"kind": "tokens", "vocab_size": 257, "eot": 256, "tokenizer": "byte"})
+    expect_bad_input(args, GPT + ["--data", tokens],
+                     r"huge-tokens\.h5' 'tokens' declare shape \[1099511627776\] in chunks of \[65536\] but the file "
+                     r"holds 0 of its 16777216 chunks")
+
+    # A vocabulary of 2^31 - 1 ids (the output layer of a GPT would be 2^31 x embed).
+    vocab = os.path.join(w, "huge-vocab.h5")
+    with h5py.File(vocab, "w") as f:
+        f.create_dataset("tokens", data=np.arange(64, dtype=np.uint32))
+        f.attrs.update({"kind": "tokens", "vocab_size": 2**31 - 1, "eot": 0, "tokenizer": "external"})
+    expect_bad_input(args, GPT + ["--data", vocab], r"huge-vocab\.h5' has vocab_size 2147483647; expected 1\.\.16777216")
+
+    # inspect prints the first 50 classes, then one line for the rest.
+    many = write_dataset(os.path.join(w, "sixty-classes.h5"), n=120, shape=(1, 6, 6),
+                         labels=list(range(55)) * 2 + list(range(10)))
+    rc, out, err = run(args, [args.data_tool, "inspect", many])
+    assert rc == 0, err
+    assert "classes:       55" in out and "  0: 3\n" in out and "  49: 2\n" in out and "  50:" not in out, out
+    assert "  ... 5 more classes (5 of them with samples)" in out, out
+
+
+def case_flag_ranges(args):
+    """The adversarial run's flags: accepted before (--eps inf, --seed -1) or refused without
+    naming the flag (--threads 100000, --prefetch 100000000)."""
+    good = write_dataset(os.path.join(args.workdir, "flags.h5"), n=64)
+    base = [f for f in MLP if f not in ("--threads", "1")] + ["--data", good]
+    expect_bad_input(args, base + ["--optimizer", "adamw", "--eps", "inf"], r"--eps must be in \(0, 1\], found inf")
+    expect_bad_input(args, base + ["--seed=-1"], r"--seed must be in \[0, 2\^63 - 1\], found -1")
+    expect_bad_input(args, base + ["--threads", "100000"], r"--threads must be in \[0, \d+\], found 100000")
+    expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\], found 100000000")
+    expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\]", ranks=2)
+
+
+def case_second_signal(args):
+    """A first SIGTERM asks for a save at the next step boundary; a second one while that is
+    pending exits at once with code 4 and one line. Each step here takes 1.5 s
+    (--bench-stage-ms 500 sleeps 0.5 s in forward and 1 s in backward), so the run is mid-step
+    when both signals arrive and only the second-signal path can end it within 0.5 s."""
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "signal.h5"), n=64)
+    ck = os.path.join(w, "ck-signal")
+    cmd = [args.train, "--model", "mlp", "--hidden", "16", "--threads", "1", "--data", data, "--steps", "100", "--global-batch", "8",
+                                     "--bench-stage-ms", "500", "--log-every", "1", "--checkpoint-dir", ck]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, **MPI_ENV))
+    for line in p.stdout:  # the first step is under way once the plan is printed
+        if line.startswith("data:"):
+            break
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    start = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert p.returncode == 4, f"exit code {p.returncode}\n{out}\n{err}"
+    assert lines == ["error: a second stop signal: exiting at once, without saving (exit code 4)"], err
+    assert elapsed < 0.5, f"exited {elapsed:.2f} s after the second signal"
+    assert not os.path.exists(os.path.join(ck, "latest")), os.listdir(ck)
+    print(f"second SIGTERM: exit 4 after {elapsed * 1000:.0f} ms, nothing saved")
