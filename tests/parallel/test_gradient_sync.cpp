@@ -136,8 +136,12 @@ TEST(Ring, SlotsSinceAWrapAreDisjointAndKeepFlatOrder) {
       EXPECT_LE(s.offset + s.end - s.begin, ring);
       // Right below the one before (flat order kept: the same shift), unless it did not fit.
       EXPECT_EQ(s.wraps, k > 0 && s.end - s.begin > top);
-      if (k > 0) EXPECT_EQ(s.end, slots[k - 1].begin);
-      if (k > 0 && !s.wraps) EXPECT_EQ(s.begin - s.offset, slots[k - 1].begin - slots[k - 1].offset);
+      if (k > 0) {
+        EXPECT_EQ(s.end, slots[k - 1].begin);
+      }
+      if (k > 0 && !s.wraps) {
+        EXPECT_EQ(s.begin - s.offset, slots[k - 1].begin - slots[k - 1].offset);
+      }
       top = s.offset;
     }
   }
