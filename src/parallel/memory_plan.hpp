@@ -65,14 +65,14 @@ struct RankBytes {
 // tensors (nothing is allocated; core/allocator.hpp's MetaAllocator counts): the real
 // PipelineExecutor runs two steps of the schedule over a communicator that moves nothing, with
 // the stage's layers and, on the last stage, the loss. So what layers save for backward,
-// recomputation, backward's temporaries, what the executor holds (receive buffers, outputs
+// recomputation, backward's temporaries, what the executor holds (received messages, outputs
 // until sent) and the caching allocator's rounding come from the code that runs, not from a
 // second model of it. `model` is built for planning: its layers are bound to meta parameters
 // here (a tied head on another stage to a meta copy). Not counted: MPI's and the shared-memory
 // mailboxes' own buffers.
 struct ActivationBytes {
   int64_t peak = 0;      // high-water mark above the parameters, over a whole step
-  int64_t retained = 0;  // held between steps (receive buffers, outputs, input gradients)
+  int64_t retained = 0;  // held between steps (none since the executor lets go of each step's tensors)
 };
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
                                  const MemoryLayout& layout);

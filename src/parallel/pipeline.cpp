@@ -47,20 +47,13 @@ PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micr
   contexts_.assign(v, std::vector<std::vector<layers::Context>>(m));
   outputs_.assign(v, std::vector<Tensor>(m));
   input_grads_.assign(v, std::vector<Tensor>(m));
-  received_activations_.assign(v, {});
-  received_grads_.assign(v, {});
-  // Every receive buffer is sized once. One stage hands its chunks' messages over in memory.
+  input_shapes_ = input_shapes;
+  output_shapes_ = output_shapes;
+  // The largest message a neighbour sends (one stage hands its chunks' messages over in memory).
   int64_t largest_message = 0;
-  for (size_t c = 0; c < v && stages_ > 1; ++c) {
-    for (size_t i = 0; i < m; ++i) {
-      if (!first_virtual_stage(static_cast<int>(c)))
-        received_activations_[c].push_back(Tensor::empty(input_shapes[c], dtype, device));
-      if (!last_virtual_stage(static_cast<int>(c)))
-        received_grads_[c].push_back(Tensor::empty(output_shapes[c], dtype, device));
-    }
-    for (const auto* received : {&received_activations_[c], &received_grads_[c]})
-      for (const Tensor& t : *received) largest_message = std::max(largest_message, static_cast<int64_t>(t.nbytes()));
-  }
+  for (size_t c = 0; c < v && stages_ > 1; ++c)
+    for (const Shape& shape : {input_shapes[c], output_shapes[c]})
+      largest_message = std::max(largest_message, shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype)));
   // Every stage receives what its neighbours send; GPipe has up to m messages in flight per
   // direction, 1F1B up to P. Interleaved (v >= 2, so m >= P and v*m >= 2P) at most 2P per
   // sender whatever the timing: 2P - 1, or 2P for P = 2, where one neighbour sends both
@@ -113,16 +106,18 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
         if (local) {
           x[c][i] = std::move(outputs_[pc][i]);
         } else {
-          receive(received_activations_[c][i], peer.stage, tag);
-          x[c][i] = received_activations_[c][i];
+          // From the caching allocator, not m buffers kept for the run: it lives while the
+          // micro-batch's forward context keeps it, and its block is reused after that.
+          x[c][i] = Tensor::empty(input_shapes_[c], dtype_, device_);
+          receive(x[c][i], peer.stage, tag);
         }
         break;
       case Op::RecvGrad:
         if (local) {
           dy[c][i] = std::move(input_grads_[pc][i]);
         } else {
-          receive(received_grads_[c][i], peer.stage, tag);
-          dy[c][i] = received_grads_[c][i];
+          dy[c][i] = Tensor::empty(output_shapes_[c], dtype_, device_);
+          receive(dy[c][i], peer.stage, tag);
         }
         break;
       // A started send keeps its tensor alive (every transport's Work holds it), so the stage

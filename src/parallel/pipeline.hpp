@@ -1,9 +1,9 @@
 // The pipeline executor: runs one stage's checked program (schedule.hpp) for a training step —
 // receive, forward, send, the loss on the last stage, backward, send — over callbacks that say
 // what the stage computes. It owns what a step's micro-batches need between actions: one
-// context per micro-batch and chunk, the receive buffers (sized once), the outputs and input
-// gradients being sent, the in-flight sends; it measures the peak of micro-batches in flight
-// and records a timeline of the compute when asked. It knows nothing of models, data or ZeRO:
+// context per micro-batch and chunk, what it received (taken from the caching allocator at each
+// receive, let go once used), the outputs and input gradients until sent, the in-flight sends; it measures the peak of
+// micro-batches in flight and records a timeline of the compute when asked. It knows nothing of models, data or ZeRO:
 // the caller supplies them (the trainer: the stage's DataParallel forward/backward and the
 // loss). With the interleaved schedule the stage holds v chunks (virtual stages c·P + s, see
 // schedule.hpp) and every callback says which one it runs.
@@ -39,9 +39,9 @@ struct StageWork {
 class PipelineExecutor {
  public:
   // Stage pp.rank() of pp.size() running `kind` over `micro_batches` per step. Generates and
-  // checks the schedule of every stage (Internal error if it could deadlock) and sizes the
-  // receive buffers: activations of `input_shape`, gradients of `output_shape` (per
-  // micro-batch, with the batch dimension) in `dtype` on `device`. `stand_in_ms`: a benchmark
+  // checks the schedule of every stage (Internal error if it could deadlock). It receives
+  // activations of `input_shape` and gradients of `output_shape` (per micro-batch, with the
+  // batch dimension) in `dtype` on `device`. `stand_in_ms`: a benchmark
   // aid, sleeps that long per forward of a chunk (twice per backward) — compute that takes no
   // core.
   // Collective over pp when it reserves mailboxes for the messages (CPU, more than one stage).
@@ -117,8 +117,8 @@ class PipelineExecutor {
   std::vector<size_t> last_backward_;  // per chunk: position of the step's last Backward in program_
   // Indexed [chunk][micro-batch]:
   std::vector<std::vector<std::vector<layers::Context>>> contexts_;
-  std::vector<std::vector<Tensor>> received_activations_, received_grads_;  // reused receive buffers
-  std::vector<std::vector<Tensor>> outputs_, input_grads_;                  // what this stage sends
+  std::vector<Shape> input_shapes_, output_shapes_;         // per chunk, of one micro-batch: what it receives
+  std::vector<std::vector<Tensor>> outputs_, input_grads_;  // what this stage sends
   std::vector<WorkPtr> sends_;
   int peak_in_flight_ = 0;
   std::vector<TimelineEvent> timeline_;

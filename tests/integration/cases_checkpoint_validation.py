@@ -138,7 +138,7 @@ def case_checkpoint_damage_fallback(args):
     reference = reference_run(args)
     sealed = r"whole-file crc32|bytes, its manifest says"  # h5py's edits may change the size
     cases = [("empty-step", empty_step, sealed), ("step-7", step_7, sealed), ("string-heap", string_heap, sealed),
-             ("empty-step-old", unsealed(empty_step), r"attribute 'step' cannot be read"),
+             ("empty-step-old", unsealed(empty_step), r"attribute 'step' of '/' is empty"),
              ("step-7-old", unsealed(step_7), r"holds step 7 but its name says step 20"),
              ("string-heap-old", unsealed(string_heap), r"step-00000020\.h5")]
     for name, damage, reason in cases:
@@ -171,7 +171,8 @@ def case_checkpoint_resume_bad_path(args):
     expect_bad_input(args, flags(args, ck, 30) + ["--resume", tampered], r"holds step 7 but its name says step 20",
                      ranks=2)
     empty_step(tampered)  # an older checkpoint whose step HDF5 cannot read
-    expect_bad_input(args, flags(args, ck, 30) + ["--resume", tampered], r"attribute 'step' cannot be read", ranks=2)
+    expect_bad_input(args, flags(args, ck, 30) + ["--resume", tampered], r"attribute 'step' of '/' is empty",
+                     ranks=2)
 
 
 def case_checkpoint_dir_lock(args):
