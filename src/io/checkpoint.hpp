@@ -44,8 +44,10 @@ std::string manifest_path(const std::string& checkpoint);
 std::pair<int64_t, uint32_t> file_size_and_crc32(const std::string& path);
 // Checks `checkpoint` against its manifest: the manifest when it holds (file name, size, crc32,
 // position checksum and ranges), nullopt when there is none (a checkpoint from before
-// manifests); an Input error naming the file and the mismatch otherwise.
-std::optional<Manifest> check_manifest(const std::string& checkpoint);
+// manifests); an Input error naming the file and the mismatch otherwise. Without `whole_file`
+// the crc32 of the file is not computed (everything else is checked): for a file this job has
+// checked already.
+std::optional<Manifest> check_manifest(const std::string& checkpoint, bool whole_file = true);
 
 class CheckpointWriter {
  public:
@@ -90,8 +92,10 @@ class CheckpointReader {
   // Input error (one line) when `path` is missing, unreadable, not a Strata checkpoint, fails
   // its manifest (checked before HDF5 opens it), or holds a position that is out of range, does
   // not match the manifest's or, for a step-NNNNNNNN.h5 file, not the step of its name. A file
-  // without a manifest (older) loads: has_manifest() says so.
-  explicit CheckpointReader(std::string path);
+  // without a manifest (older) loads: has_manifest() says so. `whole_file` false skips the
+  // manifest's whole-file crc32 (a read of the whole file) when one rank has checked it for the
+  // job: the others open the file unchecked only after that (Trainer: rank 0 checks first).
+  explicit CheckpointReader(std::string path, bool whole_file = true);
 
   const std::string& path() const { return path_; }
   // False for a checkpoint from before manifests (loaded unchecked by them; callers note it).
@@ -139,8 +143,9 @@ void update_latest(const std::string& dir, const std::string& path);
 // file it did not write: other jobs' checkpoints (an earlier run's, before a requeue) stay.
 void prune_checkpoints(std::vector<std::string>& written, int64_t keep);
 // The newest checkpoint of DIR that validates: the one `latest` names, else step-*.h5 from the
-// highest step down; each candidate must pass its manifest, open, give its run state and pass
-// every tensor's crc32, and a bad one is skipped with a one-line warning naming it and why.
+// highest step down; each candidate must pass its manifest (whole-file crc32), open and give
+// its run state (without a manifest: pass every tensor's crc32), and a bad one is skipped with
+// a one-line warning naming it and why.
 // Empty when there is none.
 std::string newest_checkpoint(const std::string& dir);
 

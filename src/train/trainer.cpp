@@ -103,9 +103,13 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   std::unique_ptr<io::CheckpointReader> init_from;
   num_classes_ = shape_source.num_classes();
   targets_per_sample_ = shape_numel(shape_source.target_shape());
+  // Rank 0 checks the file whole (its manifest's crc32: one read of the file), then every rank opens it.
+  parallel::agree(world, [&] {
+    if (rank_ == 0 && !config_.init_from.empty()) io::CheckpointReader checked(config_.init_from);
+  });
   parallel::agree(world, [&] {
     if (config_.init_from.empty()) return;
-    init_from = std::make_unique<io::CheckpointReader>(config_.init_from);
+    init_from = std::make_unique<io::CheckpointReader>(config_.init_from, /*whole_file=*/false);
     note_unchecked(*init_from);
     if (init_from->has_attr("num_classes")) num_classes_ = std::max(num_classes_, init_from->attr_int("num_classes"));
   });
@@ -167,7 +171,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     int64_t step = -1;
     if (rank_ == 0) {
       const std::string path = io::newest_checkpoint(config_.checkpoint_dir);
-      if (!path.empty()) step = io::CheckpointReader(path).attr_int("step");
+      if (!path.empty()) step = io::CheckpointReader(path, /*whole_file=*/false).attr_int("step");  // checked
     }
     step = parallel::broadcast_value(grid_->mpi_world(), step, 0);
     if (step < 0)
@@ -175,6 +179,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     else
       parallel::agree(world, [&] { resume_from(io::checkpoint_path(config_.checkpoint_dir, step)); });
   } else if (config_.resume != "none") {
+    parallel::agree(world, [&] {
+      if (rank_ == 0) io::CheckpointReader checked(config_.resume);  // one whole-file check for the job
+    });
     parallel::agree(world, [&] { resume_from(config_.resume); });
   }
   if (rank_ == 0) metrics_ = io::MetricsWriter(config_.metrics);
@@ -215,7 +222,7 @@ void Trainer::note_unchecked(const io::CheckpointReader& reader) const {
 }
 
 void Trainer::resume_from(const std::string& path) {
-  const io::CheckpointReader reader(path);
+  const io::CheckpointReader reader(path, /*whole_file=*/false);  // rank 0 has checked it whole
   note_unchecked(reader);
   STRATA_REQUIRE(reader.attr_int("format_version") >= 2, "checkpoint ", path,
                  " holds no training state (format_version 1): use --init-from to start from its model");

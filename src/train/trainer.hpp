@@ -99,9 +99,10 @@ class Trainer {
   // This rank's memory high-water mark so far: its allocator's and its shared-memory buffers.
   int64_t peak_bytes() const;
   void check_output_paths() const;  // rank 0: --checkpoint-dir, --metrics, --timeline writable
-  // --resume: the model, this rank's optimizer-state shard, the step count and data position.
   // One line on stdout when a checkpoint has no manifest (docs/checkpoints.md).
   void note_unchecked(const io::CheckpointReader& reader) const;
+  // --resume: the model, this rank's optimizer-state shard, the step count and data position,
+  // from a file rank 0 has checked whole (so no rank reads all of it again for its crc32).
   void resume_from(const std::string& path);
 
   Config config_;

@@ -137,6 +137,22 @@ TEST(Manifest, FlippedByteAndWrongSize) {
                            {"step-00000020.h5", "has " + std::to_string(size + 1) + " bytes, its manifest says"});
 }
 
+// A file one rank checked whole is opened by the others without reading all of it again: the
+// size and the manifest's position are still checked, the whole-file crc32 is not.
+TEST(Manifest, OpenedWithoutTheWholeFileCrcOnceChecked) {
+  test::TempDir dir;
+  const std::string path = checkpoint_path(dir.path().string(), 20);
+  write_run(path, 20);
+  const auto size = static_cast<int64_t>(fs::file_size(path));
+  flip_byte(path, size - 1);  // the last byte: past what HDF5 reads to open the file
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"is corrupt: whole-file crc32"});
+  CheckpointReader unchecked(path, /*whole_file=*/false);
+  EXPECT_TRUE(unchecked.has_manifest());
+  EXPECT_EQ(read_run_state(unchecked).step, 20);
+  std::ofstream(path, std::ios::app) << 'x';
+  test::expect_input_error([&] { CheckpointReader r(path, /*whole_file=*/false); }, {"bytes, its manifest says"});
+}
+
 // Position attributes: covered by the manifest (even when the file's checksum was redone), by
 // the file's name, and by range checks that need no manifest.
 TEST(Manifest, TamperedPosition) {
