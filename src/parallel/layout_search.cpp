@@ -108,11 +108,15 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
           layout.pp = pp;
           layout.dp = dp;
           layout.micro = micro;
-          layout.micro_batches = choice.micro_batches;
           layout.schedule = ScheduleKind::OneFOneB;
           layout.virtual_stages = 1;
+          // 1F1B's memory repeats once P micro-batches are in the pipeline (nothing is kept
+          // from one to the next: test_memory_plan), so 2P of them plan any m at a fraction of
+          // the time; the step's other bytes take the real m.
+          layout.micro_batches = std::min(choice.micro_batches, 2 * pp);
           std::vector<int64_t> activations;  // per stage; the same for every ZeRO stage
           for (int s = 0; s < pp; ++s) activations.push_back(plan_activations(*model, stages, s, layout).peak);
+          layout.micro_batches = choice.micro_batches;
           for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) {
             layout.zero = choice.zero = zero;
             choice.bytes = 0;

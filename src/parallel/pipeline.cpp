@@ -154,6 +154,9 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
     }
     if (record && (a.op == Op::Forward || a.op == Op::Backward))
       timeline_.push_back({stage_, a.op, a.micro_batch, start, seconds(), a.chunk});
+    // A finished send lets go of its message now, not at the end of the step: the stage never
+    // holds more sent messages than are in flight.
+    std::erase_if(sends_, [](WorkPtr& w) { return w->test(); });
   }
   for (WorkPtr& w : sends_) w->wait();
   sends_.clear();

@@ -148,6 +148,17 @@ TEST(MemoryPlan, ActivationsFollowTheScheduleAndRecomputation) {
   EXPECT_GT(peak("none", ScheduleKind::OneFOneB, 4), peak("none", ScheduleKind::OneFOneB, 2));
   EXPECT_GT(peak("none", ScheduleKind::OneFOneB, 2), peak("block", ScheduleKind::OneFOneB, 2));
   EXPECT_GE(peak("block", ScheduleKind::OneFOneB, 2), peak("full", ScheduleKind::OneFOneB, 2));
+  // 1F1B holds P - s micro-batches however many the step has: 4 (= 2P) and 16 plan the same
+  // (what --plan relies on to plan large m quickly).
+  const auto one_f_one_b = [&](int m, int stage) {
+    layers::Model model = layers::build_model(spec, {16}, 64);
+    MemoryLayout layout;
+    layout.pp = 2;
+    layout.micro = 2;
+    layout.micro_batches = m;
+    return plan_activations(model, partition_layers(model, 2, "balanced"), stage, layout).peak;
+  };
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(one_f_one_b(4, s), one_f_one_b(16, s)) << "stage " << s;
   // In flight: min(P - s, m) micro-batches for 1F1B, m for GPipe.
   const layers::Model model = layers::build_model(spec, {16}, 64);
   const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
