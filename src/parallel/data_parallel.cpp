@@ -22,8 +22,10 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
     : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
   // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass; a
   // layer using another's views would keep stale ones (TiedEmbedding gives a tied head a copy).
+  // ZeRO 2's ring keeps a tied embedding's gradient bound while its head writes it; ZeRO 3's
+  // windows would not keep its parameters: the head has a copy there (TiedEmbedding).
   for (size_t i = stage.begin; i < stage.end; ++i)
-    STRATA_CHECK(!model.layer(i).shares_parameters_with() || !ownership_.shards_grads(), "layer ",
+    STRATA_CHECK(!model.layer(i).shares_parameters_with() || !ownership_.shards_params(), "layer ",
                  model.layer(i).name(), " shares its weights with ", model.layer(i).shares_parameters_with()->name(),
                  " under --zero ", config.zero);
   // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
@@ -38,7 +40,8 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
       [&dp, device = config.device](int64_t numel, DType dtype) { return dp.allocate(numel, dtype, device); });
   optimizer_ = std::make_unique<ShardedOptimizer>(config.optimizer, ownership_, dp, *store_);
   if (ownership_.shards_grads())
-    sync_ = std::make_unique<GradientSync>(dp, model, *store_, config.bucket_bytes, shard.size);
+    sync_ = std::make_unique<GradientSync>(dp, model, *store_, config.bucket_bytes, shard.size,
+                                           pins_tied_embedding(model, stage.begin, stage.end));
   else
     sync_ =
         std::make_unique<GradientSync>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);

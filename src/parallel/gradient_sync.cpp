@@ -49,26 +49,35 @@ std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::Layer
 }
 
 int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                      int64_t bucket_bytes) {
+                      int64_t bucket_bytes, bool pinned) {
+  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
+  const int64_t base = pinned && !extents.empty() ? extents.front().end : 0;  // the pinned first extent
   int64_t largest = 0;
-  for (const auto& e : layer_extents(ranges, flat_numel)) largest = std::max(largest, e.end - e.begin);
-  if (largest == 0) return 0;
+  for (size_t k = pinned ? 1 : 0; k < extents.size(); ++k)
+    largest = std::max(largest, extents[k].end - extents[k].begin);
+  if (largest == 0) return base;
   // The largest layer while the bucket above it is still being reduced; never more than the
   // whole buffer, which holds every layer without a wrap.
-  return std::min(largest + bucket_elements(bucket_bytes), flat_numel);
+  return base + std::min(largest + bucket_elements(bucket_bytes), flat_numel - base);
 }
 
 std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                                    int64_t ring) {
+                                    int64_t ring, bool pinned) {
   std::vector<RingSlot> slots;
   const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
+  const int64_t bottom = pinned && !extents.empty() ? extents.front().end : 0;  // the others cycle above it
   int64_t top = ring;  // the lowest ring element taken since the last wrap
   for (size_t k = extents.size(); k-- > 0;) {
     const int64_t n = extents[k].end - extents[k].begin;
-    STRATA_CHECK(n <= ring, "layer ", extents[k].layer, "'s ", n, " gradients do not fit the ring's ", ring);
+    if (pinned && k == 0) {  // at its own flat positions; the part above is reduced before it
+      slots.push_back({extents[k].layer, extents[k].begin, extents[k].end, 0, true, true});
+      break;
+    }
+    STRATA_CHECK(n <= ring - bottom, "layer ", extents[k].layer, "'s ", n, " gradients do not fit the ring's ",
+                 ring - bottom);
     // Descending positions keep flat order inside the ring, so a bucket is one piece of it
     // unless a wrap splits it.
-    const bool wraps = n > top;
+    const bool wraps = n > top - bottom;
     if (wraps) top = ring;
     top -= n;
     slots.push_back({extents[k].layer, extents[k].begin, extents[k].end, top, wraps});
@@ -76,12 +85,28 @@ std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::La
   return slots;
 }
 
+bool pins_tied_embedding(const layers::Model& model, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const layers::Layer& head = model.layer(i);
+    const layers::Layer* tied = head.shares_parameters_with();
+    bool here = false;  // a head tied across stages has a copy (TiedEmbedding): nothing to pin
+    for (size_t k = begin; k < end; ++k) here = here || &model.layer(k) == tied;
+    if (!here) continue;
+    size_t first = begin;  // the stage's first layer with parameters
+    while (first < end && model.layer(first).param_specs().empty()) ++first;
+    STRATA_CHECK(first < end && &model.layer(first) == tied, "layer ", head.name(), " reads the gradient of ",
+                 tied->name(), ", which is not its stage's first layer with parameters");
+    return true;
+  }
+  return false;
+}
+
 GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
                            int64_t owner_shard_size)
     : dp_(dp), store_(store), buckets_(make_buckets(store, bucket_bytes)), shard_size_(owner_shard_size) {}
 
 GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
-                           int64_t bucket_bytes, int64_t shard_size)
+                           int64_t bucket_bytes, int64_t shard_size, bool pinned)
     : GradientSync(dp, store, bucket_bytes) {
   STRATA_CHECK(!store.grads().defined(), "ZeRO 2 keeps no full gradient buffer, but the store has one");
   STRATA_CHECK(store.flat_numel() == shard_size * dp.size(), "ZeRO 2 needs the store padded to ", dp.size(), " x ",
@@ -89,8 +114,8 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
   model_ = &model;
   shard_size_ = shard_size;
   shard_grads_ = Tensor::zeros({shard_size}, DType::F32, store.params().device());
-  const int64_t ring = ring_elements(store.layer_ranges(), store.flat_numel(), bucket_bytes);
-  slots_ = place_in_ring(store.layer_ranges(), store.flat_numel(), ring);
+  const int64_t ring = ring_elements(store.layer_ranges(), store.flat_numel(), bucket_bytes, pinned);
+  slots_ = place_in_ring(store.layer_ranges(), store.flat_numel(), ring, pinned);
   // From the communicator: on one node, shared memory that the reduces read in place.
   ring_ = dp.allocate(ring, DType::F32, store.params().device());
 }
@@ -116,7 +141,17 @@ void GradientSync::begin() {
   started_ = store_.flat_numel();
   if (!sharded()) return;
   placed_ = 0;
+  if (!slots_.empty() && slots_.back().pinned) bind_slot(slots_.back());  // before the tied head writes it
   place_next();
+}
+
+void GradientSync::bind_slot(const RingSlot& s) {
+  const int64_t n = s.end - s.begin;
+  retire(/*wait=*/true, s.offset, s.offset + n);  // all started: no replica waits on another's future
+  // Layers accumulate into their gradient views, so the range starts at zero.
+  const Tensor grads = ring_.view(s.offset, {n});
+  grads.fill_zero();
+  store_.bind_grads(*model_, s.layer, grads, s.begin);
 }
 
 void GradientSync::place_next() {
@@ -126,12 +161,7 @@ void GradientSync::place_next() {
   // their elements are final, so what of them is not reduced yet is, before being overwritten.
   if (s.wraps) start_down_to(s.end);
   ring_shift_ = s.begin - s.offset;
-  const int64_t n = s.end - s.begin;
-  retire(/*wait=*/true, s.offset, s.offset + n);  // all started: no replica waits on another's future
-  // Layers accumulate into their gradient views, so the range starts at zero.
-  const Tensor grads = ring_.view(s.offset, {n});
-  grads.fill_zero();
-  store_.bind_grads(*model_, s.layer, grads, s.begin);
+  if (!s.pinned) bind_slot(s);  // the pinned one was bound at begin() and holds the tied head's part
 }
 
 void GradientSync::start_down_to(int64_t lo) {

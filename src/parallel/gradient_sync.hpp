@@ -45,9 +45,13 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
 std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
                                  int64_t bucket_bytes);
 
-// ZeRO 2/3: elements of the gradient ring, min(largest extent + one bucket, flat_numel).
+// ZeRO 2/3: elements of the gradient ring, min(largest extent + one bucket, flat_numel). With
+// `pinned` (ZeRO 2, a tied LM head on the stage of its embedding, the stage's first layer),
+// the first extent keeps its own part of the ring for the whole backward — the head, which
+// runs first, accumulates into the embedding's gradient, which runs last — and the others
+// cycle through the rest: first extent + min(largest other + one bucket, the rest).
 int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                      int64_t bucket_bytes);
+                      int64_t bucket_bytes, bool pinned = false);
 
 // Where a layer's gradients live in the ring during one backward: its extent [begin, end) at
 // ring elements [offset, offset + end - begin).
@@ -55,14 +59,22 @@ struct RingSlot {
   size_t layer = 0;
   int64_t begin = 0, end = 0;
   int64_t offset = 0;
-  bool wraps = false;  // placed at the top again: what was written since the last wrap is reduced first
+  bool wraps = false;   // placed at the top again: what was written since the last wrap is reduced first
+  bool pinned = false;  // the first extent, bound at the start of backward (ring_elements)
 };
 
 // The placement of every layer's extent in a ring of `ring` elements, in backward order: each
 // right below the one before, or at the top when it does not fit there. The same on every
 // replica, so all start the same reduces in the same order.
+// With `pinned`, the first extent sits at the ring's bottom (its own flat positions), marked
+// pinned and wrapping (the others above it are reduced before it is), and the others cycle above.
 std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                                    int64_t ring);
+                                    int64_t ring, bool pinned = false);
+
+// Whether a stage's gradient ring pins its first extent: a layer in [begin, end) sharing the
+// parameters of another (a tied LM head) that accumulates into its embedding's gradient directly (no copy:
+// TiedEmbedding), the embedding being in the range too (it must be its first layer with parameters).
+bool pins_tied_embedding(const layers::Model& model, size_t begin, size_t end);
 
 class GradientSync {
  public:
@@ -75,9 +87,9 @@ class GradientSync {
                int64_t owner_shard_size = 0);
   // ZeRO 2 and 3: `store` has no gradient buffer (allocate_grads = false) and is padded to dp shards
   // of `shard_size` elements; gradients of `model`'s layers go through the ring into
-  // shard_grads().
+  // shard_grads(). `pinned`: the first extent keeps its part of the ring (ring_elements).
   GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store, int64_t bucket_bytes,
-               int64_t shard_size);
+               int64_t shard_size, bool pinned = false);
 
   // Makes parameters (unless sharded: ZeRO 3) and buffers identical on every replica:
   // broadcast from replica 0.
@@ -116,6 +128,7 @@ class GradientSync {
   void start_down_to(int64_t lo);
   // ZeRO 2: binds the next layer's gradients to its ring range, zeroed, once nothing reads it.
   void place_next();
+  void bind_slot(const RingSlot& s);
   // ZeRO 2: adds completed (or, with wait, all) pieces that read ring elements [lo, hi) into
   // the shard and forgets them.
   void retire(bool wait, int64_t lo = 0, int64_t hi = std::numeric_limits<int64_t>::max());

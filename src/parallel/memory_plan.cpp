@@ -34,7 +34,9 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
     b.params += 2 * largest * dtype_bytes;
   }
   if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest layer + a bucket)
-    b.grads = (shard.size + ring_elements(ranges, flat, layout.bucket_bytes)) * f32;
+    // ZeRO 2 keeps a tied embedding's gradient in the ring (3: the head has a copy, TiedEmbedding).
+    const bool pinned = !ownership.shards_params() && pins_tied_embedding(model, range.begin, range.end);
+    b.grads = (shard.size + ring_elements(ranges, flat, layout.bucket_bytes, pinned)) * f32;
   } else {
     b.grads = flat * f32;
   }

@@ -116,6 +116,37 @@ TEST(Ring, LayersGoDownInBackwardOrderAndWrapToTheTop) {
   EXPECT_THROW(place_in_ring(kRanges, kFlat, 287), Error);  // layer 3 does not fit at all
 }
 
+// ZeRO 2 with a tied head on its embedding's stage: the first extent keeps [0, 112) of the ring
+// for the whole backward (the head writes it first, the embedding last); the others cycle in
+// the 304 elements above it.
+TEST(Ring, PinnedFirstExtentKeepsItsPlace) {
+  constexpr int64_t bucket = 16 * 4;
+  EXPECT_EQ(ring_elements(kRanges, kFlat, bucket, /*pinned=*/true), 112 + 288 + 16);
+  EXPECT_EQ(ring_elements(kRanges, kFlat, kBucketBytes, /*pinned=*/true), kFlat);  // at most the buffer
+  const std::vector<RingSlot> slots = place_in_ring(kRanges, kFlat, 416, /*pinned=*/true);
+  // Layer 5 at [368, 416), 4 right below, 3 (288) does not fit above 112 and wraps, 1 pinned at 0.
+  EXPECT_EQ(placement(slots), (std::vector<std::tuple<size_t, int64_t, bool>>{
+                                  {5, 368, false}, {4, 352, false}, {3, 128, true}, {1, 0, true}}));
+  for (size_t k = 0; k < slots.size(); ++k) EXPECT_EQ(slots[k].pinned, k + 1 == slots.size());
+  for (const RingSlot& s : slots) EXPECT_TRUE(s.pinned || s.offset >= 112) << s.layer;  // never over the pinned part
+}
+
+TEST(Ring, PinsATiedEmbeddingOnItsStageOnly) {
+  layers::ModelSpec spec;
+  spec.name = "gpt";
+  spec.layers = 2;
+  spec.heads = 2;
+  spec.embed = 16;
+  spec.seq_len = 8;
+  spec.tie_embeddings = true;
+  const layers::Model tied = layers::build_model(spec, {8}, 32);
+  EXPECT_TRUE(pins_tied_embedding(tied, 0, tied.size()));
+  EXPECT_FALSE(pins_tied_embedding(tied, 1, tied.size()));  // the head's embedding is elsewhere: a copy
+  spec.tie_embeddings = false;
+  const layers::Model untied = layers::build_model(spec, {8}, 32);
+  EXPECT_FALSE(pins_tied_embedding(untied, 0, untied.size()));
+}
+
 TEST(Ring, SlotsSinceAWrapAreDisjointAndKeepFlatOrder) {
   layers::ModelSpec spec;
   spec.name = "mlp";
