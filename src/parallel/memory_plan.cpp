@@ -69,10 +69,6 @@ RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& s
   return b;
 }
 
-}  // namespace strata::parallel
-
-namespace strata::parallel {
-
 namespace {
 
 // Binds the layers of `range` to meta parameters (compute dtype; buffers and gradients f32).
@@ -144,7 +140,7 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
     outputs.push_back(batch(model.shape(chunk_range(c).end)));
   }
   // The executor itself, over a communicator that moves nothing: what it keeps and when it lets
-  // go is the real run's (receive buffers, outputs until sent, contexts until backward).
+  // go is the real run's (messages received, outputs until sent, contexts until backward).
   PlannedCommunicator pp_comm(stage, pp);
   PipelineExecutor executor(pp_comm, layout.schedule, layout.micro_batches, v, inputs, outputs, layout.dtype,
                             Device::meta());
@@ -169,7 +165,7 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
     return model.backward(dy, ctx, chunk_range(chunk).begin, chunk_range(chunk).end, {}, stage > 0 || chunk > 0);
   };
   ActivationBytes bytes;
-  executor.run_step(work);  // the second step starts with what the first left behind
+  executor.run_step(work);  // the second step starts with whatever the first left behind
   bytes.retained = static_cast<int64_t>(meta.in_use() - base);
   meta.reset_peak();
   executor.run_step(work);

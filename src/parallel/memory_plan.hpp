@@ -72,7 +72,7 @@ struct RankBytes {
 // mailboxes' own buffers.
 struct ActivationBytes {
   int64_t peak = 0;      // high-water mark above the parameters, over a whole step
-  int64_t retained = 0;  // held between steps (none since the executor lets go of each step's tensors)
+  int64_t retained = 0;  // held from one step into the next (0: the executor lets go of everything)
 };
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
                                  const MemoryLayout& layout);

@@ -111,6 +111,50 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   return os.str();
 }
 
+// --dry-run --plan: the search's table, the fastest layouts first, each with its command.
+std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
+  parallel::SearchSpace space;
+  space.world = world_size;
+  space.global_batch = config.global_batch;
+  space.device_bytes = config.device_memory;
+  space.base = memory_layout(config, 1);
+  space.partition = config.partition;
+  space.can_recompute = layers::is_language_model(config.model);
+  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
+  const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
+    layers::ModelSpec spec = config.model;
+    spec.recompute = recompute_flag(recompute);
+    return layers::build_model(spec, input, classes, group);
+  };
+  const parallel::SearchResult r = parallel::search_layouts(space, rates, model_for);
+  std::ostringstream os;
+  os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
+     << "recompute; 1F1B), " << r.fitting.size() << " fit "
+     << (config.device_memory > 0 ? human(config.device_memory) + " per rank" : std::string("(no --device-memory)"))
+     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan_gbps
+     << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
+  for (const std::string& why : r.skipped) os << "\n  skipped " << why;
+  if (r.fitting.empty()) {
+    const parallel::LayoutChoice& s = r.smallest;
+    os << "\n  none fits: the smallest, tp " << s.tp << " pp " << s.pp << " dp " << s.dp << " zero " << s.zero
+       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs " << human(s.bytes)
+       << " on its fullest rank; add ranks or memory";
+    return os.str();
+  }
+  os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
+  const size_t shown = std::min<size_t>(r.fitting.size(), 5);
+  for (size_t k = 0; k < shown; ++k) {
+    const parallel::LayoutChoice& c = r.fitting[k];
+    char row[200];
+    std::snprintf(
+        row, sizeof row, "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
+        c.tp, c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute), human(c.bytes).c_str(),
+        c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
+    os << row << "\n     " << layout_command(config, c, world_size);
+  }
+  return os.str();
+}
+
 }  // namespace
 
 std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config) {
@@ -204,49 +248,6 @@ void check_fits(const Config& config, const layers::Model& model, int classes,
       human(worst.activations), " with ", worst.in_flight, " micro-batches in flight); the largest part, ",
       largest.first, " (", human(largest.second),
       "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
-}
-
-std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
-  parallel::SearchSpace space;
-  space.world = world_size;
-  space.global_batch = config.global_batch;
-  space.device_bytes = config.device_memory;
-  space.base = memory_layout(config, 1);
-  space.partition = config.partition;
-  space.can_recompute = layers::is_language_model(config.model);
-  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
-  const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
-    layers::ModelSpec spec = config.model;
-    spec.recompute = recompute_flag(recompute);
-    return layers::build_model(spec, input, classes, group);
-  };
-  const parallel::SearchResult r = parallel::search_layouts(space, rates, model_for);
-  std::ostringstream os;
-  os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
-     << "recompute; 1F1B), " << r.fitting.size() << " fit "
-     << (config.device_memory > 0 ? human(config.device_memory) + " per rank" : std::string("(no --device-memory)"))
-     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan_gbps
-     << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
-  for (const std::string& why : r.skipped) os << "\n  skipped " << why;
-  if (r.fitting.empty()) {
-    const parallel::LayoutChoice& s = r.smallest;
-    os << "\n  none fits: the smallest, tp " << s.tp << " pp " << s.pp << " dp " << s.dp << " zero " << s.zero
-       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs " << human(s.bytes)
-       << " on its fullest rank; add ranks or memory";
-    return os.str();
-  }
-  os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
-  const size_t shown = std::min<size_t>(r.fitting.size(), 5);
-  for (size_t k = 0; k < shown; ++k) {
-    const parallel::LayoutChoice& c = r.fitting[k];
-    char row[200];
-    std::snprintf(
-        row, sizeof row, "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
-        c.tp, c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute), human(c.bytes).c_str(),
-        c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
-    os << row << "\n     " << layout_command(config, c, world_size);
-  }
-  return os.str();
 }
 
 void dry_run(const Config& config, MPI_Comm world) {
