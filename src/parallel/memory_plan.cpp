@@ -1,6 +1,7 @@
 #include "parallel/memory_plan.hpp"
 
 #include <algorithm>
+#include <array>
 
 #include "core/allocator.hpp"
 #include "layers/gpt.hpp"
@@ -28,10 +29,9 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
   RankBytes b;
   b.params = (ownership.shards_params() ? shard.size : flat) * dtype_bytes +
              layers::ParameterStore::buffers_numel(entries) * f32;
-  if (ownership.shards_params()) {  // ParameterGather's two windows of the largest layer
-    int64_t largest = 0;
-    for (const auto& r : ranges) largest = std::max(largest, r.end - r.begin);
-    b.params += 2 * largest * dtype_bytes;
+  if (ownership.shards_params()) {  // ParameterGather's two windows
+    const std::array<int64_t, 2> windows = ParameterGather::window_elements(ranges);
+    b.params += (windows[0] + windows[1]) * dtype_bytes;
   }
   if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest layer + a bucket)
     // ZeRO 2 keeps a tied embedding's gradient in the ring (3: the head has a copy, TiedEmbedding).

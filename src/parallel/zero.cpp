@@ -131,9 +131,17 @@ ParameterGather::ParameterGather(Communicator& dp, const layers::Model& model, c
   STRATA_CHECK(
       store.sharded_params() && store.params().numel() == shard_size && store.flat_numel() == shard_size * dp.size(),
       "ZeRO 3 needs a store holding one of ", dp.size(), " parameter shards of ", shard_size, " elements");
-  int64_t largest = 0;
-  for (const Range& r : ranges_) largest = std::max(largest, r.end - r.begin);
-  for (Tensor& slot : slots_) slot = Tensor::zeros({largest}, store.params().dtype(), store.params().device());
+  // Layer j (forward order) always uses slot j % 2, in both passes: each slot is as large as the
+  // largest layer of its parity, not of all (a GPT's embedding is one slot's alone).
+  const std::array<int64_t, 2> largest = window_elements(ranges_);
+  for (size_t k = 0; k < 2; ++k)
+    slots_[k] = Tensor::zeros({largest[k]}, store.params().dtype(), store.params().device());
+}
+
+std::array<int64_t, 2> ParameterGather::window_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges) {
+  std::array<int64_t, 2> largest{0, 0};
+  for (size_t j = 0; j < ranges.size(); ++j) largest[j % 2] = std::max(largest[j % 2], ranges[j].end - ranges[j].begin);
+  return largest;
 }
 
 bool ParameterGather::has_params(size_t layer) const {
@@ -162,22 +170,24 @@ void ParameterGather::begin_pass(bool backward) {
   backward_ = backward;
   pos_ = 0;
   if (ranges_.empty()) return;
-  const Range& r = backward ? ranges_.back() : ranges_.front();
-  pending_[0] = start(r.begin, r.end, slots_[0]);
+  const size_t first = backward ? ranges_.size() - 1 : 0;
+  pending_[first % 2] = start(ranges_[first].begin, ranges_[first].end, slots_[first % 2]);
 }
 
 void ParameterGather::next() {
   if (pos_ >= ranges_.size()) return;  // a stage without trainable parameters
-  const auto at = [this](size_t k) -> const Range& { return backward_ ? ranges_[ranges_.size() - 1 - k] : ranges_[k]; };
-  const Range& r = at(pos_);
-  for (WorkPtr& w : pending_[pos_ % 2]) w->wait();
-  pending_[pos_ % 2].clear();
+  // The pass's k-th layer is layer j in forward order, and lives in slot j % 2.
+  const auto forward_index = [this](size_t k) { return backward_ ? ranges_.size() - 1 - k : k; };
+  const size_t j = forward_index(pos_);
+  const Range& r = ranges_[j];
+  for (WorkPtr& w : pending_[j % 2]) w->wait();
+  pending_[j % 2].clear();
   // Prefetch: the other slot held the layer before this one, which has already run.
   if (pos_ + 1 < ranges_.size()) {
-    const Range& n = at(pos_ + 1);
-    pending_[(pos_ + 1) % 2] = start(n.begin, n.end, slots_[(pos_ + 1) % 2]);
+    const size_t n = forward_index(pos_ + 1);
+    pending_[n % 2] = start(ranges_[n].begin, ranges_[n].end, slots_[n % 2]);
   }
-  store_.bind_params(model_, r.layer, slots_[pos_ % 2], r.begin);
+  store_.bind_params(model_, r.layer, slots_[j % 2], r.begin);
   ++pos_;
 }
 

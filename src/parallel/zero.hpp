@@ -129,12 +129,12 @@ class ShardedOptimizer {
   int64_t steps_ = 0;
 };
 
-// ZeRO 3: gathers a stage's sharded parameters layer by layer into two window slots of the
-// largest layer's range. A pass (one forward or backward over the stage's layers) visits the
-// layers with trainable parameters in order; next() waits for the current layer's window,
-// starts the gather of the layer after it into the other slot (prefetch) and binds the layer's
-// parameters to its window. Every replica runs the same passes, so the broadcasts on `dp`
-// are started in the same order everywhere, as collectives must be.
+// ZeRO 3: gathers a stage's sharded parameters layer by layer into two window slots: layer j
+// (forward order) into slot j % 2, each slot as large as the largest layer it takes. A pass (one forward or backward
+// over the stage's layers) visits the layers with trainable parameters in order; next() waits for the current layer's
+// window, starts the gather of the layer after it into the other slot (prefetch) and binds the layer's parameters to
+// its window. Every replica runs the same passes, so the broadcasts on `dp` are started in the same order everywhere,
+// as collectives must be.
 class ParameterGather {
  public:
   // `store` holds this rank's shard (allocate_params = false) of a layout padded to
@@ -153,6 +153,9 @@ class ParameterGather {
   Tensor gather(const layers::ParamEntry& e);
   // Bytes of the two window slots.
   int64_t allocated_bytes() const;
+  // Elements of the two window slots for a stage's layer ranges: the largest layer at even and
+  // at odd positions (forward order), the layers each slot takes.
+  static std::array<int64_t, 2> window_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges);
 
  private:
   // Starts the broadcasts of flat elements [begin, end) from their owners into `out`.

@@ -200,8 +200,9 @@ def case_zero_memory(args):
     (1 for SGD-momentum, 2 for AdamW) each; the last rank may hold less (N - (dp-1) S).
     Parameters stay whole, padded to dp x S elements; so do gradients with ZeRO 1, while ZeRO 2
     and 3 keep a gradient shard of S elements plus a ring of the largest layer + one bucket.
-    ZeRO 3 keeps a parameter shard of S elements plus two window slots of the largest layer
-    (from its first parameter to the end of its last: fc1's 4096 + 64 elements)."""
+    ZeRO 3 keeps a parameter shard of S elements plus two window slots, layer j in slot j % 2,
+    each as large as its largest layer (from its first parameter to the end of its last): fc1's
+    4096 + 64 elements (fc1 and fc3 share slot 0) and fc2's 2048 + 32."""
     align = lambda n, m=16: (n + m - 1) // m * m
     # The MLP's flat layout, computed here independently: 8x8 inputs, 64, 32, 4 classes;
     # every tensor starts on a 16-element boundary.
@@ -209,7 +210,8 @@ def case_zero_memory(args):
     layer_sizes = [align(sizes[0]) + align(sizes[1]), align(sizes[2]) + align(sizes[3]),
                    align(sizes[4]) + align(sizes[5])]
     n = sum(align(s) for s in sizes)
-    window = max(align(sizes[k]) + sizes[k + 1] for k in (0, 2, 4))
+    layer_span = [align(sizes[k]) + sizes[k + 1] for k in (0, 2, 4)]  # fc1, fc2, fc3
+    windows = max(layer_span[0], layer_span[2]) + layer_span[1]
     bucket_mb = 0.005  # 1310 elements: fc1 (4160) spans four buckets, ring 4160 + 1310 < dp*S
     for optimizer, per_element in (("sgd", 1), ("adamw", 2)):
         for dp in (1, 2, 4):
@@ -224,7 +226,7 @@ def case_zero_memory(args):
                     owned = max(0, min(shard, n - r * shard))
                     assert owned == shard or r == dp - 1, (dp, r, owned)
                     grads = 4 * dp * shard if zero == 1 else 4 * shard + 4 * ring
-                    params = 4 * dp * shard if zero < 3 else 4 * shard + 2 * 4 * window
+                    params = 4 * dp * shard if zero < 3 else 4 * shard + 4 * windows
                     expected = {"params": params, "grads": grads, "optimizer": 4 * per_element * owned,
                                 "activations": base[r]["activations"]}
                     assert rows[r] == expected, f"{optimizer} zero {zero} dp={dp} rank {r}: {rows[r]}, expected {expected}"
