@@ -31,7 +31,8 @@ double since_origin(Clock::time_point t) { return std::chrono::duration<double>(
 struct Heartbeat {
   std::atomic<int64_t> beat_ns;
   std::atomic<uint64_t> seq;
-  char last[48];  // describe() of its last started operation, truncated
+  int64_t bytes;  // of its last started operation (op on comm): fixed fields, no formatting per operation
+  char op[24], comm[16];
 };
 static_assert(sizeof(Heartbeat) == 64);
 Heartbeat* g_beats = nullptr;
@@ -138,8 +139,9 @@ Record& FlightRecorder::start(std::shared_ptr<Channel> channel, const char* op, 
                               bool collective) {
   Record& r = ring_[next_ % kRecorderSize];
   r.seq = next_++;
-  std::snprintf(r.comm, sizeof r.comm, "%s", channel ? channel->name.c_str() : "?");
-  std::snprintf(r.op, sizeof r.op, "%s", op);
+  // strncpy, not snprintf: this runs for every operation (~1 us of a 50 us step otherwise).
+  std::strncpy(r.comm, channel ? channel->name.c_str() : "?", sizeof r.comm - 1);
+  std::strncpy(r.op, op, sizeof r.op - 1);
   r.bytes = bytes;
   r.dtype = dtype;
   r.peer = peer;
@@ -193,7 +195,9 @@ uint64_t started(const std::shared_ptr<Channel>& channel, const char* op, int64_
   if (g_beats) {
     Heartbeat& h = g_beats[g_world_rank];
     h.seq.store(r.seq, std::memory_order_relaxed);
-    std::snprintf(h.last, sizeof h.last, "%s %s on %s", r.op, format_bytes(r.bytes).c_str(), r.comm);
+    h.bytes = r.bytes;
+    std::memcpy(h.op, r.op, sizeof h.op);
+    std::memcpy(h.comm, r.comm, sizeof h.comm);
     beat();
   }
   return r.seq;
@@ -239,8 +243,8 @@ std::string report(uint64_t seq, double waited_s) {
       const double quiet_s = static_cast<double>(now - at) * 1e-9;
       if (at == 0 || quiet_s <= std::min(1.0, g_timeout_s / 2)) return std::string();
       return detail::cat("rank ", w, " (no sign of life for ", static_cast<int>(quiet_s * 10) / 10.0,
-                         " s; last started #", h.seq.load(), " ", std::string(h.last, strnlen(h.last, sizeof h.last)),
-                         ")");
+                         " s; last started #", h.seq.load(), " ", std::string(h.op, strnlen(h.op, sizeof h.op)), " of ",
+                         format_bytes(h.bytes), " on ", std::string(h.comm, strnlen(h.comm, sizeof h.comm)), ")");
     };
     std::string stale, unknown;
     for (int w : r->channel->world_ranks) {
