@@ -51,6 +51,8 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   // The private duplicate (for code that needs a raw MPI call on the same group).
   MPI_Comm comm() const { return comm_; }
+  // Its identity and collective fingerprint, for raw MPI calls recorded by the watchdog (values.hpp).
+  const std::shared_ptr<watchdog::Channel>& channel() const { return channel_; }
 
   WorkPtr all_reduce_async(const Tensor& t, ReduceOp op) override;
   WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) override;
