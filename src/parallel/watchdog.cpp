@@ -288,23 +288,35 @@ std::vector<double> fingerprint_row() {
 }
 
 bool compare_fingerprints(const std::vector<double>& rows, int ranks, uint64_t& key, int& rank_a, int& rank_b) {
-  struct Seen {
+  // Every (key, rank) slot sorted by key, then rank: members of one group are adjacent, and each
+  // is compared with the lowest rank of its group. O(slots log slots); the buffer is reused
+  // because this runs every step.
+  struct Slot {
+    double key;
     int rank;
-    double hash, count;
+    const double* v;
   };
-  std::map<double, Seen> first;  // key -> the lowest rank that has it
+  static std::vector<Slot> slots;
+  slots.clear();
   for (int r = 0; r < ranks; ++r)
-    for (int slot = 0; slot < kMaxChannels; ++slot) {
-      const double* v = &rows[static_cast<size_t>(r * kFingerprintValues + 3 * slot)];
-      if (v[0] == 0) continue;
-      const auto [it, inserted] = first.try_emplace(v[0], Seen{r, v[1], v[2]});
-      if (!inserted && (it->second.hash != v[1] || it->second.count != v[2])) {
-        key = static_cast<uint64_t>(v[0]);
-        rank_a = it->second.rank;
-        rank_b = r;
-        return true;
-      }
+    for (int k = 0; k < kMaxChannels; ++k)
+      if (const double* v = &rows[static_cast<size_t>(r * kFingerprintValues + 3 * k)]; v[0] != 0)
+        slots.push_back({v[0], r, v});
+  std::sort(slots.begin(), slots.end(),
+            [](const Slot& a, const Slot& b) { return a.key < b.key || (a.key == b.key && a.rank < b.rank); });
+  for (size_t i = 1, first = 0; i < slots.size(); ++i) {
+    if (slots[i].key != slots[first].key) {
+      first = i;
+      continue;
     }
+    const double *f = slots[first].v, *v = slots[i].v;
+    if (f[1] != v[1] || f[2] != v[2]) {
+      key = static_cast<uint64_t>(v[0]);
+      rank_a = slots[first].rank;
+      rank_b = slots[i].rank;
+      return true;
+    }
+  }
   return false;
 }
 
