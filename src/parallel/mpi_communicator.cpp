@@ -33,6 +33,8 @@
 // the ring's copies are the CPU work that cannot hide) but still more than a thread.
 #include "parallel/mpi_communicator.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -131,11 +133,14 @@ class MpiWork final : public Work {
   }
 
   // MPI_Test in a loop rather than MPI_Wait (which spins the same way inside Open MPI), so the
-  // watchdog sees the deadline pass.
+  // watchdog sees the deadline pass; after a while it gives the core away, as the shared-memory
+  // waits do (ranks may outnumber cores).
   void wait() override {
+    uint64_t spins = 0;
     for (int done = 0; state_->request != MPI_REQUEST_NULL && !done;) {
       check_mpi(MPI_Test(&state_->request, &done, MPI_STATUS_IGNORE), "MPI_Test", state_->what);
       watchdog::poll();
+      if (++spins > 2000) sched_yield();
     }
     finish();
   }
