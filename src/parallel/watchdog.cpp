@@ -20,6 +20,7 @@ namespace {
 
 double g_timeout_s = kSetupTimeoutS;
 int64_t g_step = -1;
+int g_bucket = -1;
 thread_local Wait* t_wait = nullptr;
 void (*g_expired_hook)(const std::string&) = nullptr;
 const Clock::time_point g_origin = Clock::now();
@@ -90,6 +91,8 @@ double timeout() { return g_timeout_s; }
 AtLeast::AtLeast(double seconds) : saved_(g_timeout_s) { g_timeout_s = std::max(g_timeout_s, seconds); }
 AtLeast::~AtLeast() { g_timeout_s = saved_; }
 void set_step(int64_t step) { g_step = step; }
+InBucket::InBucket(int bucket) { g_bucket = bucket; }
+InBucket::~InBucket() { g_bucket = -1; }
 
 std::shared_ptr<Channel> open_channel(MPI_Comm comm, const std::string& name) {
   auto c = std::make_shared<Channel>();
@@ -123,7 +126,9 @@ std::string describe(const Record& r) {
     s += detail::cat(std::strncmp(r.op, "send", 4) == 0 || std::strncmp(r.op, "recv", 4) == 0 ? " peer " : " root ",
                      r.peer);
   if (r.collective > 0) s += detail::cat(" (collective ", r.collective, " there");
-  if (r.step >= 0) s += detail::cat(r.collective > 0 ? ", " : " (", "step ", r.step + 1);
+  if (r.step >= 0)
+    s += detail::cat(r.collective > 0 ? ", " : " (", r.bucket > 0 ? detail::cat("bucket ", r.bucket, " of ") : "",
+                     "step ", r.step + 1);
   if (r.collective > 0 || r.step >= 0) s += ")";
   return s;
 }
@@ -146,6 +151,7 @@ Record& FlightRecorder::start(std::shared_ptr<Channel> channel, const char* op, 
   r.dtype = dtype;
   r.peer = peer;
   r.step = g_step;
+  r.bucket = g_bucket;
   r.start_s = since_origin(Clock::now());
   r.done = false;
   r.collective = 0;

@@ -59,6 +59,14 @@ class AtLeast {
 };
 // The training step that operations belong to (context for reports; -1: none).
 void set_step(int64_t step);
+// While alive, operations started belong to gradient bucket `bucket` (1 = the first reduced).
+class InBucket {
+ public:
+  explicit InBucket(int bucket);
+  ~InBucket();
+  InBucket(const InBucket&) = delete;
+  InBucket& operator=(const InBucket&) = delete;
+};
 
 // Per-communicator identity and fingerprint; the communicator owns it.
 struct Channel {
@@ -80,11 +88,12 @@ struct Record {
   DType dtype = DType::F32;
   int peer = -1;  // peer of a message, root of a reduce or broadcast, else -1
   int64_t step = -1;
+  int bucket = -1;     // gradient bucket (GradientSync), -1: none
   double start_s = 0;  // since the recorder's origin
   bool done = false;
   std::shared_ptr<Channel> channel;
 };
-// One line: "#812 all_reduce sum of 4.0 MiB f32 on dp (step 14)".
+// One line: "#812 all_reduce sum of 4.0 MiB f32 on dp (collective 406 there, bucket 3 of step 14)".
 std::string describe(const Record& r);
 uint64_t fingerprint_mix(uint64_t h, const Record& r);
 

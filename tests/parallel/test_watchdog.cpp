@@ -45,6 +45,16 @@ TEST(FlightRecorder, KeepsTheLast64InOrder) {
   EXPECT_NE(dump.find("#100 all_reduce sum of 396 B f32 on dp (collective 50 there)"), std::string::npos) << dump;
   EXPECT_NE(dump.find("#99 send of 392 B f32 on dp peer 1 started at"), std::string::npos) << dump;
   EXPECT_NE(dump.find("NOT completed"), std::string::npos);
+  set_step(1411);
+  {
+    const InBucket bucket(3);
+    ring.start(dp, "all_reduce sum", 4 << 20, DType::F32, -1, true);
+  }
+  ring.start(dp, "all_reduce sum", 8, DType::F32, -1, true);
+  set_step(-1);
+  EXPECT_EQ(describe(*ring.find(101)),
+            "#101 all_reduce sum of 4.0 MiB f32 on dp (collective 51 there, bucket 3 of step 1412)");
+  EXPECT_EQ(describe(*ring.find(102)), "#102 all_reduce sum of 8 B f32 on dp (collective 52 there, step 1412)");
 }
 
 TEST(Fingerprint, DependsOnEveryFieldAndTheOrder) {
