@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/ops.hpp"
+#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
 
@@ -169,6 +170,7 @@ void GradientSync::start_down_to(int64_t lo) {
   // starts the same collectives in the same order, as collectives on one communicator must.
   while (started_ > lo) {
     const Bucket& b = buckets_[next_];
+    const watchdog::InBucket in_bucket(static_cast<int>(next_) + 1);  // names it in watchdog reports
     const int64_t from = std::max(lo, b.begin), to = started_;
     if (!sharded() && shard_size_ == 0) {
       work_.push_back(dp_.all_reduce_async(store_.grads().view(from, {to - from}), ReduceOp::Sum));

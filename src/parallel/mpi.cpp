@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <thread>
 
+#include "parallel/watchdog.hpp"
+
 namespace strata::parallel {
 
 std::string mpi_error_string(const char* call, int code) {
@@ -34,10 +36,14 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
   MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
   MPI_CHECK(MPI_Comm_size(node, &local_size_));
+  watchdog::open_heartbeats(MPI_COMM_WORLD, node);
   MPI_Comm_free(&node);
 }
 
-MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
+MpiRuntime::~MpiRuntime() {
+  watchdog::close_heartbeats();
+  MPI_Finalize();
+}
 
 int MpiRuntime::default_threads() const {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

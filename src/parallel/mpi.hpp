@@ -23,6 +23,7 @@ namespace strata::parallel {
 std::string mpi_error_string(const char* call, int code);
 
 // Exit codes of every Strata program, the same on every rank.
+// 3 and 4 are the trainer's (preempted, second signal); 5: the watchdog (watchdog.hpp).
 enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2 };
 
 class MpiRuntime {

@@ -33,6 +33,8 @@
 // the ring's copies are the CPU work that cannot hide) but still more than a thread.
 #include "parallel/mpi_communicator.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -45,6 +47,7 @@
 #include "parallel/mpi_staging.hpp"
 #include "parallel/mpi_types.hpp"
 #include "parallel/shared_memory.hpp"
+#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
 
@@ -115,7 +118,10 @@ class MpiWork final : public Work {
   // memory before anything else may reuse it. A staged operation also delivers its result to
   // the device, as MPI would have to host memory. Never throws.
   ~MpiWork() override {
-    if (state_->request != MPI_REQUEST_NULL) MPI_Wait(&state_->request, MPI_STATUS_IGNORE);
+    for (int done = 0; state_->request != MPI_REQUEST_NULL && !done;) {
+      if (MPI_Test(&state_->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+      watchdog::poll();
+    }
     if (!state_->finished && state_->staging.any()) {
       try {
         finish();
@@ -126,9 +132,16 @@ class MpiWork final : public Work {
     }
   }
 
+  // MPI_Test in a loop rather than MPI_Wait (which spins the same way inside Open MPI), so the
+  // watchdog sees the deadline pass; after a while it gives the core away, as the shared-memory
+  // waits do (ranks may outnumber cores).
   void wait() override {
-    if (state_->request != MPI_REQUEST_NULL)
-      check_mpi(MPI_Wait(&state_->request, MPI_STATUS_IGNORE), "MPI_Wait", state_->what);
+    uint64_t spins = 0;
+    for (int done = 0; state_->request != MPI_REQUEST_NULL && !done;) {
+      check_mpi(MPI_Test(&state_->request, &done, MPI_STATUS_IGNORE), "MPI_Test", state_->what);
+      watchdog::poll();
+      if (++spins > 2000) sched_yield();
+    }
     finish();
   }
 
@@ -154,7 +167,43 @@ class MpiWork final : public Work {
   std::shared_ptr<MpiOpState> state_;
 };
 
+// Records an operation in the flight recorder and runs its waits under the watchdog's deadline.
+class WatchedWork final : public Work {
+ public:
+  WatchedWork(WorkPtr inner, uint64_t seq) : inner_(std::move(inner)), seq_(seq) {}
+  ~WatchedWork() override {
+    if (!done_) {
+      watchdog::Wait deadline(seq_);
+      inner_.reset();  // waits for completion
+    }
+    watchdog::completed(seq_);
+  }
+  void wait() override {
+    if (done_) return;
+    watchdog::Wait deadline(seq_);
+    inner_->wait();
+    done_ = true;
+    watchdog::completed(seq_);
+  }
+  bool test() override {
+    if (!done_ && inner_->test()) {
+      done_ = true;
+      watchdog::completed(seq_);
+    }
+    return done_;
+  }
+
+ private:
+  WorkPtr inner_;
+  uint64_t seq_;
+  bool done_ = false;
+};
+
 }  // namespace
+
+WorkPtr MpiCommunicator::watched(WorkPtr work, uint64_t seq) {
+  return std::make_unique<WatchedWork>(std::move(work), seq);
+}
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool shared_memory)
     : name_(std::move(name)), use_shared_memory_(shared_memory) {
@@ -163,6 +212,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool shared_me
   MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
   MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  channel_ = watchdog::open_channel(comm_, name_);
   create_half_types();  // created here, after MPI_Init, on the thread that calls MPI
 }
 
@@ -210,10 +260,12 @@ void MpiCommunicator::reserve_messages(int64_t max_bytes, int slots) {
 }
 
 WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
+  const uint64_t seq = watchdog::started(channel_, op == ReduceOp::Avg ? "all_reduce avg" : "all_reduce sum",
+                                         t.nbytes(), t.dtype(), -1, true);
   if (shared_) {
     if (WorkPtr work = shared_->all_reduce_async(t, op == ReduceOp::Avg)) {
       count_sent(t.nbytes(), 2 * (size_ - 1), size_);  // what the ring would send: one convention
-      return work;
+      return watched(std::move(work), seq);
     }
   }
   const int count = count_of(t);
@@ -227,10 +279,12 @@ WorkPtr MpiCommunicator::all_reduce_async(const Tensor& t, ReduceOp op) {
   state->staging.wait_for_copies_in();
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, count, mpi_type(t.dtype()), mpi_op, comm_, &state->request),
             "MPI_Iallreduce", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) {
+  const uint64_t seq = watchdog::started(channel_, op == ReduceOp::Avg ? "reduce_scatter avg" : "reduce_scatter sum",
+                                         in.nbytes(), in.dtype(), -1, true);
   const int count = count_of(out);
   count_of(in);
   STRATA_CHECK(in.dtype() == out.dtype(), "reduce_scatter of ", in.str(), " into ", out.str());
@@ -248,10 +302,11 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const Tensor& in, const Tensor& ou
   state->staging.wait_for_copies_in();
   check_mpi(MPI_Ireduce_scatter_block(send, recv, count, mpi_type(out.dtype()), mpi_op, comm_, &state->request),
             "MPI_Ireduce_scatter_block", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
+  const uint64_t seq = watchdog::started(channel_, "all_gather", in.nbytes(), in.dtype(), -1, true);
   const int count = count_of(in);
   count_of(out);
   STRATA_CHECK(in.dtype() == out.dtype(), "all_gather of ", in.str(), " into ", out.str());
@@ -264,7 +319,7 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   if (shared_ && in_place) {
     if (WorkPtr work = shared_->all_gather_async(in, out)) {
       count_sent(out.nbytes(), size_ - 1, size_);  // what MPI's ring would send
-      return work;
+      return watched(std::move(work), seq);
     }
   }
   auto state = std::make_shared<MpiOpState>();
@@ -281,15 +336,17 @@ WorkPtr MpiCommunicator::all_gather_async(const Tensor& in, const Tensor& out) {
   state->staging.wait_for_copies_in();
   check_mpi(MPI_Iallgather(send, count, type, recv, count, type, comm_, &state->request), "MPI_Iallgather",
             state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
+  const uint64_t seq =
+      watchdog::started(channel_, op == ReduceOp::Avg ? "reduce avg" : "reduce sum", t.nbytes(), t.dtype(), root, true);
   STRATA_CHECK(root >= 0 && root < size_, "reduce root ", root, " outside ", name_, " of ", size_, " ranks");
   if (shared_) {
     if (WorkPtr work = shared_->reduce_async(t, root, op == ReduceOp::Avg)) {
       if (rank_ != root) count_sent(t.nbytes(), 1, 1);
-      return work;
+      return watched(std::move(work), seq);
     }
   }
   const int count = count_of(t);
@@ -308,10 +365,11 @@ WorkPtr MpiCommunicator::reduce_async(const Tensor& t, int root, ReduceOp op) {
   check_mpi(MPI_Ireduce(is_root ? MPI_IN_PLACE : data, is_root ? data : nullptr, count, mpi_type(t.dtype()), mpi_op,
                         root, comm_, &state->request),
             "MPI_Ireduce", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
+  const uint64_t seq = watchdog::started(channel_, "broadcast", t.nbytes(), t.dtype(), root, true);
   const int count = count_of(t);
   STRATA_CHECK(root >= 0 && root < size_, "broadcast root ", root, " outside ", name_, " of ", size_, " ranks");
   auto state = std::make_shared<MpiOpState>();
@@ -321,17 +379,18 @@ WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
   void* data = state->staging.host_memory(t, /*copy_in=*/rank_ == root, /*copy_out=*/rank_ != root);
   state->staging.wait_for_copies_in();
   check_mpi(MPI_Ibcast(data, count, mpi_type(t.dtype()), root, comm_, &state->request), "MPI_Ibcast", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
+  const uint64_t seq = watchdog::started(channel_, "send", t.nbytes(), t.dtype(), peer, false);
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "send to rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "send with negative tag ", tag);
   if (shared_) {
     if (WorkPtr work = shared_->send_async(t, peer, tag)) {
       count_sent(t.nbytes(), 1, 1);
-      return work;
+      return watched(std::move(work), seq);
     }
   }
   auto state = std::make_shared<MpiOpState>();
@@ -341,29 +400,31 @@ WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
   void* data = state->staging.host_memory(t, /*copy_in=*/true, /*copy_out=*/false);
   state->staging.wait_for_copies_in();
   check_mpi(MPI_Isend(data, count, mpi_type(t.dtype()), peer, tag, comm_, &state->request), "MPI_Isend", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::recv_async(const Tensor& t, int peer, int tag) {
+  const uint64_t seq = watchdog::started(channel_, "recv", t.nbytes(), t.dtype(), peer, false);
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "recv from rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "recv with negative tag ", tag);
   if (shared_) {
-    if (WorkPtr work = shared_->recv_async(t, peer, tag)) return work;
+    if (WorkPtr work = shared_->recv_async(t, peer, tag)) return watched(std::move(work), seq);
   }
   auto state = std::make_shared<MpiOpState>();
   state->what = strata::detail::cat("recv from ", peer, " on ", name_);
   state->buffers = {t};
   void* data = state->staging.host_memory(t, /*copy_in=*/false, /*copy_out=*/true);
   check_mpi(MPI_Irecv(data, count, mpi_type(t.dtype()), peer, tag, comm_, &state->request), "MPI_Irecv", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 WorkPtr MpiCommunicator::barrier_async() {
+  const uint64_t seq = watchdog::started(channel_, "barrier", 0, DType::U8, -1, true);
   auto state = std::make_shared<MpiOpState>();
   state->what = "barrier on " + name_;
   check_mpi(MPI_Ibarrier(comm_, &state->request), "MPI_Ibarrier", state->what);
-  return track(std::move(state));
+  return watched(track(std::move(state)), seq);
 }
 
 void MpiCommunicator::progress() {

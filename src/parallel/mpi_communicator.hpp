@@ -29,6 +29,9 @@
 namespace strata::parallel {
 
 class NodeSharedMemory;
+namespace watchdog {
+struct Channel;
+}
 struct MpiOpState;  // one started operation: its request, buffers and completion step (in the .cpp)
 
 class MpiCommunicator final : public Communicator {
@@ -48,6 +51,8 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   // The private duplicate (for code that needs a raw MPI call on the same group).
   MPI_Comm comm() const { return comm_; }
+  // Its identity and collective fingerprint, for raw MPI calls recorded by the watchdog (values.hpp).
+  const std::shared_ptr<watchdog::Channel>& channel() const { return channel_; }
 
   WorkPtr all_reduce_async(const Tensor& t, ReduceOp op) override;
   WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out, ReduceOp op) override;
@@ -78,6 +83,8 @@ class MpiCommunicator final : public Communicator {
 
  private:
   WorkPtr track(std::shared_ptr<MpiOpState> state);
+  // Wraps a started operation (flight-recorder entry `seq`) so its waits run under the watchdog.
+  static WorkPtr watched(WorkPtr work, uint64_t seq);
   // Adds bytes * numerator / denominator to bytes_sent_.
   void count_sent(size_t bytes, int numerator, int denominator);
 
@@ -86,6 +93,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   int64_t bytes_sent_ = 0;
+  std::shared_ptr<watchdog::Channel> channel_;  // identity and fingerprint (watchdog.hpp)
   // Started operations; progress() tests them, completed ones are dropped on the next start.
   std::vector<std::shared_ptr<MpiOpState>> pending_;
   // The one-node group (created collectively on the first call), or nullptr.

@@ -2,13 +2,22 @@
 // communicator, ordered against the device's compute stream with events (see the header).
 #include "parallel/nccl_communicator.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <utility>
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/runtime.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
 
@@ -130,6 +139,83 @@ class NcclWork final : public Work {
   std::shared_ptr<NcclOpState> state_;
 };
 
+// NCCL's waits do not block the host (they order streams); a stopped peer shows up later as a
+// host blocked in a copy or a synchronisation that no deadline covers. So, as PyTorch's
+// ProcessGroupNCCL watchdog, a thread polls the operations in flight every 100 ms: an operation
+// whose NCCL communicator reports an asynchronous error (ncclCommGetAsyncError), or which is not
+// complete by its deadline (watchdog::timeout() when it started), is reported in one line, its
+// communicator aborted (ncclCommAbort frees the spinning kernels) and the job aborted (exit 5).
+class NcclWatchdog {
+ public:
+  static NcclWatchdog& get() {
+    static NcclWatchdog w;
+    return w;
+  }
+  void add(std::shared_ptr<NcclOpState> op, ncclComm_t comm, const void* owner) {
+    const auto deadline = watchdog::Clock::now() + std::chrono::duration_cast<watchdog::Clock::duration>(
+                                                       std::chrono::duration<double>(watchdog::timeout()));
+    const std::lock_guard lock(mutex_);
+    entries_.push_back({std::move(op), comm, owner, watchdog::Clock::now(), deadline});
+  }
+  // The communicator `owner` goes: its operations are no longer watched.
+  void forget(const void* owner) {
+    const std::lock_guard lock(mutex_);
+    std::erase_if(entries_, [owner](const Entry& e) { return e.owner == owner; });
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<NcclOpState> op;
+    ncclComm_t comm;
+    const void* owner;
+    watchdog::Clock::time_point start, deadline;
+  };
+  NcclWatchdog() : thread_([this] { run(); }) {}
+  ~NcclWatchdog() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; })) {
+      const auto now = watchdog::Clock::now();
+      std::erase_if(entries_, [&](const Entry& e) {
+        cudaSetDevice(e.op->device);
+        const cudaError_t rc = cudaEventQuery(e.op->done.get());
+        if (rc == cudaSuccess) return true;
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(e.comm, &async);
+        if (async != ncclSuccess && async != ncclInProgress)
+          fail(e, detail::cat("NCCL error ", ncclGetErrorString(async)));
+        else if (rc != cudaErrorNotReady)
+          fail(e, detail::cat("CUDA error ", cudaGetErrorString(rc)));
+        else if (now >= e.deadline)
+          fail(e, detail::cat("not complete after ", std::chrono::duration<double>(now - e.start).count(),
+                              " s (--timeout ", watchdog::timeout(), ")"));
+        return false;
+      });
+    }
+  }
+  [[noreturn]] static void fail(const Entry& e, const std::string& why) {
+    std::fprintf(stderr, "[rank %d] watchdog: %s (NCCL) %s; aborting the job\n", process_rank(), e.op->what.c_str(),
+                 why.c_str());
+    std::fflush(stderr);
+    ncclCommAbort(e.comm);  // the kernels waiting for the peer return
+    MPI_Abort(MPI_COMM_WORLD, watchdog::kExitTimeout);
+    _exit(watchdog::kExitTimeout);
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<Entry> entries_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest exists
+};
+
 }  // namespace
 
 NcclCommunicator::NcclCommunicator(MPI_Comm comm, std::string name, Device device, bool p2p)
@@ -168,6 +254,7 @@ NcclCommunicator::NcclCommunicator(MPI_Comm comm, std::string name, Device devic
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  NcclWatchdog::get().forget(this);
   // Normal end: let the operations in flight finish, then destroy (the lanes' NcclComm). During
   // unwinding NcclComm aborts instead (a failed peer would make this wait forever).
   if (std::uncaught_exceptions() > 0 || lanes_.empty()) return;
@@ -218,6 +305,7 @@ WorkPtr NcclCommunicator::start(size_t lane, std::string what, std::vector<Tenso
   CUDA_CHECK(cudaStreamWaitEvent(stream, compute_ready_.get(), 0));
   launch(lanes_[lane].comm.get(), stream);
   CUDA_CHECK(cudaEventRecord(done, stream));
+  NcclWatchdog::get().add(state, lanes_[lane].comm.get(), this);
   return std::make_unique<NcclWork>(std::move(state));
 }
 

@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "parallel/mpi.hpp"
+#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
 
@@ -188,6 +189,7 @@ std::vector<char*> map_segments(MPI_Comm comm, int rank, int size, size_t bytes,
 // Waiting for a peer: spin briefly, then give the core away (ranks may outnumber cores), and
 // now and then let MPI progress, in case a peer waits on an MPI operation of this rank.
 void relax(uint64_t& spins, MPI_Comm comm) {
+  watchdog::poll();  // the deadline of the wait this spin is part of
   if (++spins % 256 == 0) {
     int flag = 0;
     MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, MPI_STATUS_IGNORE);

@@ -1,32 +1,60 @@
 #include "parallel/values.hpp"
 
 #include "parallel/mpi.hpp"
+#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
+
+namespace {
+
+// Completes `request` under the watchdog's deadline (recorded as operation `seq`).
+void wait_for(MPI_Request& request, uint64_t seq) {
+  watchdog::Wait deadline_of(seq);
+  for (int done = 0; !done; watchdog::poll()) MPI_CHECK(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+  watchdog::completed(seq);
+}
+
+}  // namespace
 
 std::vector<int64_t> all_gather_values(MpiCommunicator& comm, const std::vector<int64_t>& mine) {
   std::vector<int64_t> all(mine.size() * static_cast<size_t>(comm.size()));
   const int n = static_cast<int>(mine.size());
-  MPI_CHECK(MPI_Allgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, comm.comm()));
+  const uint64_t seq =
+      watchdog::started(comm.channel(), "all_gather i64", n * int64_t{sizeof(int64_t)}, DType::U8, -1, true);
+  MPI_Request request;
+  MPI_CHECK(MPI_Iallgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, comm.comm(), &request));
+  wait_for(request, seq);
   return all;
 }
 
 int64_t broadcast_value(MpiCommunicator& comm, int64_t value, int root) {
-  MPI_CHECK(MPI_Bcast(&value, 1, MPI_INT64_T, root, comm.comm()));
+  const uint64_t seq = watchdog::started(comm.channel(), "broadcast i64", sizeof value, DType::U8, root, true);
+  MPI_Request request;
+  MPI_CHECK(MPI_Ibcast(&value, 1, MPI_INT64_T, root, comm.comm(), &request));
+  wait_for(request, seq);
   return value;
 }
 
 void send_values(MpiCommunicator& comm, const std::vector<double>& values, int peer, int tag) {
-  MPI_CHECK(MPI_Send(values.data(), static_cast<int>(values.size()), MPI_DOUBLE, peer, tag, comm.comm()));
+  const auto n = static_cast<int64_t>(values.size());
+  const uint64_t seq = watchdog::started(comm.channel(), "send f64", n * 8, DType::U8, peer, false);
+  MPI_Request request;
+  MPI_CHECK(MPI_Isend(values.data(), static_cast<int>(n), MPI_DOUBLE, peer, tag, comm.comm(), &request));
+  wait_for(request, seq);
 }
 
 std::vector<double> recv_values(MpiCommunicator& comm, int peer, int tag) {
+  const uint64_t seq = watchdog::started(comm.channel(), "recv f64", 0, DType::U8, peer, false);
   MPI_Status status;
-  MPI_CHECK(MPI_Probe(peer, tag, comm.comm(), &status));
+  {  // MPI_Iprobe, not MPI_Probe: the length is learnt under the deadline too
+    watchdog::Wait deadline_of(seq);
+    for (int found = 0; !found; watchdog::poll()) MPI_CHECK(MPI_Iprobe(peer, tag, comm.comm(), &found, &status));
+  }
   int count = 0;
   MPI_CHECK(MPI_Get_count(&status, MPI_DOUBLE, &count));
   std::vector<double> values(static_cast<size_t>(count));
-  MPI_CHECK(MPI_Recv(values.data(), count, MPI_DOUBLE, peer, tag, comm.comm(), MPI_STATUS_IGNORE));
+  MPI_CHECK(MPI_Recv(values.data(), count, MPI_DOUBLE, peer, tag, comm.comm(), MPI_STATUS_IGNORE));  // already here
+  watchdog::completed(seq);
   return values;
 }
 

@@ -67,6 +67,12 @@ struct Config {
   // step debug_fail_step.
   int64_t debug_fail_step = -1;
   int debug_fail_rank = -1;
+  // Testing aid: at this step every rank issues one extra all-reduce, rank debug_fail_rank an
+  // average where the others sum (MPI runs it; the collective fingerprints differ).
+  int64_t debug_mismatch_step = -1;
+  // Seconds a rank waits for a communication operation during training before it reports and
+  // aborts the job (watchdog.hpp).
+  double timeout = 300;
   // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).
   int64_t debug_overflow_step = -1;
   // Benchmark aid: every stage also sleeps this long per micro-batch forward (twice per

@@ -2,7 +2,8 @@
 // Setup errors are agreed on by all ranks and reported once (exit 2 for bad input); an error
 // during training is reported by the rank that hit it and ends the whole job. SIGTERM, SIGUSR1
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted); a
-// second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal).
+// second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal). A communication wait
+// past --timeout, or ranks whose collectives differ: exit 5 (parallel/watchdog.hpp).
 #include <cmath>
 #include <memory>
 #include <optional>

@@ -16,6 +16,7 @@
 #include "io/training_state.hpp"
 #include "parallel/shared_memory.hpp"
 #include "parallel/values.hpp"
+#include "parallel/watchdog.hpp"
 #include "train/plan.hpp"
 
 namespace strata::train {
@@ -310,6 +311,7 @@ Tensor Trainer::to_device(const Tensor& t) const {
 
 double Trainer::train_step(const io::Batch& batch, int64_t step) {
   const bool record = !config_.timeline.empty() && step + 1 == total_steps_;
+  parallel::watchdog::set_step(step);
   if (record) grid_->world().barrier();  // a common origin for every stage's clock
   const int64_t dp_bytes_before = grid_->dp().bytes_sent();
   parallel::Communicator* tp = grid_->has("tp") ? &grid_->comm("tp") : nullptr;
@@ -358,8 +360,14 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   // The preemption flag rides on the all-reduce every step does anyway: all ranks agree
   // at the same step boundary without an extra collective.
   // The loss: non-zero on last stages only, counted once per tensor-parallel group.
+  if (step + 1 == config_.debug_mismatch_step) {
+    const Tensor extra = Tensor::zeros({4}, DType::F32);
+    const bool odd = rank_ == config_.debug_fail_rank;
+    grid_->world().all_reduce(extra, odd ? parallel::ReduceOp::Avg : parallel::ReduceOp::Sum);
+  }
   std::vector<double> loss{tp_rank_ == 0 ? loss_sum : 0.0, g_stop_signal != 0 ? 1.0 : 0.0};
-  sum_over_world(loss);
+  // The collective fingerprints ride on the same all-gather (a mismatch aborts every rank).
+  parallel::watchdog::sum_checking_fingerprints(grid_->world(), loss);
   stop_agreed_ = loss[1] > 0;
   return loss[0];
 }
@@ -394,6 +402,7 @@ TrainEnd Trainer::train() {
   normalise(next_epoch_, next_in_epoch_);
   loader.start(next_epoch_, next_in_epoch_);
 
+  parallel::watchdog::set_timeout(config_.timeout);  // setup ran under watchdog::kSetupTimeoutS
   int64_t timed_steps = 0;  // of the window, run by this process (a resumed window began earlier)
   auto window_start = clock::now();
   const auto run_start = clock::now();
@@ -519,6 +528,8 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
 }
 
 void Trainer::save_checkpoint(int64_t step) {
+  // Rank 0 writes the whole file while the others wait in the next collective.
+  const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
   const std::string path = io::checkpoint_path(config_.checkpoint_dir, step);
   std::unique_ptr<io::CheckpointWriter> writer;
   if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);

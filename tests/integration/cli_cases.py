@@ -12,7 +12,8 @@ preemption, export), cases_checkpoint_validation.py (manifests, fallback, the di
 cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
 (strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute), cases_memory.py
-(--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal), on the helpers
+(--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal) and cases_watchdog.py (a stopped rank, differing
+collectives), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
@@ -26,9 +27,10 @@ import cases_parallel
 import cases_recompute
 import cases_sample
 import cases_tensor_parallel
+import cases_watchdog
 import harness
 
 if __name__ == "__main__":
     harness.main([cases_cli, cases_data, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_accuracy,
                   cases_gpt, cases_sample,
-                  cases_tensor_parallel, cases_recompute, cases_memory])
+                  cases_tensor_parallel, cases_recompute, cases_memory, cases_watchdog])

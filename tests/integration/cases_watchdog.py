@@ -1,0 +1,122 @@
+"""The watchdog (docs/reliability.md, "Deadlines and the watchdog"): a stopped rank ends the job
+within --timeout + 10 s with the rank and the operation named; ranks whose collectives differ
+are reported (first differing collective, both sides), not left to hang."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+from harness import MPI_ENV, write_dataset
+
+TIMEOUT = 5  # --timeout of these runs, seconds
+
+
+def children_of(pid):
+    """Every descendant of `pid` (the train processes under mpirun), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, parent in parents.items() if parent == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def rank_pids(mpirun_pid, ranks, deadline_s=60):
+    """World rank -> pid, from the OMPI_COMM_WORLD_RANK of each train process once all run."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        pids = {}
+        for pid in children_of(mpirun_pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() != "train":
+                        continue
+            except OSError:
+                continue
+            if b"OMPI_COMM_WORLD_RANK" in env:
+                pids[int(env[b"OMPI_COMM_WORLD_RANK"])] = pid
+        if len(pids) == ranks:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError(f"did not find {ranks} train processes")
+
+
+def stop_one_rank(args, data, ranks, layout, stopped):
+    """Starts a long run, SIGSTOPs rank `stopped` once it trains, asserts that every rank is
+    gone within --timeout + 10 s, non-zero, with a line naming the stopped rank and an operation."""
+    cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
+           "--hidden", "64", "--data", data, "--steps", "1000000", "--global-batch", "16", "--log-every", "1",
+           "--timeout", str(TIMEOUT)] + layout
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
+    try:
+        pids = rank_pids(p.pid, ranks)
+        # Training, not setup: wait for the first step lines.
+        for line in p.stdout:
+            if re.match(r"step 3/", line):
+                break
+        os.kill(pids[stopped], signal.SIGSTOP)
+        start = time.monotonic()
+        out, err = p.communicate(timeout=TIMEOUT + 10 + 20)
+        elapsed = time.monotonic() - start
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode != 0, f"exit code 0 with rank {stopped} stopped\n{err}"
+    assert elapsed < TIMEOUT + 10, f"took {elapsed:.1f} s after SIGSTOP to end the job\n{err}"
+    ours = [l for l in err.splitlines() if "watchdog:" in l]
+    assert ours, f"no watchdog line\n{err}"
+    line = ours[0]
+    # The first rank to notice waits for the stopped one or for a peer that waits for it (pp).
+    assert re.search(f"waiting (in turn )?for rank {stopped} \\(no sign of life", line), f"the stopped rank {stopped} is not named: {line}"
+    assert re.search(r"#\d+ (all_reduce|all_gather|reduce|broadcast|send|recv|barrier|reduce_scatter)", line), line
+    assert "flight recorder:" in err and "NOT completed" in err, f"no flight recorder dump\n{err}"
+    print(f"{ranks} ranks {' '.join(layout) or 'dp'}: rank {stopped} stopped, job ended {elapsed:.1f} s later, "
+          f"exit {p.returncode}: {line}")
+
+
+def case_watchdog_stopped_rank(args):
+    data = write_dataset(os.path.join(args.workdir, "watchdog.h5"), n=4096, seed=5)
+    stop_one_rank(args, data, 2, [], 1)
+    stop_one_rank(args, data, 2, [], 0)
+
+
+def case_watchdog_stopped_rank_4(args):
+    data = write_dataset(os.path.join(args.workdir, "watchdog4.h5"), n=4096, seed=5)
+    stop_one_rank(args, data, 4, ["--pp", "2"], 3)
+    stop_one_rank(args, data, 4, ["--zero", "3"], 2)
+
+
+def case_watchdog_fingerprint(args):
+    """One rank issues an average where the others sum: rank 0 names the first differing
+    collective and both sides' operations; every rank exits non-zero within seconds."""
+    data = write_dataset(os.path.join(args.workdir, "fingerprint.h5"), n=4096, seed=5)
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp", "--hidden",
+           "64", "--data", data, "--steps", "1000", "--global-batch", "16", "--debug-mismatch-step", "7",
+           "--debug-fail-rank", "1", "--timeout", str(TIMEOUT)]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **MPI_ENV), timeout=60)
+    elapsed = time.monotonic() - start
+    assert p.returncode != 0, f"exit code 0 with differing collectives\n{p.stderr}"
+    ours = [l for l in p.stderr.splitlines() if "disagree about their collectives" in l]
+    assert len(ours) == 1, p.stderr
+    m = re.search(r"collective (\d+) on world differs: rank (\d) (#\d+ all_reduce (sum|avg) of 16 B f32 on world[^;]*); "
+                  r"rank (\d) (#\d+ all_reduce (sum|avg) of 16 B f32 on world.*?\)); aborting", ours[0])
+    assert m, ours[0]
+    assert {m.group(4), m.group(7)} == {"sum", "avg"}, ours[0]
+    assert {m.group(2), m.group(5)} == {"0", "1"}, ours[0]
+    assert "step 7" in ours[0], ours[0]
+    assert "watchdog:" not in p.stderr.replace(ours[0], ""), f"a deadline passed as well\n{p.stderr}"
+    print(f"reported in {elapsed:.1f} s, exit {p.returncode}: {ours[0]}")
