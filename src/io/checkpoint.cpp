@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 
 #include "core/log.hpp"
 #include "io/training_state.hpp"
@@ -65,6 +66,22 @@ std::string position_text(const Position& p) {
 uint32_t crc32_of_text(const std::string& text) {
   return static_cast<uint32_t>(
       crc32_z(crc32_z(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(text.data()), static_cast<z_size_t>(text.size())));
+}
+
+// Text from a damaged manifest as it may appear inside an error line: bytes outside printable
+// ASCII (a CR, a form feed) as \xNN, so that the line stays one line on any terminal.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const unsigned char c : text) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
 }
 
 std::string hex32(uint32_t v) {
@@ -137,7 +154,7 @@ std::optional<Manifest> check_manifest(const std::string& checkpoint, bool whole
     std::istringstream fields(line);
     std::string key, value, extra;
     STRATA_REQUIRE(fields >> key >> value && !(fields >> extra), "manifest '", mpath, "' has a malformed line '",
-                   line.substr(0, 80), "'; expected 'key value'");
+                   printable(line.substr(0, 80)), "'; expected 'key value'");
     lines.emplace_back(key, value);
   }
   const auto get = [&](const std::string& key, bool required) -> std::optional<std::string> {
@@ -146,31 +163,37 @@ std::optional<Manifest> check_manifest(const std::string& checkpoint, bool whole
     STRATA_REQUIRE(!required, "manifest '", mpath, "' has no '", key, "' line");
     return std::nullopt;
   };
-  const auto number = [&](const std::string& key, int base = 10) {
+  // strtoll for every key but the seed, whose whole uint64 range is valid: strtoull, and no
+  // sign (strtoull would wrap "-1"). std::stoull would throw std::invalid_argument: exit 1.
+  const auto parse = [&](const std::string& key, int base, auto strto) {
     const std::string text = *get(key, true);
     char* end = nullptr;
     errno = 0;
-    const long long v = std::strtoll(text.c_str(), &end, base);
-    STRATA_REQUIRE(errno == 0 && end != text.c_str() && *end == '\0', "manifest '", mpath, "': '", key,
-                   "' is not a number (found '", text.substr(0, 40), "')");
-    return static_cast<int64_t>(v);
+    const auto v = strto(text.c_str(), &end, base);
+    const bool sign_ok = std::is_signed_v<decltype(v)> || text[0] != '-';
+    STRATA_REQUIRE(errno == 0 && end != text.c_str() && *end == '\0' && sign_ok, "manifest '", mpath, "': '", key,
+                   "' is not a number (found '", printable(text.substr(0, 40)), "')");
+    return v;
+  };
+  const auto number = [&](const std::string& key, int base = 10) {
+    return static_cast<int64_t>(parse(key, base, std::strtoll));
   };
   STRATA_REQUIRE(get("strata-checkpoint-manifest", true) == std::to_string(kManifestVersion), "manifest '", mpath,
-                 "' has version ", *get("strata-checkpoint-manifest", true), "; this build reads version ",
+                 "' has version ", printable(*get("strata-checkpoint-manifest", true)), "; this build reads version ",
                  kManifestVersion);
   Manifest m;
   m.file = *get("file", true);
   m.size = number("size");
   m.crc32 = static_cast<uint32_t>(number("crc32", 16));
   const std::string name = fs::path(checkpoint).filename().string();
-  STRATA_REQUIRE(m.file == name, "checkpoint '", checkpoint, "': its manifest describes '", m.file, "', not '", name,
-                 "'");
+  STRATA_REQUIRE(m.file == name, "checkpoint '", checkpoint, "': its manifest describes '", printable(m.file),
+                 "', not '", name, "'");
   if (get("step", false)) {
     Position p;
     p.step = number("step");
     p.epoch = number("epoch");
     p.step_in_epoch = number("step_in_epoch");
-    p.seed = static_cast<uint64_t>(std::stoull(*get("seed", true)));
+    p.seed = static_cast<uint64_t>(parse("seed", 10, std::strtoull));
     STRATA_REQUIRE(static_cast<uint32_t>(number("position_crc32", 16)) == crc32_of_text(position_text(p)),
                    "checkpoint '", checkpoint, "': its manifest's position fails its checksum (edited?)");
     check_position_range(checkpoint, p);

@@ -184,6 +184,28 @@ TEST(Manifest, TamperedPosition) {
                            {"its manifest describes 'step-00000020.h5', not 'step-00000030.h5'"});
 }
 
+// Manifests damaged as the fuzzer found them (tests/fuzz/cases/): a control byte inside a line
+// or a value is quoted as \xNN (the error stays one line on a terminal), and a seed that is not
+// a number is an input error, not std::invalid_argument.
+TEST(Manifest, DamagedTextIsOneQuotedLine) {
+  test::TempDir dir;
+  const std::string path = checkpoint_path(dir.path().string(), 20);
+  const auto edit = [&](const std::string& from, const std::string& to) {
+    write_run(path, 20);
+    std::string text = read_text(manifest_path(path));
+    text.replace(text.find(from), from.size(), to);
+    std::ofstream(manifest_path(path)) << text;
+  };
+  edit("strata-checkpoint", "strata-che\rkpoint");
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"malformed line 'strata-che\\x0dkpoint"});
+  edit("\nseed 3", "\nseed 3\x1c");
+  test::expect_input_error([&] { CheckpointReader r(path); }, {"'seed' is not a number (found '3\\x1c')"});
+  for (const std::string seed : {"x3", "-3", "99999999999999999999"}) {
+    edit("\nseed 3", "\nseed " + seed);
+    test::expect_input_error([&] { CheckpointReader r(path); }, {"'seed' is not a number (found '" + seed + "')"});
+  }
+}
+
 // A checkpoint from before manifests loads (with a note); its position is still range- and
 // name-checked: step 7 in the step-20 file, a negative or NaN step, epoch 2^62.
 TEST(Manifest, MissingManifestLoadsAsOlderFormat) {
