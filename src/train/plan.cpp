@@ -47,25 +47,6 @@ std::string ranks_str(int first, int last, const GridShape& g) {
   return os.str();
 }
 
-// Every rank's bytes: parameters, gradients and optimizer state from the layout's arithmetic,
-// activations from running each stage on meta tensors (once per stage: replicas and tp ranks
-// run the same shapes), on a model built for it.
-std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
-                                            const std::vector<parallel::StageRange>& stages, const GridShape& g) {
-  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
-  parallel::PlannedTensorParallel tp(config.tp);
-  layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
-  std::vector<int64_t> activations;
-  for (int s = 0; s < g.pp; ++s) activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
-  std::vector<parallel::RankBytes> ranks;
-  for (int k = 0; k < g.pp * g.dp * g.tp; ++k) {
-    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
-    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
-    ranks.back().activations = activations[static_cast<size_t>(g.stage(k))];
-  }
-  return ranks;
-}
-
 // The rank with the most bytes (the first of equals).
 int fullest_rank(const std::vector<parallel::RankBytes>& ranks) {
   return static_cast<int>(
@@ -180,8 +161,29 @@ parallel::MemoryLayout memory_layout(const Config& config, int dp) {
   return layout;
 }
 
-std::string plan_report(const Config& config, const layers::Model& model, int classes,
-                        const std::vector<parallel::StageRange>& stages, int world_size) {
+std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
+                                            const std::vector<parallel::StageRange>& stages, int world_size) {
+  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
+  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
+  // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
+  // run the same shapes), on a model built for it.
+  parallel::PlannedTensorParallel tp(config.tp);
+  layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
+  std::vector<int64_t> activations;
+  for (int s = 0; s < g.pp; ++s) activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
+  std::vector<parallel::RankBytes> ranks;
+  for (int k = 0; k < world_size; ++k) {
+    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
+    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
+    ranks.back().activations = activations[static_cast<size_t>(g.stage(k))];
+  }
+  return ranks;
+}
+
+std::string plan_report(const Config& config, const layers::Model& model,
+                        const std::vector<parallel::StageRange>& stages,
+                        const std::vector<parallel::RankBytes>& ranks) {
+  const int world_size = static_cast<int>(ranks.size());
   const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
   const int pp = g.pp, dp = g.dp;
   const parallel::MemoryLayout layout = memory_layout(config, dp);
@@ -208,7 +210,6 @@ std::string plan_report(const Config& config, const layers::Model& model, int cl
        << (g.tp > 1 ? " per tensor-parallel rank" : "");
   }
 
-  const std::vector<parallel::RankBytes> ranks = plan_ranks(config, model, classes, stages, g);
   const int fullest = fullest_rank(ranks);
   os << "\n  bytes per rank (params include non-trained buffers; activations: the step's high-water mark of what "
         "the stage's layers allocate, with the micro-batches the schedule keeps in flight):";
@@ -226,11 +227,10 @@ std::string plan_report(const Config& config, const layers::Model& model, int cl
   return os.str();
 }
 
-void check_fits(const Config& config, const layers::Model& model, int classes,
-                const std::vector<parallel::StageRange>& stages, int world_size) {
+void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ranks) {
   if (config.device_memory <= 0) return;
+  const int world_size = static_cast<int>(ranks.size());
   const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
-  const std::vector<parallel::RankBytes> ranks = plan_ranks(config, model, classes, stages, g);
   const int fullest = fullest_rank(ranks);
   const parallel::RankBytes& worst = ranks[static_cast<size_t>(fullest)];
   if (worst.total() <= config.device_memory) return;
@@ -285,10 +285,12 @@ void dry_run(const Config& config, MPI_Comm world) {
       layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =
       parallel::partition_layers(model, config.pp, config.partition, config.virtual_stages);
-  const std::string report = plan_report(config, model, static_cast<int>(classes), stages, world_size);
+  const std::vector<parallel::RankBytes> ranks =
+      plan_ranks(config, model, static_cast<int>(classes), stages, world_size);
+  const std::string report = plan_report(config, model, stages, ranks);
   log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
   log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");
-  check_fits(config, model, static_cast<int>(classes), stages, world_size);
+  check_fits(config, ranks);
 }
 
 }  // namespace strata::train

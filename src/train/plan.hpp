@@ -30,18 +30,23 @@ struct GridShape {
   int tp_rank(int k) const { return k % tp; }
 };
 
-// The plan's text for a world of `world_size` ranks (pp x dp x tp, tp fastest).
-// `classes`: what `model` was built for (the plan builds another from it, on meta tensors).
-std::string plan_report(const Config& config, const layers::Model& model, int classes,
-                        const std::vector<parallel::StageRange>& stages, int world_size);
+// Every rank's bytes in a world of `world_size` ranks (pp x dp x tp, tp fastest): parameters,
+// gradients and optimizer state from the layout's arithmetic (parallel::plan_rank), activations
+// from running each stage on meta tensors (parallel::plan_activations) on another model built
+// like `model` (for `classes`). Computed once per run: the report and the check take it.
+std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
+                                            const std::vector<parallel::StageRange>& stages, int world_size);
+
+// The plan's text for the world of `ranks` (plan_ranks).
+std::string plan_report(const Config& config, const layers::Model& model,
+                        const std::vector<parallel::StageRange>& stages, const std::vector<parallel::RankBytes>& ranks);
 
 // What plan_rank needs of the configuration, for `dp` replicas.
 parallel::MemoryLayout memory_layout(const Config& config, int dp);
 
 // --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
-// of a `world_size` world needs more, naming the fullest rank, its parts and the largest.
-void check_fits(const Config& config, const layers::Model& model, int classes,
-                const std::vector<parallel::StageRange>& stages, int world_size);
+// (plan_ranks) needs more, naming the fullest rank, its parts and the largest.
+void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ranks);
 
 // --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
 // --seq-len), builds the model and prints the plan for --world ranks (default: the job's).

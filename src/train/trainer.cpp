@@ -121,7 +121,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   stages_ = parallel::partition_layers(*model_, grid_->pp_size(), config_.partition, v);
   // A layout that cannot fit is refused before anything is allocated; on the CPU the allocator
   // then holds each rank to the cap (device memory is the GPU's to refuse).
-  check_fits(config_, *model_, num_classes_, stages_, grid_->world().size());
+  planned_ = plan_ranks(config_, *model_, num_classes_, stages_, grid_->world().size());
+  check_fits(config_, planned_);
   if (device_.is_cpu()) host_allocator().set_limit(static_cast<size_t>(config_.device_memory));
   tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
@@ -268,7 +269,7 @@ void Trainer::resume_from(const std::string& path) {
 }
 
 void Trainer::print_plan() {
-  log::info(plan_report(config_, *model_, num_classes_, stages_, grid_->world().size()));
+  log::info(plan_report(config_, *model_, stages_, planned_));
   // The plan is computed from shapes (what --dry-run prints); rank 0 checks it against what
   // every rank allocated, so a plan that drifts from the allocations is seen, not trusted.
   std::vector<int64_t> mine{tied_->parameter_bytes(), tied_->gradient_bytes(), 0};
@@ -279,10 +280,8 @@ void Trainer::print_plan() {
   }
   const std::vector<int64_t> real = parallel::all_gather_values(grid_->mpi_world(), mine);
   if (rank_ != 0) return;
-  const parallel::MemoryLayout layout = memory_layout(config_, dp_);
-  const GridShape g{grid_->pp_size(), dp_, grid_->size("tp")};
   for (int k = 0; k < grid_->world().size(); ++k) {
-    const parallel::RankBytes p = parallel::plan_rank(*model_, stages_, g.stage(k), g.replica(k), layout);
+    const parallel::RankBytes& p = planned_[static_cast<size_t>(k)];
     const int64_t* r = real.data() + 3 * k;
     if (r[0] != p.params || r[1] != p.grads || r[2] != p.optimizer)
       log::warn("rank ", k, " allocated params ", r[0], ", grads ", r[1], ", optimizer ", r[2], " but its plan says ",

@@ -21,6 +21,7 @@
 #include "layers/optimizer.hpp"
 #include "parallel/batch_plan.hpp"
 #include "parallel/data_parallel.hpp"
+#include "parallel/memory_plan.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/pipeline.hpp"
@@ -123,6 +124,7 @@ class Trainer {
   // Every virtual stage's layers: P x v of them, chunk c of pipeline rank s being virtual stage
   // c·P + s (v = --virtual-stages, 1 but with the interleaved schedule).
   std::vector<parallel::StageRange> stages_;
+  std::vector<parallel::RankBytes> planned_;       // every rank's plan (plan_ranks), computed once
   std::unique_ptr<parallel::TiedEmbedding> tied_;  // a tied LM head's copy of wte, where it needs one
   // This rank's chunks, each a stage's layers replicated over the dp group, and plain pointers to them.
   std::vector<std::unique_ptr<parallel::DataParallel>> chunks_;
