@@ -42,11 +42,7 @@ cmake --build build-asan -j "$jobs" --target "${targets[@]}"
 # Attention.FlashMatchesPlain compares two summation orders to 1e-6, which -O2 meets and -O1's
 # other vectorization misses by a hair (dk 1.09e-6 at T=1024): a tolerance, not a memory error;
 # the flash kernel's accesses still run under ASan in the other Attention tests.
-# SharedMemory.MessagesThroughMailboxesKeepMpiOrder failed once here (4 ranks on a loaded
-# machine: two tag-7 messages matched in swapped order on ranks 1 and 2) and passed in every
-# other run: a suspected ordering race in the shared-memory mailboxes, open in the session
-# note, not yet found. It runs in scripts/test.sh's stage; here it would make CI fail at random.
-GTEST_FILTER=-Attention.FlashMatchesPlain:SharedMemory.MessagesThroughMailboxesKeepMpiOrder \
+GTEST_FILTER=-Attention.FlashMatchesPlain \
   ctest --test-dir build-asan -L '^(unit|mpi)$' --output-on-failure -j "$jobs" "$@"
 
 echo "== TSan: the prefetching loader (build-tsan)"

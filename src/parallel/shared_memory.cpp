@@ -316,6 +316,7 @@ bool NodeSharedMemory::enable_messages(int64_t max_bytes, int slots, std::string
   slot_capacity_ = capacity;
   slot_stride_ = stride;
   sent_.assign(static_cast<size_t>(size_), 0);
+  seen_.assign(static_cast<size_t>(size_), 0);
   return true;
 }
 
@@ -347,7 +348,7 @@ NodeSharedMemory::Slot* NodeSharedMemory::oldest_message(int peer, int tag, int*
   for (int k = 0; k < slots_; ++k) {
     Slot& s = slot(rank_, peer, k);
     const uint64_t number = s.full.load(std::memory_order_acquire);
-    if (number == 0) continue;
+    if (number == 0 || number > seen_[static_cast<size_t>(peer)]) continue;
     ++count;
     if ((tag < 0 || s.tag == tag) && (oldest == nullptr || number < oldest_number)) {
       oldest = &s;
@@ -382,6 +383,16 @@ void NodeSharedMemory::progress_messages() {
     s.full.store(++sent_[peer], std::memory_order_release);
     finish(m);
     it = sends_.erase(it);
+  }
+  // What this pass sees of the inboxes: each peer's messages numbered up to seen_, found in
+  // number order (message n is in slot (n - 1) % slots_). Slots fill while a pass looks at them;
+  // without this a later receive could take a message that arrived after an earlier receive
+  // with its tag looked, or one whose elder in another slot it did not see yet.
+  for (int peer = 0; peer < size_; ++peer) {
+    uint64_t& seen = seen_[static_cast<size_t>(peer)];
+    while (slot(rank_, peer, static_cast<int>(seen % static_cast<uint64_t>(slots_)))
+               .full.load(std::memory_order_acquire) == seen + 1)
+      ++seen;
   }
   // Each receive takes the oldest message with its tag from its peer: moved aside first, then
   // in the slots.

@@ -102,7 +102,8 @@ class NodeSharedMemory {
   // Queues a send (on sends_) or receive (recvs_); nullptr when `t` does not fit the mailboxes.
   WorkPtr start_message(std::deque<std::shared_ptr<Message>>& queue, const Tensor& t, int peer, int tag);
   // The oldest message from `peer` in this rank's inbox with `tag` (any if < 0), or nullptr;
-  // `full`, if given, gets how many of the peer's slots hold a message.
+  // `full`, if given, gets how many of the peer's slots hold a message. Only messages numbered
+  // up to seen_ count.
   Slot* oldest_message(int peer, int tag, int* full = nullptr) const;
   // Copies waiting sends into free slots and waiting receives out of full ones, in order.
   void progress_messages();
@@ -121,6 +122,7 @@ class NodeSharedMemory {
   int slots_ = 0;
   int64_t slot_capacity_ = 0, slot_stride_ = 0;
   std::vector<uint64_t> sent_;
+  std::vector<uint64_t> seen_;  // from each peer: messages 1..seen_ have been found in the slots
   std::deque<std::shared_ptr<Message>> sends_, recvs_;
   struct Unexpected {
     int peer = 0;
