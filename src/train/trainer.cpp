@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
+#include "io/shared_files.hpp"
 #include "io/timeline.hpp"
 #include "io/training_state.hpp"
 #include "parallel/shared_memory.hpp"
@@ -86,6 +87,16 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);  // first: the probe is ours
     io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
   });
+  // Every rank reads and writes where rank 0 does (multi-node: a shared filesystem), checked
+  // now rather than at the first resume; each throws alike on every rank.
+  if (!config_.checkpoint_dir.empty() && !config_.eval_only)
+    io::require_shared_directory(world, config_.checkpoint_dir, "--checkpoint-dir");
+  const std::string resume_path = config_.resume == "auto" || config_.resume == "none" ? "" : config_.resume;
+  for (const auto& [flag, spec] : {std::pair{"--data", config_.data},
+                                   {"--val-data", config_.val_data},
+                                   {"--init-from", config_.init_from},
+                                   {"--resume", resume_path}})
+    if (!spec.empty()) io::require_same_files(world, spec, flag);
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0

@@ -220,3 +220,48 @@ def case_checkpoint_dir_lock(args):
     # The first job is gone: the next one on the directory gets the lock and resumes.
     out = train_ranks(args, 2, flags(args, ck, steps + 10) + ["--resume", "auto"])
     assert f"at step {steps}" in out, out
+
+
+def case_shared_filesystem(args):
+    """Ranks that do not see rank 0's files (issue #20 item 4). mpirun's -wdir gives the two ranks
+    of one job different working directories, so the relative paths name different storage, as
+    on nodes without a shared filesystem: a checkpoint directory rank 1 does not see, then data that
+    differs on rank 1 or is missing there, each exit 2 on both ranks with one line naming rank 1.
+    Identical copies of the data and a directory both see train."""
+    root = os.path.join(args.workdir, "shared-fs")
+    shutil.rmtree(root, ignore_errors=True)
+    nodes = [os.path.join(root, "node0"), os.path.join(root, "node1")]
+    for d in nodes:
+        os.makedirs(d)
+        write_dataset(os.path.join(d, "data.h5"), n=256, shape=(1, 8, 8), classes=10, seed=4)
+
+    def job(extra, checkpoint_dir):
+        flags = ["--model", "mlp", "--hidden", "16", "--data", "data.h5", "--global-batch", "32", "--steps", "3",
+                 "--checkpoint-dir", checkpoint_dir, "--save-every", "3"] + extra
+        cmd = [args.mpirun, "--oversubscribe", "--quiet"]
+        for i, d in enumerate(nodes):
+            cmd += (["-np", "1", "-wdir", d, args.train] + flags) + ([":"] if i == 0 else [])
+        return run(args, cmd)
+
+    def expect_refused(checkpoint_dir, pattern):
+        rc, out, err = job([], checkpoint_dir)
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert rc == 2, f"rc={rc}\n{out}\n{err}"
+        assert len(lines) == 1 and re.search(pattern, lines[0]), err
+        return lines[0]
+
+    said = [expect_refused("ck", r"^error: --checkpoint-dir 'ck': rank 1 \(host \S+\) does not see what rank 0 sees: "
+                                 r"no probe file \.strata-probe-[0-9a-f]{16} there; it must be a directory on a "
+                                 r"filesystem every node mounts")]
+    assert os.listdir(os.path.join(nodes[0], "ck")) == [".lock"], os.listdir(os.path.join(nodes[0], "ck"))
+    shared_ck = os.path.join(root, "ck")  # an absolute path: the same directory for both
+    write_dataset(os.path.join(nodes[1], "data.h5"), n=256, shape=(1, 8, 8), classes=10, seed=5)
+    said.append(expect_refused(shared_ck, r"^error: --data 'data.h5': rank 1 \(host \S+\) does not see what rank 0 "
+                                          r"sees: 'data.h5' has other bytes than rank 0's; every node needs the same"))
+    os.remove(os.path.join(nodes[1], "data.h5"))
+    said.append(expect_refused(shared_ck, r"^error: --data 'data.h5': rank 1 .* sees: --data: 'data.h5' does not exist"))
+    shutil.copy(os.path.join(nodes[0], "data.h5"), os.path.join(nodes[1], "data.h5"))
+    rc, out, err = job([], shared_ck)
+    assert rc == 0, f"identical copies and a shared directory must train: rc={rc}\n{out}\n{err}"
+    assert os.path.exists(os.path.join(shared_ck, "step-00000003.h5")), os.listdir(shared_ck)
+    print("\n".join(said))
