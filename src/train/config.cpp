@@ -153,6 +153,8 @@ void validate(const Config& c) {
   require_in("--debug-overflow-step", c.debug_overflow_step, int64_t{-1}, kMaxSteps);
   require_in("--debug-mismatch-step", c.debug_mismatch_step, int64_t{-1}, kMaxSteps);
   require_in("--timeout", c.timeout, 1.0, 86400.0);
+  require_in("--setup-timeout", c.setup_timeout, 1.0, 86400.0);
+  require_in("--debug-setup-sleep", c.debug_setup_sleep, 0.0, 86400.0);
   STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
                  c.optimizer.name, "'");
   STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
@@ -281,6 +283,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank")
     ("debug-mismatch-step", po::value(&c.debug_mismatch_step)->default_value(-1), "testing aid: at this step every rank issues one extra all-reduce, --debug-fail-rank an average where the others sum (the collective fingerprints differ)")
     ("timeout", po::value(&c.timeout)->default_value(300.0), "seconds a rank waits for a communication operation during training before it names what it waits for and aborts the job (exit 5)")
+    ("setup-timeout", po::value(&c.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
+    ("debug-setup-sleep", po::value(&c.debug_setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
     ("bench-stage-ms", po::value(&c.bench_stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");
   // clang-format on
 

@@ -70,9 +70,14 @@ struct Config {
   // Testing aid: at this step every rank issues one extra all-reduce, rank debug_fail_rank an
   // average where the others sum (MPI runs it; the collective fingerprints differ).
   int64_t debug_mismatch_step = -1;
+  // Testing aid: rank debug_fail_rank sleeps this many seconds in setup (a slow or stopped rank).
+  double debug_setup_sleep = 0;
   // Seconds a rank waits for a communication operation during training before it reports and
   // aborts the job (watchdog.hpp).
   double timeout = 300;
+  // Seconds from option parsing to the first step before a rank still in setup reports and
+  // exits (setup_deadline.hpp): loading data and checking a checkpoint whole may take long.
+  double setup_timeout = 1800;
   // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).
   int64_t debug_overflow_step = -1;
   // Benchmark aid: every stage also sleeps this long per micro-batch forward (twice per

@@ -3,15 +3,19 @@
 // during training is reported by the rank that hit it and ends the whole job. SIGTERM, SIGUSR1
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted); a
 // second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal). A communication wait
-// past --timeout, or ranks whose collectives differ: exit 5 (parallel/watchdog.hpp).
+// past --timeout, a rank still in setup after --setup-timeout, or ranks whose collectives
+// differ: exit 5 (parallel/watchdog.hpp, parallel/setup_deadline.hpp).
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/setup_deadline.hpp"
 #include "train/config.hpp"
 #include "train/plan.hpp"
 #include "train/trainer.hpp"
@@ -22,10 +26,14 @@ int main(int argc, char** argv) {
   parallel::MpiRuntime mpi(argc, argv);
   std::optional<train::Config> config;
   std::unique_ptr<train::Trainer> trainer;
+  std::optional<parallel::SetupDeadline> setup_deadline;  // from the options to the agreement on setup's end
 
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
+    setup_deadline.emplace(mpi.rank(), config->setup_timeout);
+    if (mpi.rank() == config->debug_fail_rank && config->debug_setup_sleep > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(config->debug_setup_sleep));
     // From here: a signal while loading data or a checkpoint stops after the first step (saved).
     if (!config->eval_only && !config->dry_run) train::install_preemption_handlers();
     log::set_all_ranks(config->log_all_ranks);
@@ -39,6 +47,7 @@ int main(int argc, char** argv) {
     else
       trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });
+  setup_deadline.reset();
   if (setup != parallel::kExitOk || !config) return setup;
   if (config->dry_run) return parallel::kExitOk;  // the plan is printed
   // Only where training runs: a run rejected above says one line, the error.

@@ -166,6 +166,7 @@ def case_flag_ranges(args):
     expect_bad_input(args, base + ["--threads", "100000"], r"--threads must be in \[0, \d+\], found 100000")
     expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\], found 100000000")
     expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\]", ranks=2)
+    expect_bad_input(args, base + ["--setup-timeout", "0"], r"--setup-timeout must be in \[1, 86400\], found 0")
 
 
 def case_second_signal(args):

@@ -120,3 +120,26 @@ def case_watchdog_fingerprint(args):
     assert "step 7" in ours[0], ours[0]
     assert "watchdog:" not in p.stderr.replace(ours[0], ""), f"a deadline passed as well\n{p.stderr}"
     print(f"reported in {elapsed:.1f} s, exit {p.returncode}: {ours[0]}")
+
+
+def case_watchdog_setup_deadline(args):
+    """Setup's blocking MPI calls have a deadline too (--setup-timeout): one rank that stays in
+    setup (--debug-setup-sleep, as a stopped or much slower rank would) ends the job with exit 5
+    within --setup-timeout + 10 s on 2 and 4 ranks, each stuck rank saying so in one line."""
+    data = write_dataset(os.path.join(args.workdir, "setup-deadline.h5"), n=256, shape=(1, 8, 8), classes=4)
+    for ranks in (2, 4):
+        cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--quiet", args.train, "--data", data, "--model",
+               "mlp", "--hidden", "16", "--steps", "5", "--global-batch", "32", "--setup-timeout", "3",
+               "--debug-fail-rank", str(ranks - 1), "--debug-setup-sleep", "120"]
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **MPI_ENV), timeout=60)
+        took = time.monotonic() - t0
+        assert p.returncode == 5, f"rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+        assert took < 3 + 10, f"the job took {took:.1f} s to end"
+        lines = [l for l in p.stderr.splitlines() if l.startswith("error")]
+        assert lines and all(re.fullmatch(r"error on rank \d: setup did not finish within 3 s \(--setup-timeout\): .*"
+                                          r"exiting \(code 5\)", l) for l in lines), p.stderr
+        assert f"error on rank {ranks - 1}:" in p.stderr, p.stderr  # the sleeping rank itself
+        for bad in ("Traceback", "core dumped", "Segmentation", "terminate called"):
+            assert bad not in p.stdout + p.stderr, p.stderr
+        print(f"{ranks} ranks: exit 5 after {took:.1f} s; {len(lines)} rank(s) reported")
