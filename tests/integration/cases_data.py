@@ -4,6 +4,7 @@ the dataset (or the flag); a second SIGTERM stops a run at once. The files are s
 declared shapes are what matter."""
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -191,9 +192,58 @@ def case_second_signal(args):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     elapsed = time.monotonic() - start
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("warning:")]
     assert p.returncode == 4, f"exit code {p.returncode}\n{out}\n{err}"
     assert lines == ["error: a second stop signal: exiting at once, without saving (exit code 4)"], err
     assert elapsed < 0.5, f"exited {elapsed:.2f} s after the second signal"
     assert not os.path.exists(os.path.join(ck, "latest")), os.listdir(ck)
     print(f"second SIGTERM: exit 4 after {elapsed * 1000:.0f} ms, nothing saved")
+
+
+def case_second_signal_during_save(args):
+    """A second SIGTERM while the first one's checkpoint is being written (inside libhdf5: its
+    .tmp exists, the file is not renamed yet) exits at once with code 4; the checkpoint before it
+    and `latest` are intact, and --resume auto continues from that one to the same weights as a
+    run never interrupted, removing the unfinished .tmp. The model is large (17 M parameters + momentum: a 136 MB file) so that
+    the write lasts long enough to be interrupted; the test asserts that it was."""
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "signal-save.h5"), n=64, shape=(1, 8, 8), classes=10)
+    ck, alone = os.path.join(w, "ck-signal-save"), os.path.join(w, "ck-signal-save-alone")
+    for d in (ck, alone):
+        shutil.rmtree(d, ignore_errors=True)
+    model = ["--model", "mlp", "--hidden", "4096,4096", "--threads", "1", "--data", data, "--global-batch", "8",
+             "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.001", "--log-every", "1", "--save-every", "2"]
+    p = subprocess.Popen([args.train] + model + ["--steps", "100", "--checkpoint-dir", ck], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
+    latest = os.path.join(ck, "latest")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(latest) and time.monotonic() < deadline:  # the step-2 checkpoint is committed
+        time.sleep(0.01)
+    assert os.path.exists(latest), "no first checkpoint within 120 s"
+    first = open(latest).read()
+    p.send_signal(signal.SIGTERM)  # save at the next step boundary (step 3), then exit 3 ...
+    tmp = os.path.join(ck, "step-00000003.h5.tmp")
+    while not os.path.exists(tmp) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    p.send_signal(signal.SIGTERM)  # ... unless a second signal comes during the write
+    start = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    assert p.returncode == 4, f"exit code {p.returncode}\n{out}\n{err}"
+    assert [l for l in err.splitlines() if l.strip() and not l.startswith("warning:")] == [
+        "error: a second stop signal: exiting at once, without saving (exit code 4)"], err
+    assert elapsed < 0.5, f"exited {elapsed:.2f} s after the second signal"
+    assert not os.path.exists(os.path.join(ck, "step-00000003.h5")), "the write finished first: nothing was tested"
+    assert open(latest).read() == first, (open(latest).read(), first)
+    # The requeued run: from step 2, to the uninterrupted run's weights at step 4.
+    rc, out, err = run(args, [args.train] + model + ["--steps", "4", "--checkpoint-dir", ck, "--resume", "auto"])
+    assert rc == 0 and re.search(r"resuming from \S*step-00000002\.h5 at step 2 ", out), f"rc={rc}\n{out}\n{err}"
+    rc, out2, err2 = run(args, [args.train] + model + ["--steps", "4", "--checkpoint-dir", alone])
+    assert rc == 0, err2
+    with h5py.File(os.path.join(ck, "step-00000004.h5")) as a, h5py.File(os.path.join(alone, "step-00000004.h5")) as b:
+        for name in ("model/fc1/weight", "model/fc3/weight"):
+            assert np.array_equal(a[name][...], b[name][...]), name
+    assert "step-00000003.h5.tmp" not in os.listdir(ck), os.listdir(ck)  # the resumed run removed it
+    assert re.search(r"removed \S*step-00000003\.h5\.tmp, an unfinished write", out), out
+    print(f"second SIGTERM inside the step-3 write: exit 4 after {elapsed * 1000:.0f} ms; resumed from step 2, "
+          f"identical at step 4; the unfinished .tmp removed by the resumed run")
