@@ -152,7 +152,7 @@ std::string newest_checkpoint(const std::string& dir);
 // Creates DIR if needed and takes an advisory lock (flock) on DIR/.lock held while the object lives, so that one job at
 // a time writes a checkpoint directory. The file names the holder ("host H pid P slurm_job J"); a second job gets an
 // Input error naming it. The kernel drops the lock when the process dies, so a requeued job gets it back. Once held,
-// the *.tmp files of writes a killed job left unfinished are removed.
+// the *.tmp files of writes a killed job left unfinished are named in a note (never deleted: not this job's).
 class DirectoryLock {
  public:
   explicit DirectoryLock(const std::string& dir);
