@@ -20,14 +20,10 @@ int64_t used_elements(const layers::Model& model, StageRange stage) {
 DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRange stage,
                            const DataParallelConfig& config)
     : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
-  // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass; a
-  // layer using another's views would keep stale ones (TiedEmbedding gives a tied head a copy).
-  // ZeRO 2's ring keeps a tied embedding's gradient bound while its head writes it; ZeRO 3's
-  // windows would not keep its parameters: the head has a copy there (TiedEmbedding).
-  for (size_t i = stage.begin; i < stage.end; ++i)
-    STRATA_CHECK(!model.layer(i).shares_parameters_with() || !ownership_.shards_params(), "layer ",
-                 model.layer(i).name(), " shares its weights with ", model.layer(i).shares_parameters_with()->name(),
-                 " under --zero ", config.zero);
+  // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass. A tied
+  // head on its embedding's stage reads the embedding's views: ZeRO 2 and 3's ring keeps the
+  // embedding's gradient bound while the head writes it, and ZeRO 3 gathers the embedding's
+  // parameters again, into the head's window, when the head runs (ParameterGather's visits).
   // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
   // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
   // S-element shard (elements replica*S onwards) and ParameterGather the windows. The full
@@ -45,7 +41,8 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
   else
     sync_ =
         std::make_unique<GradientSync>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
-  if (ownership_.shards_params()) gather_ = std::make_unique<ParameterGather>(dp, model, *store_, shard.size);
+  if (ownership_.shards_params())
+    gather_ = std::make_unique<ParameterGather>(dp, model, *store_, shard.size, stage.begin, stage.end);
 }
 
 Ownership DataParallel::ownership_of(StageRange stage) const {

@@ -30,12 +30,13 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
   b.params = (ownership.shards_params() ? shard.size : flat) * dtype_bytes +
              layers::ParameterStore::buffers_numel(entries) * f32;
   if (ownership.shards_params()) {  // ParameterGather's two windows
-    const std::array<int64_t, 2> windows = ParameterGather::window_elements(ranges);
+    const std::array<int64_t, 2> windows =
+        ParameterGather::window_elements(ParameterGather::visits(model, range.begin, range.end, ranges));
     b.params += (windows[0] + windows[1]) * dtype_bytes;
   }
   if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest layer + a bucket)
-    // ZeRO 2 keeps a tied embedding's gradient in the ring (3: the head has a copy, TiedEmbedding).
-    const bool pinned = !ownership.shards_params() && pins_tied_embedding(model, range.begin, range.end);
+    // ZeRO 2 and 3 keep a tied embedding's gradient in the ring.
+    const bool pinned = pins_tied_embedding(model, range.begin, range.end);
     b.grads = (shard.size + ring_elements(ranges, flat, layout.bucket_bytes, pinned)) * f32;
   } else {
     b.grads = flat * f32;

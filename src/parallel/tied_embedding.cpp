@@ -33,10 +33,11 @@ TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::v
     const int embedding_vs = stage_of(stages, pair.embedding_layer), head_vs = stage_of(stages, i);
     pair.embedding_stage = embedding_vs % pipeline_ranks;
     pair.head_stage = head_vs % pipeline_ranks;
-    // Another chunk has another DataParallel. ZeRO 3 rebinds the Embedding's parameter views
-    // as windows pass; a head reading them would find stale ones. (ZeRO 2's gradient ring keeps
-    // the Embedding's gradient bound for the whole backward: gradient_sync.hpp, pinned.)
-    pair.copy = embedding_vs != head_vs || zero == 3;
+    // Another chunk has another DataParallel. On one chunk the head reads the Embedding's views
+    // whatever the ZeRO stage: ZeRO 2 and 3's gradient ring keeps the Embedding's gradient bound
+    // for the whole backward (gradient_sync.hpp, pinned), and ZeRO 3 gathers wte into the head's
+    // window when the head runs (ParameterGather::visits).
+    pair.copy = embedding_vs != head_vs;
     STRATA_CHECK(!pair.copy || pair.embedding_stage != pair.head_stage || embedding_vs == head_vs,
                  "a tied head on another chunk of its embedding's pipeline rank");
     break;

@@ -1,8 +1,9 @@
 // TiedEmbedding: GPT-2's LM head multiplies by the token embedding's weight wte. On one stage
-// with ZeRO 0 or 1 the head simply uses the Embedding's views (layers::LMHead). Where it cannot
-// (the head on another pipeline stage than the embedding, or ZeRO 2/3, which rebind the
-// Embedding's views as buckets and windows pass) this class gives the head its own copy of wte
-// and of its gradient, as Megatron's last stage does, and keeps the two in step:
+// the head simply uses the Embedding's views (layers::LMHead), whatever the ZeRO stage (ZeRO 2
+// and 3 pin the Embedding's gradient in their ring, ZeRO 3 gathers wte into the head's window).
+// Where it cannot (the head on another pipeline stage, or another chunk, than the embedding)
+// this class gives the head its own copy of wte and of its gradient, as Megatron's last stage
+// does, and keeps the two in step:
 //   - after the step's backwards, the head's gradient (summed over the step's micro-batches) is
 //     added to the Embedding's just before the Embedding's bucket is reduced over the
 //     replicas, so the replicas reduce, clip and step one gradient, the sum of both uses;

@@ -126,26 +126,42 @@ int64_t ShardedOptimizer::state_bytes() const {
 }
 
 ParameterGather::ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
-                                 int64_t shard_size)
-    : dp_(dp), model_(model), store_(store), shard_size_(shard_size), ranges_(store.layer_ranges()) {
+                                 int64_t shard_size, size_t begin, size_t end)
+    : dp_(dp),
+      model_(model),
+      store_(store),
+      shard_size_(shard_size),
+      visits_(visits(model, begin, end, store.layer_ranges())) {
   STRATA_CHECK(
       store.sharded_params() && store.params().numel() == shard_size && store.flat_numel() == shard_size * dp.size(),
       "ZeRO 3 needs a store holding one of ", dp.size(), " parameter shards of ", shard_size, " elements");
-  // Layer j (forward order) always uses slot j % 2, in both passes: each slot is as large as the
-  // largest layer of its parity, not of all (a GPT's embedding is one slot's alone).
-  const std::array<int64_t, 2> largest = window_elements(ranges_);
+  // Visit j (forward order) always uses slot j % 2, in both passes: each slot is as large as the
+  // largest range of its parity, not of all (a GPT's embedding is one slot's alone).
+  const std::array<int64_t, 2> largest = window_elements(visits_);
   for (size_t k = 0; k < 2; ++k)
     slots_[k] = Tensor::zeros({largest[k]}, store.params().dtype(), store.params().device());
 }
 
-std::array<int64_t, 2> ParameterGather::window_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges) {
+std::vector<ParameterGather::Visit> ParameterGather::visits(const layers::Model& model, size_t begin, size_t end,
+                                                            const std::vector<Range>& ranges) {
+  std::vector<Visit> out;
+  for (size_t i = begin; i < end; ++i) {
+    const layers::Layer* reads = model.layer(i).shares_parameters_with();
+    for (const Range& r : ranges)
+      if (r.layer == i || (reads && &model.layer(r.layer) == reads)) out.push_back({i, r});
+  }
+  return out;
+}
+
+std::array<int64_t, 2> ParameterGather::window_elements(const std::vector<Visit>& visits) {
   std::array<int64_t, 2> largest{0, 0};
-  for (size_t j = 0; j < ranges.size(); ++j) largest[j % 2] = std::max(largest[j % 2], ranges[j].end - ranges[j].begin);
+  for (size_t j = 0; j < visits.size(); ++j)
+    largest[j % 2] = std::max(largest[j % 2], visits[j].params.end - visits[j].params.begin);
   return largest;
 }
 
 bool ParameterGather::has_params(size_t layer) const {
-  return std::any_of(ranges_.begin(), ranges_.end(), [layer](const Range& r) { return r.layer == layer; });
+  return std::any_of(visits_.begin(), visits_.end(), [layer](const Visit& v) { return v.runs == layer; });
 }
 
 int64_t ParameterGather::allocated_bytes() const {
@@ -169,30 +185,31 @@ std::vector<WorkPtr> ParameterGather::start(int64_t begin, int64_t end, const Te
 void ParameterGather::begin_pass(bool backward) {
   backward_ = backward;
   pos_ = 0;
-  if (ranges_.empty()) return;
-  const size_t first = backward ? ranges_.size() - 1 : 0;
-  pending_[first % 2] = start(ranges_[first].begin, ranges_[first].end, slots_[first % 2]);
+  if (visits_.empty()) return;
+  const size_t first = backward ? visits_.size() - 1 : 0;
+  const Range& r = visits_[first].params;
+  pending_[first % 2] = start(r.begin, r.end, slots_[first % 2]);
 }
 
 void ParameterGather::next() {
-  if (pos_ >= ranges_.size()) return;  // a stage without trainable parameters
-  // The pass's k-th layer is layer j in forward order, and lives in slot j % 2.
-  const auto forward_index = [this](size_t k) { return backward_ ? ranges_.size() - 1 - k : k; };
+  if (pos_ >= visits_.size()) return;  // a stage without trainable parameters
+  // The pass's k-th visit is visit j in forward order, and lives in slot j % 2.
+  const auto forward_index = [this](size_t k) { return backward_ ? visits_.size() - 1 - k : k; };
   const size_t j = forward_index(pos_);
-  const Range& r = ranges_[j];
+  const Range& r = visits_[j].params;
   for (WorkPtr& w : pending_[j % 2]) w->wait();
   pending_[j % 2].clear();
-  // Prefetch: the other slot held the layer before this one, which has already run.
-  if (pos_ + 1 < ranges_.size()) {
+  // Prefetch: the other slot held the visit before this one, whose layer has already run.
+  if (pos_ + 1 < visits_.size()) {
     const size_t n = forward_index(pos_ + 1);
-    pending_[n % 2] = start(ranges_[n].begin, ranges_[n].end, slots_[n % 2]);
+    pending_[n % 2] = start(visits_[n].params.begin, visits_[n].params.end, slots_[n % 2]);
   }
   store_.bind_params(model_, r.layer, slots_[j % 2], r.begin);
   ++pos_;
 }
 
 void ParameterGather::layer_done(size_t layer) {
-  if (backward_ && pos_ < ranges_.size() && has_params(layer)) next();
+  if (backward_ && pos_ < visits_.size() && has_params(layer)) next();
 }
 
 Tensor ParameterGather::gather(const layers::ParamEntry& e) {

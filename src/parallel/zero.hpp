@@ -134,13 +134,26 @@ class ShardedOptimizer {
 // over the stage's layers) visits the layers with trainable parameters in order; next() waits for the current layer's
 // window, starts the gather of the layer after it into the other slot (prefetch) and binds the layer's parameters to
 // its window. Every replica runs the same passes, so the broadcasts on `dp` are started in the same order everywhere,
-// as collectives must be.
+// as collectives must be. A tied head (layers::LMHead reading its Embedding's wte, on the same stage) is one more
+// visit at the head's place: the Embedding's range is gathered into the head's slot and bound as the Embedding's
+// views, which the head reads; no copy of wte (its gradient stays pinned in GradientSync's ring).
 class ParameterGather {
  public:
   // `store` holds this rank's shard (allocate_params = false) of a layout padded to
   // dp * shard_size elements.
-  ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
-                  int64_t shard_size);
+  ParameterGather(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store, int64_t shard_size,
+                  size_t begin, size_t end);
+
+  using Range = layers::ParameterStore::LayerRange;
+  // One visit of a pass: while layer `runs` runs, `params` (some layer's range) is bound.
+  struct Visit {
+    size_t runs;
+    Range params;
+  };
+  // The visits of stage [begin, end) in forward order: each layer with parameters its own range,
+  // a tied head its embedding's.
+  static std::vector<Visit> visits(const layers::Model& model, size_t begin, size_t end,
+                                   const std::vector<Range>& ranges);
 
   bool has_params(size_t layer) const;
   // Starts a pass: forward (lowest layer first) or backward; starts the first layer's gather.
@@ -153,9 +166,9 @@ class ParameterGather {
   Tensor gather(const layers::ParamEntry& e);
   // Bytes of the two window slots.
   int64_t allocated_bytes() const;
-  // Elements of the two window slots for a stage's layer ranges: the largest layer at even and
-  // at odd positions (forward order), the layers each slot takes.
-  static std::array<int64_t, 2> window_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges);
+  // Elements of the two window slots for a stage's visits: the largest range at even and at odd
+  // positions (forward order), the ranges each slot takes.
+  static std::array<int64_t, 2> window_elements(const std::vector<Visit>& visits);
 
  private:
   // Starts the broadcasts of flat elements [begin, end) from their owners into `out`.
@@ -165,8 +178,7 @@ class ParameterGather {
   const layers::Model& model_;
   const layers::ParameterStore& store_;
   int64_t shard_size_;
-  using Range = layers::ParameterStore::LayerRange;
-  std::vector<Range> ranges_;  // layers with trainable parameters, in forward order
+  std::vector<Visit> visits_;  // in forward order
   std::array<Tensor, 2> slots_;
   std::array<std::vector<WorkPtr>, 2> pending_;  // gathers still writing each slot
   bool backward_ = false;
