@@ -6,6 +6,7 @@
 # Extra arguments go to both ctest runs (e.g. -R test_io_ to run fewer tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/openblas-env.sh
 jobs=$(nproc)
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi

@@ -14,4 +14,5 @@ if grep -q "STRATA_CUDA:BOOL=ON" build/CMakeCache.txt; then
   cmake --build build-cpu -j "$(nproc)"
   ./build-cpu/train --help >/dev/null
 fi
+source scripts/openblas-env.sh
 ctest --test-dir build --output-on-failure -j 2 "$@"
