@@ -24,12 +24,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Rank 0's string on every rank.
-std::string broadcast(MPI_Comm comm, std::string s) {
+// `root`'s string on every rank.
+std::string broadcast(MPI_Comm comm, std::string s, int root = 0) {
   int64_t n = static_cast<int64_t>(s.size());
-  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, 0, comm));
+  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, root, comm));
   s.resize(static_cast<size_t>(n));
-  MPI_CHECK(MPI_Bcast(s.data(), static_cast<int>(n), MPI_CHAR, 0, comm));
+  MPI_CHECK(MPI_Bcast(s.data(), static_cast<int>(n), MPI_CHAR, root, comm));
   return s;
 }
 
@@ -51,11 +51,7 @@ void agree_or_throw(MPI_Comm comm, const std::string& problem, const std::string
   std::vector<char> hosts(static_cast<size_t>(size) * MPI_MAX_PROCESSOR_NAME);
   MPI_CHECK(
       MPI_Allgather(host, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, hosts.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm));
-  int64_t n = static_cast<int64_t>(problem.size());
-  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, lowest, comm));
-  std::string reason = problem;
-  reason.resize(static_cast<size_t>(n));
-  MPI_CHECK(MPI_Bcast(reason.data(), static_cast<int>(n), MPI_CHAR, lowest, comm));
+  const std::string reason = broadcast(comm, problem, lowest);
   if (lowest == 0) STRATA_THROW_INPUT(reason);  // rank 0's own error: nothing to compare with
   std::string ranks;
   int count = 0;
@@ -92,22 +88,24 @@ std::string fingerprint(const std::string& spec, const std::string& flag) {
   return out.str();
 }
 
-// The first line where `mine` and rank 0's `theirs` differ, in words.
+// The first file where `mine` and rank 0's `theirs` (fingerprints) differ, in words.
 std::string first_difference(const std::string& mine, const std::string& theirs) {
-  std::istringstream a(mine), b(theirs);
-  for (std::string x, y; std::getline(b, y);) {
-    if (!std::getline(a, x)) return detail::cat("no file where rank 0 has ", y.substr(y.rfind(' ') + 1));
-    if (x == y) continue;
-    std::istringstream xs(x), ys(y);
-    int64_t xsize = 0, ysize = 0;
+  struct File {
+    int64_t size = 0;
+    uint32_t head = 0, tail = 0;
     std::string path;
-    xs >> xsize;
-    ys >> ysize;
-    path = x.substr(x.rfind(' ') + 1);
-    if (path != y.substr(y.rfind(' ') + 1))
-      return detail::cat("'", path, "' where rank 0 has '", y.substr(y.rfind(' ') + 1), "'");
-    if (xsize != ysize) return detail::cat("'", path, "' has ", xsize, " bytes, rank 0's ", ysize);
-    return detail::cat("'", path, "' has other bytes than rank 0's");
+  };
+  const auto parse = [](std::istream& in, File& f) {
+    if (!(in >> f.size >> f.head >> f.tail)) return false;
+    in.get();  // the space before the path, which may hold spaces itself
+    return static_cast<bool>(std::getline(in, f.path));
+  };
+  std::istringstream a(mine), b(theirs);
+  for (File x, y; parse(b, y);) {
+    if (!parse(a, x)) return detail::cat("no file where rank 0 has '", y.path, "'");
+    if (x.path != y.path) return detail::cat("'", x.path, "' where rank 0 has '", y.path, "'");
+    if (x.size != y.size) return detail::cat("'", x.path, "' has ", x.size, " bytes, rank 0's ", y.size);
+    if (x.head != y.head || x.tail != y.tail) return detail::cat("'", x.path, "' has other bytes than rank 0's");
   }
   return "more files than rank 0";
 }
