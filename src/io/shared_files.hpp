@@ -17,9 +17,10 @@ namespace strata::io {
 void require_shared_directory(MPI_Comm comm, const std::string& dir, const std::string& flag);
 
 // Every rank lists the files of the data spec (io::list_shards: a file, a directory or a glob)
-// and takes each one's name, size and crc32 of its first and last 64 KiB; rank 0's must be
-// every rank's (a node-local copy of the same files passes). An Input error on every rank
-// naming the ranks that differ, `flag`, and what the lowest of them found, if any differs.
+// and takes each one's name and size, and the crc32 of the first and last 64 KiB of four of
+// them (the first, the last, two between); rank 0's must be every rank's (a node-local copy
+// of the same files passes). An Input error on every rank naming the ranks that differ,
+// `flag`, and what the lowest of them found, if any differs.
 void require_same_files(MPI_Comm comm, const std::string& spec, const std::string& flag);
 
 }  // namespace strata::io

@@ -120,5 +120,30 @@ TEST_F(SharedFiles, DifferentOrMissingDataIsNamed) {
   fs::current_path(before);
 }
 
+TEST_F(SharedFiles, EverySizeAndASampleOfBytesAreCompared) {
+  // Ten shards: rank 1's shard 5 (not sampled) is one byte longer, then its shard 9 (the last,
+  // sampled) has another last byte: both are seen. Only sizes are read of shard 5.
+  const fs::path mine = root_ / ("shards-" + std::to_string(rank_));
+  const auto write_shards = [&](int odd_size, int odd_bytes) {
+    for (int k = 0; k < 10; ++k) {
+      std::string bytes(1000 + k, 'a' + k);
+      if (rank_ == 1 && k == odd_size) bytes += 'x';
+      if (rank_ == 1 && k == odd_bytes) bytes.back() = 'z';
+      write(mine / ("part-" + std::to_string(k) + ".h5"), bytes);
+    }
+  };
+  write_shards(5, -1);
+  const fs::path before = fs::current_path();
+  fs::current_path(mine);  // "." is each rank's own copy, as on its node
+  std::string message = error_of([&] { require_same_files(MPI_COMM_WORLD, ".", "--data"); });
+  EXPECT_NE(message.find("'./part-5.h5' has 1006 bytes, rank 0's 1005"), std::string::npos) << message;
+  write_shards(-1, 9);
+  message = error_of([&] { require_same_files(MPI_COMM_WORLD, ".", "--data"); });
+  EXPECT_NE(message.find("'./part-9.h5' has other bytes than rank 0's"), std::string::npos) << message;
+  write_shards(-1, -1);
+  require_same_files(MPI_COMM_WORLD, ".", "--data");
+  fs::current_path(before);
+}
+
 }  // namespace
 }  // namespace strata::io
