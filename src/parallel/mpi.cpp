@@ -7,8 +7,9 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <thread>
+#include <sstream>
 
+#include "parallel/placement.hpp"
 #include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
@@ -32,22 +33,29 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
   set_process_rank(rank_);
-  MPI_Comm node;
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
-  MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
-  MPI_CHECK(MPI_Comm_size(node, &local_size_));
-  watchdog::open_heartbeats(MPI_COMM_WORLD, node);
-  MPI_Comm_free(&node);
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_));
+  MPI_CHECK(MPI_Comm_rank(node_, &local_rank_));
+  MPI_CHECK(MPI_Comm_size(node_, &local_size_));
+  node_ranks_.resize(static_cast<size_t>(local_size_));
+  MPI_CHECK(MPI_Allgather(&rank_, 1, MPI_INT, node_ranks_.data(), 1, MPI_INT, node_));
+  node_cpus_ = gather_cpus(node_);
+  default_threads_ = parallel::default_threads(node_cpus_, local_rank_);
+  watchdog::open_heartbeats(MPI_COMM_WORLD, node_);
 }
 
 MpiRuntime::~MpiRuntime() {
   watchdog::close_heartbeats();
+  MPI_Comm_free(&node_);
   MPI_Finalize();
 }
 
-int MpiRuntime::default_threads() const {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / local_size_);
+void MpiRuntime::warn_if_oversubscribed(int threads) const {
+  std::vector<int> all(static_cast<size_t>(local_size_));
+  MPI_CHECK(MPI_Allgather(&threads, 1, MPI_INT, all.data(), 1, MPI_INT, node_));
+  const std::string lines = oversubscription(node_ranks_, node_cpus_, all);
+  if (local_rank_ != 0 || lines.empty()) return;
+  std::istringstream each(lines);
+  for (std::string line; std::getline(each, line);) std::fprintf(stderr, "warning: %s\n", line.c_str());
 }
 
 std::string format_error(const std::exception& e) {

@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -39,11 +40,19 @@ class MpiRuntime {
   // Rank and count of ranks on this node (MPI_COMM_TYPE_SHARED).
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
-  // Cores on this node divided among its ranks (at least 1).
-  int default_threads() const;
+  // The CPUs of this rank's affinity mask divided among the node's ranks whose masks overlap
+  // it, at least 1 (placement.hpp): mpirun's or Slurm's binding decides, never more.
+  int default_threads() const { return default_threads_; }
+  // Collective over the node: warns (each node's first rank, one line per group of ranks) when
+  // the ranks' `threads` outnumber the cores their masks allow.
+  void warn_if_oversubscribed(int threads) const;
 
  private:
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  std::vector<int> node_ranks_;              // world rank of each local rank
+  std::vector<std::vector<int>> node_cpus_;  // affinity mask of each local rank
+  int default_threads_ = 1;
 };
 
 // Runs a phase that every rank runs identically (setup: config, data, model, checkpoint).

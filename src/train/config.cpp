@@ -244,7 +244,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("clip-grad", po::value(&c.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
     ("seed", po::value(&seed)->default_value(0), "seed of initialisation, shuffling and dropout")
     ("shuffle", po::value(&c.shuffle)->default_value(true), "shuffle the training data every epoch")
-    ("threads", po::value(&c.threads)->default_value(0), "threads per rank (0: cores / ranks on the node)")
+    ("threads", po::value(&c.threads)->default_value(0), "threads per rank (0: the cores of the rank's affinity mask, shared among the node's ranks whose masks overlap it)")
     ("checkpoint-dir", po::value(&c.checkpoint_dir), "write HDF5 checkpoints here")
     ("save-every", po::value(&c.save_every)->default_value(0), "checkpoint every N steps (0: only at the end)")
     ("eval-every", po::value(&c.eval_every)->default_value(0), "evaluate on --val-data every N steps (0: only at the end)")

@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
     log::set_all_ranks(config->log_all_ranks);
     const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
     ops::set_num_threads(threads);
+    mpi.warn_if_oversubscribed(threads);
     std::string effective = "configuration:";
     for (const auto& [key, value] : config->effective) effective += "\n  " + key + " = " + value;
     log::info(effective, "\n  (", mpi.size(), " rank(s), ", threads, " thread(s) per rank)");

@@ -235,3 +235,28 @@ def case_rank_failure(args):
         ours = [l for l in err.splitlines() if "injected failure" in l]
         assert len(ours) == 1 and f"rank {failing}" in ours[0], err
         print(f"{ranks} ranks: rank {failing} failed, job ended in {elapsed:.1f} s with exit code {rc}: {ours[0]}")
+
+
+def case_thread_placement(args):
+    """The default thread count is the rank's affinity mask shared among the ranks that overlap
+    it (issue #20 item 3): 1 per rank when mpirun binds each of 2 ranks to a core, 2 for one rank
+    given 2 cores (--map-by slot:PE=2); and ranks whose threads outnumber the cores they are bound
+    to (two ranks pinned to core 0 with --threads 2) get one warning line naming them."""
+    data = write_dataset(os.path.join(args.workdir, "threads.h5"), n=64)
+    flags = ["--data", data, "--model", "mlp", "--hidden", "16", "--steps", "2", "--global-batch", "8"]
+
+    def threads(mpirun_flags, extra=()):
+        rc, out, err = run(args, [args.mpirun] + mpirun_flags + [args.train] + flags + list(extra))
+        assert rc == 0, f"{mpirun_flags}: rc={rc}\n{out}\n{err}"
+        found = re.search(r"\((\d+) rank\(s\), (\d+) thread\(s\) per rank\)", out)
+        warnings = [l for l in err.splitlines() if "threads wait for each other" in l]
+        return int(found.group(2)), warnings
+
+    assert threads(["-np", "2", "--bind-to", "core"]) == (1, [])
+    assert threads(["-np", "1", "--map-by", "slot:PE=2", "--bind-to", "core"]) == (2, [])
+    n, warnings = threads(["-np", "2", "--cpu-set", "0", "--bind-to", "core"], ["--threads", "2"])
+    assert n == 2 and len(warnings) == 1, warnings
+    assert warnings[0].startswith("warning: ranks 0, 1 run 4 threads on 1 core (0): "), warnings
+    # More ranks than cores, one thread each, is what --oversubscribe asks for: no warning.
+    assert threads(["-np", "4", "--oversubscribe"]) == (1, [])
+    print("threads: 1 per rank bound to a core, 2 with PE=2; " + warnings[0])
