@@ -59,10 +59,7 @@ Device select_device(MPI_Comm world, DeviceKind kind, Transport transport) {
   int length = 0;
   MPI_CHECK(MPI_Get_processor_name(name, &length));
   node.node.assign(name, static_cast<size_t>(length));
-  int rank = 0;
-  MPI_CHECK(MPI_Comm_rank(world, &rank));
-  MPI_Comm local = MPI_COMM_NULL;
-  MPI_CHECK(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local));
+  MPI_Comm local = split_by_node(world);
   MPI_CHECK(MPI_Comm_rank(local, &node.local_rank));
   MPI_CHECK(MPI_Comm_size(local, &node.local_size));
   // Every rank of the node takes part in the exchange, GPU or not, before anyone can throw.

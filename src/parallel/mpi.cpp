@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <sstream>
@@ -33,7 +35,14 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
   set_process_rank(rank_);
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_));
+  if (ranks_per_node_override() < 0) {  // the same environment on every rank: each exits alike
+    if (rank_ == 0)
+      std::fprintf(stderr, "error: STRATA_RANKS_PER_NODE must be a positive integer, found '%s'\n",
+                   std::getenv("STRATA_RANKS_PER_NODE"));
+    MPI_Finalize();
+    std::exit(kExitBadInput);
+  }
+  node_ = split_by_node(MPI_COMM_WORLD);
   MPI_CHECK(MPI_Comm_rank(node_, &local_rank_));
   MPI_CHECK(MPI_Comm_size(node_, &local_size_));
   node_ranks_.resize(static_cast<size_t>(local_size_));
@@ -41,6 +50,45 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   node_cpus_ = gather_cpus(node_);
   default_threads_ = parallel::default_threads(node_cpus_, local_rank_);
   watchdog::open_heartbeats(MPI_COMM_WORLD, node_);
+  // Each rank's node, named by its first world rank.
+  std::vector<int> first(static_cast<size_t>(size_));
+  MPI_CHECK(MPI_Allgather(&node_ranks_[0], 1, MPI_INT, first.data(), 1, MPI_INT, MPI_COMM_WORLD));
+  std::string groups;
+  int count = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (first[static_cast<size_t>(r)] != r) continue;
+    ++count;
+    groups += " [";
+    for (int q = 0; q < size_; ++q)
+      if (first[static_cast<size_t>(q)] == r) groups += detail::cat(q == r ? "" : " ", q);
+    groups += "]";
+  }
+  nodes_ = detail::cat(count, " node(s):", groups);
+}
+
+int ranks_per_node_override() {
+  static const int k = [] {
+    const char* text = std::getenv("STRATA_RANKS_PER_NODE");
+    if (text == nullptr) return 0;
+    char* end = nullptr;
+    errno = 0;
+    const long value = std::strtol(text, &end, 10);
+    return *text != '\0' && *end == '\0' && errno == 0 && value > 0 && value <= (1 << 20) ? static_cast<int>(value)
+                                                                                          : -1;
+  }();
+  return k;
+}
+
+MPI_Comm split_by_node(MPI_Comm comm) {
+  int rank = 0, world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  MPI_Comm node = MPI_COMM_NULL;
+  if (const int k = ranks_per_node_override(); k > 0)
+    MPI_CHECK(MPI_Comm_split(comm, world_rank / k, rank, &node));
+  else
+    MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  return node;
 }
 
 MpiRuntime::~MpiRuntime() {

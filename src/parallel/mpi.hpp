@@ -46,6 +46,8 @@ class MpiRuntime {
   // Collective over the node: warns (each node's first rank, one line per group of ranks) when
   // the ranks' `threads` outnumber the cores their masks allow.
   void warn_if_oversubscribed(int threads) const;
+  // The world's ranks grouped by node, e.g. "2 node(s): [0 1] [2 3]".
+  const std::string& nodes() const { return nodes_; }
 
  private:
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
@@ -53,7 +55,16 @@ class MpiRuntime {
   std::vector<int> node_ranks_;              // world rank of each local rank
   std::vector<std::vector<int>> node_cpus_;  // affinity mask of each local rank
   int default_threads_ = 1;
+  std::string nodes_;
 };
+
+// The ranks of `comm` that share a node, as a new communicator (the caller frees it): MPI's
+// MPI_COMM_TYPE_SHARED, or, with STRATA_RANKS_PER_NODE=k in the environment, every k consecutive
+// world ranks, so that one machine runs a cluster's code paths (no shared memory between the
+// simulated nodes, node-local devices and threads): tests and docs/parallelism.md.
+MPI_Comm split_by_node(MPI_Comm comm);
+// STRATA_RANKS_PER_NODE: 0 when unset, -1 when set to anything but a positive integer.
+int ranks_per_node_override();
 
 // Runs a phase that every rank runs identically (setup: config, data, model, checkpoint).
 // If it throws on any rank, all ranks learn it through one all-reduce; the lowest failing

@@ -72,6 +72,9 @@ class MpiCommunicator final : public Communicator {
   void reserve_messages(int64_t max_bytes, int slots) override;
   // Whether `t` lies in shared memory from allocate(), so its all-reduce, reduce and all-gather skip MPI.
   bool in_shared_memory(const Tensor& t) const;
+  // Whether this group's CPU buffers and messages go through shared memory: every rank on one
+  // node (split_by_node) and shared memory allowed. Collective the first time.
+  bool node_local() { return node_group() != nullptr; }
 
   // Operations started and not yet seen complete (for tests and diagnostics).
   int in_flight() const;

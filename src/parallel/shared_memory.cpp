@@ -257,8 +257,7 @@ std::unique_ptr<NodeSharedMemory> NodeSharedMemory::create(MPI_Comm comm) {
   int rank = 0, size = 0;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &size));
-  MPI_Comm node = MPI_COMM_NULL;
-  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  MPI_Comm node = split_by_node(comm);
   int node_size = 0;
   MPI_CHECK(MPI_Comm_size(node, &node_size));
   MPI_CHECK(MPI_Comm_free(&node));

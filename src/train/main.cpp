@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     mpi.warn_if_oversubscribed(threads);
     std::string effective = "configuration:";
     for (const auto& [key, value] : config->effective) effective += "\n  " + key + " = " + value;
-    log::info(effective, "\n  (", mpi.size(), " rank(s), ", threads, " thread(s) per rank)");
+    log::info(effective, "\n  (", mpi.size(), " rank(s) on ", mpi.nodes(), ", ", threads, " thread(s) per rank)");
     if (config->dry_run)
       train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
     else

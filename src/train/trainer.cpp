@@ -290,7 +290,16 @@ void Trainer::print_plan() {
     mine[2] += chunk->optimizer_bytes();
   }
   const std::vector<int64_t> real = parallel::all_gather_values(grid_->mpi_world(), mine);
+  // Which groups go through shared memory (all on one node) and which through MPI: what a
+  // cluster, or STRATA_RANKS_PER_NODE on one machine, changes. Collective over each group.
+  std::string transport;
+  if (device_.is_cpu())
+    for (const parallel::ProcessGrid::Axis& axis : grid_->axes())
+      if (grid_->size(axis.name) > 1)
+        transport += detail::cat(transport.empty() ? " " : ", ", axis.name, " ",
+                                 grid_->mpi_comm(axis.name).node_local() ? "shared memory" : "MPI");
   if (rank_ != 0) return;
+  if (!transport.empty()) log::info("  rank 0's groups communicate through:", transport);
   for (int k = 0; k < grid_->world().size(); ++k) {
     const parallel::RankBytes& p = planned_[static_cast<size_t>(k)];
     const int64_t* r = real.data() + 3 * k;

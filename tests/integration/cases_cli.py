@@ -248,7 +248,7 @@ def case_thread_placement(args):
     def threads(mpirun_flags, extra=()):
         rc, out, err = run(args, [args.mpirun] + mpirun_flags + [args.train] + flags + list(extra))
         assert rc == 0, f"{mpirun_flags}: rc={rc}\n{out}\n{err}"
-        found = re.search(r"\((\d+) rank\(s\), (\d+) thread\(s\) per rank\)", out)
+        found = re.search(r"\((\d+) rank\(s\) on .*, (\d+) thread\(s\) per rank\)", out)
         warnings = [l for l in err.splitlines() if "threads wait for each other" in l]
         return int(found.group(2)), warnings
 

@@ -188,3 +188,38 @@ def case_tp_plan_and_bad_inputs(args):
     images = write_dataset(os.path.join(args.workdir, "images.h5"))
     bad(["--model", "mlp", "--hidden", "16", "--tp", "2", "--steps", "2", "--global-batch", "8", "--data", images],
         r"--tp applies to the gpt models")
+
+
+def case_simulated_nodes(args):
+    """Cross-node code paths on one machine (issue #20 item 5): with STRATA_RANKS_PER_NODE=2, 4
+    ranks are 2 nodes of 2, so groups that span them go through MPI instead of shared memory
+    (rank 0 says which), and dp 4, pp 2 x dp 2 and tp 2 x dp 2 train the tiny GPT to the same
+    bits as on one node. dp 4's one-node reference runs with --shared-memory false: a 4-rank sum
+    in shared memory adds in rank order, MPI's ring in another (2-rank sums are the same). A
+    value that is not a positive integer: exit 2, one line."""
+    data = tokenize(args, "byte")
+    layouts = {  # name: (flags, one-node reference flags, what rank 0's groups go through across nodes)
+        "dp4": ((), ("--shared-memory", "false"), "dp MPI"),
+        "pp2xdp2": (("--pp", "2", "--micro-batch", "4"), (), "pp MPI, dp shared memory"),
+        "tp2xdp2": (("--tp", "2"), (), "dp MPI, tp shared memory"),
+    }
+    for name, (flags, reference_flags, transport) in layouts.items():
+        want, _ = gpt_run(args, 4, list(flags) + list(reference_flags), data, "one-node-" + name, steps=20,
+                          model=GPT4)
+        os.environ["STRATA_RANKS_PER_NODE"] = "2"
+        try:
+            got, out = gpt_run(args, 4, flags, data, "two-nodes-" + name, steps=20, model=GPT4)
+        finally:
+            del os.environ["STRATA_RANKS_PER_NODE"]
+        assert "(4 rank(s) on 2 node(s): [0 1] [2 3]," in out, out
+        assert f"rank 0's groups communicate through: {transport}\n" in out, out
+        assert want.keys() == got.keys()
+        for tensor in want:
+            assert np.array_equal(want[tensor], got[tensor]), f"{name}: {tensor} differs across simulated nodes"
+        print(f"  {name}: identical to one node; {transport}")
+    os.environ["STRATA_RANKS_PER_NODE"] = "two"
+    try:
+        expect_bad_input(args, GPT4 + ["--data", data[0]], r"STRATA_RANKS_PER_NODE must be a positive integer, "
+                         r"found 'two'", ranks=2)
+    finally:
+        del os.environ["STRATA_RANKS_PER_NODE"]
