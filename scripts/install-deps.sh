@@ -15,6 +15,7 @@ packages=(
   python3 python3-numpy python3-h5py python3-torch
   dataset-fashion-mnist
   fortunes
+  slurm-wlm slurm-wlm-basic-plugins munge libpmix2
 )
 
 missing=()

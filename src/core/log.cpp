@@ -1,7 +1,9 @@
 #include "core/log.hpp"
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 
 namespace strata::log {
@@ -10,6 +12,7 @@ namespace {
 std::atomic<int> g_level{static_cast<int>(Level::Info)};
 std::atomic<bool> g_all_ranks{false};
 std::mutex g_mutex;
+FILE* g_tee = nullptr;  // leaked on purpose: lines may be logged until the process ends
 }  // namespace
 
 void set_level(Level level) { g_level = static_cast<int>(level); }
@@ -25,11 +28,22 @@ void write(Level level, const std::string& line) {
   std::lock_guard lock(g_mutex);
   FILE* out = level >= Level::Warn ? stderr : stdout;
   const char* tag = level == Level::Warn ? "warning: " : level == Level::Error ? "error: " : "";
-  if (g_all_ranks || process_rank() != 0)
-    std::fprintf(out, "[rank %d] %s%s\n", process_rank(), tag, line.c_str());
-  else
-    std::fprintf(out, "%s%s\n", tag, line.c_str());
-  std::fflush(out);
+  for (FILE* f : {out, g_tee}) {
+    if (f == nullptr) continue;
+    if (g_all_ranks || process_rank() != 0)
+      std::fprintf(f, "[rank %d] %s%s\n", process_rank(), tag, line.c_str());
+    else
+      std::fprintf(f, "%s%s\n", tag, line.c_str());
+    std::fflush(f);
+  }
+}
+
+void tee_to(const std::string& path) {
+  std::lock_guard lock(g_mutex);
+  FILE* f = std::fopen(path.c_str(), "a");
+  STRATA_REQUIRE(f != nullptr, "--log-file: cannot open '", path, "' for appending: ", std::strerror(errno));
+  if (g_tee) std::fclose(g_tee);
+  g_tee = f;
 }
 
 }  // namespace strata::log

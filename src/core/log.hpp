@@ -14,6 +14,10 @@ void set_level(Level level);
 void set_all_ranks(bool all);
 bool enabled(Level level);
 void write(Level level, const std::string& line);
+// From now on every line this process prints is also appended to `path` (flushed line by line):
+// a job's log that does not depend on the launcher forwarding output (mpirun stops at a
+// cancel). An Input error if it cannot be opened.
+void tee_to(const std::string& path);
 
 template <class... Args>
 void info(const Args&... args) {

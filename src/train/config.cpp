@@ -283,6 +283,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank")
     ("debug-mismatch-step", po::value(&c.debug_mismatch_step)->default_value(-1), "testing aid: at this step every rank issues one extra all-reduce, --debug-fail-rank an average where the others sum (the collective fingerprints differ)")
     ("timeout", po::value(&c.timeout)->default_value(300.0), "seconds a rank waits for a communication operation during training before it names what it waits for and aborts the job (exit 5)")
+    ("log-file", po::value(&c.log_file)->default_value(""), "rank 0 also appends every line it logs to this file (a job's run directory: the lines of a final save reach it even when mpirun stops forwarding output at a cancel)")
     ("setup-timeout", po::value(&c.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
     ("debug-setup-sleep", po::value(&c.debug_setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
     ("bench-stage-ms", po::value(&c.bench_stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");

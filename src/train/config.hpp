@@ -74,6 +74,7 @@ struct Config {
   double debug_setup_sleep = 0;
   // Seconds a rank waits for a communication operation during training before it reports and
   // aborts the job (watchdog.hpp).
+  std::string log_file;  // rank 0 also appends its log lines here
   double timeout = 300;
   // Seconds from option parsing to the first step before a rank still in setup reports and
   // exits (setup_deadline.hpp): loading data and checking a checkpoint whole may take long.

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
     // From here: a signal while loading data or a checkpoint stops after the first step (saved).
     if (!config->eval_only && !config->dry_run) train::install_preemption_handlers();
     log::set_all_ranks(config->log_all_ranks);
+    parallel::agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() == 0 && !config->log_file.empty()) log::tee_to(config->log_file);
+    });
     const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
     ops::set_num_threads(threads);
     mpi.warn_if_oversubscribed(threads);

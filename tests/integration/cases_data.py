@@ -168,6 +168,8 @@ def case_flag_ranges(args):
     expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\], found 100000000")
     expect_bad_input(args, base + ["--prefetch", "100000000"], r"--prefetch must be in \[1, 64\]", ranks=2)
     expect_bad_input(args, base + ["--setup-timeout", "0"], r"--setup-timeout must be in \[1, 86400\], found 0")
+    expect_bad_input(args, base + ["--log-file", "/nonexistent/x.log"],
+                     r"--log-file: cannot open '/nonexistent/x.log' for appending: No such file", ranks=2)
 
 
 def case_second_signal(args):

@@ -1,0 +1,71 @@
+# Sourced by the Slurm job scripts in jobs/: runs train under the job's launcher in the job's
+# run directory and applies Strata's one preemption rule (docs/slurm.md):
+#   - The time-limit warning (#SBATCH --signal=B:USR1@T) and a manual preemption
+#     (scancel --signal=USR1 --batch JOB) reach this shell as USR1. It is passed to the ranks,
+#     which save a checkpoint and exit 3, and this shell requeues the job: the same job id, so
+#     the same run directory, and --resume auto continues from the checkpoint.
+#   - A plain scancel (and Slurm's own preemption) sends SIGTERM to every process of the job:
+#     the ranks save if they can and exit 3; this shell never requeues then (a cancelled job stays
+#     cancelled; Slurm requeues a job it preempts with PreemptMode=REQUEUE itself).
+# Usage, in a job script:
+#   source jobs/lib/run.sh
+#   strata_args "$@"                  # the arguments given to sbatch after the script
+#   strata_default --save-every 469   # a default of the job, unless those arguments set it
+#   strata_run ./build/train --config FILE
+# train gets the job's arguments and defaults, then the run directory's --checkpoint-dir,
+# --resume auto, --log-file and --metrics unless given. STRATA_LAUNCHER=srun|mpirun chooses the
+# launcher; default: srun --mpi=pmix where Slurm has PMIx, else Open MPI's mpirun (which reads
+# the allocation from Slurm).
+
+STRATA_ARGS=()
+strata_args() { STRATA_ARGS=("$@"); }
+# Appends FLAG VALUE to the arguments unless they hold FLAG already (as FLAG or FLAG=...).
+strata_default() {
+  local a
+  for a in "${STRATA_ARGS[@]}"; do [[ "$a" == "$1" || "$a" == "$1="* ]] && return 0; done
+  STRATA_ARGS+=("$1" "$2")
+}
+
+strata_run() {
+  local run_dir="runs/${SLURM_JOB_NAME:-strata}-${SLURM_JOB_ID:-local}"
+  mkdir -p "$run_dir"
+  strata_default --checkpoint-dir "$run_dir/checkpoints"
+  strata_default --resume auto
+  strata_default --log-file "$run_dir/train.log"
+  strata_default --metrics "$run_dir/metrics.jsonl"
+  local launcher=${STRATA_LAUNCHER:-}
+  if [ -z "$launcher" ]; then
+    if srun --mpi=list 2>&1 | grep -qw pmix; then launcher=srun; else launcher=mpirun; fi
+  fi
+  # Each rank gets its --cpus-per-task cores; train's default thread count follows the mask.
+  local cmd
+  case "$launcher" in
+    srun) cmd=(srun --mpi=pmix --cpu-bind=cores) ;;
+    mpirun) cmd=(mpirun --quiet --map-by "slot:PE=${SLURM_CPUS_PER_TASK:-1}" --bind-to core) ;;
+    *) echo "strata: STRATA_LAUNCHER must be srun or mpirun, found '$launcher'" >&2; return 2 ;;
+  esac
+  echo "strata: job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}," \
+       "$launcher, run directory $run_dir"
+  local preempted=0 rc pid=""
+  trap 'preempted=1; [ -n "$pid" ] && kill -USR1 "$pid" 2>/dev/null' USR1
+  # The ranks get Slurm's SIGTERM themselves: this shell only waits for their save. A handler,
+  # not '' (ignored), which the launcher and ranks would inherit.
+  trap 'true' TERM INT
+  "${cmd[@]}" "$@" "${STRATA_ARGS[@]}" &
+  pid=$!
+  while :; do  # a trapped signal interrupts wait: wait again until train has ended
+    wait "$pid"
+    rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  case "$rc" in
+    0) echo "strata: finished" ;;
+    3) echo "strata: stopped by a signal, checkpoint saved in $run_dir/checkpoints" ;;
+    *) echo "strata: train exited $rc (docs/slurm.md, exit codes)" ;;
+  esac
+  if [ "$preempted" = 1 ] && [ "$rc" = 3 ]; then
+    echo "strata: preempted: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$rc"
+}

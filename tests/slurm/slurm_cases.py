@@ -1,0 +1,208 @@
+"""The job scripts of jobs/ against a real Slurm (issue #20): a single-node slurmctld + slurmd +
+munge started by scripts/slurm/start.sh for these tests (`setup`) and stopped by pid (`cleanup`).
+Each case submits jobs/fashion-mnist.sbatch with a small MLP on synthetic data in place of the
+CNN, from a work directory where `jobs` and `build` link to the source's and the build's.
+
+  setup | cleanup            start / stop the cluster (exit 77, a CTest skip, without Slurm)
+  complete_srun_mpirun       the job to completion with each launcher: identical checkpoints
+  preempt_requeue            two manual preemptions (scancel --signal=USR1 --batch) -> two
+                             requeues -> the same final checkpoint as an uninterrupted job,
+                             with the three runs' log lines in one appended log
+  cancel                     plain scancel with mpirun and with srun: the job ends, is never
+                             requeued, the final save's lines are in the run's train.log and
+                             `latest` names a complete checkpoint
+
+Requeued jobs wait ~120 s for eligibility (Slurm's BeginTime); the tests move it to now with
+`scontrol update StartTime=now`, as an operator can."""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+
+SKIP = 77
+SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sh(cmd, check=True, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def setup(args):
+    if not shutil.which("sbatch") or not shutil.which("slurmctld"):
+        print("SKIP: Slurm is not installed (scripts/install-deps.sh installs slurm-wlm)")
+        return SKIP
+    shutil.rmtree(args.cluster, ignore_errors=True)
+    p = sh(["bash", os.path.join(SOURCE, "scripts", "slurm", "start.sh"), args.cluster, "-c"], check=False)
+    print(p.stdout + p.stderr)
+    if p.returncode != 0 or "idle" not in p.stdout:
+        print("SKIP: Slurm could not be started here")
+        return SKIP
+    return 0
+
+
+def cleanup(args):
+    sh(["bash", os.path.join(SOURCE, "scripts", "slurm", "stop.sh"), args.cluster], check=False)
+    return 0
+
+
+class Cluster:
+    def __init__(self, args, name):
+        self.work = os.path.join(args.workdir, name)
+        shutil.rmtree(self.work, ignore_errors=True)
+        os.makedirs(self.work)
+        os.symlink(os.path.join(SOURCE, "jobs"), os.path.join(self.work, "jobs"))
+        os.symlink(args.build, os.path.join(self.work, "build"))
+        sh([os.path.join(args.build, "strata-data"), "synthetic", "--out", os.path.join(self.work, "syn"),
+            "--samples", "256", "--shape", "1,8,8", "--classes", "4"])
+        self.env = dict(os.environ, SLURM_CONF=os.path.join(args.cluster, "slurm.conf"),
+                        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+    def submit(self, train_args, launcher="srun"):
+        env = dict(self.env, STRATA_LAUNCHER=launcher)
+        flags = ["--data", "syn.h5", "--val-data", "syn.h5", "--model", "mlp", "--hidden", "16",
+                 "--global-batch", "32", "--seed", "5"] + train_args
+        p = sh(["sbatch", "--parsable", "--chdir", self.work, "jobs/fashion-mnist.sbatch"] + flags, env=env)
+        return p.stdout.strip().split(";")[0]
+
+    def state(self, job):
+        p = sh(["squeue", "-h", "-j", job, "-o", "%T"], check=False, env=self.env)
+        return p.stdout.strip() or "GONE"
+
+    def wait(self, job, done, what, timeout=120):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if done():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"job {job}: {what} not within {timeout} s; its log:\n{self.log(job)}")
+
+    def wait_gone(self, job, timeout=120):
+        self.wait(job, lambda: self.state(job) == "GONE", "the end")
+
+    def log(self, job):
+        path = os.path.join(self.work, f"strata-fmnist-{job}.out")
+        return open(path).read() if os.path.exists(path) else ""
+
+    def train_log(self, job):
+        path = os.path.join(self.run_dir(job), "train.log")
+        return open(path).read() if os.path.exists(path) else ""
+
+    def run_dir(self, job):
+        return os.path.join(self.work, "runs", f"strata-fmnist-{job}")
+
+    def checkpoint(self, job):
+        ck = os.path.join(self.run_dir(job), "checkpoints")
+        return os.path.join(ck, open(os.path.join(ck, "latest")).read().strip())
+
+    def requeue_now(self, job):
+        """A requeued job pends for BeginTime (~120 s): make it eligible now."""
+        self.wait(job, lambda: self.state(job) == "PENDING", "the requeue")
+        sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env)
+
+
+def tensors(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda n, o: out.update({n: o[...]}) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
+def assert_same_checkpoint(a, b, what):
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys(), (what, sorted(ta), sorted(tb))
+    for name in ta:
+        assert np.array_equal(ta[name], tb[name]), f"{what}: {name} differs ({a} vs {b})"
+
+
+def complete_srun_mpirun(args):
+    c = Cluster(args, "complete")
+    finals = {}
+    for launcher in ("srun", "mpirun"):
+        t0 = time.monotonic()
+        job = c.submit(["--epochs", "3"], launcher)
+        c.wait_gone(job)
+        log = c.log(job)
+        assert f"strata: job {job} (restart 0) on " in log and f", {launcher}, run directory" in log, log
+        assert "strata: finished" in log and "final test: loss" in log, log
+        finals[launcher] = c.checkpoint(job)
+        assert finals[launcher].endswith("step-00000024.h5"), finals[launcher]
+        print(f"{launcher}: job {job} finished in {time.monotonic() - t0:.1f} s")
+    assert_same_checkpoint(finals["srun"], finals["mpirun"], "srun --mpi=pmix vs mpirun")
+    return 0
+
+
+def preempt_requeue(args):
+    c = Cluster(args, "preempt")
+    slow = ["--epochs", "30", "--save-every", "100", "--log-every", "20", "--bench-stage-ms", "5"]
+    t0 = time.monotonic()
+    alone = c.submit(slow)
+    c.wait_gone(alone)
+    print(f"uninterrupted: job {alone} in {time.monotonic() - t0:.1f} s")
+    t0 = time.monotonic()
+    job = c.submit(slow)
+    for restart in (0, 1):
+        # Preempt once the run is under way (a step line in its own log since this start).
+        c.wait(job, lambda: len(re.findall(r"^step \d+/240", c.train_log(job), re.M)) >= 2 * restart + 2,
+               f"steps of run {restart}")
+        sh(["scancel", "--signal=USR1", "--batch", job], env=c.env)
+        c.requeue_now(job)
+    c.wait_gone(job)
+    log = c.log(job)
+    starts = re.findall(rf"^strata: job {job} \(restart (\d)\)", log, re.M)
+    assert starts == ["0", "1", "2"], f"expected three runs in the one log, found {starts}:\n{log}"
+    assert log.count("strata: preempted: requeueing job") == 2, log
+    assert len(re.findall(r"^resuming from \S+ at step \d+", log, re.M)) == 2, log
+    assert log.rstrip().endswith("strata: finished"), log
+    assert_same_checkpoint(c.checkpoint(job), c.checkpoint(alone), "preempted twice vs uninterrupted")
+    print(f"preempted twice: job {job} requeued twice and finished in {time.monotonic() - t0:.1f} s, "
+          "identical to the uninterrupted job")
+    return 0
+
+
+def cancel(args):
+    c = Cluster(args, "cancel")
+    for launcher in ("mpirun", "srun"):
+        job = c.submit(["--epochs", "200", "--save-every", "100", "--log-every", "20", "--bench-stage-ms", "5"],
+                       launcher)
+        c.wait(job, lambda: re.search(r"^step \d+/", c.train_log(job), re.M), "the first steps")
+        t0 = time.monotonic()
+        sh(["scancel", job], env=c.env)
+        c.wait_gone(job)
+        took = time.monotonic() - t0
+        time.sleep(3)  # a requeue would show the job again
+        assert c.state(job) == "GONE", f"job {job} came back after scancel: {c.state(job)}"
+        log, train_log = c.log(job), c.train_log(job)
+        assert "requeueing" not in log and "(restart 1)" not in log, log
+        saved = re.search(r"stopping after step (\d+)\nsaved checkpoint (\S+)", train_log)
+        assert saved, f"the final save's lines are not in train.log:\n{train_log}"
+        step = int(saved.group(1))
+        assert c.checkpoint(job).endswith(f"step-{step:08d}.h5"), (c.checkpoint(job), step)
+        assert os.path.exists(c.checkpoint(job) + ".manifest")
+        tensors(c.checkpoint(job))  # h5py reads every dataset
+        print(f"{launcher}: scancel of job {job}: saved at step {step}, gone {took:.1f} s later, not requeued")
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case")
+    parser.add_argument("--build", required=True)
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--workdir", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    return {"setup": setup, "cleanup": cleanup, "complete_srun_mpirun": complete_srun_mpirun,
+            "preempt_requeue": preempt_requeue, "cancel": cancel}[args.case](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
