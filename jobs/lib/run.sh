@@ -46,13 +46,16 @@ strata_run() {
   esac
   echo "strata: job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}," \
        "$launcher, run directory $run_dir"
-  local preempted=0 rc pid=""
-  trap 'preempted=1; [ -n "$pid" ] && kill -USR1 "$pid" 2>/dev/null' USR1
+  local preempted=0 rc pid="" launched=0
+  # Slurm may send the time-limit USR1 up to a minute early, even right at the start: give train
+  # 3 s to install its handlers (a rank without them would die of USR1 instead of saving).
+  trap 'preempted=1; if [ -n "$pid" ]; then ((SECONDS - launched < 3)) && sleep 3; kill -USR1 "$pid" 2>/dev/null; fi' USR1
   # The ranks get Slurm's SIGTERM themselves: this shell only waits for their save. A handler,
   # not '' (ignored), which the launcher and ranks would inherit.
   trap 'true' TERM INT
   "${cmd[@]}" "$@" "${STRATA_ARGS[@]}" &
   pid=$!
+  launched=$SECONDS
   while :; do  # a trapped signal interrupts wait: wait again until train has ended
     wait "$pid"
     rc=$?

@@ -8,6 +8,8 @@ CNN, from a work directory where `jobs` and `build` link to the source's and the
   preempt_requeue            two manual preemptions (scancel --signal=USR1 --batch) -> two
                              requeues -> the same final checkpoint as an uninterrupted job,
                              with the three runs' log lines in one appended log
+  time_limit_requeue         the time limit's USR1 (--time=1, --signal=B:USR1@40) twice -> two
+                             requeues -> the same final checkpoint (about 80 s)
   cancel                     plain scancel with mpirun and with srun: the job ends, is never
                              requeued, the final save's lines are in the run's train.log and
                              `latest` names a complete checkpoint
@@ -74,8 +76,10 @@ class Cluster:
         return p.stdout.strip().split(";")[0]
 
     def state(self, job):
-        p = sh(["squeue", "-h", "-j", job, "-o", "%T"], check=False, env=self.env)
-        return p.stdout.strip() or "GONE"
+        """Slurm's JobState (finished jobs stay known for MinJobAge, 300 s)."""
+        p = sh(["scontrol", "-o", "show", "job", job], check=False, env=self.env)
+        found = re.search(r"JobState=(\S+)", p.stdout)
+        return found.group(1) if found else "UNKNOWN"
 
     def wait(self, job, done, what, timeout=120):
         end = time.monotonic() + timeout
@@ -86,7 +90,10 @@ class Cluster:
         raise AssertionError(f"job {job}: {what} not within {timeout} s; its log:\n{self.log(job)}")
 
     def wait_gone(self, job, timeout=120):
-        self.wait(job, lambda: self.state(job) == "GONE", "the end")
+        """Until the job has ended for good (not pending a requeue); returns its state."""
+        ended = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+        self.wait(job, lambda: self.state(job) in ended, "the end", timeout)
+        return self.state(job)
 
     def log(self, job):
         path = os.path.join(self.work, f"strata-fmnist-{job}.out")
@@ -129,7 +136,7 @@ def complete_srun_mpirun(args):
     for launcher in ("srun", "mpirun"):
         t0 = time.monotonic()
         job = c.submit(["--epochs", "3"], launcher)
-        c.wait_gone(job)
+        assert c.wait_gone(job) == "COMPLETED", c.log(job)
         log = c.log(job)
         assert f"strata: job {job} (restart 0) on " in log and f", {launcher}, run directory" in log, log
         assert "strata: finished" in log and "final test: loss" in log, log
@@ -142,20 +149,21 @@ def complete_srun_mpirun(args):
 
 def preempt_requeue(args):
     c = Cluster(args, "preempt")
-    slow = ["--epochs", "30", "--save-every", "100", "--log-every", "20", "--bench-stage-ms", "5"]
+    train = ["--epochs", "100", "--save-every", "100", "--log-every", "20"]  # 800 steps
+    slow = train + ["--bench-stage-ms", "5"]  # sleeps only: the same result, in ~15 s
     t0 = time.monotonic()
-    alone = c.submit(slow)
+    alone = c.submit(train)
     c.wait_gone(alone)
     print(f"uninterrupted: job {alone} in {time.monotonic() - t0:.1f} s")
     t0 = time.monotonic()
     job = c.submit(slow)
     for restart in (0, 1):
         # Preempt once the run is under way (a step line in its own log since this start).
-        c.wait(job, lambda: len(re.findall(r"^step \d+/240", c.train_log(job), re.M)) >= 2 * restart + 2,
+        c.wait(job, lambda: len(re.findall(r"^step \d+/800", c.train_log(job), re.M)) >= 2 * restart + 2,
                f"steps of run {restart}")
         sh(["scancel", "--signal=USR1", "--batch", job], env=c.env)
         c.requeue_now(job)
-    c.wait_gone(job)
+    assert c.wait_gone(job) == "COMPLETED", c.log(job)
     log = c.log(job)
     starts = re.findall(rf"^strata: job {job} \(restart (\d)\)", log, re.M)
     assert starts == ["0", "1", "2"], f"expected three runs in the one log, found {starts}:\n{log}"
@@ -168,6 +176,39 @@ def preempt_requeue(args):
     return 0
 
 
+def time_limit_requeue(args):
+    """The time limit itself: --time=1 with --signal=B:USR1@40 (Slurm sends it 20-40 s into each
+    run) stops the job twice, the script requeues it twice; then the operator raises its limit
+    and the third run finishes. The result equals an uninterrupted run's: --bench-stage-ms only
+    sleeps, so the reference runs without it, in seconds."""
+    c = Cluster(args, "time-limit")
+    train = ["--epochs", "150", "--save-every", "100", "--log-every", "100"]  # 1200 steps, ~85 s at 20 ms sleeps
+    alone = c.submit(train)
+    c.wait_gone(alone)
+    t0 = time.monotonic()
+    env = dict(c.env, STRATA_LAUNCHER="srun")
+    flags = ["--data", "syn.h5", "--val-data", "syn.h5", "--model", "mlp", "--hidden", "16", "--global-batch", "32",
+             "--seed", "5", "--bench-stage-ms", "20"] + train
+    job = sh(["sbatch", "--parsable", "--time=1", "--signal=B:USR1@40", "--chdir", c.work,
+              "jobs/fashion-mnist.sbatch"] + flags, env=env).stdout.strip()
+    for requeue in (1, 2):
+        c.wait(job, lambda: c.log(job).count("strata: preempted: requeueing job") == requeue, f"time limit {requeue}",
+               timeout=150)
+        if requeue == 2:
+            sh(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=c.env)
+        c.requeue_now(job)
+    assert c.wait_gone(job, timeout=300) == "COMPLETED", c.log(job)
+    log = c.log(job)
+    starts = re.findall(rf"^strata: job {job} \(restart (\d)\)", log, re.M)
+    assert starts == ["0", "1", "2"], f"expected three runs in the one log, found {starts}:\n{log}"
+    assert log.rstrip().endswith("strata: finished"), log
+    assert_same_checkpoint(c.checkpoint(job), c.checkpoint(alone), "stopped twice by the time limit vs uninterrupted")
+    stops = re.findall(r"stopping after step (\d+)", log)
+    print(f"time limit: job {job} stopped at steps {', '.join(stops)}, requeued twice, finished in "
+          f"{time.monotonic() - t0:.0f} s, identical to the uninterrupted job")
+    return 0
+
+
 def cancel(args):
     c = Cluster(args, "cancel")
     for launcher in ("mpirun", "srun"):
@@ -176,10 +217,10 @@ def cancel(args):
         c.wait(job, lambda: re.search(r"^step \d+/", c.train_log(job), re.M), "the first steps")
         t0 = time.monotonic()
         sh(["scancel", job], env=c.env)
-        c.wait_gone(job)
+        assert c.wait_gone(job) == "CANCELLED", c.state(job)
         took = time.monotonic() - t0
         time.sleep(3)  # a requeue would show the job again
-        assert c.state(job) == "GONE", f"job {job} came back after scancel: {c.state(job)}"
+        assert c.state(job) == "CANCELLED", f"job {job} came back after scancel: {c.state(job)}"
         log, train_log = c.log(job), c.train_log(job)
         assert "requeueing" not in log and "(restart 1)" not in log, log
         saved = re.search(r"stopping after step (\d+)\nsaved checkpoint (\S+)", train_log)
@@ -201,7 +242,8 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     return {"setup": setup, "cleanup": cleanup, "complete_srun_mpirun": complete_srun_mpirun,
-            "preempt_requeue": preempt_requeue, "cancel": cancel}[args.case](args)
+            "preempt_requeue": preempt_requeue, "time_limit_requeue": time_limit_requeue,
+            "cancel": cancel}[args.case](args)
 
 
 if __name__ == "__main__":
