@@ -41,7 +41,12 @@ strata_run() {
   local cmd
   case "$launcher" in
     srun) cmd=(srun --mpi=pmix --cpu-bind=cores) ;;
-    mpirun) cmd=(mpirun --quiet --map-by "slot:PE=${SLURM_CPUS_PER_TASK:-1}" --bind-to core) ;;
+    mpirun)
+      cmd=(mpirun --quiet --map-by "slot:PE=${SLURM_CPUS_PER_TASK:-1}" --bind-to core)
+      # On a scancel mpirun gets SIGTERM too and kills the ranks 1 s later (Open MPI's default),
+      # mid-save for a large checkpoint: give them 25 s, below Slurm's KillWait (default 30 s).
+      export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-25}
+      ;;
     *) echo "strata: STRATA_LAUNCHER must be srun or mpirun, found '$launcher'" >&2; return 2 ;;
   esac
   echo "strata: job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}," \

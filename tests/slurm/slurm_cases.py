@@ -158,9 +158,13 @@ def preempt_requeue(args):
     t0 = time.monotonic()
     job = c.submit(slow)
     for restart in (0, 1):
-        # Preempt once the run is under way (a step line in its own log since this start).
-        c.wait(job, lambda: len(re.findall(r"^step \d+/800", c.train_log(job), re.M)) >= 2 * restart + 2,
-               f"steps of run {restart}")
+        # Preempt once this run is under way: two step lines after its start in train.log
+        # (which holds every run's lines), and past the runner's 3 s grace for early signals.
+        def under_way():
+            runs = re.split(r"^(?:resuming from|--resume auto: no complete).*$", c.train_log(job), flags=re.M)
+            return len(runs) == restart + 2 and len(re.findall(r"^step \d+/800", runs[-1], re.M)) >= 2
+        c.wait(job, under_way, f"steps of run {restart}")
+        time.sleep(1)
         sh(["scancel", "--signal=USR1", "--batch", job], env=c.env)
         c.requeue_now(job)
     assert c.wait_gone(job) == "COMPLETED", c.log(job)
