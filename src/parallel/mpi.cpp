@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <sstream>
 
 #include "parallel/placement.hpp"
@@ -50,20 +51,21 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   node_cpus_ = gather_cpus(node_);
   default_threads_ = parallel::default_threads(node_cpus_, local_rank_);
   watchdog::open_heartbeats(MPI_COMM_WORLD, node_);
-  // Each rank's node, named by its first world rank.
+  // Each rank's node, named by its first world rank; the first kListed nodes are listed.
+  constexpr size_t kListed = 8;
   std::vector<int> first(static_cast<size_t>(size_));
   MPI_CHECK(MPI_Allgather(&node_ranks_[0], 1, MPI_INT, first.data(), 1, MPI_INT, MPI_COMM_WORLD));
+  std::map<int, std::vector<int>> nodes;
+  for (int r = 0; r < size_; ++r) nodes[first[static_cast<size_t>(r)]].push_back(r);
   std::string groups;
-  int count = 0;
-  for (int r = 0; r < size_; ++r) {
-    if (first[static_cast<size_t>(r)] != r) continue;
-    ++count;
+  size_t listed = 0;
+  for (auto it = nodes.begin(); it != nodes.end() && listed < kListed; ++it, ++listed) {
     groups += " [";
-    for (int q = 0; q < size_; ++q)
-      if (first[static_cast<size_t>(q)] == r) groups += detail::cat(q == r ? "" : " ", q);
+    for (int r : it->second) groups += detail::cat(r == it->first ? "" : " ", r);
     groups += "]";
   }
-  nodes_ = detail::cat(count, " node(s):", groups);
+  if (nodes.size() > kListed) groups += detail::cat(" ... (", nodes.size() - kListed, " more)");
+  nodes_ = detail::cat(nodes.size(), " node(s):", groups);
 }
 
 int ranks_per_node_override() {
