@@ -26,6 +26,31 @@ strata_default() {
   STRATA_ARGS+=("$1" "$2")
 }
 
+# The value of FLAG in the arguments (the last one given), or nothing.
+strata_value() {
+  local a value="" take=0
+  for a in "${STRATA_ARGS[@]}"; do
+    if ((take)); then value=$a; take=0
+    elif [[ "$a" == "$1" ]]; then take=1
+    elif [[ "$a" == "$1="* ]]; then value=${a#*=}
+    fi
+  done
+  printf '%s' "$value"
+}
+
+# Copies rank 0's lines from its log FILE (from byte OFFSET, this run's start) into the job's
+# output, from the line 'preemption signal received' on: mpirun stops forwarding the ranks'
+# output at a scancel's SIGTERM while they save (docs/slurm.md). It ignores SIGTERM itself and
+# ends when the runner kills it or with the job.
+strata_follow_final_lines() {
+  trap '' TERM INT
+  local line copying=0
+  tail -c "+$(($2 + 1))" -F "$1" 2>/dev/null | while IFS= read -r line; do
+    [[ "$line" == "preemption signal received"* ]] && copying=1
+    ((copying)) && printf '%s\n' "$line"
+  done
+}
+
 strata_run() {
   local run_dir="runs/${SLURM_JOB_NAME:-strata}-${SLURM_JOB_ID:-local}"
   mkdir -p "$run_dir"
@@ -51,13 +76,19 @@ strata_run() {
   esac
   echo "strata: job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}," \
        "$launcher, run directory $run_dir"
-  local preempted=0 rc pid="" launched=0
+  local preempted=0 rc pid="" launched=0 follower=""
+  local log_file log_start
+  log_file=$(strata_value --log-file)
+  log_start=$(stat -c %s "$log_file" 2>/dev/null || echo 0)
   # Slurm may send the time-limit USR1 up to a minute early, even right at the start: give train
   # 3 s to install its handlers (a rank without them would die of USR1 instead of saving).
   trap 'preempted=1; if [ -n "$pid" ]; then ((SECONDS - launched < 3)) && sleep 3; kill -USR1 "$pid" 2>/dev/null; fi' USR1
-  # The ranks get Slurm's SIGTERM themselves: this shell only waits for their save. A handler,
-  # not '' (ignored), which the launcher and ranks would inherit.
-  trap 'true' TERM INT
+  # The ranks get Slurm's SIGTERM themselves: this shell only waits for their save (a handler,
+  # not '' (ignored), which the launcher and ranks would inherit), and with mpirun copies the
+  # save's lines into the job's output, which mpirun no longer forwards.
+  trap 'if [ "$launcher" = mpirun ] && [ -z "$follower" ] && [ -n "$log_file" ]; then
+          strata_follow_final_lines "$log_file" "$log_start" & follower=$!
+        fi' TERM INT
   "${cmd[@]}" "$@" "${STRATA_ARGS[@]}" &
   pid=$!
   launched=$SECONDS
@@ -66,6 +97,11 @@ strata_run() {
     rc=$?
     kill -0 "$pid" 2>/dev/null || break
   done
+  if [ -n "$follower" ]; then  # let it copy the last lines, then stop it and its tail (they ignore SIGTERM)
+    sleep 1
+    pkill -KILL -P "$follower" 2>/dev/null
+    kill -KILL "$follower" 2>/dev/null
+  fi
   case "$rc" in
     0) echo "strata: finished" ;;
     3) echo "strata: stopped by a signal, checkpoint saved in $run_dir/checkpoints" ;;

@@ -12,7 +12,7 @@ CNN, from a work directory where `jobs` and `build` link to the source's and the
                              requeues -> the same final checkpoint (about 80 s)
   cancel                     plain scancel with mpirun and with srun: the job ends, is never
                              requeued, the final save's lines are in the run's train.log and
-                             `latest` names a complete checkpoint
+                             once in the job's log, and `latest` names a complete checkpoint
 
 Requeued jobs wait ~120 s for eligibility (Slurm's BeginTime); the tests move it to now with
 `scontrol update StartTime=now`, as an operator can."""
@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 
 SKIP = 77
+SUBMITTED = []  # (job, env) of this case: cancelled at its end, so a failed case leaves no job behind
 SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -59,6 +60,7 @@ def cleanup(args):
 class Cluster:
     def __init__(self, args, name):
         self.work = os.path.join(args.workdir, name)
+        self.cluster = args.cluster
         shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.work)
         os.symlink(os.path.join(SOURCE, "jobs"), os.path.join(self.work, "jobs"))
@@ -72,8 +74,12 @@ class Cluster:
         env = dict(self.env, STRATA_LAUNCHER=launcher)
         flags = ["--data", "syn.h5", "--val-data", "syn.h5", "--model", "mlp", "--hidden", "16",
                  "--global-batch", "32", "--seed", "5"] + train_args
-        p = sh(["sbatch", "--parsable", "--chdir", self.work, "jobs/fashion-mnist.sbatch"] + flags, env=env)
-        return p.stdout.strip().split(";")[0]
+        return self.sbatch(["--chdir", self.work, "jobs/fashion-mnist.sbatch"] + flags, env)
+
+    def sbatch(self, args, env):
+        job = sh(["sbatch", "--parsable"] + args, env=env).stdout.strip().split(";")[0]
+        SUBMITTED.append((job, env))
+        return job
 
     def state(self, job):
         """Slurm's JobState (finished jobs stay known for MinJobAge, 300 s)."""
@@ -87,13 +93,25 @@ class Cluster:
             if done():
                 return
             time.sleep(0.2)
-        raise AssertionError(f"job {job}: {what} not within {timeout} s; its log:\n{self.log(job)}")
+        raise AssertionError(f"job {job}: {what} not within {timeout} s\n{self.report(job)}")
 
     def wait_gone(self, job, timeout=120):
         """Until the job has ended for good (not pending a requeue); returns its state."""
         ended = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
         self.wait(job, lambda: self.state(job) in ended, "the end", timeout)
         return self.state(job)
+
+    def report(self, job):
+        """What a failure message shows: the job's log and Slurm's view of the job and the node."""
+        show = sh(["scontrol", "show", "job", job], check=False, env=self.env)
+        node = sh(["sinfo", "-N", "-o", "%N %T %E"], check=False, env=self.env)
+        daemons = ""
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = os.path.join(self.cluster, name)
+            lines = open(path).read().splitlines()[-25:] if os.path.exists(path) else ["(none)"]
+            daemons += f"--- last lines of {name}:\n" + "\n".join(lines) + "\n"
+        return (f"--- its log:\n{self.log(job)}\n--- scontrol show job:\n{show.stdout}{show.stderr}"
+                f"--- sinfo:\n{node.stdout}{node.stderr}{daemons}")
 
     def log(self, job):
         path = os.path.join(self.work, f"strata-fmnist-{job}.out")
@@ -111,9 +129,18 @@ class Cluster:
         return os.path.join(ck, open(os.path.join(ck, "latest")).read().strip())
 
     def requeue_now(self, job):
-        """A requeued job pends for BeginTime (~120 s): make it eligible now."""
+        """A requeued job pends for BeginTime (~120 s): make it eligible now. Slurm sets BeginTime
+        when the job has finished completing, which can follow the state's turn to PENDING: an
+        earlier update would be overwritten, so it is repeated until the job has started."""
         self.wait(job, lambda: self.state(job) == "PENDING", "the requeue")
-        sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env)
+
+        def started():
+            if self.state(job) != "PENDING":
+                return True
+            sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False, env=self.env)
+            time.sleep(1)
+            return self.state(job) != "PENDING"
+        self.wait(job, started, "the requeued job's start")
 
 
 def tensors(path):
@@ -136,7 +163,7 @@ def complete_srun_mpirun(args):
     for launcher in ("srun", "mpirun"):
         t0 = time.monotonic()
         job = c.submit(["--epochs", "3"], launcher)
-        assert c.wait_gone(job) == "COMPLETED", c.log(job)
+        assert c.wait_gone(job) == "COMPLETED", c.report(job)
         log = c.log(job)
         assert f"strata: job {job} (restart 0) on " in log and f", {launcher}, run directory" in log, log
         assert "strata: finished" in log and "final test: loss" in log, log
@@ -153,7 +180,7 @@ def preempt_requeue(args):
     slow = train + ["--bench-stage-ms", "5"]  # sleeps only: the same result, in ~15 s
     t0 = time.monotonic()
     alone = c.submit(train)
-    c.wait_gone(alone)
+    assert c.wait_gone(alone) == "COMPLETED", c.report(alone)
     print(f"uninterrupted: job {alone} in {time.monotonic() - t0:.1f} s")
     t0 = time.monotonic()
     job = c.submit(slow)
@@ -167,7 +194,7 @@ def preempt_requeue(args):
         time.sleep(1)
         sh(["scancel", "--signal=USR1", "--batch", job], env=c.env)
         c.requeue_now(job)
-    assert c.wait_gone(job) == "COMPLETED", c.log(job)
+    assert c.wait_gone(job) == "COMPLETED", c.report(job)
     log = c.log(job)
     starts = re.findall(rf"^strata: job {job} \(restart (\d)\)", log, re.M)
     assert starts == ["0", "1", "2"], f"expected three runs in the one log, found {starts}:\n{log}"
@@ -188,20 +215,19 @@ def time_limit_requeue(args):
     c = Cluster(args, "time-limit")
     train = ["--epochs", "150", "--save-every", "100", "--log-every", "100"]  # 1200 steps, ~85 s at 20 ms sleeps
     alone = c.submit(train)
-    c.wait_gone(alone)
+    assert c.wait_gone(alone) == "COMPLETED", c.report(alone)
     t0 = time.monotonic()
     env = dict(c.env, STRATA_LAUNCHER="srun")
     flags = ["--data", "syn.h5", "--val-data", "syn.h5", "--model", "mlp", "--hidden", "16", "--global-batch", "32",
              "--seed", "5", "--bench-stage-ms", "20"] + train
-    job = sh(["sbatch", "--parsable", "--time=1", "--signal=B:USR1@40", "--chdir", c.work,
-              "jobs/fashion-mnist.sbatch"] + flags, env=env).stdout.strip()
+    job = c.sbatch(["--time=1", "--signal=B:USR1@40", "--chdir", c.work, "jobs/fashion-mnist.sbatch"] + flags, env)
     for requeue in (1, 2):
         c.wait(job, lambda: c.log(job).count("strata: preempted: requeueing job") == requeue, f"time limit {requeue}",
                timeout=150)
         if requeue == 2:
             sh(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=c.env)
         c.requeue_now(job)
-    assert c.wait_gone(job, timeout=300) == "COMPLETED", c.log(job)
+    assert c.wait_gone(job, timeout=300) == "COMPLETED", c.report(job)
     log = c.log(job)
     starts = re.findall(rf"^strata: job {job} \(restart (\d)\)", log, re.M)
     assert starts == ["0", "1", "2"], f"expected three runs in the one log, found {starts}:\n{log}"
@@ -227,8 +253,10 @@ def cancel(args):
         assert c.state(job) == "CANCELLED", f"job {job} came back after scancel: {c.state(job)}"
         log, train_log = c.log(job), c.train_log(job)
         assert "requeueing" not in log and "(restart 1)" not in log, log
-        saved = re.search(r"stopping after step (\d+)\nsaved checkpoint (\S+)", train_log)
+        saved = re.search(r"^preemption signal received: stopping after step (\d+)\nsaved checkpoint (\S+)\n",
+                          train_log, re.M)
         assert saved, f"the final save's lines are not in train.log:\n{train_log}"
+        assert log.count(saved.group(0)) == 1, f"the final save's lines are not once in the job's log:\n{log}"
         step = int(saved.group(1))
         assert c.checkpoint(job).endswith(f"step-{step:08d}.h5"), (c.checkpoint(job), step)
         assert os.path.exists(c.checkpoint(job) + ".manifest")
@@ -245,9 +273,13 @@ def main():
     parser.add_argument("--workdir", required=True)
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    return {"setup": setup, "cleanup": cleanup, "complete_srun_mpirun": complete_srun_mpirun,
-            "preempt_requeue": preempt_requeue, "time_limit_requeue": time_limit_requeue,
-            "cancel": cancel}[args.case](args)
+    try:
+        return {"setup": setup, "cleanup": cleanup, "complete_srun_mpirun": complete_srun_mpirun,
+                "preempt_requeue": preempt_requeue, "time_limit_requeue": time_limit_requeue,
+                "cancel": cancel}[args.case](args)
+    finally:
+        for job, env in SUBMITTED:
+            sh(["scancel", job], check=False, env=env)
 
 
 if __name__ == "__main__":
