@@ -11,9 +11,13 @@ Load time = wall time of `train --resume CKPT --steps N+1` minus `train --steps 
 check and read of every tensor. Before every load (and every baseline read) the file's pages are
 dropped from the page cache (posix_fadvise DONTNEED), so both reads come from the disk.
 Saves: the best of --repeats runs; loads: the median of max(--repeats, 7) runs. 1 rank, AdamW (parameters + 2 states).
+--async-save (written on a background thread): "held" is the median of what its save lines
+report training was held for (the state's copy to host buffers; the first save, which touches
+fresh pages, left out), and its wall cost per save is computed like the synchronous save's.
 """
 import argparse
 import os
+import re
 import subprocess
 import time
 
@@ -29,11 +33,13 @@ def dataset(path, n=1024, classes=10):
     return path
 
 
-def wall(cmd):
+def wall(cmd, out=None):
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
     assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout}\n{p.stderr}"
+    if out is not None:
+        out.append(p.stdout)
     return elapsed
 
 
@@ -83,12 +89,15 @@ def main():
         common = [a.train, "--model", "mlp", "--hidden", hidden, "--optimizer", "adamw", "--data", data,
                   "--global-batch", "32", "--log-every", "1000", "--seed", "1"]
         ck = os.path.join(a.dir, "ck-" + hidden.replace(",", "x"))
-        with_save, without, load, base = [], [], [], []
+        with_save, with_async, without, load, base, logs = [], [], [], [], [], []
         for _ in range(a.repeats):
             for f in os.listdir(ck) if os.path.isdir(ck) else []:
                 os.remove(os.path.join(ck, f))
             with_save.append(wall(common + ["--steps", str(saves), "--save-every", "1", "--checkpoint-dir", ck]))
+            with_async.append(wall(common + ["--steps", str(saves), "--save-every", "1", "--checkpoint-dir", ck + "-async",
+                                             "--async-save"], logs))
             without.append(wall(common + ["--steps", str(saves)]))
+        held = [float(h) for log in logs for h in re.findall(r"training held (\S+) s", log)[1:-1]]
         path = os.path.join(ck, f"step-{saves:08d}.h5")
         nbytes = os.path.getsize(path)
         for _ in range(max(a.repeats, 7)):  # process start is noisy next to a small load
@@ -96,6 +105,7 @@ def main():
             load.append(wall(common + ["--resume", path, "--steps", str(saves + 1)]))
             base.append(wall(common + ["--steps", "1"]))
         save_s = max(min(with_save) - min(without), 0.0) / saves
+        async_s = max(min(with_async) - min(without), 0.0) / saves
         load_s = max(float(np.median(load)) - float(np.median(base)), 0.0)
         plain = os.path.join(a.dir, "plain.bin")
         pw = min(plain_write(plain, nbytes) for _ in range(a.repeats))
@@ -110,14 +120,21 @@ def main():
                     params += o.size
             f["model"].visititems(count)
         mb = nbytes / 1e6
-        rows.append((f"mlp 784-{hidden.replace(',', '-')}-10", params, mb, save_s, pw, load_s, pr))
+        rows.append((f"mlp 784-{hidden.replace(',', '-')}-10", params, mb, save_s, pw, load_s, pr,
+                     float(np.median(held)), async_s))
     print("| model (AdamW) | parameters | file MB | save ms | save MB/s | plain write+fsync ms | plain MB/s "
           "| save / plain | load ms | load MB/s | plain read ms | plain MB/s | load / plain |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, params, mb, s, pw, l, pr in rows:
+    for name, params, mb, s, pw, l, pr, _, _ in rows:
         print(f"| {name} | {params / 1e6:.2f} M | {mb:.1f} | {s * 1e3:.0f} | {mb / max(s, 1e-9):.0f} | {pw * 1e3:.0f} | "
               f"{mb / pw:.0f} | {s / pw:.2f}x | {l * 1e3:.0f} | {mb / max(l, 1e-9):.0f} | {pr * 1e3:.0f} | {mb / pr:.0f} "
               f"| {l / pr:.2f}x |")
+    print("\n| model (AdamW) | file MB | synchronous save ms | --async-save: training held ms | held / synchronous "
+          "| async wall cost per save ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, _, mb, s, _, _, _, held, async_s in rows:
+        print(f"| {name} | {mb:.1f} | {s * 1e3:.0f} | {held * 1e3:.1f} | {100 * held / max(s, 1e-9):.0f}% "
+              f"| {async_s * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

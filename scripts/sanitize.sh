@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The sanitizer stage (CI runs it after scripts/test.sh): a CPU-only build of the unit and MPI
 # tests under AddressSanitizer + UndefinedBehaviorSanitizer in build-asan, run through CTest,
-# then the prefetching loader's test under ThreadSanitizer in build-tsan. Any sanitizer report
-# fails the stage: UBSan does not recover, ASan and TSan exit non-zero.
+# then the tests of the two threads (the prefetching loader, the background checkpoint writer)
+# under ThreadSanitizer in build-tsan. Any sanitizer report fails the stage: UBSan does not
+# recover, ASan and TSan exit non-zero.
 # Extra arguments go to both ctest runs (e.g. -R test_io_ to run fewer tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,9 +47,9 @@ cmake --build build-asan -j "$jobs" --target "${targets[@]}"
 GTEST_FILTER=-Attention.FlashMatchesPlain \
   ctest --test-dir build-asan -L '^(unit|mpi)$' --output-on-failure -j "$jobs" "$@"
 
-echo "== TSan: the prefetching loader (build-tsan)"
+echo "== TSan: the prefetching loader and the background checkpoint writer (build-tsan)"
 configure build-tsan "-fsanitize=thread"
-cmake --build build-tsan -j "$jobs" --target test_io_loader
+cmake --build build-tsan -j "$jobs" --target test_io_loader test_io_checkpoint_saver
 # Suppressions for uninstrumented libraries only (tests/tsan.supp says why each is there).
 TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-  ctest --test-dir build-tsan -R '^test_io_loader$' --output-on-failure "$@"
+  ctest --test-dir build-tsan -R '^test_io_(loader|checkpoint_saver)$' --output-on-failure "$@"

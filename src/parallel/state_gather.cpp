@@ -87,7 +87,8 @@ void StateGather::gather(const Write& write) {
         if (!e.trainable) continue;
         const Tensor full = rank == 0 ? Tensor::empty(e.full_shape()) : Tensor();
         for (int t = 0; t < e.split.parts; ++t) {
-          const Tensor shard = rank == 0 ? Tensor::empty(e.shape) : Tensor();
+          // An unsplit tensor is its only shard: assembled in place, without a second copy.
+          const Tensor shard = rank != 0 ? Tensor() : e.split.split() ? Tensor::empty(e.shape) : full;
           for (int q = 0; q < owners.state_owners(); ++q) {
             const Shard range = owners.state(q);
             const layers::Overlap o = layers::overlap(e, range.begin, range.end);
@@ -101,7 +102,7 @@ void StateGather::gather(const Write& write) {
             else if (rank == 0)
               world.recv(shard.view(o.in_entry, {o.size}), from, tag);
           }
-          if (rank == 0) layers::put_shard(shard, with_index(e.split, t), full);
+          if (rank == 0 && e.split.split()) layers::put_shard(shard, with_index(e.split, t), full);
         }
         if (rank == 0) write(state, e, full);
       }

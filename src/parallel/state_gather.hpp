@@ -32,7 +32,8 @@ class StateGather {
 
   // Collective over the world: rank 0 gets every model tensor (stage by stage, in layout
   // order), then every optimizer state tensor, as full f32 host tensors, one at a time, so no
-  // rank holds more than its own stage plus one full tensor.
+  // rank holds more than its own stage plus one full tensor (unless `write` keeps them: each is
+  // a fresh tensor that nothing else refers to, as --async-save's CheckpointSaver relies on).
   void gather(const Write& write);
   // This rank's parameters, buffers and f32 master weights from the full tensors of its stage.
   void load_model(const Read& read);

@@ -253,6 +253,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
     ("resume", po::value(&c.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
     ("keep", po::value(&c.keep)->default_value(0), "keep only the newest K checkpoints this job wrote in --checkpoint-dir (0: all)")
+    ("async-save", po::value(&c.async_save)->default_value(false)->implicit_value(true), "write checkpoints on a background thread while training goes on (rank 0 holds a host copy of the state until written; the next save, a stop signal and the end wait for it)")
     ("eval-only", po::value(&c.eval_only)->default_value(false)->implicit_value(true), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
     ("log-all-ranks", po::value(&c.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")

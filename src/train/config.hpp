@@ -37,6 +37,7 @@ struct Config {
   std::string init_from;
   std::string resume = "none";  // none | auto (newest complete checkpoint in checkpoint_dir) | PATH
   int64_t keep = 0;             // step-*.h5 files kept in checkpoint_dir (0: all)
+  bool async_save = false;      // rank 0 writes checkpoints on a background thread
   bool eval_only = false;
   int prefetch = 2;
   bool log_all_ranks = false;

@@ -210,6 +210,19 @@ std::string plan_report(const Config& config, const layers::Model& model,
        << (g.tp > 1 ? " per tensor-parallel rank" : "");
   }
 
+  if (config.async_save) {
+    // StateGather's full f32 tensors: every parameter and buffer, and per trainable element each
+    // optimizer state plus, below f32, the master weights.
+    int64_t elements = 0, trainable = 0;
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, 0, model.size())) {
+      elements += shape_numel(e.full_shape());
+      if (e.trainable) trainable += shape_numel(e.full_shape());
+    }
+    const int states = layers::Optimizer::state_tensors(config.optimizer) + (config.precision == DType::F32 ? 0 : 1);
+    const int64_t bytes = (elements + trainable * states) * static_cast<int64_t>(sizeof(float));
+    os << "\n  --async-save: rank 0 holds the checkpoint's tensors in host memory until they are written: " << bytes
+       << " bytes (" << human(bytes) << ")";
+  }
   const int fullest = fullest_rank(ranks);
   os << "\n  bytes per rank (params include non-trained buffers; activations: the step's high-water mark of what "
         "the stage's layers allocate, with the micro-batches the schedule keeps in flight):";

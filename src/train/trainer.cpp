@@ -86,6 +86,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     if (rank_ != 0 || config_.checkpoint_dir.empty() || config_.eval_only) return;
     directory_lock_ = std::make_unique<io::DirectoryLock>(config_.checkpoint_dir);  // first: the probe is ours
     io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
+    saver_ = std::make_unique<io::CheckpointSaver>(config_.checkpoint_dir, config_.keep, config_.async_save,
+                                                   parallel::watchdog::kCheckpointTimeoutS);
   });
   // Every rank reads and writes where rank 0 does (multi-node: a shared filesystem), checked
   // now rather than at the first resume; each throws alike on every rank.
@@ -463,15 +465,15 @@ TrainEnd Trainer::train() {
     if (stop_agreed_ && done != total_steps_) {
       log::info("preemption signal received: stopping after step ", done,
                 config_.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
-      if (!config_.checkpoint_dir.empty()) save_checkpoint(done);
+      if (!config_.checkpoint_dir.empty()) save_checkpoint(done, true);
       grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
       return TrainEnd::Preempted;
     }
     if (config_.save_every > 0 && done % config_.save_every == 0 && done != total_steps_ &&
         !config_.checkpoint_dir.empty())
-      save_checkpoint(done);
+      save_checkpoint(done, false);
   }
-  if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_);
+  if (!config_.checkpoint_dir.empty()) save_checkpoint(total_steps_, true);
   // Peak micro-batches in flight per stage (activation memory), from replica 0 of each.
   std::vector<double> peaks(static_cast<size_t>(grid_->pp_size()), 0.0);
   if (replica_ == 0 && tp_rank_ == 0) peaks[static_cast<size_t>(stage_)] = pipeline_->peak_in_flight();
@@ -546,16 +548,16 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   return {sums[0] / targets, sums[1] / targets, n, targets_per_sample_ > 1};
 }
 
-void Trainer::save_checkpoint(int64_t step) {
-  // Rank 0 writes the whole file while the others wait in the next collective.
+void Trainer::save_checkpoint(int64_t step, bool wait) {
+  // Rank 0 writes the whole file (or hands it to its background thread) while the others wait
+  // in the next collective.
   const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
-  const std::string path = io::checkpoint_path(config_.checkpoint_dir, step);
-  std::unique_ptr<io::CheckpointWriter> writer;
-  if (rank_ == 0) writer = std::make_unique<io::CheckpointWriter>(path);
+  STRATA_CHECK(rank_ != 0 || saver_, "checkpoint of step ", step, " without a checkpoint directory");
+  if (saver_) saver_->begin(step);
   state_gather_->gather([&](const std::string& state, const layers::ParamEntry& e, const Tensor& full) {
-    writer->write_tensor(io::state_tensor(state, e.name), full);
+    saver_->add(io::state_tensor(state, e.name), full);
   });
-  if (!writer) return;
+  if (!saver_) return;
   const int64_t per_epoch = sampler_->steps_per_epoch();
   io::RunState saved;
   saved.step = step;
@@ -573,13 +575,8 @@ void Trainer::save_checkpoint(int64_t step) {
   saved.log_window_loss = window_loss_;
   saved.log_window_steps = window_steps_;
   for (const auto& [key, value] : config_.effective) saved.config += key + " = " + value + "\n";
-  io::write_run_state(*writer, saved);
-  writer->commit();
-  // Only a complete checkpoint becomes `latest`, and only then are older ones removed.
-  io::update_latest(config_.checkpoint_dir, path);
-  if (written_.empty() || written_.back() != path) written_.push_back(path);
-  io::prune_checkpoints(written_, config_.keep);
-  log::info("saved checkpoint ", path);
+  saver_->finish([saved](io::CheckpointWriter& writer) { io::write_run_state(writer, saved); });
+  if (wait) saver_->wait();
 }
 
 int64_t Trainer::peak_bytes() const {

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "io/checkpoint.hpp"
+#include "io/checkpoint_saver.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
 #include "io/metrics.hpp"
@@ -71,9 +72,10 @@ class Trainer {
   EvalResult evaluate(const io::Samples& data);
   // The dataset evaluated at the end and by --eval-only.
   const io::Samples* eval_data() const;
-  // Collective: rank 0 writes the full training state (StateGather), then `latest` is updated
-  // and --keep applied.
-  void save_checkpoint(int64_t step);
+  // Collective: the full training state (StateGather) goes to rank 0's CheckpointSaver, which
+  // commits it, moves `latest` and applies --keep; with --async-save in the background unless
+  // `wait` (a stop signal, the end of training).
+  void save_checkpoint(int64_t step, bool wait);
 
  private:
   bool first_stage() const { return stage_ == 0; }
@@ -107,10 +109,10 @@ class Trainer {
   void resume_from(const std::string& path);
 
   Config config_;
-  // Rank 0's lock on --checkpoint-dir, held for the run; the checkpoints this job wrote, oldest
-  // first (the only ones --keep may remove).
+  // Rank 0's lock on --checkpoint-dir, held for the run, and its writer of checkpoints (after
+  // the lock: destroyed first, once its last write is done).
   std::unique_ptr<io::DirectoryLock> directory_lock_;
-  std::vector<std::string> written_;
+  std::unique_ptr<io::CheckpointSaver> saver_;
   DType dtype_ = DType::F32;       // parameters and activations (--precision)
   Device device_ = Device::cpu();  // this rank's device (--device)
   layers::LossScaler scaler_;

@@ -8,7 +8,7 @@ stderr naming what was expected and what was found, no crash or traceback.
 
 The cases live by topic in cases_cli.py (command line, bad inputs, divergence, rank failure),
 cases_parallel.py (DDP, pipeline, ZeRO), cases_checkpoint.py (resume, bad checkpoints,
-preemption, export), cases_checkpoint_validation.py (manifests, fallback, the directory lock),
+preemption, export), cases_checkpoint_validation.py (manifests, fallback, the directory lock), cases_async_save.py (--async-save),
 cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
 (strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute), cases_memory.py
@@ -17,6 +17,7 @@ collectives), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
+import cases_async_save
 import cases_checkpoint
 import cases_checkpoint_validation
 import cases_cli
@@ -31,6 +32,7 @@ import cases_watchdog
 import harness
 
 if __name__ == "__main__":
-    harness.main([cases_cli, cases_data, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_accuracy,
+    harness.main([cases_cli, cases_data, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_async_save,
+                  cases_accuracy,
                   cases_gpt, cases_sample,
                   cases_tensor_parallel, cases_recompute, cases_memory, cases_watchdog])

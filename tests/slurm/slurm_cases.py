@@ -14,8 +14,8 @@ CNN, from a work directory where `jobs` and `build` link to the source's and the
                              requeued, the final save's lines are in the run's train.log and
                              once in the job's log, and `latest` names a complete checkpoint
 
-Requeued jobs wait ~120 s for eligibility (Slurm's BeginTime); the tests move it to now with
-`scontrol update StartTime=now`, as an operator can."""
+Requeued jobs wait ~120 s for eligibility (Slurm's BeginTime); 2 s after the requeue the tests
+move it to now with `scontrol update StartTime=now`, as an operator can (see requeue_now)."""
 import argparse
 import os
 import re
@@ -129,17 +129,25 @@ class Cluster:
         return os.path.join(ck, open(os.path.join(ck, "latest")).read().strip())
 
     def requeue_now(self, job):
-        """A requeued job pends for BeginTime (~120 s): make it eligible now. Slurm sets BeginTime
-        when the job has finished completing, which can follow the state's turn to PENDING: an
-        earlier update would be overwritten, so it is repeated until the job has started."""
+        """A requeued job pends for BeginTime (~120 s): make it eligible now, as an operator can,
+        but 2 s after the requeue: Slurm refuses a batch launch in the second its credential was
+        revoked (the requeue) and fails the job ("Job credential revoked"), which is why it
+        waits at all. Slurm sets BeginTime when the job has finished completing, which can
+        follow the state's turn to PENDING: an earlier update would be overwritten, so it is
+        repeated while BeginTime is still the far one."""
         self.wait(job, lambda: self.state(job) == "PENDING", "the requeue")
+        time.sleep(2)
 
         def started():
-            if self.state(job) != "PENDING":
+            p = sh(["scontrol", "-o", "show", "job", job], check=False, env=self.env)
+            found = re.search(r"JobState=(\S+).* EligibleTime=(\S+)", p.stdout)
+            if not found or found.group(1) != "PENDING":
                 return True
-            sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False, env=self.env)
-            time.sleep(1)
-            return self.state(job) != "PENDING"
+            eligible = time.mktime(time.strptime(found.group(2), "%Y-%m-%dT%H:%M:%S"))
+            if eligible > time.time() + 10:
+                sh(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False, env=self.env)
+            time.sleep(0.5)
+            return False
         self.wait(job, started, "the requeued job's start")
 
 
@@ -253,7 +261,7 @@ def cancel(args):
         assert c.state(job) == "CANCELLED", f"job {job} came back after scancel: {c.state(job)}"
         log, train_log = c.log(job), c.train_log(job)
         assert "requeueing" not in log and "(restart 1)" not in log, log
-        saved = re.search(r"^preemption signal received: stopping after step (\d+)\nsaved checkpoint (\S+)\n",
+        saved = re.search(r"^preemption signal received: stopping after step (\d+)\nsaved checkpoint (\S+) .*\n",
                           train_log, re.M)
         assert saved, f"the final save's lines are not in train.log:\n{train_log}"
         assert log.count(saved.group(0)) == 1, f"the final save's lines are not once in the job's log:\n{log}"
