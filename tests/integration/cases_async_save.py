@@ -6,14 +6,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import time
 
 import h5py
 import numpy as np
 
-from harness import MPI_ENV, write_dataset, train_ranks, read_model, assert_same_model, RESUME_MLP
-from cases_checkpoint import train_processes, verify_crc
+from harness import write_dataset, train_ranks, read_model, assert_same_model, RESUME_MLP
+from cases_checkpoint import start_two_ranks, verify_crc
 
 
 def contents(path):
@@ -94,16 +92,8 @@ def case_async_save_preempt(args):
     for d in (ref_ck, ck):
         shutil.rmtree(d, ignore_errors=True)
     train_ranks(args, 2, common + ["--checkpoint-dir", ref_ck])
-    metrics = os.path.join(w, "async-preempt-metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + common + [
-        "--checkpoint-dir", ck, "--save-every", "1", "--keep", "4", "--async-save", "--metrics", metrics]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
-    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
-        time.sleep(0.005)
-    ranks = train_processes(p.pid, args.train)
-    assert len(ranks) == 2, ranks
+    p, ranks = start_two_ranks(args, common + ["--checkpoint-dir", ck, "--save-every", "1", "--keep", "4", "--async-save"],
+                               os.path.join(w, "async-preempt-metrics.jsonl"))
     os.kill(ranks[0], signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 3, f"exit code {p.returncode}\n{out}\n{err}"

@@ -246,6 +246,22 @@ def train_processes(root_pid, train):
     return sorted(found)
 
 
+def start_two_ranks(args, flags, metrics):
+    """Starts train on 2 ranks with --metrics METRICS and returns (the mpirun process, the ranks'
+    pids) once training is under way: rank 0 has appended its first metrics line (unbuffered,
+    unlike stdout through mpirun)."""
+    import time
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + flags + ["--metrics", metrics]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
+        time.sleep(0.005)
+    ranks = train_processes(p.pid, args.train)
+    assert len(ranks) == 2, ranks
+    return p, ranks
+
+
 def case_checkpoint_preempt(args):
     """SIGTERM to one rank of a 2-rank job mid-training: all ranks agree at the next step
     boundary (the flag rides on the step's loss all-reduce), save a complete checkpoint and exit
@@ -262,17 +278,7 @@ def case_checkpoint_preempt(args):
     for d in (ref_ck, ck):
         shutil.rmtree(d, ignore_errors=True)
     train_ranks(args, 2, common + ["--checkpoint-dir", ref_ck])
-    metrics = os.path.join(w, "preempt-metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + common + [
-        "--checkpoint-dir", ck, "--metrics", metrics]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **MPI_ENV))
-    # Rank 0 appends a metrics line every 10 steps (unbuffered, unlike stdout through mpirun).
-    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
-        time.sleep(0.005)
-    ranks = train_processes(p.pid, args.train)
-    assert len(ranks) == 2, ranks
+    p, ranks = start_two_ranks(args, common + ["--checkpoint-dir", ck], os.path.join(w, "preempt-metrics.jsonl"))
     start = time.monotonic()
     os.kill(ranks[-1], signal.SIGTERM)
     out, err = p.communicate(timeout=120)

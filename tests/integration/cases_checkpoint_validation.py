@@ -13,7 +13,7 @@ import zlib
 import h5py
 import numpy as np
 
-from harness import run, expect_bad_input, train_ranks, write_dataset
+from harness import run, expect_bad_input, train_ranks, write_dataset, all_tensors
 from cases_checkpoint import train_processes
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "hdf5-hang")
@@ -25,14 +25,6 @@ def flags(args, ck, steps):
     data = write_dataset(os.path.join(args.workdir, "data.h5"), n=1024, shape=(1, 8, 8), classes=10, seed=4)
     return ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "32", "--optimizer", "sgd",
             "--lr", "0.05", "--seed", "3", "--checkpoint-dir", ck, "--steps", str(steps), "--save-every", "10"]
-
-
-def all_tensors(path):
-    """{name: array} of every dataset of a checkpoint, for bit-for-bit comparison."""
-    with h5py.File(path, "r") as f:
-        out = {}
-        f.visititems(lambda n, o: out.update({n: o[...]}) if isinstance(o, h5py.Dataset) else None)
-        return out
 
 
 def assert_identical(path, reference, what):

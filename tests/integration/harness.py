@@ -67,6 +67,14 @@ def read_model(path):
         return tensors
 
 
+def all_tensors(path):
+    """{name: array} of every dataset of a checkpoint, for bit-for-bit comparison."""
+    with h5py.File(path, "r") as f:
+        out = {}
+        f.visititems(lambda n, o: out.update({n: o[...]}) if isinstance(o, h5py.Dataset) else None)
+        return out
+
+
 def assert_same_model(a, b, what, rtol=1e-5, only_trainable=False):
     """Every /model tensor equal within rtol, norm-wise relative (||a-b|| / ||b||)."""
     skip = ("running_mean", "running_var") if only_trainable else ()

@@ -8,9 +8,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/tensor.hpp"
 #include "expect_error.hpp"
 #include "io/hdf5.hpp"
 
@@ -33,6 +35,13 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// A host f32 tensor of `shape` holding start, start + 0.5, start + 1, ... in row-major order.
+inline Tensor arange(Shape shape, float start) {
+  Tensor t = Tensor::empty(std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = start + 0.5f * static_cast<float>(i);
+  return t;
+}
 
 // Creates (or opens) `path` and writes dataset `name` of file type `type` with `dims`, from
 // `data` in memory type `mem_type`.

@@ -23,11 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-Tensor arange(Shape shape, float start) {
-  Tensor t = Tensor::empty(std::move(shape));
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = start + 0.5f * static_cast<float>(i);
-  return t;
-}
+using test::arange;
 
 // The checkpoint the oracle reads: keep in step with py/check_checkpoint.py.
 void write_known(const std::string& path) {

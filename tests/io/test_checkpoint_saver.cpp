@@ -18,17 +18,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-Tensor filled(Shape shape, float start) {
-  Tensor t = Tensor::empty(std::move(shape));
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = start + 0.25f * static_cast<float>(i);
-  return t;
-}
+using test::arange;
 
 // One save of `step`: two tensors whose values depend on the step, and a root attribute.
 void save(CheckpointSaver& saver, int64_t step) {
   saver.begin(step);
-  saver.add("model/fc/weight", filled({64, 32}, static_cast<float>(step)));
-  saver.add("model/fc/bias", filled({32}, -static_cast<float>(step)));
+  saver.add("model/fc/weight", arange({64, 32}, static_cast<float>(step)));
+  saver.add("model/fc/bias", arange({32}, -static_cast<float>(step)));
   saver.finish([step](CheckpointWriter& w) { w.set_attr("step", step); });
 }
 
@@ -78,12 +74,12 @@ TEST(CheckpointSaver, TensorsAreWrittenAsTheyWereAddedNotAsTheyAreLater) {
   CheckpointSaver saver(dir.path(), 0, true, 60);
   saver.begin(1);
   {
-    Tensor t = filled({1000}, 3.0f);
+    Tensor t = arange({1000}, 3.0f);
     saver.add("model/t", t);
   }
   saver.finish([](CheckpointWriter&) {});
   saver.wait();
-  const Tensor want = filled({1000}, 3.0f);
+  const Tensor want = arange({1000}, 3.0f);
   EXPECT_EQ(read(dir / "step-00000001.h5", "model/t", {1000}),
             std::vector<float>(want.data<float>(), want.data<float>() + 1000));
 }

@@ -24,12 +24,13 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 
 SKIP = 77
 SUBMITTED = []  # (job, env) of this case: cancelled at its end, so a failed case leaves no job behind
 SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(SOURCE, "tests", "integration"))
+from harness import all_tensors  # noqa: E402  (the end-to-end cases' checkpoint reader)
 
 
 def sh(cmd, check=True, **kw):
@@ -151,15 +152,8 @@ class Cluster:
         self.wait(job, started, "the requeued job's start")
 
 
-def tensors(path):
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda n, o: out.update({n: o[...]}) if isinstance(o, h5py.Dataset) else None)
-    return out
-
-
 def assert_same_checkpoint(a, b, what):
-    ta, tb = tensors(a), tensors(b)
+    ta, tb = all_tensors(a), all_tensors(b)
     assert ta.keys() == tb.keys(), (what, sorted(ta), sorted(tb))
     for name in ta:
         assert np.array_equal(ta[name], tb[name]), f"{what}: {name} differs ({a} vs {b})"
@@ -268,7 +262,7 @@ def cancel(args):
         step = int(saved.group(1))
         assert c.checkpoint(job).endswith(f"step-{step:08d}.h5"), (c.checkpoint(job), step)
         assert os.path.exists(c.checkpoint(job) + ".manifest")
-        tensors(c.checkpoint(job))  # h5py reads every dataset
+        all_tensors(c.checkpoint(job))  # h5py reads every dataset
         print(f"{launcher}: scancel of job {job}: saved at step {step}, gone {took:.1f} s later, not requeued")
     return 0
 
