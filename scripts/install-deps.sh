@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config
   libopenmpi-dev openmpi-bin
-  libhdf5-dev hdf5-tools
+  libhdf5-dev libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev
   libopenblas-dev
   libgtest-dev

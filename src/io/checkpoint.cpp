@@ -24,14 +24,6 @@ namespace strata::io {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-uint32_t crc32_of(const Tensor& t) {
-  return static_cast<uint32_t>(
-      crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(t.raw()), static_cast<z_size_t>(t.nbytes())));
-}
-
-// fsync of a file or directory; throws with the system's reason.
 void fsync_path(const std::string& path, int flags) {
   int fd = ::open(path.c_str(), flags);
   STRATA_CHECK(fd >= 0, "cannot open '", path, "' to sync it: ", std::strerror(errno));
@@ -39,6 +31,13 @@ void fsync_path(const std::string& path, int flags) {
   const int err = errno;
   ::close(fd);
   STRATA_CHECK(rc == 0, "fsync of '", path, "' failed: ", std::strerror(err));
+}
+
+namespace {
+
+uint32_t crc32_of(const Tensor& t) {
+  return static_cast<uint32_t>(
+      crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(t.raw()), static_cast<z_size_t>(t.nbytes())));
 }
 
 // "model/conv1/weight" from a visit of group "/model" reporting "conv1/weight".
@@ -217,6 +216,7 @@ std::optional<Manifest> check_manifest(const std::string& checkpoint, bool whole
 // ---- writer ----------------------------------------------------------------------------------
 
 CheckpointWriter::CheckpointWriter(std::string path) : path_(std::move(path)), tmp_path_(path_ + ".tmp") {
+  const h5::Guard guard;
   h5::quiet_errors();
   file_ = h5::File(H5Fcreate(tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
   if (!file_.valid()) {  // e.g. a full disk: no half-made file stays behind (the destructor won't run)
@@ -227,6 +227,25 @@ CheckpointWriter::CheckpointWriter(std::string path) : path_(std::move(path)), t
   h5::write_attr(file_, "format_version", kCheckpointFormatVersion);
 }
 
+CheckpointWriter::CheckpointWriter(std::string path, Reopen) : path_(std::move(path)), tmp_path_(path_ + ".tmp") {
+  const h5::Guard guard;
+  h5::quiet_errors();
+  file_ = h5::File(H5Fopen(tmp_path_.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  if (!file_.valid()) {
+    const std::string why = h5::last_error();
+    std::remove(tmp_path_.c_str());
+    STRATA_THROW("cannot reopen checkpoint '", tmp_path_, "' (", why, ")");
+  }
+  h5::write_attr(file_, "format_version", kCheckpointFormatVersion);
+}
+
+void CheckpointWriter::set_crc32(const std::string& name, uint32_t crc) {
+  const h5::Guard guard;
+  STRATA_CHECK(!committed_ && h5::exists(file_, name), "checkpoint '", tmp_path_, "' has no tensor '", name, "'");
+  h5::DataSet ds(H5_CHECK(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "opening ", name));
+  h5::write_attr_u32(ds, "crc32", crc);
+}
+
 CheckpointWriter::~CheckpointWriter() {
   if (committed_) return;
   file_.reset();
@@ -234,6 +253,7 @@ CheckpointWriter::~CheckpointWriter() {
 }
 
 void CheckpointWriter::write_tensor(const std::string& name, const Tensor& t) {
+  const h5::Guard guard;
   STRATA_CHECK(!committed_, "write_tensor after commit");
   STRATA_CHECK(t.device().is_cpu(), "checkpoint tensors must be on the host; '", name, "' is on ", t.device().str());
   STRATA_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::I32 || t.dtype() == DType::U8, "checkpoint tensor '",
@@ -270,6 +290,7 @@ void CheckpointWriter::set_attr(const std::string& name, const std::string& valu
 }
 
 void CheckpointWriter::commit() {
+  const h5::Guard guard;
   STRATA_CHECK(!committed_, "checkpoint '", path_, "' committed twice");
   H5_CHECK(H5Fflush(file_, H5F_SCOPE_GLOBAL), "flushing ", tmp_path_);
   H5_CHECK(H5Fclose(file_.release()), "closing ", tmp_path_);
@@ -334,6 +355,7 @@ CheckpointReader::CheckpointReader(std::string path, bool whole_file) : path_(st
 }
 
 bool CheckpointReader::has(const std::string& name) const {
+  const h5::Guard guard;
   if (!h5::exists(file_, name)) return false;
   H5O_info_t info;
   return H5Oget_info_by_name2(file_, name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) >= 0 &&
@@ -341,17 +363,20 @@ bool CheckpointReader::has(const std::string& name) const {
 }
 
 h5::DataSet CheckpointReader::open_tensor(const std::string& name) const {
+  const h5::Guard guard;
   STRATA_REQUIRE(has(name), "checkpoint '", path_, "' has no tensor '", name, "'");
   return h5::DataSet(H5_CHECK(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), "opening ", name, " in ", path_));
 }
 
 Shape CheckpointReader::shape(const std::string& name) const {
+  const h5::Guard guard;
   h5::DataSet ds = open_tensor(name);
   h5::Space space(H5_CHECK(H5Dget_space(ds), "space of ", name));
   return h5::dims(space);
 }
 
 DType CheckpointReader::dtype(const std::string& name) const {
+  const h5::Guard guard;
   h5::DataSet ds = open_tensor(name);
   h5::Type type(H5_CHECK(H5Dget_type(ds), "type of ", name));
   if (H5Tget_class(type) == H5T_FLOAT) return DType::F32;
@@ -366,6 +391,7 @@ void CheckpointReader::require_shape(const std::string& name, const Shape& expec
 }
 
 void CheckpointReader::read_tensor(const std::string& name, const Tensor& out) const {
+  const h5::Guard guard;
   STRATA_CHECK(out.device().is_cpu(), "read_tensor needs a host tensor for '", name, "'");
   require_shape(name, out.shape());
   h5::DataSet ds = open_tensor(name);
@@ -378,6 +404,47 @@ void CheckpointReader::read_tensor(const std::string& name, const Tensor& out) c
   const uint32_t actual = crc32_of(out);
   STRATA_REQUIRE(expected == actual, "checkpoint '", path_, "': tensor '", name, "' is corrupt (crc32 ", actual,
                  ", expected ", expected, ")");
+}
+
+void CheckpointReader::read_part(const std::string& name, const Shape& local, const layers::TensorSplit& split,
+                                 int64_t begin, int64_t end, const Tensor& out) const {
+  const h5::Guard guard;
+  const Shape full = layers::full_shape(local, split);
+  const int64_t n = end - begin;
+  STRATA_CHECK(out.device().is_cpu() && out.dtype() == DType::F32 && out.numel() == n, "read_part of '", name,
+               "' into ", out.str(), " for ", n, " elements");
+  require_shape(name, full);
+  if (!has_manifest_) {
+    const Tensor whole = Tensor::empty(full);
+    read_tensor(name, whole);
+    Tensor shard = whole;
+    if (split.split()) {
+      shard = Tensor::empty(local);
+      layers::take_shard(whole, split, shard);
+    }
+    if (n > 0) out.copy_from(shard.view(begin, {n}));
+    return;
+  }
+  if (n == 0) return;
+  h5::DataSet ds = open_tensor(name);
+  STRATA_REQUIRE(dtype(name) == DType::F32, "checkpoint '", path_, "': tensor '", name, "' holds ",
+                 dtype_name(dtype(name)), " but the model expects float32");
+  h5::Space space(H5_CHECK(H5Dget_space(ds), "space of ", name));
+  select_part(space, local, split, begin, end);
+  const auto size = static_cast<hsize_t>(n);
+  h5::Space mem(H5_CHECK(H5Screate_simple(1, &size, nullptr), "memory space"));
+  H5_CHECK(H5Dread(ds, H5T_NATIVE_FLOAT, mem, space, H5P_DEFAULT, out.raw()), "reading part of ", name, " from ",
+           path_);
+}
+
+void select_part(hid_t space, const Shape& local, const layers::TensorSplit& split, int64_t begin, int64_t end) {
+  const h5::Guard guard;
+  if (local.empty()) return;  // a scalar: its one element, selected as a whole
+  H5_CHECK(H5Sselect_none(space), "empty selection");
+  for (const layers::Box& box : layers::shard_boxes(local, split, begin, end)) {
+    const std::vector<hsize_t> start(box.start.begin(), box.start.end()), count(box.count.begin(), box.count.end());
+    H5_CHECK(H5Sselect_hyperslab(space, H5S_SELECT_OR, start.data(), nullptr, count.data(), nullptr), "selection");
+  }
 }
 
 bool CheckpointReader::has_attr(const std::string& name) const { return h5::has_attr(file_, name); }
@@ -423,6 +490,7 @@ std::string CheckpointReader::attr_string(const std::string& name) const {
 }
 
 std::vector<std::string> CheckpointReader::list_tensors(const std::string& group) const {
+  const h5::Guard guard;
   STRATA_REQUIRE(h5::exists(file_, group), "checkpoint '", path_, "' has no group '", group, "'");
   h5::Group g(H5_CHECK(H5Gopen2(file_, group.c_str(), H5P_DEFAULT), "opening group ", group));
   struct Visit {

@@ -14,6 +14,7 @@
 
 #include "core/tensor.hpp"
 #include "io/hdf5.hpp"
+#include "layers/tensor_parallel.hpp"
 
 namespace strata::io {
 
@@ -40,6 +41,9 @@ struct Manifest {
   std::optional<Position> position;  // training checkpoints only
 };
 std::string manifest_path(const std::string& checkpoint);
+// fsync of a file (flags O_RDONLY) or directory (O_RDONLY | O_DIRECTORY); throws with the
+// system's reason.
+void fsync_path(const std::string& path, int flags);
 // Size and zlib crc32 of a whole file, read in 1 MiB blocks.
 std::pair<int64_t, uint32_t> file_size_and_crc32(const std::string& path);
 // Checks `checkpoint` against its manifest: the manifest when it holds (file name, size, crc32,
@@ -53,6 +57,10 @@ class CheckpointWriter {
  public:
   // Creates `path + ".tmp"` (replacing a stale one) and writes format_version.
   explicit CheckpointWriter(std::string path);
+  // Opens `path + ".tmp"` as ParallelCheckpointFile left it (every tensor written, none with its
+  // crc32 yet) to finish it like any other: set_crc32 for each tensor, attributes, commit().
+  struct Reopen {};
+  CheckpointWriter(std::string path, Reopen);
   // Without commit(), removes the temporary file.
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
@@ -61,6 +69,8 @@ class CheckpointWriter {
   // Stores a host tensor (f32, i32 or u8) under `name`, creating intermediate groups, with a
   // `crc32` attribute (zlib) of its raw bytes.
   void write_tensor(const std::string& name, const Tensor& t);
+  // The `crc32` attribute of tensor `name`, written by other means (a reopened file).
+  void set_crc32(const std::string& name, uint32_t crc);
 
   // Root attributes; a second call with the same name replaces the value.
   void set_attr(const std::string& name, int64_t value);
@@ -108,6 +118,13 @@ class CheckpointReader {
   // Reads `name` into `out` (a host tensor of the stored shape and dtype); Input error naming
   // expected and found on a shape mismatch, or when the data fails its crc32.
   void read_tensor(const std::string& name, const Tensor& out) const;
+  // Reads part of f32 tensor `name` into `out` (host f32, end - begin elements): elements
+  // [begin, end) of the tensor-parallel shard `local` split as `split` (layers::shard_boxes),
+  // and only those (each rank its own, on resume). The part has no crc32 of its own: a file with
+  // a manifest has had its whole-file crc32 checked before (by this rank or rank 0, see the
+  // constructor); one without is read whole, its crc32 checked, and cut.
+  void read_part(const std::string& name, const Shape& local, const layers::TensorSplit& split, int64_t begin,
+                 int64_t end, const Tensor& out) const;
 
   bool has_attr(const std::string& name) const;
   // Input error unless the attribute holds one finite integer.
@@ -128,6 +145,10 @@ class CheckpointReader {
   h5::File file_;
   bool has_manifest_ = false;
 };
+
+// Selects elements [begin, end) of the shard `local` split as `split` in `space`, the dataspace
+// of the full tensor (a union of hyperslabs; all of a scalar).
+void select_part(hid_t space, const Shape& local, const layers::TensorSplit& split, int64_t begin, int64_t end);
 
 // ---- checkpoint directories ------------------------------------------------------------------
 

@@ -32,18 +32,19 @@ CheckpointSaver::~CheckpointSaver() {
   if (thread_.joinable()) thread_.detach();  // still writing past the deadline: it owns all it touches
 }
 
-void CheckpointSaver::begin(int64_t step) {
+void CheckpointSaver::begin(int64_t step, bool in_parallel) {
   STRATA_CHECK(!save_, "checkpoint begun twice");
   wait();
   save_ = std::make_unique<Save>();
   save_->dir = dir_;
   save_->path = checkpoint_path(dir_, step);
   save_->started = now_s();
-  if (!async_) save_->writer = std::make_unique<CheckpointWriter>(save_->path);
+  save_->in_parallel = in_parallel;
+  if (!async_ && !in_parallel) save_->writer = std::make_unique<CheckpointWriter>(save_->path);
 }
 
 void CheckpointSaver::add(const std::string& name, const Tensor& t) {
-  STRATA_CHECK(save_, "checkpoint tensor '", name, "' added outside begin() .. finish()");
+  STRATA_CHECK(save_ && !save_->in_parallel, "checkpoint tensor '", name, "' added outside begin() .. finish()");
   save_->bytes += t.nbytes();
   if (async_)
     save_->tensors.emplace_back(name, t);
@@ -51,9 +52,16 @@ void CheckpointSaver::add(const std::string& name, const Tensor& t) {
     save_->writer->write_tensor(name, t);
 }
 
+void CheckpointSaver::finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes) {
+  STRATA_CHECK(save_ && save_->in_parallel, "parallel checkpoint finished without begin(step, true)");
+  save_->crc32 = written.crc32;
+  save_->bytes = written.bytes;
+  finish(std::move(attributes));
+}
+
 void CheckpointSaver::finish(Attributes attributes) {
   STRATA_CHECK(save_, "checkpoint finished without begin()");
-  if (!async_) {
+  if (!async_ || save_->in_parallel) {
     const std::unique_ptr<Save> save = std::move(save_);
     complete(*save, attributes, *written_, keep_, false);
     return;
@@ -80,6 +88,10 @@ void CheckpointSaver::wait() {
 
 void CheckpointSaver::complete(Save& save, const Attributes& attributes, std::vector<std::string>& written,
                                int64_t keep, bool background) {
+  if (save.in_parallel) {
+    save.writer = std::make_unique<CheckpointWriter>(save.path, CheckpointWriter::Reopen{});
+    for (const auto& [name, crc] : save.crc32) save.writer->set_crc32(name, crc);
+  }
   if (!save.writer) save.writer = std::make_unique<CheckpointWriter>(save.path);
   for (auto& [name, t] : save.tensors) {
     save.writer->write_tensor(name, t);

@@ -22,6 +22,7 @@
 
 #include "core/tensor.hpp"
 #include "io/checkpoint.hpp"
+#include "io/parallel_checkpoint.hpp"
 
 namespace strata::io {
 
@@ -37,11 +38,15 @@ class CheckpointSaver {
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;
 
   // Starts the checkpoint of `step` (DIR/step-NNNNNNNN.h5), after the previous write is done.
-  void begin(int64_t step);
+  // `in_parallel`: every rank writes its tensors (ParallelCheckpointFile, into the same
+  // PATH.tmp) and finish_parallel() completes it, synchronously whatever async() says.
+  void begin(int64_t step, bool in_parallel = false);
   // Stores `t` (host) under `name`: written now, or kept for the background write.
   void add(const std::string& name, const Tensor& t);
   // Writes `attributes` and commits (now, or on the background thread).
   void finish(Attributes attributes);
+  // After ParallelCheckpointFile::close(): the tensors' crc32s and `attributes`, then commit.
+  void finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes);
   // Until the write in flight (if any) is complete; rethrows its error. An error after
   // `timeout_s` (the write goes on: a later wait() may still see it end).
   void wait();
@@ -54,6 +59,8 @@ class CheckpointSaver {
     std::string dir, path;
     std::vector<std::pair<std::string, Tensor>> tensors;  // async: kept until written
     std::unique_ptr<CheckpointWriter> writer;             // sync: open from begin()
+    bool in_parallel = false;                             // the tensors are in PATH.tmp already
+    std::vector<std::pair<std::string, uint32_t>> crc32;  // their checksums (in_parallel)
     int64_t bytes = 0;
     double started = 0, handed_over = 0;  // seconds on the steady clock: begin(), finish()
   };

@@ -40,6 +40,7 @@ struct Shard {
 };
 
 Shard open_shard(const std::string& path) {
+  const h5::Guard guard;
   Shard s;
   s.path = path;
   s.file = h5::open_readonly(path);
@@ -174,6 +175,7 @@ const std::vector<int32_t>& Dataset::labels() const { return impl_->labels; }
 bool Dataset::in_memory() const { return impl_->in_memory; }
 
 Dataset Dataset::open(const std::string& spec, const std::string& flag, const DatasetOptions& options) {
+  const h5::Guard guard;
   h5::quiet_errors();
   auto impl = std::make_unique<Impl>();
   impl->flag = flag;
@@ -253,6 +255,7 @@ void Dataset::Impl::gather_from_memory(std::span<const int64_t> indices) const {
 }
 
 void Dataset::Impl::gather_from_files(std::span<const int64_t> indices) const {
+  const h5::Guard guard;
   // Sort by global index, so each shard's requests are contiguous and ascending; then one
   // H5Dread per shard over the union of runs of consecutive indices.
   order.clear();
@@ -363,6 +366,7 @@ std::string shard_path(const std::string& prefix, int shard, int num_shards) {
 
 void write_shard(const std::string& path, const Tensor& inputs, std::span<const int32_t> labels,
                  const ShardAttrs& attrs) {
+  const h5::Guard guard;
   h5::quiet_errors();
   STRATA_CHECK(inputs.dtype() == DType::U8 || inputs.dtype() == DType::F32, "write_shard: inputs are ", inputs.str(),
                ", expected u8 or f32");

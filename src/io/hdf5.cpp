@@ -7,7 +7,13 @@
 
 namespace strata::io::h5 {
 
+std::recursive_mutex& api_mutex() {
+  static std::recursive_mutex mutex;
+  return mutex;
+}
+
 void quiet_errors() {
+  const Guard guard;
   thread_local bool done = false;
   if (!done) {
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
@@ -16,6 +22,7 @@ void quiet_errors() {
 }
 
 std::string last_error() {
+  const Guard guard;
   std::string msg;
   // Walking upward visits the innermost (most specific) entry first.
   H5Ewalk2(
@@ -33,6 +40,7 @@ std::string last_error() {
 
 namespace detail {
 void fail(ErrorKind kind, const char* expr, const char* file, int line, const std::string& msg) {
+  const Guard guard;
   std::string reason = last_error();
   H5Eclear2(H5E_DEFAULT);
   // Users read input errors: HDF5's reason, not our call.
@@ -45,6 +53,7 @@ void fail(ErrorKind kind, const char* expr, const char* file, int line, const st
 }  // namespace detail
 
 bool exists(hid_t loc, const std::string& path) {
+  const Guard guard;
   if (path.empty() || path == "/") return true;
   size_t pos = 0;
   while (true) {
@@ -57,6 +66,7 @@ bool exists(hid_t loc, const std::string& path) {
 }
 
 Shape dims(hid_t space, const std::string& what) {
+  const Guard guard;
   // Dataspaces come from files: a damaged one is bad input.
   int rank = H5_REQUIRE(H5Sget_simple_extent_ndims(space), what, "has an unreadable dataspace");
   std::vector<hsize_t> d(static_cast<size_t>(rank)), max(static_cast<size_t>(rank));
@@ -76,6 +86,7 @@ Shape dims(hid_t space, const std::string& what) {
 }
 
 void require_stored(hid_t dataset, const Shape& dims, const std::string& name) {
+  const Guard guard;
   Type type(H5_REQUIRE(H5Dget_type(dataset), "'", name, "' have an unreadable type"));
   const std::optional<int64_t> bytes = checked_numel(dims, static_cast<int64_t>(H5Tget_size(type)));
   STRATA_REQUIRE(bytes.has_value(), "'", name, "' declare shape ", shape_str(dims),
@@ -121,6 +132,7 @@ void require_stored(hid_t dataset, const Shape& dims, const std::string& name) {
 }
 
 hid_t native_type(DType dtype) {
+  const Guard guard;
   switch (dtype) {
     case DType::F32:
       return H5T_NATIVE_FLOAT;
@@ -134,6 +146,7 @@ hid_t native_type(DType dtype) {
 }
 
 std::string type_name(hid_t type) {
+  const Guard guard;
   const size_t bits = H5Tget_size(type) * 8;
   switch (H5Tget_class(type)) {
     case H5T_INTEGER:
@@ -152,6 +165,7 @@ std::string type_name(hid_t type) {
 namespace {
 // "attribute 'scale' of '/inputs'": which object's attribute, for messages.
 std::string attr_str(hid_t obj, const std::string& name) {
+  const Guard guard;
   char path[256] = "";
   if (H5Iget_name(obj, path, sizeof path) <= 0) return "attribute '" + name + "'";
   return "attribute '" + name + "' of '" + path + "'";
@@ -161,6 +175,7 @@ std::string attr_str(hid_t obj, const std::string& name) {
 bool has_attr(hid_t obj, const std::string& name) { return H5Aexists(obj, name.c_str()) > 0; }
 
 std::vector<double> read_attr_numbers(hid_t obj, const std::string& name) {
+  const Guard guard;
   Attr attr(H5_REQUIRE(H5Aopen(obj, name.c_str(), H5P_DEFAULT), attr_str(obj, name), " cannot be opened"));
   Type type(H5_REQUIRE(H5Aget_type(attr), attr_str(obj, name), " has an unreadable type"));
   H5T_class_t cls = H5Tget_class(type);
@@ -176,6 +191,7 @@ std::vector<double> read_attr_numbers(hid_t obj, const std::string& name) {
 }
 
 std::string read_attr_string(hid_t obj, const std::string& name) {
+  const Guard guard;
   Attr attr(H5_REQUIRE(H5Aopen(obj, name.c_str(), H5P_DEFAULT), attr_str(obj, name), " cannot be opened"));
   Type type(H5_REQUIRE(H5Aget_type(attr), attr_str(obj, name), " has an unreadable type"));
   STRATA_REQUIRE(H5Tget_class(type) == H5T_STRING, attr_str(obj, name), " should hold a string but holds another type");
@@ -199,6 +215,7 @@ std::string read_attr_string(hid_t obj, const std::string& name) {
 namespace {
 // Creates `name` on `obj` (replacing an existing one) and writes `data` of memory type `mem`.
 void put_attr(hid_t obj, const std::string& name, hid_t file_type, hid_t mem_type, hid_t space, const void* data) {
+  const Guard guard;
   if (has_attr(obj, name)) H5_CHECK(H5Adelete(obj, name.c_str()), "replacing attribute ", name);
   Attr attr(
       H5_CHECK(H5Acreate2(obj, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), "creating attribute ", name));
@@ -209,24 +226,29 @@ Space scalar_space() { return Space(H5_CHECK(H5Screate(H5S_SCALAR), "creating a 
 }  // namespace
 
 void write_attr(hid_t obj, const std::string& name, int64_t value) {
+  const Guard guard;
   put_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, scalar_space(), &value);
 }
 
 void write_attr(hid_t obj, const std::string& name, double value) {
+  const Guard guard;
   put_attr(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, scalar_space(), &value);
 }
 
 void write_attr_u32(hid_t obj, const std::string& name, uint32_t value) {
+  const Guard guard;
   put_attr(obj, name, H5T_STD_U32LE, H5T_NATIVE_UINT32, scalar_space(), &value);
 }
 
 void write_attr(hid_t obj, const std::string& name, const std::vector<float>& values) {
+  const Guard guard;
   hsize_t n = values.size();
   Space space(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating an attribute dataspace"));
   put_attr(obj, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, space, values.data());
 }
 
 void write_attr(hid_t obj, const std::string& name, const std::string& value) {
+  const Guard guard;
   // Variable-length UTF-8, so h5py reads it back as str rather than bytes.
   Type type(H5_CHECK(H5Tcopy(H5T_C_S1), "copying a string type"));
   H5_CHECK(H5Tset_size(type, H5T_VARIABLE), "sizing a string type");
@@ -236,6 +258,7 @@ void write_attr(hid_t obj, const std::string& name, const std::string& value) {
 }
 
 File open_readonly(const std::string& path, const std::string& what) {
+  const Guard guard;
   const htri_t is_h5 = H5Fis_hdf5(path.c_str());
   STRATA_REQUIRE(is_h5 >= 0, what, "cannot be read (", last_error(), ")");
   STRATA_REQUIRE(is_h5 > 0, what, "is not an HDF5 file");

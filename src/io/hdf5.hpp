@@ -6,6 +6,7 @@
 #include <hdf5.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,20 @@
 #include "core/tensor.hpp"
 
 namespace strata::io::h5 {
+
+// The HDF5 library is not thread-safe in every build (Debian's parallel one is built without
+// it), and Strata calls it from three threads: the main one, the loader's and the background
+// checkpoint writer's. Every function that calls HDF5 holds this process-wide lock (recursive:
+// helpers that take it call each other); a collective parallel write holds it on the main
+// thread, so the loader waits for it rather than entering the library beside it.
+std::recursive_mutex& api_mutex();
+class Guard {
+ public:
+  Guard() : lock_(api_mutex()) {}
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+};
 
 // Turns off HDF5's automatic error-stack printing for the calling thread (the setting is
 // per thread in thread-safe builds), so bad input is reported once, by us. Cheap to repeat.
@@ -47,6 +62,7 @@ class Id {
   // Gives up ownership (e.g. to close explicitly and check the result).
   hid_t release() noexcept { return std::exchange(id_, H5I_INVALID_HID); }
   void reset() noexcept {
+    const Guard guard;
     if (id_ >= 0) Close(id_);
     id_ = H5I_INVALID_HID;
   }

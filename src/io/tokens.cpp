@@ -35,6 +35,7 @@ struct Shard {
 
 // Opens and checks one shard's structure and attributes; the ids are scanned later.
 Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer) {
+  const h5::Guard guard;
   Shard s;
   s.path = path;
   s.file = h5::open_readonly(path);
@@ -137,6 +138,7 @@ const std::vector<std::string>& TokenDataset::shard_dtypes() const { return impl
 bool TokenDataset::in_memory() const { return impl_->in_memory; }
 
 TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag, const TokenDatasetOptions& options) {
+  const h5::Guard guard;
   h5::quiet_errors();
   auto impl = std::make_unique<Impl>();
   impl->flag = flag;
@@ -216,6 +218,7 @@ int64_t TokenDataset::num_windows(int64_t seq_len) const {
 }
 
 void TokenDataset::read_window(int64_t start, int64_t length, int32_t* out) const {
+  const h5::Guard guard;
   const Impl& d = *impl_;
   STRATA_CHECK(start >= 0 && length >= 0 && start + length <= d.num_tokens, "read_window [", start, ", ",
                start + length, ") outside the token stream [0, ", d.num_tokens, ")");
@@ -268,6 +271,7 @@ void TokenSamples::read(std::span<const int64_t> indices, const Tensor& x, const
 }
 
 bool is_token_dataset(const std::string& spec, const std::string& flag) {
+  const h5::Guard guard;
   h5::quiet_errors();
   const std::string path = list_shards(spec, flag).front();
   if (H5Fis_hdf5(path.c_str()) <= 0) return false;
@@ -295,6 +299,7 @@ struct TokenShardWriter::Impl {
 
 TokenShardWriter::TokenShardWriter(const std::string& path, int64_t num_tokens, const Tokenizer& tokenizer)
     : impl_(std::make_unique<Impl>()) {
+  const h5::Guard guard;
   h5::quiet_errors();
   STRATA_CHECK(num_tokens > 0, "TokenShardWriter: a shard needs at least one token, got ", num_tokens);
   Impl& w = *impl_;
@@ -335,6 +340,7 @@ TokenShardWriter::~TokenShardWriter() {
 }
 
 void TokenShardWriter::write(std::span<const int32_t> tokens) {
+  const h5::Guard guard;
   Impl& w = *impl_;
   STRATA_CHECK(!w.closed && w.written + static_cast<int64_t>(tokens.size()) <= w.num_tokens,
                "TokenShardWriter: ", w.written + static_cast<int64_t>(tokens.size()), " tokens written to '", w.path,
@@ -354,6 +360,7 @@ void TokenShardWriter::write(std::span<const int32_t> tokens) {
 }
 
 void TokenShardWriter::close() {
+  const h5::Guard guard;
   Impl& w = *impl_;
   STRATA_CHECK(w.written == w.num_tokens, "TokenShardWriter: ", w.written, " of ", w.num_tokens, " tokens written to '",
                w.path, "'");

@@ -12,14 +12,21 @@ std::string state_tensor(const std::string& state, const std::string& entry) {
   return state.empty() ? model_tensor(entry) : optimizer_tensor(state, entry);
 }
 
-void read_model_value(const CheckpointReader& reader, const std::string& entry, bool trainable, const Tensor& out) {
+std::string model_value_tensor(const CheckpointReader& reader, const std::string& entry, bool trainable,
+                               const Shape& shape) {
   const std::string name = model_tensor(entry);
   STRATA_REQUIRE(reader.has(name), "checkpoint ", reader.path(), " has no tensor ", name,
                  " (was it saved from a different --model?)");
-  reader.require_shape(name, out.shape());  // first, so that a mismatch names the model tensor
+  reader.require_shape(name, shape);  // first, so that a mismatch names the model tensor
   // A mixed-precision run saved its f32 master weights too: the full-precision values.
   const std::string master = optimizer_tensor("master", entry);
-  reader.read_tensor(trainable && reader.has(master) ? master : name, out);
+  if (!trainable || !reader.has(master)) return name;
+  reader.require_shape(master, shape);
+  return master;
+}
+
+void read_model_value(const CheckpointReader& reader, const std::string& entry, bool trainable, const Tensor& out) {
+  reader.read_tensor(model_value_tensor(reader, entry, trainable, out.shape()), out);
 }
 
 void write_run_state(CheckpointWriter& writer, const RunState& s) {

@@ -23,6 +23,10 @@ std::string state_tensor(const std::string& state, const std::string& entry);
 // trainable and the checkpoint has them, else the model tensor. Input errors name the tensor
 // (missing: "was it saved from a different --model?"; shape) before anything is read.
 void read_model_value(const CheckpointReader& reader, const std::string& entry, bool trainable, const Tensor& out);
+// The tensor read_model_value reads for an entry of `shape` (the checks are the same), for reading
+// part of it (CheckpointReader::read_part).
+std::string model_value_tensor(const CheckpointReader& reader, const std::string& entry, bool trainable,
+                               const Shape& shape);
 
 // The root attributes of a training checkpoint (format version 2).
 struct RunState {

@@ -2,6 +2,7 @@
 // initialisation and checkpoints share, so a shard is always a slice of the tp = 1 tensor.
 #include "layers/tensor_parallel.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/ops.hpp"
@@ -56,7 +57,103 @@ void copy_runs(const Tensor& full, const TensorSplit& split, const Tensor& local
     }
 }
 
+// Boxes of elements [a, b) of the row-major array `s` from dimension k on (the dimensions before
+// k fixed at `prefix`), in order: a partial first row, whole rows, a partial last row.
+void decompose(const Shape& s, std::vector<int64_t>& prefix, int64_t a, int64_t b, std::vector<Box>& out) {
+  if (a >= b) return;
+  const size_t k = prefix.size(), n = s.size();
+  if (n == 0) {  // a scalar: one element, no dimensions
+    out.push_back({});
+    return;
+  }
+  int64_t inner = 1;
+  for (size_t i = k + 1; i < n; ++i) inner *= s[i];
+  const auto within_row = [&](int64_t row, int64_t lo, int64_t hi) {
+    prefix.push_back(row);
+    decompose(s, prefix, lo, hi, out);
+    prefix.pop_back();
+  };
+  int64_t row = a / inner;
+  if (a % inner != 0) {
+    const int64_t stop = std::min(b, (row + 1) * inner);
+    within_row(row, a - row * inner, stop - row * inner);
+    a = stop;
+    ++row;
+  }
+  const int64_t rows = b / inner - row;
+  if (a < b && rows > 0) {
+    Box box{prefix, std::vector<int64_t>(k, 1)};
+    box.start.push_back(row);
+    box.count.push_back(rows);
+    for (size_t i = k + 1; i < n; ++i) {
+      box.start.push_back(0);
+      box.count.push_back(s[i]);
+    }
+    out.push_back(std::move(box));
+    a += rows * inner;
+    row += rows;
+  }
+  if (a < b) within_row(row, 0, b - a);
+}
+
 }  // namespace
+
+std::vector<Box> shard_boxes(const Shape& local, const TensorSplit& split, int64_t begin, int64_t end) {
+  check_split(local, split);
+  STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
+               shape_str(local));
+  std::vector<Box> boxes;
+  std::vector<int64_t> prefix;
+  decompose(local, prefix, begin, end, boxes);
+  if (!split.split()) return boxes;
+  // Along the split dimension a shard's rows are pieces of each segment: cut each box at the
+  // pieces' ends and move each cut to its place in the full tensor (a monotone map, so the
+  // order of elements is kept).
+  const size_t d = static_cast<size_t>(split.dim);
+  const int64_t piece = local[d] / split.segments, segment = piece * split.parts;
+  std::vector<Box> placed;
+  for (const Box& box : boxes)
+    for (int64_t r = box.start[d], stop = box.start[d] + box.count[d]; r < stop;) {
+      const int64_t g = r / piece, w = r % piece, take = std::min(stop - r, piece - w);
+      Box cut = box;
+      cut.start[d] = g * segment + split.index * piece + w;
+      cut.count[d] = take;
+      placed.push_back(std::move(cut));
+      r += take;
+    }
+  return placed;
+}
+
+std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const TensorSplit& split, int64_t begin,
+                                                    int64_t end) {
+  check_split(local, split);
+  STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
+               shape_str(local));
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const auto add = [&](int64_t at, int64_t n) {
+    if (!runs.empty() && runs.back().first + runs.back().second == at)
+      runs.back().second += n;
+    else
+      runs.emplace_back(at, n);
+  };
+  if (begin == end) return runs;
+  if (!split.split()) {
+    add(begin, end - begin);
+    return runs;
+  }
+  // As copy_runs: the shard is blocks of `run` elements, block (o, g) at the full tensor's
+  // ((o * segments + g) * segment + index * piece) * inner.
+  int64_t inner = 1;
+  for (size_t i = static_cast<size_t>(split.dim) + 1; i < local.size(); ++i) inner *= local[i];
+  const int64_t piece = local[static_cast<size_t>(split.dim)] / split.segments, segment = piece * split.parts;
+  const int64_t run = piece * inner;
+  for (int64_t at = begin; at < end;) {
+    const int64_t block = at / run, within = at % run, take = std::min(end - at, run - within);
+    add((block * segment + split.index * piece) * inner + within, take);
+    at += take;
+  }
+  return runs;
+}
 
 Shape full_shape(const Shape& local, const TensorSplit& split) {
   check_split(local, split);

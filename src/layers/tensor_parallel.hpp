@@ -5,6 +5,8 @@
 // stack does not depend on the transport.
 #pragma once
 
+#include <vector>
+
 #include "core/tensor.hpp"
 
 namespace strata::layers {
@@ -41,5 +43,21 @@ Shape full_shape(const Shape& local, const TensorSplit& split);
 // With parts == 1 both are plain copies.
 void take_shard(const Tensor& full, const TensorSplit& split, const Tensor& local);
 void put_shard(const Tensor& local, const TensorSplit& split, const Tensor& full);
+
+// Where a part of a shard lies in the full tensor, for reading and writing it in place (a
+// parallel checkpoint: each rank its own hyperslabs of the file's full tensors). The part is
+// elements [begin, end) of the shard (of shape `local`) in its row-major order, e.g. a ZeRO
+// shard's overlap with the entry.
+struct Box {
+  std::vector<int64_t> start, count;  // per dimension of the full tensor
+};
+// Disjoint boxes of the full tensor holding exactly the part; visited in the full tensor's
+// row-major order, their elements are the part's, in order (the order HDF5 reads and writes a
+// union of hyperslabs in). At most 2 x rank boxes per segment row.
+std::vector<Box> shard_boxes(const Shape& local, const TensorSplit& split, int64_t begin, int64_t end);
+// The same part as runs contiguous in the full tensor, {full offset, length} in elements, in the
+// part's order (increasing offsets), neighbours merged.
+std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const TensorSplit& split, int64_t begin,
+                                                    int64_t end);
 
 }  // namespace strata::layers

@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "parallel/placement.hpp"
 #include "parallel/watchdog.hpp"
@@ -29,6 +31,11 @@ MpiRuntime::MpiRuntime(int& argc, char**& argv) {
   // algorithm for gradient-sized buffers on 2 ranks (bench_collectives); pick ring unless the
   // user chose otherwise.
   setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
+  // Open MPI 4.1's `lockedfile` shared-file-pointer component formats the file's name into a
+  // fixed buffer when MPI-IO opens a file, and a path past ~250 characters aborts the process
+  // (glibc: "buffer overflow detected"; seen with a deep checkpoint directory). Strata never
+  // uses shared file pointers: leave that component out unless the user chose.
+  setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
   int provided = 0;
   MPI_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
   // Errors come back as codes and become strata::Error instead of aborting silently.
@@ -157,10 +164,22 @@ void agree(MPI_Comm comm, const std::function<void()>& part) {
   } catch (...) {
     error = std::current_exception();
   }
-  int mine = error ? 1 : 0, any = 0;
-  MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm);
-  if (error) std::rethrow_exception(error);
-  if (any) throw PeerFailed();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  const int mine = error ? rank : size;
+  int lowest = size;
+  MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm);
+  if (lowest == size) return;
+  if (rank == lowest) std::rethrow_exception(error);
+  throw PeerFailed();
+}
+
+void await_abort(int seconds) {
+  std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  abort_world(detail::cat("error on rank ", process_rank(), ": another rank failed but did not end the job within ",
+                          seconds, " s"),
+              kExitFailure);
 }
 
 void abort_world(const std::string& message, int code) {

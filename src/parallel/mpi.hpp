@@ -74,12 +74,18 @@ int run_collectively(MPI_Comm comm, const std::function<void()>& phase);
 
 // Inside such a phase, a part that may fail on some ranks only (a checkpoint tensor only one
 // stage reads, a directory only rank 0 creates) while the others would go on into the next
-// collective and wait there forever: every rank learns whether any failed. The failing ranks
-// rethrow their error; the others throw PeerFailed, which run_collectively does not report.
+// collective and wait there forever: every rank learns whether any failed. The lowest failing
+// rank rethrows its error, so that one line reports it (several ranks often fail alike: a full
+// disk); every other rank throws PeerFailed, which run_collectively does not report and `train`
+// meets with await_abort.
 void agree(MPI_Comm comm, const std::function<void()>& part);
 struct PeerFailed : std::runtime_error {
   PeerFailed() : std::runtime_error("another rank failed") {}
 };
+// For a rank that learnt of another's failure (PeerFailed) outside a collective phase: the
+// failing rank ends the job (abort_world) with its one line; this one waits for that, and after
+// `seconds` ends the job itself, saying so.
+[[noreturn]] void await_abort(int seconds = 60);
 
 // Reports an error raised where the other ranks may be inside a collective, then ends the
 // whole job: the message names the rank and MPI_Abort stops every process.

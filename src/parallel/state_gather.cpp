@@ -109,10 +109,45 @@ void StateGather::gather(const Write& write) {
   }
 }
 
+void StateGather::write_parts(const WritePart& part) {
+  const int tp_rank = grid_.has("tp") ? grid_.coord("tp") : 0;
+  // Of a tensor every tensor-parallel rank holds whole, tp rank 0 writes.
+  const auto writes_shard = [&](const layers::ParamEntry& e) { return e.split.split() || tp_rank == 0; };
+  for (size_t vs = 0; vs < stages_.size(); ++vs) {
+    const bool mine = grid_.stage() == pipeline_rank(vs);
+    DataParallel& chunk = *mine_[chunk_of(vs)];
+    const StageRange r = stages_[vs];
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(model_, r.begin, r.end)) {
+      const bool writes = mine && grid_.replica() == 0 && writes_shard(e);
+      Tensor value;
+      if (writes || (mine && chunk.ownership().shards_params())) value = chunk.full_value(e);  // ZeRO 3: collective
+      part("", e, 0, writes ? shape_numel(e.shape) : 0, writes ? host_f32(value) : Tensor());
+    }
+  }
+  for (size_t vs = 0; vs < stages_.size(); ++vs) {
+    const bool mine = grid_.stage() == pipeline_rank(vs);
+    DataParallel& chunk = *mine_[chunk_of(vs)];
+    const StageRange r = stages_[vs];
+    const Ownership owners = chunk.ownership_of(r);
+    const Shard range = grid_.replica() < owners.state_owners() ? owners.state(grid_.replica()) : Shard{};
+    for (const auto& [state, local] : chunk.optimizer().state())
+      for (const layers::ParamEntry& e : layers::ParameterStore::layout(model_, r.begin, r.end)) {
+        if (!e.trainable) continue;
+        const layers::Overlap o =
+            mine && writes_shard(e) ? layers::overlap(e, range.begin, range.end) : layers::Overlap{};
+        part(state, e, o.in_entry, o.in_entry + o.size,
+             o.size > 0 ? host_f32(local.view(o.in_range, {o.size})) : Tensor());
+      }
+  }
+}
+
 void StateGather::load_model(const Read& read) {
-  // Read whole (a checksum covers the whole tensor), kept whole or only this rank's part.
   for (DataParallel* chunk : mine_)
-    for (const layers::ParamEntry& e : chunk->store().entries()) chunk->set_value(e, read_shard(read, "", e));
+    for (const layers::ParamEntry& e : chunk->store().entries()) {
+      const Tensor shard = Tensor::empty(e.shape);
+      read("", e, 0, shard.numel(), shard);
+      chunk->set_value(e, shard);
+    }
 }
 
 void StateGather::load_optimizer(const Read& read) {
@@ -123,20 +158,12 @@ void StateGather::load_optimizer(const Read& read) {
       for (const layers::ParamEntry& e : chunk->store().entries()) {
         const layers::Overlap o = layers::overlap(e, mine.begin, mine.end);
         if (!e.trainable || o.size == 0) continue;
-        const Tensor shard = read_shard(read, state, e);
-        local.view(o.in_range, {o.size}).copy_from(shard.view(o.in_entry, {o.size}));
+        const Tensor part = Tensor::empty({o.size});
+        read(state, e, o.in_entry, o.in_entry + o.size, part);
+        local.view(o.in_range, {o.size}).copy_from(part);
       }
     }
   }
-}
-
-Tensor StateGather::read_shard(const Read& read, const std::string& state, const layers::ParamEntry& e) {
-  const Tensor full = Tensor::empty(e.full_shape());
-  read(state, e, full);
-  if (!e.split.split()) return full;
-  const Tensor shard = Tensor::empty(e.shape);
-  layers::take_shard(full, e.split, shard);
-  return shard;
 }
 
 }  // namespace strata::parallel

@@ -3,7 +3,8 @@
 // the tensor-parallel shards of its tp ranks and, for sharded parameters and optimizer state,
 // from the ZeRO shards of that stage's replicas; on resume each rank reads the full tensors of
 // its stage and keeps what it owns. Who owns what
-// is DataParallel's answer (Ownership), never recomputed here. Tensors are named by their
+// is DataParallel's answer (Ownership), never recomputed here. A checkpoint is also written by
+// every rank at once (write_parts: each its own part), and read that way on resume. Tensors are named by their
 // entry's stable name and an optimizer state ("" for the model's own values); the file's
 // schema is io's (io/training_state.hpp).
 #pragma once
@@ -22,8 +23,10 @@ class StateGather {
  public:
   // `state`: "" for a parameter or buffer, else the optimizer state ("momentum", "master", ...).
   using Write = std::function<void(const std::string& state, const layers::ParamEntry& e, const Tensor& full)>;
-  // Fills `out` (a host f32 tensor of e's full_shape()) with the full value.
-  using Read = std::function<void(const std::string& state, const layers::ParamEntry& e, const Tensor& out)>;
+  // Fills `out` (host f32, end - begin elements) with elements [begin, end) of e's tensor-parallel
+  // shard (io::CheckpointReader::read_part): each rank reads only what it keeps.
+  using Read = std::function<void(const std::string& state, const layers::ParamEntry& e, int64_t begin, int64_t end,
+                                  const Tensor& out)>;
 
   // `stages`: every (virtual) stage's layers, P x v of them for P pipeline ranks; `mine`: the
   // DataParallel of each of this rank's v chunks (virtual stage c·P + stage is chunk c).
@@ -35,9 +38,21 @@ class StateGather {
   // rank holds more than its own stage plus one full tensor (unless `write` keeps them: each is
   // a fresh tensor that nothing else refers to, as --async-save's CheckpointSaver relies on).
   void gather(const Write& write);
-  // This rank's parameters, buffers and f32 master weights from the full tensors of its stage.
+  // Every rank's own part of every tensor, for a checkpoint that all ranks write at once
+  // (io::ParallelCheckpointFile). Collective over the world: `part` is called on every rank for
+  // every tensor, in gather()'s order, with elements [begin, end) of e's tensor-parallel shard
+  // that this rank writes and their values (f32, host; begin == end and undefined: none). Each
+  // element is written by one rank: the ZeRO owner of optimizer state, replica 0 for model
+  // tensors (with sharded parameters, after gathering them in the stage's group), tp rank 0 for
+  // a tensor every tp rank holds whole.
+  using WritePart = std::function<void(const std::string& state, const layers::ParamEntry& e, int64_t begin,
+                                       int64_t end, const Tensor& values)>;
+  void write_parts(const WritePart& part);
+  // This rank's parameters, buffers and f32 master weights: its tensor-parallel shards of its
+  // stage's tensors, whole (a replica with sharded parameters keeps its part of them).
   void load_model(const Read& read);
-  // This rank's part of the optimizer state (all but the master weights, set by load_model).
+  // This rank's part of the optimizer state (all but the master weights, set by load_model):
+  // only the elements its ZeRO shard holds are read.
   void load_optimizer(const Read& read);
 
  private:
@@ -46,8 +61,6 @@ class StateGather {
   size_t chunk_of(size_t vs) const { return vs / static_cast<size_t>(grid_.pp_size()); }
   // World rank of (stage, replica, tensor-parallel rank).
   int rank_at(int stage, int replica, int tp_rank) const;
-  // This rank's tensor-parallel shard of e's full tensor as `read` gives it (all of it unless split).
-  static Tensor read_shard(const Read& read, const std::string& state, const layers::ParamEntry& e);
 
   ProcessGrid& grid_;
   const layers::Model& model_;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "io/parallel_checkpoint.hpp"
 #include "layers/loss_scaler.hpp"
 
 namespace po = boost::program_options;
@@ -171,6 +172,14 @@ void validate(const Config& c) {
                  " applies to the gpt models' transformer blocks; --model ", c.model.name,
                  " runs with --recompute none");
   STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
+  STRATA_REQUIRE(c.checkpoint_io == "auto" || c.checkpoint_io == "rank0" || c.checkpoint_io == "parallel",
+                 "--checkpoint-io must be auto, rank0 or parallel, found '", c.checkpoint_io, "'");
+  STRATA_REQUIRE(c.checkpoint_io != "parallel" || io::ParallelCheckpointFile::available(),
+                 "--checkpoint-io parallel needs a parallel HDF5 and this build's is serial (install "
+                 "libhdf5-openmpi-dev and rebuild, or use --checkpoint-io rank0)");
+  STRATA_REQUIRE(c.checkpoint_io != "parallel" || !c.async_save,
+                 "--async-save writes from rank 0 on a background thread, --checkpoint-io parallel from every rank "
+                 "at the save step: choose one (--checkpoint-io auto takes --async-save's way)");
   STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
   STRATA_REQUIRE(c.bucket_mb > 0 && c.bucket_mb <= kMaxBucketMb, "--bucket-mb must be in (0, ", kMaxBucketMb,
@@ -253,6 +262,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
     ("resume", po::value(&c.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
     ("keep", po::value(&c.keep)->default_value(0), "keep only the newest K checkpoints this job wrote in --checkpoint-dir (0: all)")
+    ("checkpoint-io", po::value(&c.checkpoint_io)->default_value("auto"), "who writes a checkpoint: rank0 (rank 0 gathers every tensor and writes it), parallel (every rank writes its own part of the same file: parallel HDF5 over MPI-IO) or auto (parallel when this build's HDF5 is parallel, unless --async-save)")
     ("async-save", po::value(&c.async_save)->default_value(false)->implicit_value(true), "write checkpoints on a background thread while training goes on (rank 0 holds a host copy of the state until written; the next save, a stop signal and the end wait for it)")
     ("eval-only", po::value(&c.eval_only)->default_value(false)->implicit_value(true), "evaluate --init-from on --val-data (or --data) and exit")
     ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")

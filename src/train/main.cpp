@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
                       static_cast<long long>(r.samples));
       log::info(line);
     }
+  } catch (const parallel::PeerFailed&) {
+    parallel::await_abort();  // the failing rank reports and ends the job
   } catch (const Error& e) {
     parallel::abort_world(parallel::format_error(e),
                           e.kind() == ErrorKind::Input ? parallel::kExitBadInput : parallel::kExitFailure);

@@ -6,12 +6,14 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 
 #include "core/allocator.hpp"
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint.hpp"
+#include "io/parallel_checkpoint.hpp"
 #include "io/shared_files.hpp"
 #include "io/timeline.hpp"
 #include "io/training_state.hpp"
@@ -89,6 +91,19 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
     saver_ = std::make_unique<io::CheckpointSaver>(config_.checkpoint_dir, config_.keep, config_.async_save,
                                                    parallel::watchdog::kCheckpointTimeoutS);
   });
+  // auto: every rank writes its part where HDF5 is parallel; --async-save's background thread
+  // is rank 0's (no MPI there), but a stop signal's save waits anyway, so it goes in parallel.
+  if (!config_.checkpoint_dir.empty() && !config_.eval_only) {
+    const bool automatic = config_.checkpoint_io == "auto" && io::ParallelCheckpointFile::available();
+    parallel_io_ = config_.checkpoint_io == "parallel" || (automatic && !config_.async_save);
+    parallel_io_at_stop_ = parallel_io_ || automatic;
+    log::info("checkpoints: ",
+              parallel_io_
+                  ? "every rank writes its own part (--checkpoint-io parallel: parallel HDF5 over MPI-IO)"
+                  : detail::cat("rank 0 writes them", config_.async_save ? " in the background" : "",
+                                " (--checkpoint-io rank0",
+                                parallel_io_at_stop_ ? "; after a stop signal every rank writes its part" : "", ")"));
+  }
   // Every rank reads and writes where rank 0 does (multi-node: a shared filesystem), checked
   // now rather than at the first resume; each throws alike on every rank.
   if (!config_.checkpoint_dir.empty() && !config_.eval_only)
@@ -177,9 +192,11 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   // Each stage reads its own tensors: a bad one fails that stage's ranks only.
   parallel::agree(world, [&] {
     if (init_from)
-      state_gather_->load_model([&](const std::string&, const layers::ParamEntry& e, const Tensor& out) {
-        io::read_model_value(*init_from, e.name, e.trainable, out);
-      });
+      state_gather_->load_model(
+          [&](const std::string&, const layers::ParamEntry& e, int64_t begin, int64_t end, const Tensor& out) {
+            init_from->read_part(io::model_value_tensor(*init_from, e.name, e.trainable, e.full_shape()), e.shape,
+                                 e.split, begin, end, out);
+          });
   });
   if (config_.resume == "auto") {
     // Rank 0 picks and verifies (warning once per skipped file) and tells the others the step.
@@ -244,11 +261,12 @@ void Trainer::resume_from(const std::string& path) {
   const io::RunState saved = io::read_run_state(reader);
   STRATA_REQUIRE(saved.optimizer == config_.optimizer.name, "checkpoint ", path, " was saved with --optimizer ",
                  saved.optimizer, " but this run uses --optimizer ", config_.optimizer.name);
-  const auto read = [&](const std::string& state, const layers::ParamEntry& e, const Tensor& out) {
-    if (state.empty())
-      io::read_model_value(reader, e.name, e.trainable, out);
-    else
-      reader.read_tensor(io::optimizer_tensor(state, e.name), out);
+  // Each rank reads only its own parts (its tp shards, its ZeRO shard of the optimizer state).
+  const auto read = [&](const std::string& state, const layers::ParamEntry& e, int64_t begin, int64_t end,
+                        const Tensor& out) {
+    const std::string name = state.empty() ? io::model_value_tensor(reader, e.name, e.trainable, e.full_shape())
+                                           : io::optimizer_tensor(state, e.name);
+    reader.read_part(name, e.shape, e.split, begin, end, out);
   };
   state_gather_->load_model(read);
   state_gather_->load_optimizer(read);
@@ -465,7 +483,7 @@ TrainEnd Trainer::train() {
     if (stop_agreed_ && done != total_steps_) {
       log::info("preemption signal received: stopping after step ", done,
                 config_.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
-      if (!config_.checkpoint_dir.empty()) save_checkpoint(done, true);
+      if (!config_.checkpoint_dir.empty()) save_checkpoint(done, true, /*at_stop=*/true);
       grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
       return TrainEnd::Preempted;
     }
@@ -548,15 +566,26 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   return {sums[0] / targets, sums[1] / targets, n, targets_per_sample_ > 1};
 }
 
-void Trainer::save_checkpoint(int64_t step, bool wait) {
-  // Rank 0 writes the whole file (or hands it to its background thread) while the others wait
-  // in the next collective.
+void Trainer::save_checkpoint(int64_t step, bool wait, bool at_stop) {
+  // rank0: rank 0 writes the whole file (or hands it to its background thread) while the others
+  // wait in the next collective. parallel: every rank writes its part, rank 0 finishes the file.
   const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
   STRATA_CHECK(rank_ != 0 || saver_, "checkpoint of step ", step, " without a checkpoint directory");
-  if (saver_) saver_->begin(step);
-  state_gather_->gather([&](const std::string& state, const layers::ParamEntry& e, const Tensor& full) {
-    saver_->add(io::state_tensor(state, e.name), full);
-  });
+  const bool in_parallel = at_stop ? parallel_io_at_stop_ : parallel_io_;
+  if (saver_) saver_->begin(step, in_parallel);
+  std::optional<io::ParallelCheckpointFile::Written> written;
+  if (in_parallel) {
+    io::ParallelCheckpointFile file(io::checkpoint_path(config_.checkpoint_dir, step), grid_->mpi_world().comm());
+    state_gather_->write_parts(
+        [&](const std::string& state, const layers::ParamEntry& e, int64_t begin, int64_t end, const Tensor& values) {
+          file.write(io::state_tensor(state, e.name), e.shape, e.split, begin, end, values);
+        });
+    written = file.close();
+  } else {
+    state_gather_->gather([&](const std::string& state, const layers::ParamEntry& e, const Tensor& full) {
+      saver_->add(io::state_tensor(state, e.name), full);
+    });
+  }
   if (!saver_) return;
   const int64_t per_epoch = sampler_->steps_per_epoch();
   io::RunState saved;
@@ -575,7 +604,11 @@ void Trainer::save_checkpoint(int64_t step, bool wait) {
   saved.log_window_loss = window_loss_;
   saved.log_window_steps = window_steps_;
   for (const auto& [key, value] : config_.effective) saved.config += key + " = " + value + "\n";
-  saver_->finish([saved](io::CheckpointWriter& writer) { io::write_run_state(writer, saved); });
+  const auto attributes = [saved](io::CheckpointWriter& writer) { io::write_run_state(writer, saved); };
+  if (written)
+    saver_->finish_parallel(*written, attributes);
+  else
+    saver_->finish(attributes);
   if (wait) saver_->wait();
 }
 

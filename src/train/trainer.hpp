@@ -74,8 +74,11 @@ class Trainer {
   const io::Samples* eval_data() const;
   // Collective: the full training state (StateGather) goes to rank 0's CheckpointSaver, which
   // commits it, moves `latest` and applies --keep; with --async-save in the background unless
-  // `wait` (a stop signal, the end of training).
-  void save_checkpoint(int64_t step, bool wait);
+  // `wait` (a stop signal, the end of training). With --checkpoint-io parallel every rank writes
+  // its own part of the file instead (io::ParallelCheckpointFile) and rank 0 finishes it;
+  // `at_stop` (a preemption signal) takes that way whenever the build and flags allow it: it is
+  // the fastest, and nothing is left to a background thread.
+  void save_checkpoint(int64_t step, bool wait, bool at_stop = false);
 
  private:
   bool first_stage() const { return stage_ == 0; }
@@ -113,8 +116,9 @@ class Trainer {
   // the lock: destroyed first, once its last write is done).
   std::unique_ptr<io::DirectoryLock> directory_lock_;
   std::unique_ptr<io::CheckpointSaver> saver_;
-  DType dtype_ = DType::F32;       // parameters and activations (--precision)
-  Device device_ = Device::cpu();  // this rank's device (--device)
+  bool parallel_io_ = false, parallel_io_at_stop_ = false;  // --checkpoint-io, resolved
+  DType dtype_ = DType::F32;                                // parameters and activations (--precision)
+  Device device_ = Device::cpu();                           // this rank's device (--device)
   layers::LossScaler scaler_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0, dp_ = 1, replica_ = 0, stage_ = 0, tp_rank_ = 0;

@@ -80,8 +80,8 @@ def case_async_save_equivalence(args):
 
 def case_async_save_preempt(args):
     """SIGTERM while background writes are in flight (a 12 MiB checkpoint every step): the job
-    stops at the next step boundary, waits for the write in flight, saves its own checkpoint and
-    exits 3; `latest` names it, no .tmp is left, every checkpoint passes h5py's crc32 check, and
+    stops at the next step boundary, waits for the write in flight, saves its own checkpoint
+    (every rank its part: the stop's save takes the parallel way) and exits 3; `latest` names it, no .tmp is left, every checkpoint passes h5py's crc32 check, and
     --resume auto ends bit-identical to an uninterrupted run."""
     w = args.workdir
     data = write_dataset(os.path.join(w, "async-preempt.h5"), n=2048, shape=(1, 32, 32), seed=7)
@@ -99,6 +99,12 @@ def case_async_save_preempt(args):
     assert p.returncode == 3, f"exit code {p.returncode}\n{out}\n{err}"
     step = int(re.search(r"stopping after step (\d+)", out).group(1))
     assert 10 <= step < steps, step
+    # The stop signal's save takes the fastest way, every rank writing its part, synchronously
+    # (auto: the periodic saves were rank 0's, in the background).
+    assert "rank 0 writes them in the background (--checkpoint-io rank0; after a stop signal every rank writes its " \
+           "part)" in out, out
+    final = saves(out)[-1]
+    assert final[0].endswith(f"step-{step:08d}.h5") and final[2] is None, final
     latest = open(os.path.join(ck, "latest")).read().strip()
     names = os.listdir(ck)
     assert latest == f"step-{step:08d}.h5" and not [n for n in names if n.endswith(".tmp")], names

@@ -326,13 +326,13 @@ def verify_crc(path):
 
 
 def case_checkpoint_sigkill(args):
-    """SIGKILL to rank 0 of a 2-rank job while it is writing a checkpoint (step-N.h5.tmp exists
-    at the moment of the kill and still exists afterwards, with no step-N.h5): the previous
-    checkpoint and `latest` are intact (every tensor's crc32 checked with h5py), and
-    --resume auto continues from it and ends bit-identical to an uninterrupted run."""
+    """SIGKILL to one rank of a 2-rank job while a checkpoint is being written (step-N.h5.tmp
+    exists at the moment of the kill and still exists afterwards, with no step-N.h5): rank 0
+    while it writes alone (--checkpoint-io rank0), rank 1 while both write their parts
+    (parallel). Each time the previous checkpoint and `latest` are intact (every tensor's crc32
+    checked with h5py), and --resume auto continues from it and ends bit-identical to an
+    uninterrupted run."""
     import shutil
-    import signal
-    import time
     w = args.workdir
     data = write_dataset(os.path.join(w, "kill.h5"), n=2048, shape=(1, 16, 16), seed=7)
     steps = 200
@@ -343,24 +343,33 @@ def case_checkpoint_sigkill(args):
     ref_ck = os.path.join(w, "ck-ref")
     shutil.rmtree(ref_ck, ignore_errors=True)
     train_ranks(args, 2, common + ["--checkpoint-dir", ref_ck])
+    for mode, victim in (("rank0", 0), ("parallel", 1)):
+        kill_during_write(args, common + ["--checkpoint-io", mode], steps, ref_ck, victim, mode)
+
+
+def kill_during_write(args, common, steps, ref_ck, victim, mode):
+    import shutil
+    import signal
+    import time
+    w = args.workdir
     for attempt in range(1, 6):
-        ck = os.path.join(w, "ck-kill")
+        ck = os.path.join(w, "ck-kill-" + mode)
         shutil.rmtree(ck, ignore_errors=True)
         os.makedirs(ck)
         cmd = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train] + common + [
             "--checkpoint-dir", ck, "--save-every", "2"]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, **MPI_ENV))
-        rank0, killed_tmp = None, None
+        target, killed_tmp = None, None
         deadline = time.monotonic() + 300
         while p.poll() is None and time.monotonic() < deadline:
-            if rank0 is None:
+            if target is None:
                 ranks = train_processes(p.pid, args.train)
                 if len(ranks) == 2:
                     try:
-                        rank0 = [r for r in ranks if rank_of(r) == 0][0]
+                        target = [r for r in ranks if rank_of(r) == victim][0]
                     except (OSError, IndexError):
-                        rank0 = None
+                        target = None
                 continue
             names = os.listdir(ck)
             # Kill during the write of a checkpoint after the first complete one (4 steps in).
@@ -371,25 +380,25 @@ def case_checkpoint_sigkill(args):
             except OSError:
                 size = 0
             if size >= 4 << 20 and "latest" in names:
-                os.kill(rank0, signal.SIGKILL)
+                os.kill(target, signal.SIGKILL)
                 killed_tmp = tmps[0]
                 break
         out, err = p.communicate(timeout=120)
         if killed_tmp is None:
-            print(f"attempt {attempt}: no kill (rc {p.returncode}); retrying")
+            print(f"{mode} attempt {attempt}: no kill (rc {p.returncode}); retrying")
             continue
         names = sorted(os.listdir(ck))
         final = killed_tmp[:-len(".tmp")]
         if killed_tmp not in names or final in names:
-            print(f"attempt {attempt}: {killed_tmp} was committed before the kill landed ({names}); retrying")
+            print(f"{mode} attempt {attempt}: {killed_tmp} was committed before the kill landed ({names}); retrying")
             continue
-        assert p.returncode != 0, f"the job survived SIGKILL of rank 0\n{out}\n{err}"
+        assert p.returncode != 0, f"the job survived SIGKILL of rank {victim}\n{out}\n{err}"
         latest = open(os.path.join(ck, "latest")).read().strip()
         killed_step = int(final[5:13])
         assert latest == f"step-{killed_step - 2:08d}.h5", (latest, killed_tmp, names)
         n = verify_crc(os.path.join(ck, latest))
-        print(f"attempt {attempt}: SIGKILL to rank 0 (pid {rank0}) while {killed_tmp} was being written "
-              f"({os.path.getsize(os.path.join(ck, killed_tmp))} bytes on disk); mpirun exit {p.returncode}; "
+        print(f"{mode} attempt {attempt}: SIGKILL to rank {victim} (pid {target}) while {killed_tmp} was being "
+              f"written ({os.path.getsize(os.path.join(ck, killed_tmp))} bytes on disk); mpirun exit {p.returncode}; "
               f"latest = {latest}, {n} tensors crc-verified by h5py; directory: {names}")
         # The requeued job runs the same command; its save of step N replaces the stale .tmp.
         out = train_ranks(args, 2, common + ["--checkpoint-dir", ck, "--save-every", "2", "--resume", "auto"])
@@ -397,9 +406,9 @@ def case_checkpoint_sigkill(args):
         assert not [x for x in os.listdir(ck) if x.endswith(".tmp")], os.listdir(ck)
         assert_same_model(read_model(os.path.join(ck, f"step-{steps:08d}.h5")),
                           read_model(os.path.join(ref_ck, f"step-{steps:08d}.h5")),
-                          "killed + resumed vs uninterrupted", rtol=0.0)
+                          f"{mode}: killed + resumed vs uninterrupted", rtol=0.0)
         return
-    raise AssertionError("could not kill rank 0 during a checkpoint write in 5 attempts")
+    raise AssertionError(f"could not kill rank {victim} during a {mode} checkpoint write in 5 attempts")
 
 
 def case_checkpoint_layout_chain(args):

@@ -9,6 +9,7 @@ stderr naming what was expected and what was found, no crash or traceback.
 The cases live by topic in cases_cli.py (command line, bad inputs, divergence, rank failure),
 cases_parallel.py (DDP, pipeline, ZeRO), cases_checkpoint.py (resume, bad checkpoints,
 preemption, export), cases_checkpoint_validation.py (manifests, fallback, the directory lock), cases_async_save.py (--async-save),
+cases_parallel_io.py (--checkpoint-io parallel),
 cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
 (strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute), cases_memory.py
@@ -25,6 +26,7 @@ import cases_data
 import cases_gpt
 import cases_memory
 import cases_parallel
+import cases_parallel_io
 import cases_recompute
 import cases_sample
 import cases_tensor_parallel
@@ -33,6 +35,7 @@ import harness
 
 if __name__ == "__main__":
     harness.main([cases_cli, cases_data, cases_parallel, cases_checkpoint, cases_checkpoint_validation, cases_async_save,
+                  cases_parallel_io,
                   cases_accuracy,
                   cases_gpt, cases_sample,
                   cases_tensor_parallel, cases_recompute, cases_memory, cases_watchdog])

@@ -116,5 +116,73 @@ TEST(TensorSplit, ShapeMismatchesAreRefused) {
   EXPECT_THROW(put_shard(Tensor::empty({4, 4}), {2, 0, 1, 1}, full), Error);
 }
 
+// shard_boxes and shard_runs against the formula: for parts of shards ([begin, end) ranges, as
+// a ZeRO shard cuts them), the boxes cover exactly the part's full-tensor elements, disjoint, and
+// listed in row-major order they are the part's elements in order; the runs likewise.
+TEST(TensorSplit, BoxesAndRunsOfAPart) {
+  struct Case {
+    Shape local;
+    TensorSplit split;
+  };
+  const std::vector<Case> cases = {
+      {{5}, {}},
+      {{3, 4}, {}},
+      {{2, 3, 4}, {}},
+      {{4, 6}, {2, 1, 1, 1}},
+      {{6, 4}, {3, 2, 0, 3}},
+      {{2, 6, 5}, {2, 0, 1, 3}},
+      {{2, 3, 4}, {4, 3, 2, 2}},
+      {{3, 2, 4}, {2, 1, 0, 1}},
+  };
+  for (const Case& c : cases) {
+    const Shape full = full_shape(c.local, c.split);
+    const int64_t n = shape_numel(c.local);
+    for (int64_t begin = 0; begin <= n; ++begin)
+      for (int64_t end = begin; end <= n; ++end) {
+        std::vector<int64_t> expected;
+        for (int64_t i = begin; i < end; ++i) expected.push_back(full_index(c.local, c.split, i));
+        const auto where = [&] {
+          return shape_str(c.local) + " [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+        };
+        // Boxes: mark every element, row-major, and read the marks back in order.
+        std::vector<int> marks(static_cast<size_t>(shape_numel(full)), 0);
+        const std::vector<Box> boxes = shard_boxes(c.local, c.split, begin, end);
+        for (const Box& b : boxes) {
+          ASSERT_EQ(b.start.size(), full.size()) << where();
+          std::vector<int64_t> at = b.start;
+          int64_t size = 1;
+          for (int64_t k : b.count) size *= k;
+          for (int64_t e = 0; e < size; ++e) {
+            int64_t flat = 0;
+            for (size_t d = 0; d < full.size(); ++d) {
+              ASSERT_LT(at[d], full[d]) << where();
+              flat = flat * full[d] + at[d];
+            }
+            ++marks[static_cast<size_t>(flat)];
+            for (size_t d = full.size(); d-- > 0;) {  // next coordinate inside the box
+              if (++at[d] < b.start[d] + b.count[d]) break;
+              at[d] = b.start[d];
+            }
+          }
+        }
+        std::vector<int64_t> covered;
+        for (size_t i = 0; i < marks.size(); ++i) {
+          ASSERT_LE(marks[i], 1) << "boxes overlap: " << where();
+          if (marks[i]) covered.push_back(static_cast<int64_t>(i));
+        }
+        EXPECT_EQ(covered, expected) << where();
+        // Runs: expanded in their order, the same elements in the same order.
+        std::vector<int64_t> from_runs;
+        for (const auto& [at, len] : shard_runs(c.local, c.split, begin, end))
+          for (int64_t i = 0; i < len; ++i) from_runs.push_back(at + i);
+        EXPECT_EQ(from_runs, expected) << where();
+      }
+  }
+  const std::vector<Box> whole = shard_boxes({4, 6}, {2, 1, 1, 1}, 0, 24);
+  EXPECT_EQ(whole.size(), 1u);  // a whole shard split along one dimension is one hyperslab
+  EXPECT_EQ(shard_runs({6, 4}, {}, 3, 20).size(), 1u);
+  EXPECT_THROW(shard_boxes({4, 6}, {}, 5, 25), Error);
+}
+
 }  // namespace
 }  // namespace strata::layers
