@@ -33,6 +33,7 @@
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
 #include "io/sampler.hpp"
+#include "io/shards.hpp"
 #include "io/tokens.hpp"
 
 using namespace strata;
@@ -309,6 +310,18 @@ int inspect(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("spec", 1);
   parse(args, desc, pos);
+  // The PREFIX another command's --out took names what it wrote: PREFIX.h5, or its shards.
+  if (!std::filesystem::exists(spec)) {
+    if (std::filesystem::exists(spec + ".h5")) {
+      spec += ".h5";
+    } else {
+      try {
+        io::list_shards(spec + "-*-of-*.h5", "inspect");  // an Input error when there are none
+        spec += "-*-of-*.h5";
+      } catch (const Error&) {  // neither: the spec's own "does not exist" follows
+      }
+    }
+  }
   if (io::is_token_dataset(spec, "inspect")) return inspect_tokens(spec);
 
   io::Dataset ds = io::Dataset::open(spec, "inspect");
@@ -390,6 +403,12 @@ int main(int argc, char** argv) {
   }
   const std::string& command = all[0];
   const std::vector<std::string> args(all.begin() + 1, all.end());
+  // `strata-data COMMAND --help`: the usage, which covers every command.
+  if (std::find(args.begin(), args.end(), "--help") != args.end() ||
+      std::find(args.begin(), args.end(), "-h") != args.end()) {
+    std::cout << kUsage;
+    return 0;
+  }
   try {
     if (command == "convert-idx") return convert_idx(args);
     if (command == "synthetic") return synthetic(args);

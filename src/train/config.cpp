@@ -10,6 +10,8 @@
 #include <limits>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "core/error.hpp"
 #include "io/parallel_checkpoint.hpp"
@@ -108,6 +110,54 @@ void require_in(const char* flag, T value, T lo, T hi) {
 int64_t max_threads() {
   const unsigned hw = std::thread::hardware_concurrency();
   return 4 * static_cast<int64_t>(hw > 0 ? hw : 256);
+}
+
+// The option of `desc` nearest to `name` (edit distance, or one that starts with `name`), for
+// "did you mean"; "" when none is close.
+std::string nearest_option(const po::options_description& desc, const std::string& name) {
+  const auto distance = [](const std::string& a, const std::string& b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j)
+        diagonal = std::exchange(row[j], std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])}));
+    }
+    return row[b.size()];
+  };
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const auto& option : desc.options()) {
+    const std::string& candidate = option->long_name();
+    const size_t d = candidate.starts_with(name) ? 1 : distance(name, candidate);
+    if (d < best_distance) {
+      best_distance = d;
+      best = candidate;
+    }
+  }
+  return best;
+}
+
+// "unknown option '--x'; did you mean --y?"
+std::string unknown_option(const po::options_description& desc, std::string name) {
+  while (name.starts_with("-")) name.erase(0, 1);
+  const std::string near = nearest_option(desc, name);
+  return detail::cat("unknown option '--", name, "'", near.empty() ? "" : detail::cat("; did you mean --", near, "?"));
+}
+
+// The line of `path` that sets `key` (from 1; 0 when none does), for errors in a config file.
+int line_of(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  int number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    const size_t start = line.find_first_not_of(" \t");
+    if (start != std::string::npos && line.compare(start, key.size(), key) == 0 &&
+        (start + key.size() == line.size() || line.find_first_of(" \t=", start + key.size()) == start + key.size()))
+      return number;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -217,6 +267,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   // clang-format off
   desc.add_options()
     ("help,h", "print this help and exit")
+    ("version", "print the version and build (HDF5 parallel or serial, CUDA or CPU only) and exit")
     ("config", po::value(&config_file), "INI file of options (keys are option names); command-line flags override it")
     ("model", po::value(&c.model.name)->default_value("cnn"), "mlp | cnn | resnet | gpt | gpt2-124m | gpt2-350m | gpt2-774m | gpt2-1.5b (GPT-2's shapes)")
     ("hidden", po::value(&hidden)->default_value("1024,1024"), "mlp hidden sizes, comma-separated")
@@ -238,17 +289,17 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("global-batch", po::value(&c.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
     ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: global batch / replicas, no accumulation); gradients accumulate over global / (micro x replicas) micro-batches")
     ("optimizer", po::value(&c.optimizer.name)->default_value("sgd"), "sgd | adamw")
-    ("lr", po::value(&c.schedule.lr)->default_value(0.05f), "peak learning rate")
-    ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f), "sgd momentum")
+    ("lr", po::value(&c.schedule.lr)->default_value(0.05f, "0.05"), "peak learning rate")
+    ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f, "0.9"), "sgd momentum")
     ("nesterov", po::value(&c.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
     ("weight-decay", po::value(&c.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
-    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9), "adamw beta1")
-    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999), "adamw beta2")
-    ("eps", po::value(&c.optimizer.eps)->default_value(1e-8f), "adamw epsilon")
+    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9, "0.9"), "adamw beta1")
+    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999, "0.999"), "adamw beta2")
+    ("eps", po::value(&c.optimizer.eps)->default_value(1e-8f, "1e-08"), "adamw epsilon")
     ("lr-schedule", po::value(&c.schedule.kind)->default_value("constant"), "constant | step | cosine")
     ("warmup-steps", po::value(&c.schedule.warmup_steps)->default_value(0), "linear warm-up steps")
     ("lr-step-size", po::value(&c.schedule.step_size)->default_value(0), "step schedule: steps between decays")
-    ("lr-gamma", po::value(&c.schedule.gamma)->default_value(0.1f), "step schedule: decay factor")
+    ("lr-gamma", po::value(&c.schedule.gamma)->default_value(0.1f, "0.1"), "step schedule: decay factor")
     ("min-lr", po::value(&c.schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
     ("clip-grad", po::value(&c.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
     ("seed", po::value(&seed)->default_value(0), "seed of initialisation, shuffling and dropout")
@@ -302,7 +353,13 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   po::variables_map vm;
   try {
-    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(desc).run();
+    // No prefix guessing: --epoch must not quietly mean --epochs (an unknown option says which
+    // one is near instead).
+    const po::parsed_options parsed =
+        po::command_line_parser(argc, argv)
+            .options(desc)
+            .style(po::command_line_style::default_style & ~po::command_line_style::allow_guessing)
+            .run();
     // Boost keeps words that follow no flag and store() drops them: an unquoted glob would
     // silently train on its first file.
     for (const po::option& o : parsed.options)
@@ -315,18 +372,39 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
       if (print_help) std::cout << desc << "\n";
       return std::nullopt;
     }
+    if (vm.count("version")) {
+      if (print_help)
+        std::cout << "strata " << STRATA_VERSION << " (HDF5 " << H5_VERS_MAJOR << "." << H5_VERS_MINOR << "."
+                  << H5_VERS_RELEASE << (io::ParallelCheckpointFile::available() ? " parallel" : " serial")
+                  << (STRATA_WITH_CUDA ? ", CUDA" : ", CPU only") << ")\n";
+      return std::nullopt;
+    }
     if (vm.count("config")) {
       const std::string path = vm["config"].as<std::string>();
       std::ifstream in(path);
       STRATA_REQUIRE(in.good() && !std::filesystem::is_directory(path), "--config: cannot read '", path,
                      "' (expected an INI file)");
-      const po::parsed_options from_file = po::parse_config_file(in, desc);
-      for (const po::option& o : from_file.options)
-        STRATA_REQUIRE(o.string_key != "config", "--config: '", path,
-                       "' sets config = ...; a config file cannot include another");
-      po::store(from_file, vm);  // earlier (command-line) values win
+      // Errors in the file name it and the line.
+      const auto where = [&](std::string key) {
+        while (key.starts_with("-")) key.erase(0, 1);
+        const int line = line_of(path, key);
+        return detail::cat("--config ", path, line > 0 ? detail::cat(" line ", line) : std::string(), ": ");
+      };
+      try {
+        const po::parsed_options from_file = po::parse_config_file(in, desc);
+        for (const po::option& o : from_file.options)
+          STRATA_REQUIRE(o.string_key != "config", "--config: '", path,
+                         "' sets config = ...; a config file cannot include another");
+        po::store(from_file, vm);  // earlier (command-line) values win
+      } catch (const po::unknown_option& e) {
+        STRATA_THROW_INPUT(where(e.get_option_name()), unknown_option(desc, e.get_option_name()));
+      } catch (const po::error_with_option_name& e) {
+        STRATA_THROW_INPUT(where(e.get_option_name()), e.what());
+      }
     }
     po::notify(vm);
+  } catch (const po::unknown_option& e) {
+    STRATA_THROW_INPUT(unknown_option(desc, e.get_option_name()), " (see --help)");
   } catch (const po::error& e) {
     STRATA_THROW_INPUT(e.what(), " (see --help)");
   }

@@ -342,5 +342,46 @@ TEST(Config, ConfigFileErrors) {
   expect_rejected({"--config", nested.path()}, "a config file cannot include another");
 }
 
+// What a new user met (#22): no prefix guessing (--epoch is not quietly --epochs: one line
+// naming the nearest option), --help shows defaults as written (not 0.0500000007), --version,
+// and an error in a config file names the file and the line.
+TEST(Config, UnknownOptionsNameTheNearest) {
+  expect_rejected_with_data({"--epoch", "3"}, "unknown option '--epoch'; did you mean --epochs?");
+  expect_rejected_with_data({"--lr-shedule", "cosine"}, "unknown option '--lr-shedule'; did you mean --lr-schedule?");
+  expect_rejected_with_data({"--zzzzzz", "1"}, "unknown option '--zzzzzz' (see --help)");
+}
+
+std::string printed(const Args& args) {
+  std::vector<const char*> argv{"train"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  testing::internal::CaptureStdout();
+  EXPECT_FALSE(parse_config(static_cast<int>(argv.size()), argv.data(), true).has_value());
+  return testing::internal::GetCapturedStdout();
+}
+
+TEST(Config, HelpShowsDefaultsAsWritten) {
+  const std::string help = printed({"--help"});
+  for (const char* shown : {"--lr arg (=0.05)", "--momentum arg (=0.9)", "--lr-gamma arg (=0.1)", "--eps arg (=1e-08)"})
+    EXPECT_NE(help.find(shown), std::string::npos) << shown;
+  EXPECT_EQ(help.find("00000"), std::string::npos) << "a float's binary value shown";
+}
+
+TEST(Config, VersionNamesTheBuild) {
+  const std::string version = printed({"--version"});
+  EXPECT_TRUE(version.starts_with("strata 0.")) << version;
+  EXPECT_NE(version.find("HDF5 1."), std::string::npos) << version;
+  EXPECT_TRUE(version.find(" parallel") != std::string::npos || version.find(" serial") != std::string::npos)
+      << version;
+  EXPECT_EQ(std::count(version.begin(), version.end(), '\n'), 1) << version;
+}
+
+TEST(Config, ConfigFileErrorsNameTheLine) {
+  const TempFile unknown("steps = 3\n# a comment\nepoch = 2\n");
+  expect_rejected({"--data", "x.h5", "--config", unknown.path()},
+                  "--config " + unknown.path() + " line 3: unknown option '--epoch'; did you mean --epochs?");
+  const TempFile bad_value("data = x.h5\nsteps = many\n");
+  expect_rejected({"--config", bad_value.path()}, "--config " + bad_value.path() + " line 2: ");
+}
+
 }  // namespace
 }  // namespace strata::train

@@ -56,6 +56,10 @@ assert not any(np.array_equal(hx[i], flat[j]) for i in range(20) for j in range(
 held_acc = (np.argmin(((hx[:, None, :] - means[None]) ** 2).sum(-1), axis=1) == hy).mean()
 assert held_acc > 0.9, held_acc
 
+# What --out took names what it wrote (PREFIX.h5, or PREFIX's shards); COMMAND --help is the usage.
+assert "samples:       10" in run("inspect", os.path.join(work, "f/feat")).stdout
+assert "samples:       600" in run("inspect", prefix).stdout
+assert "inspect SPEC" in run("inspect", "--help").stdout and "synthetic" in run("synthetic", "--help").stdout
 out = run("inspect", os.path.join(work, "syn")).stdout
 assert "samples:       600" in out and "[2, 4, 4]" in out and "classes:       3" in out, out
 
