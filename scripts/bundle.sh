@@ -115,9 +115,9 @@ run_checks() {
     strata-data synthetic --out "$data" --samples 2048 --shape 1,28,28 --classes 10 >/dev/null &&
       echo "ok   strata-data synthetic" || { echo "FAIL strata-data synthetic"; fail=1; }
     common=(--model mlp --hidden 128 --data "$data.h5" --global-batch 64 --steps 20 --log-every 10 --threads 1)
-    if out=$(timeout 120 train "${common[@]}" 2>&1); then echo "ok   train, 1 rank (singleton, no mpirun): $(grep -o "final test.*" <<<"$out")"
+    if out=$(timeout 120 train "${common[@]}" 2>&1); then echo "ok   train, 1 rank (singleton, no mpirun): $(grep -o "final .*" <<<"$out")"
     else echo "FAIL train, 1 rank:"; tail -5 <<<"$out"; fail=1; fi
-    if out=$(timeout 120 mpirun -np 2 train "${common[@]}" 2>&1); then echo "ok   mpirun -np 2 train: $(grep -o "final test.*" <<<"$out")"
+    if out=$(timeout 120 mpirun -np 2 train "${common[@]}" 2>&1); then echo "ok   mpirun -np 2 train: $(grep -o "final .*" <<<"$out")"
     else echo "FAIL mpirun -np 2 train:"; tail -8 <<<"$out"; fail=1; fi
     # The bubble benchmark as gpu-check.sh starts it: Python outside the bundle, programs through `run`.
     if command -v python3 >/dev/null; then

@@ -6,12 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-# scripts/build.sh's configure, but only the two programs this job runs.
-if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export PATH="/usr/local/cuda/bin:$PATH"
-fi
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
-cmake --build build -j "$(nproc)" --target train strata-data
+STRATA_TARGETS="train strata-data" bash scripts/build.sh  # only the two programs this job runs
 
 # The plain-text fortune files of the fortunes and fortunes-min packages, sorted: not the
 # .dat indexes, not the .u8 links to the same files, not the off/ subfolder (fortunes-off).

@@ -65,15 +65,17 @@ int main(int argc, char** argv) {
     }
     if (const io::Samples* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);
-      char line[200];
+      // Without --val-data the data evaluated is the training data: the line says so.
+      const char* what = config->eval_only          ? "evaluation"
+                         : config->val_data.empty() ? "final evaluation of the training data (no --val-data)"
+                                                    : "final test";
+      char line[240];
       if (r.tokens)  // a language model: per-token loss, its perplexity and next-token accuracy
         std::snprintf(line, sizeof line, "%s: loss %.6f  perplexity %.3f  next-token accuracy %.2f%%  (%lld windows)",
-                      config->eval_only ? "evaluation" : "final test", r.loss, std::exp(r.loss), 100.0 * r.accuracy,
-                      static_cast<long long>(r.samples));
+                      what, r.loss, std::exp(r.loss), 100.0 * r.accuracy, static_cast<long long>(r.samples));
       else
-        std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)",
-                      config->eval_only ? "evaluation" : "final test", r.loss, 100.0 * r.accuracy,
-                      static_cast<long long>(r.samples));
+        std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)", what, r.loss,
+                      100.0 * r.accuracy, static_cast<long long>(r.samples));
       log::info(line);
     }
   } catch (const parallel::PeerFailed&) {

@@ -4,7 +4,7 @@ ranks; resume across layouts from either kind; a full disk during a parallel wri
 one rank during a parallel write: cases_checkpoint.case_checkpoint_sigkill, both modes.)"""
 import os
 import re
-import shutil
+import signal
 import subprocess
 
 from cases_async_save import assert_same_checkpoint, saves
@@ -86,7 +86,15 @@ def case_parallel_io_full_disk(args):
         cmd = [args.mpirun, "-np", "4", "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
                "--hidden", "1024", "--optimizer", "adamw", "--data", data, "--global-batch", "32", "--steps", "6",
                "--save-every", "3", "--checkpoint-dir", ck, "--checkpoint-io", "parallel"]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, **MPI_ENV))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=dict(os.environ, **MPI_ENV))
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # no rank may keep the small disk busy
+            out, err = proc.communicate()
+            raise AssertionError(f"the job hung after the disk filled\n{out[-3000:]}\n{err[-3000:]}")
+        p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         assert p.returncode != 0, p.stdout
         errors = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("error")]
         assert len(errors) == 1 and "step-00000006.h5.tmp" in errors[0], (errors, p.stdout, p.stderr)
@@ -97,4 +105,5 @@ def case_parallel_io_full_disk(args):
         print(f"full disk at the second parallel save: exit {p.returncode}, '{errors[0][:120]}', "
               f"latest step-00000003.h5 ({n} tensors crc-verified), directory {names}")
     finally:
-        subprocess.run(["umount", disk], capture_output=True)
+        if subprocess.run(["umount", disk], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", disk], capture_output=True)  # detached once nothing uses it
