@@ -1,6 +1,7 @@
 #include "io/metrics.hpp"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -32,6 +33,23 @@ void MetricsWriter::append(const ProgressRecord& r) {
                 static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, comm,
                 static_cast<long long>(r.dp_bytes_per_step), static_cast<long long>(r.tp_bytes_per_step),
                 static_cast<long long>(r.peak_bytes));
+  write(json);
+}
+
+void MetricsWriter::append(const EvalRecord& r) {
+  if (path_.empty()) return;
+  char perplexity[64] = "";
+  if (r.tokens) std::snprintf(perplexity, sizeof perplexity, ", \"eval_perplexity\": %.4f", std::exp(r.loss));
+  char json[1024];
+  std::snprintf(json, sizeof json,
+                "{\"step\": %lld, \"eval\": \"%s\", \"eval_loss\": %.6f, \"eval_accuracy\": %.6f%s, "
+                "\"eval_samples\": %lld}\n",
+                static_cast<long long>(r.step), r.what.c_str(), r.loss, r.accuracy, perplexity,
+                static_cast<long long>(r.samples));
+  write(json);
+}
+
+void MetricsWriter::write(const char* json) {
   std::ofstream out(path_, std::ios::app);
   out << json;
   out.flush();

@@ -21,17 +21,31 @@ struct ProgressRecord {
   int64_t peak_bytes = 0;         // rank 0's memory high-water mark so far (allocator + shared buffers)
 };
 
+// An evaluation: of --val-data every --eval-every steps ("val"), at the end ("final", or
+// "final-train" without --val-data: the training data) or by --eval-only ("eval-only").
+struct EvalRecord {
+  int64_t step = 0;
+  std::string what;
+  double loss = 0, accuracy = 0;
+  int64_t samples = 0;
+  bool tokens = false;  // a language model's: the line adds its perplexity, exp(loss)
+};
+
 class MetricsWriter {
  public:
   // An empty path writes nothing.
   explicit MetricsWriter(std::string path) : path_(std::move(path)) {}
 
   void append(const ProgressRecord& record);
+  void append(const EvalRecord& record);
   // A resumed run logs again the steps after its checkpoint: their earlier lines go (written
   // to a new file, then renamed), so the file reads as one uninterrupted run.
   void drop_after(int64_t step) const;
 
  private:
+  // Appends one line; a failed write is warned about once.
+  void write(const char* json);
+
   std::string path_;
   bool lost_ = false;  // a write failed (warned once)
 };

@@ -77,6 +77,10 @@ int main(int argc, char** argv) {
         std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)", what, r.loss,
                       100.0 * r.accuracy, static_cast<long long>(r.samples));
       log::info(line);
+      trainer->record_evaluation(config->eval_only          ? "eval-only"
+                                 : config->val_data.empty() ? "final-train"
+                                                            : "final",
+                                 r);
     }
   } catch (const parallel::PeerFailed&) {
     parallel::await_abort();  // the failing rank reports and ends the job

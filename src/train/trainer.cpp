@@ -331,6 +331,11 @@ void Trainer::print_plan() {
 
 const io::Samples* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
+void Trainer::record_evaluation(const std::string& what, const EvalResult& r) {
+  const int64_t step = config_.eval_only ? start_step_ : total_steps_;
+  if (rank_ == 0) metrics_.append(io::EvalRecord{step, what, r.loss, r.accuracy, r.samples, r.tokens});
+}
+
 void Trainer::sum_over_world(std::vector<double>& values) { parallel::all_reduce_sum(grid_->world(), values); }
 
 Tensor Trainer::to_compute(const Tensor& x) const {
@@ -479,6 +484,7 @@ TrainEnd Trainer::train() {
       log::info("eval at step ", done, ": loss ", r.loss,
                 r.tokens ? detail::cat("  perplexity ", std::exp(r.loss)) : std::string(), "  accuracy ",
                 100.0 * r.accuracy, "%");
+      if (rank_ == 0) metrics_.append(io::EvalRecord{done, "val", r.loss, r.accuracy, r.samples, r.tokens});
     }
     if (stop_agreed_ && done != total_steps_) {
       log::info("preemption signal received: stopping after step ", done,

@@ -72,6 +72,8 @@ class Trainer {
   EvalResult evaluate(const io::Samples& data);
   // The dataset evaluated at the end and by --eval-only.
   const io::Samples* eval_data() const;
+  // Rank 0 appends an evaluation to --metrics (at the step training reached).
+  void record_evaluation(const std::string& what, const EvalResult& r);
   // Collective: the full training state (StateGather) goes to rank 0's CheckpointSaver, which
   // commits it, moves `latest` and applies --keep; with --async-save in the background unless
   // `wait` (a stop signal, the end of training). With --checkpoint-io parallel every rank writes

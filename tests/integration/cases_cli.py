@@ -109,14 +109,22 @@ def case_train_h5py(args):
                 f"steps = 5\nlog-every = 10\n")
     # Command-line flags override the file (--steps 60 wins over steps = 5).
     rc, out, err = run(args, [args.train, "--config", config, "--steps", "60", "--checkpoint-dir", ckdir,
-                              "--metrics", metrics, "--save-every", "30", "--micro-batch", "8"])
+                              "--metrics", metrics, "--save-every", "30", "--micro-batch", "8", "--eval-every", "30"])
     assert rc == 0, f"rc={rc}\n{out}\n{err}"
     assert re.search(r"steps\s*=\s*60", out), "effective configuration not printed with the override"
     m = re.search(r"final test: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out)
     assert m, out
     assert float(m.group(2)) >= 90.0, f"accuracy {m.group(2)}% on a separable task"
-    records = [json.loads(l) for l in open(metrics)]
+    lines = [json.loads(l) for l in open(metrics)]
+    records = [r for r in lines if "eval" not in r]
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60], records
+    # The closing evaluation is a line of its own, the numbers the run printed.
+    evals = [r for r in lines if "eval" in r]
+    assert [(r["step"], r["eval"]) for r in evals] == [(30, "val"), (60, "final")], evals
+    assert abs(evals[1]["eval_loss"] - float(m.group(1))) <= 1e-6, (evals, m.groups())
+    assert abs(100 * evals[1]["eval_accuracy"] - float(m.group(2))) <= 0.005 and evals[1]["eval_samples"] > 0, evals
+    at30 = re.search(r"eval at step 30: loss ([0-9.e-]+)", out)
+    assert at30 and abs(evals[0]["eval_loss"] - float(at30.group(1))) <= 1e-5 * max(1.0, evals[0]["eval_loss"]), evals
     assert records[-1]["loss"] < records[0]["loss"], records
     for r in records:
         assert set(r) >= {"step", "epoch", "loss", "lr", "samples_per_s", "peak_bytes", "tp_bytes_per_step"}, r
