@@ -16,6 +16,7 @@
 #include "core/error.hpp"
 #include "io/parallel_checkpoint.hpp"
 #include "layers/loss_scaler.hpp"
+#include "train/deepspeed_config.hpp"
 
 namespace po = boost::program_options;
 
@@ -269,6 +270,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("help,h", "print this help and exit")
     ("version", "print the version and build (HDF5 parallel or serial, CUDA or CPU only) and exit")
     ("config", po::value(&config_file), "INI file of options (keys are option names); command-line flags override it")
+    ("deepspeed-config", po::value(&c.deepspeed_config), "a DeepSpeed ds_config.json: its common keys as options (docs/migration.md); flags and --config override it, keys it does not map are one warning each")
+    ("strict-config", po::value(&c.strict_config)->default_value(false)->implicit_value(true), "a --deepspeed-config key that is not mapped is an error, not a warning")
     ("model", po::value(&c.model.name)->default_value("cnn"), "mlp | cnn | resnet | gpt | gpt2-124m | gpt2-350m | gpt2-774m | gpt2-1.5b (GPT-2's shapes)")
     ("hidden", po::value(&hidden)->default_value("1024,1024"), "mlp hidden sizes, comma-separated")
     ("depth", po::value(&c.model.depth)->default_value(20), "resnet depth, 6n+2")
@@ -401,6 +404,18 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
       } catch (const po::error_with_option_name& e) {
         STRATA_THROW_INPUT(where(e.get_option_name()), e.what());
       }
+    }
+    if (vm.count("deepspeed-config")) {  // below the command line and --config
+      const std::string path = vm["deepspeed-config"].as<std::string>();
+      const DeepSpeedOptions ds = read_deepspeed_config(path);
+      std::string keys;
+      for (const std::string& key : ds.unsupported) keys += (keys.empty() ? "" : ", ") + key;
+      STRATA_REQUIRE(ds.unsupported.empty() || !vm["strict-config"].as<bool>(), "--deepspeed-config ", path,
+                     ": not supported: ", keys, " (--strict-config; without it these are warnings)");
+      std::istringstream ini(ds.ini);
+      po::store(po::parse_config_file(ini, desc), vm);
+      c.deepspeed_unsupported = ds.unsupported;
+      c.gradient_accumulation = ds.gradient_accumulation;
     }
     po::notify(vm);
   } catch (const po::unknown_option& e) {

@@ -35,9 +35,13 @@ struct Config {
   int64_t save_every = 0, eval_every = 0, log_every = 100;
   std::string metrics;
   std::string init_from;
-  std::string resume = "none";         // none | auto (newest complete checkpoint in checkpoint_dir) | PATH
-  int64_t keep = 0;                    // step-*.h5 files kept in checkpoint_dir (0: all)
-  bool async_save = false;             // rank 0 writes checkpoints on a background thread
+  std::string resume = "none";                     // none | auto (newest complete checkpoint in checkpoint_dir) | PATH
+  int64_t keep = 0;                                // step-*.h5 files kept in checkpoint_dir (0: all)
+  bool async_save = false;                         // rank 0 writes checkpoints on a background thread
+  std::string deepspeed_config;                    // --deepspeed-config FILE (mapped into the options above)
+  bool strict_config = false;                      // its unmapped keys are an error, not warnings
+  std::vector<std::string> deepspeed_unsupported;  // its keys not mapped (one warning each)
+  int64_t gradient_accumulation = 0;               // its gradient_accumulation_steps (0: not given)
   std::string checkpoint_io = "auto";  // rank0 | parallel | auto (parallel where HDF5 is, unless async_save)
   bool eval_only = false;
   int prefetch = 2;

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
     // From here: a signal while loading data or a checkpoint stops after the first step (saved).
     if (!config->eval_only && !config->dry_run) train::install_preemption_handlers();
     log::set_all_ranks(config->log_all_ranks);
+    for (const std::string& key : config->deepspeed_unsupported)
+      if (mpi.rank() == 0)
+        log::warn("--deepspeed-config ", config->deepspeed_config, ": '", key, "' is not supported; ignored");
     parallel::agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() == 0 && !config->log_file.empty()) log::tee_to(config->log_file);
     });

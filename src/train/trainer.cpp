@@ -154,6 +154,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   if (device_.is_cpu()) host_allocator().set_limit(static_cast<size_t>(config_.device_memory));
   tied_ = std::make_unique<parallel::TiedEmbedding>(grid_->pp(), *model_, stages_, config_.zero, dtype_, device_);
   plan_ = parallel::make_batch_plan(config_.global_batch, config_.micro_batch, dp_);
+  STRATA_REQUIRE(config_.gradient_accumulation == 0 || config_.gradient_accumulation == plan_.count,
+                 "--deepspeed-config: train_batch_size ", config_.global_batch, " = train_micro_batch_size_per_gpu ",
+                 plan_.micro, " x gradient_accumulation_steps x ", dp_, " data-parallel replicas gives ", plan_.count,
+                 " accumulation steps, but gradient_accumulation_steps is ", config_.gradient_accumulation);
   std::vector<Shape> input_shapes, output_shapes;
   for (int c = 0; c < v; ++c) {
     const parallel::StageRange range = chunk_range(c);

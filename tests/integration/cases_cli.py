@@ -270,3 +270,46 @@ def case_thread_placement(args):
     # More ranks than cores, one thread each, is what --oversubscribe asks for: no warning.
     assert threads(["-np", "4", "--oversubscribe"]) == (1, [])
     print("threads: 1 per rank bound to a core, 2 with PE=2; " + warnings[0])
+
+
+def case_deepspeed_config(args):
+    """--deepspeed-config: 2 ranks trained from a ds_config.json (ZeRO 1, AdamW with betas, a
+    warm-up, clipping, micro-batches) end with the same checkpoint, bit for bit, as the same run
+    from the flags it maps to; its unmapped keys are one warning line each; a batch that does not
+    add up (train_batch_size != micro x accumulation x dp) is one line, exit 2."""
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "ds.h5"), n=512, shape=(1, 8, 8), seed=3)
+    ds = os.path.join(w, "ds_config.json")
+    config = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 0.5, "steps_per_print": 5, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.85, 0.98], "eps": 1e-7,
+                                                         "weight_decay": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.003, "warmup_num_steps": 4,
+                                                           "warmup_type": "linear"}},
+              "wall_clock_breakdown": False, "tensorboard": {"enabled": False}}
+    with open(ds, "w") as f:
+        json.dump(config, f)
+    common = ["--model", "mlp", "--hidden", "32", "--data", data, "--steps", "10"]
+    ck = {k: os.path.join(w, "ck-ds-" + k) for k in ("json", "flags")}
+    out = train_ranks(args, 2, common + ["--deepspeed-config", ds, "--checkpoint-dir", ck["json"]])
+    train_ranks(args, 2, common + ["--global-batch", "32", "--micro-batch", "8", "--clip-grad", "0.5", "--log-every", "5",
+                                   "--zero", "1", "--optimizer", "adamw", "--lr", "0.003", "--beta1", "0.85",
+                                   "--beta2", "0.98", "--eps", "1e-07", "--weight-decay", "0.01", "--warmup-steps", "4",
+                                   "--checkpoint-dir", ck["flags"]])
+    with h5py.File(os.path.join(ck["json"], "step-00000010.h5"), "r") as a, \
+            h5py.File(os.path.join(ck["flags"], "step-00000010.h5"), "r") as b:
+        names = []
+        a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        assert names and all(np.array_equal(a[n][...], b[n][...]) for n in names), names
+    assert len(re.findall(r"^step \d+/10 ", out, re.M)) == 2, out  # steps_per_print 5
+    rc, _, err = run(args, [args.mpirun, "-np", "2", "--oversubscribe", args.train] + common +
+                     ["--deepspeed-config", ds, "--dry-run"])
+    warned = sorted(l.split("'")[1] for l in err.splitlines() if "is not supported; ignored" in l)
+    assert rc == 0 and warned == ["tensorboard.enabled", "wall_clock_breakdown"], err
+    mapped = os.path.join(w, "ds_mapped.json")  # no unmapped keys: the error line is alone
+    with open(mapped, "w") as f:
+        json.dump({k: v for k, v in config.items() if k not in ("wall_clock_breakdown", "tensorboard")}, f)
+    expect_bad_input(args, common + ["--deepspeed-config", mapped, "--micro-batch", "4"],
+                     r"train_batch_size 32 = train_micro_batch_size_per_gpu 4 x .* gives 4 accumulation steps, "
+                     r"but gradient_accumulation_steps is 2", ranks=2)
+    print(f"ds_config run == flags run ({len(names)} tensors identical); warned {warned}")

@@ -383,5 +383,121 @@ TEST(Config, ConfigFileErrorsNameTheLine) {
   expect_rejected({"--config", bad_value.path()}, "--config " + bad_value.path() + " line 2: ");
 }
 
+// --deepspeed-config: a ds_config's keys give exactly the options of the flags they map to
+// (docs/migration.md's table), flags win over it, unmapped keys are listed (an error with
+// --strict-config), and what Strata cannot reproduce is one line.
+std::vector<std::pair<std::string, std::string>> options_of(const Config& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& kv : c.effective)
+    if (kv.first != "deepspeed-config") out.push_back(kv);
+  return out;
+}
+
+TEST(Config, DeepSpeedKeysEqualTheirFlags) {
+  const TempFile ds(R"({
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0, "steps_per_print": 10, "seed": 7,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e5, "overlap_comm": true, "contiguous_gradients": true},
+    "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 100,
+                                                       "cos_min_ratio": 0.1, "warmup_type": "linear"}},
+    "pipeline": {"stages": 2}
+  })");
+  const Config from_json = parse_valid({"--deepspeed-config", ds.path()});
+  const Config from_flags = parse_valid({"--global-batch",
+                                         "64",
+                                         "--micro-batch",
+                                         "8",
+                                         "--clip-grad",
+                                         "1",
+                                         "--log-every",
+                                         "10",
+                                         "--seed",
+                                         "7",
+                                         "--zero",
+                                         "2",
+                                         "--bucket-mb",
+                                         "1.9073486328125",
+                                         "--precision",
+                                         "fp16",
+                                         "--loss-scale",
+                                         "dynamic",
+                                         "--loss-scale-init",
+                                         "4096",
+                                         "--loss-scale-window",
+                                         "500",
+                                         "--optimizer",
+                                         "adamw",
+                                         "--lr",
+                                         "0.0003",
+                                         "--beta1",
+                                         "0.8",
+                                         "--beta2",
+                                         "0.95",
+                                         "--eps",
+                                         "1e-06",
+                                         "--weight-decay",
+                                         "0.1",
+                                         "--lr-schedule",
+                                         "cosine",
+                                         "--warmup-steps",
+                                         "100",
+                                         "--min-lr",
+                                         "3e-05",
+                                         "--pp",
+                                         "2"});
+  EXPECT_EQ(options_of(from_json), options_of(from_flags));
+  EXPECT_TRUE(from_json.deepspeed_unsupported.empty());
+  EXPECT_EQ(from_json.gradient_accumulation, 4);
+  EXPECT_EQ(from_json.steps, 1);  // --steps on the command line wins over total_num_steps
+  // Flags and --config win over the JSON.
+  EXPECT_FLOAT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--lr", "0.01"}).schedule.lr, 0.01f);
+  const TempFile ini("zero = 1\n");
+  EXPECT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--config", ini.path()}).zero, 1);
+}
+
+TEST(Config, DeepSpeedUnmappedKeysAreListed) {
+  // Modelled on DeepSpeedExamples' training/cifar/ds_config.json.
+  const TempFile ds(R"({
+    "train_batch_size": 16, "steps_per_print": 2000,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000}},
+    "gradient_clipping": 1.0, "prescale_gradients": false,
+    "fp16": {"enabled": true, "fp16_master_weights_and_grads": false, "loss_scale": 0, "loss_scale_window": 500,
+             "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+    "wall_clock_breakdown": false,
+    "zero_optimization": {"stage": 0, "allgather_partitions": true, "reduce_scatter": true,
+                          "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000, "overlap_comm": true,
+                          "contiguous_gradients": true, "cpu_offload": false}
+  })");
+  const Config c = parse_valid({"--deepspeed-config", ds.path()});
+  EXPECT_EQ(c.deepspeed_unsupported,
+            (std::vector<std::string>{
+                "fp16.fp16_master_weights_and_grads", "fp16.hysteresis", "fp16.min_loss_scale", "prescale_gradients",
+                "scheduler.params.warmup_type (log, the default; Strata warms up linearly)", "wall_clock_breakdown",
+                "zero_optimization.allgather_bucket_size", "zero_optimization.cpu_offload"}));
+  EXPECT_EQ(c.optimizer.name, "adamw");
+  EXPECT_EQ(c.precision, DType::F16);
+  EXPECT_EQ(c.global_batch, 16);
+  EXPECT_EQ(c.schedule.warmup_steps, 1000);
+  EXPECT_FLOAT_EQ(c.optimizer.beta1, 0.8f);
+  expect_rejected_with_data({"--deepspeed-config", ds.path(), "--strict-config"},
+                            "not supported: fp16.fp16_master_weights_and_grads, fp16.hysteresis");
+}
+
+TEST(Config, DeepSpeedValuesStrataCannotReproduceAreOneLine) {
+  const TempFile both(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})");
+  expect_rejected_with_data({"--deepspeed-config", both.path()}, "fp16.enabled and bf16.enabled are both true");
+  const TempFile decay(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}})");
+  expect_rejected_with_data({"--deepspeed-config", decay.path()}, "WarmupDecayLR is not supported");
+  const TempFile lamb(R"({"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}})");
+  expect_rejected_with_data({"--deepspeed-config", lamb.path()}, "must be Adam, AdamW or SGD, found 'Lamb'");
+  const TempFile broken("{\"train_batch_size\": 16,\n  \"fp16\": {\n");
+  expect_rejected_with_data({"--deepspeed-config", broken.path()}, "line 3");
+  const TempFile word(R"({"train_batch_size": "many"})");
+  expect_rejected_with_data({"--deepspeed-config", word.path()}, "'train_batch_size' must be a number, found 'many'");
+}
+
 }  // namespace
 }  // namespace strata::train
