@@ -52,7 +52,8 @@ def timing(args, model, zero, dp):
     train(args, dp, MODELS[model] + ["--zero", str(zero), "--steps", str(args.steps), "--log-every", "20",
                                      "--global-batch", str(BATCH[model] * dp), "--metrics", metrics,
                                      "--bucket-mb", args.bucket_mb, "--optimizer", "sgd"])
-    records = [json.loads(l) for l in open(metrics)][1:]  # the first window includes warm-up
+    # Progress lines only (evaluation lines have an "eval" key); the first window includes warm-up.
+    records = [r for r in (json.loads(l) for l in open(metrics)) if "eval" not in r][1:]
     rate = statistics.median(r["samples_per_s"] for r in records)
     sent = statistics.median(r.get("dp_bytes_per_step", float("nan")) for r in records)
     return BATCH[model] * dp / rate * 1e3, sent

@@ -1,7 +1,6 @@
 """Checkpoints: resume (bit for bit, and across layouts), --keep, bad checkpoints, failures only
 some ranks see at setup, preemption by SIGTERM, SIGKILL during a write, a chain of layouts,
 and export to torch."""
-import json
 import os
 import re
 import subprocess
@@ -11,7 +10,7 @@ import h5py
 import numpy as np
 
 from harness import (MPI_ENV, write_dataset, run, expect_bad_input, train_ranks, read_model, assert_same_model,
-                     equivalence_runs, RESUME_MLP, resumed_run)
+                     equivalence_runs, RESUME_MLP, resumed_run, progress_lines)
 
 
 def case_checkpoint_resume(args):
@@ -217,7 +216,7 @@ def case_setup_on_some_ranks(args):
     rc, out, err = run(args, cmd)
     assert rc != 0 and "injected failure" in err, f"{out}\n{err}"
     train_ranks(args, 2, resumed + ["--resume", "auto"])
-    losses = [[json.loads(l)["loss"] for l in open(os.path.join(w, n))] for n in ("log-whole.jsonl", "log-resumed.jsonl")]
+    losses = [[r["loss"] for r in progress_lines(os.path.join(w, n))] for n in ("log-whole.jsonl", "log-resumed.jsonl")]
     assert len(losses[0]) == 4 and losses[0] == losses[1], losses
     print(f"logged losses, uninterrupted vs resumed from step 7: {losses[0]} == {losses[1]}")
 

@@ -3,6 +3,7 @@ modules): running train alone or under mpirun, bad-input expectations, h5py-writ
 reading and comparing checkpoints' models, the equivalence and resume runs, and the case
 registry and command line."""
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -58,6 +59,12 @@ def train_ranks(args, ranks, flags, timeout=600):
     rc, out, err = run(args, cmd, timeout=timeout)
     assert rc == 0, f"{' '.join(cmd)}\nrc={rc}\n{out}\n{err}"
     return out
+
+
+def progress_lines(path):
+    """The --metrics file's progress lines (every line parses as JSON; evaluation lines, which have
+    an "eval" key, left out)."""
+    return [r for r in (json.loads(l) for l in open(path)) if "eval" not in r]
 
 
 def read_model(path):
