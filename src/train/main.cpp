@@ -5,15 +5,19 @@
 // second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal). A communication wait
 // past --timeout, a rank still in setup after --setup-timeout, or ranks whose collectives
 // differ: exit 5 (parallel/watchdog.hpp, parallel/setup_deadline.hpp).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
+#include "io/checkpoint.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/setup_deadline.hpp"
 #include "train/config.hpp"
@@ -21,6 +25,55 @@
 #include "train/trainer.hpp"
 
 using namespace strata;
+
+namespace {
+
+// The options that shape a model: what --init-from takes from the checkpoint when not given.
+constexpr const char* kModelOptions[] = {"model", "hidden", "depth",   "width", "layers",
+                                         "heads", "embed",  "seq-len", "vocab", "tie-embeddings"};
+
+// --init-from (fine-tuning, --eval-only) without --model: the model options the checkpoint
+// recorded (its `config` attribute), as if given after the others; with a --model other than the
+// checkpoint's, one line saying so. Rank 0 reads them, after checking the file whole (a damaged
+// file is refused before HDF5 parses it), and sends them to every rank.
+std::optional<train::Config> with_model_of_checkpoint(const train::Config& config, int argc, char** argv, int rank) {
+  const auto given = [&](const std::string& key) {
+    return std::any_of(config.given.begin(), config.given.end(), [&](const auto& kv) { return kv.first == key; });
+  };
+  std::string recorded;
+  parallel::agree(MPI_COMM_WORLD, [&] {
+    if (rank != 0) return;
+    const io::CheckpointReader reader(config.init_from);
+    if (reader.has_attr("config")) recorded = reader.attr_string("config");
+  });
+  int64_t size = static_cast<int64_t>(recorded.size());
+  MPI_Bcast(&size, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+  recorded.resize(static_cast<size_t>(size));
+  MPI_Bcast(recorded.data(), static_cast<int>(size), MPI_CHAR, 0, MPI_COMM_WORLD);
+  std::vector<std::string> extra;
+  std::istringstream lines(recorded);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t eq = line.find(" = ");
+    if (eq == std::string::npos) continue;
+    const std::string key = line.substr(0, eq), value = line.substr(eq + 3);
+    if (std::find(std::begin(kModelOptions), std::end(kModelOptions), key) == std::end(kModelOptions)) continue;
+    if (key == "model" && given("model") && value != config.model.name)
+      STRATA_THROW_INPUT("--init-from ", config.init_from, " holds a --model ", value, " but this run has --model ",
+                         config.model.name, " (leave --model and its shape out to take the checkpoint's)");
+    if (!given("model")) extra.insert(extra.end(), {"--" + key, value});
+  }
+  if (extra.empty()) return config;
+  log::info("--init-from: the model of ", config.init_from, ":", [&] {
+    std::string flags;
+    for (const std::string& e : extra) flags += " " + e;
+    return flags;
+  }());
+  std::vector<char*> args(argv, argv + argc);
+  for (std::string& e : extra) args.push_back(e.data());
+  return train::parse_config(static_cast<int>(args.size()), args.data(), false);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   parallel::MpiRuntime mpi(argc, argv);
@@ -31,6 +84,7 @@ int main(int argc, char** argv) {
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
+    if (!config->init_from.empty()) config = with_model_of_checkpoint(*config, argc, argv, mpi.rank());
     setup_deadline.emplace(mpi.rank(), config->setup_timeout);
     if (mpi.rank() == config->debug_fail_rank && config->debug_setup_sleep > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(config->debug_setup_sleep));

@@ -78,7 +78,8 @@ def case_bad_inputs(args):
     rc, out, err = run(args, [args.train] + base + ["--data", good, "--checkpoint-dir", ckdir])
     assert rc == 0, err
     ckpt = os.path.join(ckdir, "step-00000002.h5")
-    expect_bad_input(args, ["--model", "cnn", "--data", good, "--steps", "1", "--init-from", ckpt], r"no tensor model/conv1")
+    expect_bad_input(args, ["--model", "cnn", "--data", good, "--steps", "1", "--init-from", ckpt],
+                     r"--init-from .*step-00000002\.h5 holds a --model mlp but this run has --model cnn")
     expect_bad_input(args, ["--model", "mlp", "--hidden", "32", "--data", good, "--steps", "1", "--init-from", ckpt],
                      r"fc1/weight.*(32|16)")
 
@@ -152,6 +153,15 @@ def case_train_h5py(args):
     assert rc == 0, err
     m2 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out2)
     assert m2 and m2.groups() == m.groups(), (m.groups(), out2)
+    # Without --model and --hidden the checkpoint's recorded model is taken: the same numbers; a
+    # different --model is one line saying so, not a tensor-shape error.
+    rc, out4, err = run(args, [args.train, "--val-data", test, "--eval-only", "--init-from",
+                               os.path.join(ckdir, "step-00000060.h5")])
+    m4 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out4)
+    assert rc == 0 and m4 and m4.groups() == m.groups() and "--init-from: the model of" in out4, (out4, err)
+    expect_bad_input(args, ["--model", "cnn", "--val-data", test, "--eval-only", "--init-from",
+                            os.path.join(ckdir, "step-00000060.h5")],
+                     r"holds a --model mlp but this run has --model cnn \(leave --model")
     # Evaluation data without the highest class: the model keeps the checkpoint's 4 classes.
     subset = os.path.join(w, "test-no-class-3.h5")
     with h5py.File(test, "r") as f, h5py.File(subset, "w") as g:
