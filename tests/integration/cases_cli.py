@@ -4,6 +4,8 @@ import json
 import math
 import os
 import re
+import shutil
+import sys
 
 import h5py
 import numpy as np
@@ -323,3 +325,45 @@ def case_deepspeed_config(args):
                      r"train_batch_size 32 = train_micro_batch_size_per_gpu 4 x .* gives 4 accumulation steps, "
                      r"but gradient_accumulation_steps is 2", ranks=2)
     print(f"ds_config run == flags run ({len(names)} tensors identical); warned {warned}")
+
+
+def case_plot(args):
+    """strata-plot (tools/): two runs of different --lr, each with --metrics and an evaluation
+    every 10 steps, compared in one SVG: it parses as XML, both panels have their axis labels and
+    ticks, each run a loss and a throughput line whose points are its progress lines, its
+    evaluations as markers (the final one a ring), and its name in the legend; a run directory
+    works as its metrics file; a file that is not metrics is one line, exit 1."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+    w = args.workdir
+    plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "strata-plot")
+    data = write_dataset(os.path.join(w, "plot.h5"), n=512, shape=(1, 8, 8), seed=3)
+    runs = {}
+    for name, lr in (("lr0.05", "0.05"), ("lr0.2", "0.2")):
+        runs[name] = os.path.join(w, "run-" + name)
+        shutil.rmtree(runs[name], ignore_errors=True)
+        os.makedirs(runs[name])
+        train_ranks(args, 2, ["--model", "mlp", "--hidden", "32", "--data", data, "--val-data", data, "--steps", "30",
+                              "--log-every", "5", "--eval-every", "10", "--lr", lr,
+                              "--metrics", os.path.join(runs[name], "metrics.jsonl")])
+    svg = os.path.join(w, "plot.svg")
+    p = subprocess.run([sys.executable, plot, runs["lr0.05"], os.path.join(runs["lr0.2"], "metrics.jsonl"),
+                        "--labels", "lr 0.05,lr 0.2", "--out", svg], capture_output=True, text=True)
+    assert p.returncode == 0 and "wrote" in p.stdout, p
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    root = ET.parse(svg).getroot()
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    for label in ("training loss", "samples/s", "step", "lr 0.05", "lr 0.2"):
+        assert label in texts, (label, texts)
+    lines = root.findall("s:polyline", ns)
+    assert len(lines) == 4, len(lines)  # loss and throughput of each run
+    assert all(len(l.get("points").split()) == 6 for l in lines), [l.get("points") for l in lines]  # steps 5..30
+    circles = root.findall("s:circle", ns)
+    assert len(circles) == 6 and sum(c.get("fill") == "white" for c in circles) == 2, len(circles)  # 10, 20, final
+    assert sum(1 for t in texts if t and t.replace(".", "").replace("-", "").isdigit()) >= 8, texts  # tick labels
+    bad = os.path.join(w, "not-metrics.jsonl")
+    with open(bad, "w") as f:
+        f.write("step 1 loss 2\n")
+    p = subprocess.run([sys.executable, plot, bad, "--out", svg], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "line 1 is not JSON" in p.stderr, p
+    print(f"strata-plot: {svg} with {len(lines)} lines, {len(circles)} evaluation markers")
