@@ -60,7 +60,7 @@ std::optional<train::Config> with_model_of_checkpoint(const train::Config& confi
     if (key == "model" && given("model") && value != config.model.name)
       STRATA_THROW_INPUT("--init-from ", config.init_from, " holds a --model ", value, " but this run has --model ",
                          config.model.name, " (leave --model and its shape out to take the checkpoint's)");
-    if (!given("model")) extra.insert(extra.end(), {"--" + key, value});
+    if (!given("model") && !given(key)) extra.insert(extra.end(), {"--" + key, value});  // a flag given wins
   }
   if (extra.empty()) return config;
   log::info("--init-from: the model of ", config.init_from, ":", [&] {

@@ -161,6 +161,10 @@ def case_train_h5py(args):
                                os.path.join(ckdir, "step-00000060.h5")])
     m4 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out4)
     assert rc == 0 and m4 and m4.groups() == m.groups() and "--init-from: the model of" in out4, (out4, err)
+    rc, out5, err = run(args, [args.train, "--hidden", "32", "--val-data", test, "--eval-only", "--init-from",
+                               os.path.join(ckdir, "step-00000060.h5")])  # a shape flag given: it wins, no clash
+    m5 = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out5)
+    assert rc == 0 and m5 and m5.groups() == m.groups(), (out5, err)
     expect_bad_input(args, ["--model", "cnn", "--val-data", test, "--eval-only", "--init-from",
                             os.path.join(ckdir, "step-00000060.h5")],
                      r"holds a --model mlp but this run has --model cnn \(leave --model")
