@@ -47,6 +47,8 @@ def setup(args):
     shutil.rmtree(args.cluster, ignore_errors=True)
     p = sh(["bash", os.path.join(SOURCE, "scripts", "slurm", "start.sh"), args.cluster, "-c"], check=False)
     print(p.stdout + p.stderr)
+    if "already running" in p.stderr:  # another cluster's daemons would fail every job: say so, not skip
+        return 1
     if p.returncode != 0 or "idle" not in p.stdout:
         print("SKIP: Slurm could not be started here")
         return SKIP
