@@ -54,6 +54,7 @@ strata_follow_final_lines() {
 strata_run() {
   local run_dir="runs/${SLURM_JOB_NAME:-strata}-${SLURM_JOB_ID:-local}"
   mkdir -p "$run_dir"
+  strata_default --run-dir "$run_dir"  # the job's, not a config file's run-dir (its config.ini goes here)
   strata_default --checkpoint-dir "$run_dir/checkpoints"
   strata_default --resume auto
   strata_default --log-file "$run_dir/train.log"

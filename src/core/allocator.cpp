@@ -69,6 +69,11 @@ void HostCachingAllocator::deallocate(void* ptr, size_t bytes) noexcept {
   stats_.bytes_cached += size;
 }
 
+void HostCachingAllocator::reset_peak() {
+  std::lock_guard lock(mutex_);
+  stats_.peak_in_use = stats_.bytes_in_use;
+}
+
 AllocatorStats HostCachingAllocator::stats() const {
   std::lock_guard lock(mutex_);
   return stats_;

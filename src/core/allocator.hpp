@@ -46,6 +46,9 @@ class HostCachingAllocator final : public Allocator {
   AllocatorStats stats() const;
   // Returns all cached blocks to the system.
   void release_cached();
+  // The high-water mark starts again from what is in use now (after a start-up measurement
+  // whose buffers are gone, so that the peak is the run's).
+  void reset_peak();
   // At most `bytes` handed out at once (0: no limit); an allocation past it is an Input error
   // naming the sizes (--device-memory on the CPU device, so its behaviour is testable here).
   void set_limit(size_t bytes);

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "core/log.hpp"
+#include "core/trace.hpp"
 #include "io/hdf5.hpp"
 
 namespace strata::io {
@@ -88,6 +89,8 @@ void CheckpointSaver::wait() {
 
 void CheckpointSaver::complete(Save& save, const Attributes& attributes, std::vector<std::string>& written,
                                int64_t keep, bool background) {
+  const trace::Span span(background ? trace::Track::Writer : trace::Track::Checkpoint,
+                         background ? "write checkpoint" : "commit checkpoint");
   if (save.in_parallel) {
     save.writer = std::make_unique<CheckpointWriter>(save.path, CheckpointWriter::Reopen{});
     for (const auto& [name, crc] : save.crc32) save.writer->set_crc32(name, crc);

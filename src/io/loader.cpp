@@ -4,6 +4,8 @@
 
 #include <numeric>
 
+#include "core/trace.hpp"
+
 namespace strata::io {
 
 Loader::Loader(const Samples& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth,
@@ -90,6 +92,8 @@ void Loader::run() {
     lock.unlock();
     std::exception_ptr error;
     try {
+      trace::Span span(trace::Track::Loader, "read batch");
+      span.arg("epoch", b.epoch).arg("step_in_epoch", b.step_in_epoch);
       sampler_.slice(b.epoch, b.step_in_epoch, slice_begin_, indices_);
       dataset_.read(indices_, b.x, b.y);
     } catch (...) {

@@ -23,16 +23,20 @@ void require_writable_file(const std::string& path, const std::string& flag) {
 
 void MetricsWriter::append(const ProgressRecord& r) {
   if (path_.empty()) return;
-  char comm[32] = "null";
-  if (r.exposed_comm_fraction) std::snprintf(comm, sizeof comm, "%.4f", *r.exposed_comm_fraction);
-  char json[1536];  // room for any finite double in %f (up to 317 characters each)
+  char split[160] = "null", mfu[32] = "null", tokens[48] = "";
+  if (r.split)
+    std::snprintf(split, sizeof split, "{\"compute\": %.4f, \"comm\": %.4f, \"pipeline\": %.4f, \"data\": %.4f}",
+                  r.split->compute, r.split->comm, r.split->pipeline, r.split->data);
+  if (r.mfu) std::snprintf(mfu, sizeof mfu, "%.4f", *r.mfu);
+  if (r.tokens_per_s > 0) std::snprintf(tokens, sizeof tokens, ", \"tokens_per_s\": %.1f", r.tokens_per_s);
+  char json[4096];  // room for any finite double in %f (up to 317 characters each)
   std::snprintf(json, sizeof json,
-                "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                "\"exposed_comm_fraction\": %s, \"dp_bytes_per_step\": %lld, \"tp_bytes_per_step\": %lld, "
-                "\"peak_bytes\": %lld}\n",
-                static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, comm,
-                static_cast<long long>(r.dp_bytes_per_step), static_cast<long long>(r.tp_bytes_per_step),
-                static_cast<long long>(r.peak_bytes));
+                "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f%s, "
+                "\"step_time_s\": %.6f, \"split\": %s, \"tflops_per_rank\": %.6g, \"mfu\": %s, "
+                "\"dp_bytes_per_step\": %lld, \"tp_bytes_per_step\": %lld, \"peak_bytes\": %lld, \"eta_s\": %.1f}\n",
+                static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, tokens,
+                r.step_time_s, split, r.tflops_per_rank, mfu, static_cast<long long>(r.dp_bytes_per_step),
+                static_cast<long long>(r.tp_bytes_per_step), static_cast<long long>(r.peak_bytes), r.eta_s);
   write(json);
 }
 

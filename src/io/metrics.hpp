@@ -12,13 +12,26 @@ namespace strata::io {
 // Input error naming `flag` otherwise. For --metrics and --timeline, checked at setup.
 void require_writable_file(const std::string& path, const std::string& flag);
 
+// Where a step's time went (shares of it, averaged over the ranks): blocked in collectives of
+// the data-/tensor-parallel groups and the world (`comm`, exposed communication and waiting for
+// slower ranks), blocked on pipeline messages (`pipeline`: the bubble and the transfers),
+// waiting for the loader (`data`), and the rest (`compute`).
+struct StepSplit {
+  double compute = 0, comm = 0, pipeline = 0, data = 0;
+};
+
 struct ProgressRecord {
   int64_t step = 0, epoch = 0;
   double loss = 0, lr = 0, samples_per_s = 0;
-  std::optional<double> exposed_comm_fraction;  // null where it is not measured (NCCL)
-  int64_t dp_bytes_per_step = 0;
-  int64_t tp_bytes_per_step = 0;  // on the tensor-parallel communicator (0 without --tp)
-  int64_t peak_bytes = 0;         // rank 0's memory high-water mark so far (allocator + shared buffers)
+  double tokens_per_s = 0;         // language models; 0: not written
+  double step_time_s = 0;          // wall time per step since the last line
+  std::optional<StepSplit> split;  // null where waits are not measured (NCCL)
+  double tflops_per_rank = 0;      // model FLOPs (6 x forward multiply-adds per sample) per second per rank
+  std::optional<double> mfu;       // over --plan-tflops (or the GEMM rate measured at start); null: unknown
+  int64_t dp_bytes_per_step = 0;   // sent by rank 0 on its data-parallel communicator in the last step
+  int64_t tp_bytes_per_step = 0;   // on the tensor-parallel communicator (0 without --tp)
+  int64_t peak_bytes = 0;          // the largest memory high-water mark of any rank (allocator + shared buffers)
+  double eta_s = 0;                // to the end of training at the pace so far
 };
 
 // An evaluation: of --val-data every --eval-every steps ("val"), at the end ("final", or

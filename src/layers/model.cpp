@@ -9,6 +9,7 @@
 
 #include "core/ops.hpp"
 #include "core/rng.hpp"
+#include "core/trace.hpp"
 #include "layers/basic.hpp"
 #include "layers/composite.hpp"
 #include "layers/gpt.hpp"
@@ -58,7 +59,10 @@ Tensor Model::forward(const Tensor& x, std::vector<Context>& ctx, const StepInfo
   end = std::min(end, layers_.size());
   ctx.resize(layers_.size());
   Tensor h = x;
-  for (size_t i = begin; i < end; ++i) h = layers_[i]->forward(h, ctx[i], info);
+  for (size_t i = begin; i < end; ++i) {
+    const trace::Span span(trace::Track::Compute, layers_[i]->name());
+    h = layers_[i]->forward(h, ctx[i], info);
+  }
   return h;
 }
 
@@ -75,7 +79,10 @@ Tensor Model::backward(const Tensor& dy, std::vector<Context>& ctx, size_t begin
   Tensor g = dy;
   for (size_t i = end; i-- > stop;) {
     ctx[i].input_grad = input_grad || i > stop;
-    g = layers_[i]->backward(g, ctx[i]);
+    {
+      const trace::Span span(trace::Track::Compute, layers_[i]->name());
+      g = layers_[i]->backward(g, ctx[i]);
+    }
     if (after_layer) after_layer(i);
   }
   for (size_t i = begin; i < stop; ++i) ctx[i].clear();

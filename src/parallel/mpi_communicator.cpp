@@ -383,7 +383,7 @@ WorkPtr MpiCommunicator::broadcast_async(const Tensor& t, int root) {
 }
 
 WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
-  const uint64_t seq = watchdog::started(channel_, "send", t.nbytes(), t.dtype(), peer, false);
+  const uint64_t seq = watchdog::started(channel_, "send", t.nbytes(), t.dtype(), peer, false, tag);
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "send to rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "send with negative tag ", tag);
@@ -404,7 +404,7 @@ WorkPtr MpiCommunicator::send_async(const Tensor& t, int peer, int tag) {
 }
 
 WorkPtr MpiCommunicator::recv_async(const Tensor& t, int peer, int tag) {
-  const uint64_t seq = watchdog::started(channel_, "recv", t.nbytes(), t.dtype(), peer, false);
+  const uint64_t seq = watchdog::started(channel_, "recv", t.nbytes(), t.dtype(), peer, false, tag);
   const int count = count_of(t);
   STRATA_CHECK(peer >= 0 && peer < size_, "recv from rank ", peer, " outside ", name_, " of ", size_, " ranks");
   STRATA_CHECK(tag >= 0, "recv with negative tag ", tag);

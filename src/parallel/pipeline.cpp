@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/trace.hpp"
 #include "parallel/values.hpp"
 
 namespace strata::parallel {
@@ -133,17 +134,27 @@ void PipelineExecutor::run_step(const StageWork& work, bool record) {
         break;
       case Op::Forward: {
         const Tensor input = first_virtual_stage(a.chunk) ? work.input(a.micro_batch) : x[c][i];
-        outputs_[c][i] = work.forward(a.micro_batch, a.chunk, input, contexts_[c][i]);
+        {
+          trace::Span span(trace::Track::Compute, "forward");
+          span.arg("micro", a.micro_batch).arg("chunk", a.chunk);
+          outputs_[c][i] = work.forward(a.micro_batch, a.chunk, input, contexts_[c][i]);
+        }
         x[c][i] = Tensor();  // what backward needs of it, the contexts keep
         // The last virtual stage keeps the loss's gradient where the output was: its
         // backward's input.
-        if (last_virtual_stage(a.chunk)) outputs_[c][i] = work.loss(a.micro_batch, outputs_[c][i]);
+        if (last_virtual_stage(a.chunk)) {
+          trace::Span span(trace::Track::Compute, "loss");
+          span.arg("micro", a.micro_batch);
+          outputs_[c][i] = work.loss(a.micro_batch, outputs_[c][i]);
+        }
         peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
         stand_in_compute(stand_in_ms_);
         break;
       }
       case Op::Backward: {
         const Tensor& grad = last_virtual_stage(a.chunk) ? outputs_[c][i] : dy[c][i];
+        trace::Span span(trace::Track::Compute, "backward");
+        span.arg("micro", a.micro_batch).arg("chunk", a.chunk);
         input_grads_[c][i] = work.backward(a.micro_batch, a.chunk, grad, contexts_[c][i], k == last_backward_[c]);
         dy[c][i] = Tensor();
         if (last_virtual_stage(a.chunk)) outputs_[c][i] = Tensor();  // the loss gradient, used

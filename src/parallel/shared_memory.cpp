@@ -128,16 +128,81 @@ bool all_ok(MPI_Comm comm, bool ok) {
   return all == 1;
 }
 
+// The names of this process's own segments while they exist in /dev/shm, in fixed slots that a
+// signal handler can read (unlink_shared_segments_for_exit: no allocation, no lock). A name
+// lives only inside map_segments, from shm_open until every rank of the group has opened it;
+// one per thread at a time, so a few slots are plenty (a name that finds none is only not
+// registered).
+struct NameSlot {
+  std::atomic<int> state{0};  // kFree, kWriting, kNamed
+  char name[64] = {};
+};
+constexpr int kFree = 0, kWriting = 1, kNamed = 2;
+NameSlot g_names[8];
+static_assert(std::atomic<int>::is_always_lock_free);
+
+// A segment name this process creates: registered from just before shm_open until unlink()
+// (also on the way out of an exception). Before rather than after, so no signal finds the name
+// created but not registered; a handler in between unlinks a name that is not there yet.
+class OwnName {
+ public:
+  explicit OwnName(std::string name) : name_(std::move(name)) {}
+  OwnName(const OwnName&) = delete;
+  OwnName& operator=(const OwnName&) = delete;
+  ~OwnName() { unlink(); }
+  // shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600): a descriptor, or -1 with errno set.
+  int create() {
+    for (NameSlot& s : g_names) {
+      int expected = kFree;
+      if (name_.size() < sizeof s.name && s.state.compare_exchange_strong(expected, kWriting)) {
+        std::memcpy(s.name, name_.c_str(), name_.size() + 1);
+        s.state.store(kNamed, std::memory_order_release);
+        slot_ = &s;
+        break;
+      }
+    }
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    const int saved = errno;
+    created_ = fd >= 0;
+    if (!created_) release();  // not ours (EEXIST: a stale name): never unlinked
+    errno = saved;
+    return fd;
+  }
+  // Removes the name (peers that opened it keep their mappings) and forgets it.
+  void unlink() noexcept {
+    if (created_) shm_unlink(name_.c_str());
+    created_ = false;
+    release();
+  }
+  const std::string& name() const { return name_; }
+
+ private:
+  void release() noexcept {
+    if (slot_ != nullptr) slot_->state.store(kFree, std::memory_order_release);
+    slot_ = nullptr;
+  }
+  std::string name_;
+  NameSlot* slot_ = nullptr;
+  bool created_ = false;
+};
+
 // Collective: every rank creates a segment of `bytes` and maps everyone's. Returns the
 // mappings (index = rank) and the segment's serial number, or nothing on every rank if any
 // rank failed. The names are unlinked before returning, so nothing is left in /dev/shm even
-// if the job is killed later.
+// if the job is killed later. They exist only while every rank is inside this call: the
+// first collective is an all-reduce, not a broadcast, so no rank creates its name and then
+// waits there for a peer that is still busy elsewhere (a second stop signal or a deadline
+// ending the process meanwhile finds it in g_names; a SIGKILL would leave it).
 std::vector<char*> map_segments(MPI_Comm comm, int rank, int size, size_t bytes, int64_t& serial,
                                 std::string& why_not) {
   // Names unique on the node: rank 0's pid and how many segments it has made.
   static uint64_t made = 0;
-  uint64_t tag[2] = {static_cast<uint64_t>(getpid()), made++};
-  MPI_CHECK(MPI_Bcast(tag, 2, MPI_UINT64_T, 0, comm));
+  uint64_t tag[2] = {0, 0};
+  if (rank == 0) {
+    tag[0] = static_cast<uint64_t>(getpid());
+    tag[1] = made++;
+  }
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, tag, 2, MPI_UINT64_T, MPI_MAX, comm));
   serial = static_cast<int64_t>(tag[1]);
   const auto name = [&](int r) { return strata::detail::cat("/strata-", tag[0], "-", tag[1], "-", r); };
 
@@ -151,10 +216,10 @@ std::vector<char*> map_segments(MPI_Comm comm, int rank, int size, size_t bytes,
       at[static_cast<size_t>(r)] = static_cast<char*>(p);
     close(fd);
   };
-  const std::string own = name(rank);
-  const int fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  OwnName own(name(rank));
+  const int fd = own.create();
   if (fd < 0) {
-    error = strata::detail::cat("shm_open ", own, ": ", std::strerror(errno));
+    error = strata::detail::cat("shm_open ", own.name(), ": ", std::strerror(errno));
   } else {
     // posix_fallocate reserves the pages now: a full /dev/shm fails here, not with SIGBUS later.
     const int rc =
@@ -178,7 +243,7 @@ std::vector<char*> map_segments(MPI_Comm comm, int rank, int size, size_t bytes,
     }
     ok = all_ok(comm, error.empty());  // also: every rank has opened every name
   }
-  if (fd >= 0) shm_unlink(own.c_str());
+  own.unlink();
   if (ok) return at;
   for (char* p : at)
     if (p) munmap(p, bytes);
@@ -597,5 +662,12 @@ bool NodeSharedMemory::advance(Op& op) {
 }
 
 size_t shared_memory_peak_bytes() { return registry().peak_in_use(); }
+
+void unlink_shared_segments_for_exit() noexcept {
+  const int saved = errno;
+  for (NameSlot& s : g_names)
+    if (s.state.load(std::memory_order_acquire) == kNamed) shm_unlink(s.name);
+  errno = saved;
+}
 
 }  // namespace strata::parallel

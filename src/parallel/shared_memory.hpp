@@ -136,4 +136,13 @@ class NodeSharedMemory {
 // parameter buffers that Communicator::allocate handed out; not part of the host allocator's).
 size_t shared_memory_peak_bytes();
 
+// Unlinks the names this process has created in /dev/shm and not yet unlinked, for a signal
+// handler (or a deadline's thread) about to _exit. A segment's name exists only while every
+// rank of its group is inside create(), allocate() or enable_messages() (train calls them
+// during setup) and not every rank has opened it yet; afterwards none of these segments has
+// a name in /dev/shm, however the process ends. Async-signal-safe: fixed slots read with
+// atomic loads, and shm_unlink, which POSIX does not list as async-signal-safe but which
+// glibc (2.34 and later) implements as unlink(2) of "/dev/shm/" + name built on the stack.
+void unlink_shared_segments_for_exit() noexcept;
+
 }  // namespace strata::parallel

@@ -1,5 +1,7 @@
 #include "parallel/values.hpp"
 
+#include <algorithm>
+
 #include "parallel/mpi.hpp"
 #include "parallel/watchdog.hpp"
 
@@ -56,6 +58,35 @@ std::vector<double> recv_values(MpiCommunicator& comm, int peer, int tag) {
   MPI_CHECK(MPI_Recv(values.data(), count, MPI_DOUBLE, peer, tag, comm.comm(), MPI_STATUS_IGNORE));  // already here
   watchdog::completed(seq);
   return values;
+}
+
+namespace {
+constexpr int64_t kBytesPiece = int64_t{1} << 30;
+}
+
+void send_bytes(MpiCommunicator& comm, const std::string& bytes, int peer, int tag) {
+  send_values(comm, {static_cast<double>(bytes.size())}, peer, tag);  // exact below 2^53
+  for (int64_t at = 0; at < static_cast<int64_t>(bytes.size()); at += kBytesPiece) {
+    const int n = static_cast<int>(std::min(kBytesPiece, static_cast<int64_t>(bytes.size()) - at));
+    const uint64_t seq = watchdog::started(comm.channel(), "send bytes", n, DType::U8, peer, false);
+    MPI_Request request;
+    MPI_CHECK(MPI_Isend(bytes.data() + at, n, MPI_CHAR, peer, tag, comm.comm(), &request));
+    wait_for(request, seq);
+  }
+}
+
+std::string recv_bytes(MpiCommunicator& comm, int peer, int tag) {
+  const std::vector<double> size = recv_values(comm, peer, tag);
+  STRATA_CHECK(size.size() == 1 && size[0] >= 0, "recv_bytes: a bad length message from rank ", peer);
+  std::string bytes(static_cast<size_t>(size[0]), '\0');
+  for (int64_t at = 0; at < static_cast<int64_t>(bytes.size()); at += kBytesPiece) {
+    const int n = static_cast<int>(std::min(kBytesPiece, static_cast<int64_t>(bytes.size()) - at));
+    const uint64_t seq = watchdog::started(comm.channel(), "recv bytes", n, DType::U8, peer, false);
+    MPI_Request request;
+    MPI_CHECK(MPI_Irecv(bytes.data() + at, n, MPI_CHAR, peer, tag, comm.comm(), &request));
+    wait_for(request, seq);
+  }
+  return bytes;
 }
 
 }  // namespace strata::parallel

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "parallel/mpi_communicator.hpp"
@@ -17,5 +18,8 @@ int64_t broadcast_value(MpiCommunicator& comm, int64_t value, int root);
 // Point-to-point, any length: the receiver learns it from the message.
 void send_values(MpiCommunicator& comm, const std::vector<double>& values, int peer, int tag);
 std::vector<double> recv_values(MpiCommunicator& comm, int peer, int tag);
+// Bytes of any length (sent in pieces of at most 1 GiB: MPI counts are ints).
+void send_bytes(MpiCommunicator& comm, const std::string& bytes, int peer, int tag);
+std::string recv_bytes(MpiCommunicator& comm, int peer, int tag);
 
 }  // namespace strata::parallel

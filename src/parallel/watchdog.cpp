@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/tensor.hpp"
+#include "core/trace.hpp"
 #include "parallel/communicator.hpp"
 
 namespace strata::parallel::watchdog {
@@ -154,6 +155,9 @@ Record& FlightRecorder::start(std::shared_ptr<Channel> channel, const char* op, 
   r.bucket = g_bucket;
   r.start_s = since_origin(Clock::now());
   r.done = false;
+  r.tag = -1;
+  r.flow = 0;
+  r.trace_ns = trace::recording() ? trace::now_ns() : 0;
   r.collective = 0;
   if (collective && channel) {
     r.collective = ++channel->collectives;
@@ -196,8 +200,20 @@ FlightRecorder& recorder() {
 }
 
 uint64_t started(const std::shared_ptr<Channel>& channel, const char* op, int64_t bytes, DType dtype, int peer,
-                 bool collective) {
-  const Record& r = recorder().start(channel, op, bytes, dtype, peer, collective);
+                 bool collective, int tag) {
+  Record& r = recorder().start(channel, op, bytes, dtype, peer, collective);
+  if (tag >= 0 && channel && peer >= 0 && peer < static_cast<int>(channel->world_ranks.size())) {
+    const bool send = std::strncmp(op, "send", 4) == 0;
+    const int other = channel->world_ranks[static_cast<size_t>(peer)];
+    const int from = send ? process_rank() : other, to = send ? other : process_rank();
+    uint64_t key =
+        mix(mix(mix(channel->key, static_cast<uint64_t>(from)), static_cast<uint64_t>(to)), static_cast<uint64_t>(tag));
+    // How many such messages this rank sent (or received) before; per direction, so that a
+    // rank messaging itself counts its sends and receives alike.
+    static std::map<std::pair<uint64_t, bool>, uint64_t> messages;
+    r.tag = tag;
+    r.flow = (mix(key, messages[{key, send}]++) & k52) | 1;  // exact in a JSON number
+  }
   if (g_beats) {
     Heartbeat& h = g_beats[g_world_rank];
     h.seq.store(r.seq, std::memory_order_relaxed);
@@ -209,13 +225,61 @@ uint64_t started(const std::shared_ptr<Channel>& channel, const char* op, int64_
   return r.seq;
 }
 
-void completed(uint64_t seq) { recorder().complete(seq); }
+void completed(uint64_t seq) {
+  const Record* r = recorder().find(seq);
+  if (!r || r->done) return;
+  recorder().complete(seq);
+  if (r->trace_ns == 0) return;
+  // Started while recording: in the trace even if recording stopped since (it belongs to the window).
+  trace::Event e;
+  e.begin_ns = r->trace_ns;
+  e.end_ns = trace::now_ns();
+  e.track = trace::Track::Communication;
+  const bool message = r->flow != 0;
+  const int peer = r->channel && r->peer >= 0 && r->peer < static_cast<int>(r->channel->world_ranks.size())
+                       ? r->channel->world_ranks[static_cast<size_t>(r->peer)]
+                       : -1;
+  e.name = detail::cat(r->op, " ", r->comm);
+  if (message) e.name += detail::cat(std::strncmp(r->op, "send", 4) == 0 ? " to " : " from ", "rank ", peer);
+  e.args = detail::cat("\"group\":", trace::json_string(r->comm), ",\"bytes\":", r->bytes);
+  if (r->peer >= 0) e.args += detail::cat(message ? ",\"peer\":" : ",\"root\":", message ? peer : r->peer);
+  if (r->bucket > 0) e.args += detail::cat(",\"bucket\":", r->bucket);
+  if (message) e.args += detail::cat(",\"tag\":", r->tag, ",\"flow\":", r->flow);
+  e.flow = r->flow;
+  e.flow_out = message && std::strncmp(r->op, "send", 4) == 0;
+  trace::record(std::move(e));
+}
+
+std::vector<std::pair<std::string, double>> waited_seconds() {
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& weak : channels())
+    if (const auto c = weak.lock()) {
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == c->name; });
+      if (it == out.end()) it = out.insert(out.end(), {c->name, 0.0});
+      it->second += c->waited_s;
+    }
+  return out;
+}
 
 Wait::Wait(uint64_t seq) : seq_(seq), start_(Clock::now()), outer_(t_wait) {
   deadline_ = start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(g_timeout_s));
   t_wait = this;
 }
-Wait::~Wait() { t_wait = outer_; }
+Wait::~Wait() {
+  t_wait = outer_;
+  const Record* r = recorder().find(seq_);
+  if (!r) return;
+  const Clock::time_point end = Clock::now();
+  if (!outer_ && r->channel) r->channel->waited_s += std::chrono::duration<double>(end - start_).count();
+  if (!trace::recording()) return;
+  trace::Event e;
+  e.end_ns = trace::now_ns();
+  e.begin_ns = e.end_ns - std::chrono::duration_cast<std::chrono::nanoseconds>(end - start_).count();
+  e.track = trace::Track::Wait;
+  e.name = detail::cat("wait: ", r->op, " ", r->comm);
+  e.args = detail::cat("\"group\":", trace::json_string(r->comm), ",\"bytes\":", r->bytes);
+  trace::record(std::move(e));
+}
 Wait* current_wait() { return t_wait; }
 void set_expired_hook(void (*hook)(const std::string&)) { g_expired_hook = hook; }
 

@@ -75,6 +75,7 @@ struct Channel {
   uint64_t key = 0;              // the same on every member, different for other groups
   uint64_t hash = 0;             // of the collectives so far, in order
   uint64_t collectives = 0;      // how many
+  double waited_s = 0;           // this rank's time blocked in waits on it (outermost waits only)
 };
 // Registers a communicator's channel (collective over its group: members register in the same order).
 std::shared_ptr<Channel> open_channel(MPI_Comm comm, const std::string& name);
@@ -91,6 +92,9 @@ struct Record {
   int bucket = -1;     // gradient bucket (GradientSync), -1: none
   double start_s = 0;  // since the recorder's origin
   bool done = false;
+  int tag = -1;          // of a message
+  uint64_t flow = 0;     // of a message: the same on its send and its receive (below); 0 otherwise
+  int64_t trace_ns = 0;  // its start for --trace (trace::now_ns), 0 when not recording
   std::shared_ptr<Channel> channel;
 };
 // One line: "#812 all_reduce sum of 4.0 MiB f32 on dp (collective 406 there, bucket 3 of step 14)".
@@ -117,9 +121,15 @@ class FlightRecorder {
 FlightRecorder& recorder();
 
 // Starts recording an operation (updates its channel's fingerprint for collectives); returns its seq.
+// A message's `tag` (sends and receives) gives it a flow id: a hash of (channel, sender, receiver,
+// tag, how many such messages came before), which its send and its receive compute alike, since
+// MPI matches them in order. While trace::recording(), completed() adds the operation to the trace.
 uint64_t started(const std::shared_ptr<Channel>& channel, const char* op, int64_t bytes, DType dtype, int peer,
-                 bool collective);
+                 bool collective, int tag = -1);
 void completed(uint64_t seq);
+// Seconds this rank spent blocked in waits, per communicator name (summed over channels of the
+// same name), since the process started: the step-time split of the progress lines.
+std::vector<std::pair<std::string, double>> waited_seconds();
 
 // Deadline bookkeeping of one wait. poll() is cheap; past the deadline it reports and aborts
 // (the `expired` hook replaces that in tests).

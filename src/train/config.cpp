@@ -2,8 +2,10 @@
 // options, they never rename these.
 #include "train/config.hpp"
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -40,6 +42,17 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
   }
   STRATA_REQUIRE(!values.empty(), flag, " expects at least one size, found '", text, "'");
   return values;
+}
+
+// --trace-steps FIRST:LAST, 1 <= FIRST <= LAST.
+void parse_step_range(const std::string& text, int64_t& first, int64_t& last) {
+  long long a = 0, b = 0;
+  char end = 0;
+  const bool parsed = std::sscanf(text.c_str(), "%lld:%lld%c", &a, &b, &end) == 2;
+  STRATA_REQUIRE(parsed && a >= 1 && a <= b && b <= (int64_t{1} << 36),
+                 "--trace-steps expects FIRST:LAST with 1 <= FIRST <= LAST (e.g. 5:8), found '", text, "'");
+  first = a;
+  last = b;
 }
 
 int64_t parse_bytes(const std::string& text, const std::string& flag) {
@@ -263,7 +276,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   std::string hidden = "1024,1024", config_file;
   int64_t seed = 0;  // read signed, so that -1 is refused rather than wrapped to 2^64 - 1
   // Enumerated options, read as text and parsed below.
-  std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32", device_memory = "0";
+  std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32", device_memory = "0",
+              trace_steps = "1:10";
   po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
   // clang-format off
   desc.add_options()
@@ -327,12 +341,14 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b | interleaved (1F1B over --virtual-stages chunks per rank; Megatron's)")
     ("virtual-stages", po::value(&c.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
     ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
+    ("trace", po::value(&c.trace), "write a Chrome trace-event JSON file of every rank (open it in ui.perfetto.dev or chrome://tracing): compute per layer and micro-batch, collectives and messages in flight, waits, optimizer, data loading, checkpoints, evaluation")
+    ("trace-steps", po::value(&trace_steps)->default_value("1:10"), "--trace: the steps recorded, FIRST:LAST (1-based, inclusive)")
     ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("device-memory", po::value(&device_memory)->default_value("0"), "the memory each rank may use (80GiB, 512MiB, ...; 0: no limit): a layout whose plan needs more is refused before anything is allocated, naming what does not fit; on the CPU device the allocator also holds every rank to it")
     ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
     ("world", po::value(&c.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
     ("plan", po::value(&c.plan)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
-    ("plan-tflops", po::value(&c.plan_tflops)->default_value(0), "--plan: compute rate per rank in TFLOP/s (0: a GEMM measured here on the CPU device; 300 for cuda)")
+    ("plan-tflops", po::value(&c.plan_tflops)->default_value(0), "compute rate per rank in TFLOP/s: --plan's step-time model and the progress lines' MFU (0: a GEMM measured at start on the CPU device; with cuda 300 for --plan and no MFU)")
     ("plan-gbps", po::value(&c.plan_gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
     ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
@@ -348,6 +364,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank")
     ("debug-mismatch-step", po::value(&c.debug_mismatch_step)->default_value(-1), "testing aid: at this step every rank issues one extra all-reduce, --debug-fail-rank an average where the others sum (the collective fingerprints differ)")
     ("timeout", po::value(&c.timeout)->default_value(300.0), "seconds a rank waits for a communication operation during training before it names what it waits for and aborts the job (exit 5)")
+    ("run-dir", po::value(&c.run_dir), "this run's directory: its checkpoints (unless --checkpoint-dir), metrics.jsonl (unless --metrics), train.log (unless --log-file) and config.ini, every option's value (train --config DIR/config.ini repeats the run); {time} in it becomes the start time, YYYYMMDD-HHMMSS, so each run gets its own")
     ("log-file", po::value(&c.log_file)->default_value(""), "rank 0 also appends every line it logs to this file (a job's run directory: the lines of a final save reach it even when mpirun stops forwarding output at a cancel)")
     ("setup-timeout", po::value(&c.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
     ("debug-setup-sleep", po::value(&c.debug_setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
@@ -441,6 +458,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                  " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.pp);
   c.precision = parse_precision(precision);
   c.device_memory = parse_bytes(device_memory, "--device-memory");
+  parse_step_range(trace_steps, c.trace_first, c.trace_last);
   validate(c);
 
   for (const auto& [name, value] : vm)
@@ -449,6 +467,68 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
       if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
     }
   return c;
+}
+
+namespace {
+
+bool was_given(const Config& c, const std::string& key) {
+  return std::any_of(c.given.begin(), c.given.end(), [&](const auto& kv) { return kv.first == key; });
+}
+
+void set_effective(Config& c, const std::string& key, const std::string& value) {
+  for (auto& [k, v] : c.effective)
+    if (k == key) v = value;
+}
+
+}  // namespace
+
+void apply_run_dir(Config& c, std::time_t start) {
+  if (c.run_dir.empty()) return;
+  if (const size_t at = c.run_dir.find("{time}"); at != std::string::npos) {
+    std::tm local{};
+    localtime_r(&start, &local);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &local);
+    c.run_dir.replace(at, 6, stamp);
+  }
+  set_effective(c, "run-dir", c.run_dir);
+  const std::filesystem::path dir(c.run_dir);
+  const auto place = [&](const std::string& key, std::string& value, const std::string& path) {
+    if (was_given(c, key)) return;
+    value = path;
+    set_effective(c, key, path);
+  };
+  place("checkpoint-dir", c.checkpoint_dir, dir.string());
+  place("metrics", c.metrics, (dir / "metrics.jsonl").string());
+  place("log-file", c.log_file, (dir / "train.log").string());
+  // checkpoint-dir and metrics have no default: add them to the effective list if absent.
+  for (const char* key : {"checkpoint-dir", "metrics"})
+    if (std::none_of(c.effective.begin(), c.effective.end(), [&](const auto& kv) { return kv.first == key; }))
+      c.effective.emplace_back(key, key == std::string("metrics") ? c.metrics : c.checkpoint_dir);
+}
+
+std::string run_config_text(const Config& c, const std::string& run_dir_as_given) {
+  std::string text = "# The configuration of the run in " + c.run_dir +
+                     ": every option's value.\n# train --config THIS_FILE repeats it (in a new directory where "
+                     "run-dir has {time}).\n";
+  for (const auto& [key, value] : c.effective) {
+    if (key == "config") continue;
+    if (key == "run-dir") {
+      text += "run-dir = " + run_dir_as_given + "\n";
+      continue;
+    }
+    if ((key == "checkpoint-dir" || key == "metrics" || key == "log-file") && !was_given(c, key)) continue;
+    text += key + " = " + value + "\n";
+  }
+  return text;
+}
+
+std::string given_options(const Config& c) {
+  std::string text;
+  for (const auto& [key, value] : c.given) {
+    text += (text.empty() ? "--" : " --") + key + (value.empty() ? "" : " " + value);
+  }
+  return text;
 }
 
 }  // namespace strata::train

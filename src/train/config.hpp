@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ctime>
 #include <optional>
 #include <string>
 #include <vector>
@@ -52,8 +53,10 @@ struct Config {
   std::string partition = "balanced";  // or cut points "3,7"
   // --schedule gpipe | 1f1b
   parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
-  int virtual_stages = 1;     // --virtual-stages: chunks per pipeline rank (interleaved)
-  std::string timeline;       // SVG of the last step's pipeline timeline
+  int virtual_stages = 1;  // --virtual-stages: chunks per pipeline rank (interleaved)
+  std::string timeline;    // SVG of the last step's pipeline timeline
+  std::string trace;       // --trace FILE: Chrome trace-event JSON of every rank (parallel/trace_collect.hpp)
+  int64_t trace_first = 1, trace_last = 10;  // --trace-steps first:last (1-based, inclusive)
   int zero = 0;               // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
   bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
   int world = 0;              // --dry-run: plan for this many ranks (0: the ranks launched)
@@ -81,6 +84,9 @@ struct Config {
   // Seconds a rank waits for a communication operation during training before it reports and
   // aborts the job (watchdog.hpp).
   std::string log_file;  // rank 0 also appends its log lines here
+  // --run-dir: this run's directory (checkpoints, metrics.jsonl, train.log, config.ini); `{time}`
+  // in it becomes the start time (apply_run_dir).
+  std::string run_dir;
   double timeout = 300;
   // Seconds from option parsing to the first step before a rank still in setup reports and
   // exits (setup_deadline.hpp): loading data and checking a checkpoint whole may take long.
@@ -101,6 +107,18 @@ struct Config {
 // --help. Throws an Input error with one line for unknown options, bad values and inconsistent
 // settings.
 std::optional<Config> parse_config(int argc, const char* const argv[], bool print_help);
+
+// --run-dir: `{time}` becomes `start` as YYYYMMDD-HHMMSS (local time; the caller passes rank 0's,
+// so every rank names the same directory), and --checkpoint-dir, --metrics and --log-file that
+// were not given go into it (the directory itself, metrics.jsonl, train.log). No --run-dir: no change.
+void apply_run_dir(Config& config, std::time_t start);
+// A run's config.ini: every option's value (`train --config FILE` repeats the run), except
+// --config itself and the paths --run-dir chose; --run-dir as written (a new run gets a new
+// directory), the directory it became in a comment.
+std::string run_config_text(const Config& config, const std::string& run_dir_as_given);
+// The options given (not defaulted; a --config file's too), for the short summary printed at
+// the start: "--config jobs/x.ini --model cnn --epochs 5 ...".
+std::string given_options(const Config& config);
 
 // Every check of a parsed Config that does not need the world size (value ranges and the rules
 // between options); the first broken one is thrown as a one-line Input error. What needs the

@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -94,15 +97,32 @@ int main(int argc, char** argv) {
     for (const std::string& key : config->deepspeed_unsupported)
       if (mpi.rank() == 0)
         log::warn("--deepspeed-config ", config->deepspeed_config, ": '", key, "' is not supported; ignored");
+    // --run-dir: one name on every rank (rank 0's clock), the directory and its config.ini
+    // written before anything else goes there.
+    const std::string run_dir_as_given = config->run_dir;
+    int64_t start = std::time(nullptr);
+    MPI_Bcast(&start, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+    train::apply_run_dir(*config, static_cast<std::time_t>(start));
+    parallel::agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() != 0 || config->run_dir.empty()) return;
+      std::error_code error;
+      std::filesystem::create_directories(config->run_dir, error);
+      std::ofstream out(config->run_dir + "/config.ini");
+      out << train::run_config_text(*config, run_dir_as_given);
+      STRATA_REQUIRE(!error && out.good(), "--run-dir ", config->run_dir, ": cannot write its config.ini there",
+                     error ? " (" + error.message() + ")" : "");
+    });
     parallel::agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() == 0 && !config->log_file.empty()) log::tee_to(config->log_file);
     });
     const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
     ops::set_num_threads(threads);
     mpi.warn_if_oversubscribed(threads);
-    std::string effective = "configuration:";
-    for (const auto& [key, value] : config->effective) effective += "\n  " + key + " = " + value;
-    log::info(effective, "\n  (", mpi.size(), " rank(s) on ", mpi.nodes(), ", ", threads, " thread(s) per rank)");
+    // A short summary: what was given; every option's value is in the run directory's config.ini.
+    log::info("options: ", train::given_options(*config), "\n  (", mpi.size(), " rank(s) on ", mpi.nodes(), ", ",
+              threads, " thread(s) per rank)");
+    if (!config->run_dir.empty())
+      log::info("run directory: ", config->run_dir, " (every option's value in its config.ini)");
     if (config->dry_run)
       train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
     else
@@ -117,6 +137,7 @@ int main(int argc, char** argv) {
   try {
     if (!config->eval_only) {
       const train::TrainEnd end = trainer->train();
+      if (end != train::TrainEnd::Finished) trainer->write_trace();         // what was recorded up to the stop
       if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
       if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;  // rank 0 said why
     }
@@ -139,6 +160,7 @@ int main(int argc, char** argv) {
                                                             : "final",
                                  r);
     }
+    trainer->write_trace();
   } catch (const parallel::PeerFailed&) {
     parallel::await_abort();  // the failing rank reports and ends the job
   } catch (const Error& e) {

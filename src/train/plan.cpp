@@ -63,21 +63,6 @@ const char* recompute_flag(layers::Recompute r) {
   return r == layers::Recompute::None ? "none" : r == layers::Recompute::Block ? "block" : "full";
 }
 
-// --plan's compute rate: the flag's, or on the CPU a 512^3 f32 GEMM timed here (best of 5).
-double compute_rate(const Config& config) {
-  if (config.plan_tflops > 0) return config.plan_tflops * 1e12;
-  if (config.device != DeviceKind::CPU) return 300e12;
-  constexpr int64_t n = 512;
-  const Tensor a = Tensor::zeros({n, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({n, n});
-  double best = 1e30;
-  for (int k = 0; k < 5; ++k) {
-    const auto start = std::chrono::steady_clock::now();
-    ops::gemm(a, false, b, false, c);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return 2.0 * n * n * n / best;
-}
-
 // The train command of a layout: the flags given, less the planning and layout ones, plus the layout's.
 std::string layout_command(const Config& config, const parallel::LayoutChoice& c, int world) {
   static const std::set<std::string> replaced{"dry-run",     "plan",      "world",    "plan-tflops",
@@ -137,6 +122,20 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
 }
 
 }  // namespace
+
+double compute_rate(const Config& config) {
+  if (config.plan_tflops > 0) return config.plan_tflops * 1e12;
+  if (config.device != DeviceKind::CPU) return 300e12;
+  constexpr int64_t n = 512;
+  const Tensor a = Tensor::zeros({n, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({n, n});
+  double best = 1e30;
+  for (int k = 0; k < 5; ++k) {
+    const auto start = std::chrono::steady_clock::now();
+    ops::gemm(a, false, b, false, c);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return 2.0 * n * n * n / best;
+}
 
 std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config) {
   std::vector<parallel::ProcessGrid::Axis> axes{{"pp", config.pp}, {"dp", std::nullopt}};

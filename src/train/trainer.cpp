@@ -12,6 +12,7 @@
 #include "core/allocator.hpp"
 #include "core/log.hpp"
 #include "core/ops.hpp"
+#include "core/trace.hpp"
 #include "io/checkpoint.hpp"
 #include "io/parallel_checkpoint.hpp"
 #include "io/shared_files.hpp"
@@ -46,6 +47,7 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 // (saves are atomic). A repeated SIGUSR1 (Slurm's warning) keeps waiting for the save.
 extern "C" void on_preemption_signal(int signal) {
   if (g_stop_signal != 0 && signal != SIGUSR1) {
+    parallel::unlink_shared_segments_for_exit();  // names still in setup's create-and-map window
     static const char kLine[] = "error: a second stop signal: exiting at once, without saving (exit code 4)\n";
     [[maybe_unused]] const ssize_t ignored = write(STDERR_FILENO, kLine, sizeof kLine - 1);
     _exit(kExitSecondSignal);
@@ -75,6 +77,11 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   device_ = parallel::select_device(world, kind, transport);
   grid_ = std::make_unique<parallel::ProcessGrid>(world, grid_axes(config_), transport, device_, config_.shared_memory);
   ops::set_allow_tf32(config_.tf32);
+  // MFU's denominator, measured (a GEMM on the CPU) before anything of the run is allocated; its
+  // buffers go back, and out of the high-water mark, at once.
+  if (device_.is_cpu() || config_.plan_tflops > 0) peak_flops_ = compute_rate(config_);
+  host_allocator().release_cached();
+  host_allocator().reset_peak();
   rank_ = grid_->world().rank();
   dp_ = grid_->dp_size();
   replica_ = grid_->replica();
@@ -239,6 +246,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
   log::info("model ", config_.model.name, ", input ", shape_str(shape_source.input_shape()), ", ", num_classes_,
             " classes\n", model_->summary());
   print_plan();
+  // MFU's numerator: the whole model's FLOPs (no tp shards), 2 per multiply-add, forward and
+  // twice that backward; recomputation is not counted (model FLOPs, as PaLM defines MFU).
+  const layers::Model whole = layers::build_model(config_.model, shape_source.input_shape(), num_classes_, nullptr);
+  for (size_t i = 0; i < whole.size(); ++i)
+    flops_per_sample_ += 6.0 * static_cast<double>(whole.layer(i).flops(whole.shape(i)));
+  if (!config_.trace.empty())
+    trace_ = std::make_unique<parallel::TraceSession>(
+        grid_->mpi_world(), config_.trace, config_.trace_first, config_.trace_last,
+        detail::cat("rank ", rank_, ": stage ", stage_, ", replica ", replica_, ", tp ", tp_rank_));
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
               config_.global_batch, " (", plan_.count, " micro-batch(es) of ", plan_.micro, " per replica); ",
@@ -247,7 +263,8 @@ Trainer::Trainer(const Config& config, MPI_Comm world)
 
 void Trainer::check_output_paths() const {
   if (!config_.checkpoint_dir.empty()) io::require_writable_directory(config_.checkpoint_dir, "--checkpoint-dir");
-  for (const auto& [flag, path] : {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}})
+  for (const auto& [flag, path] :
+       {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}, {"--trace", config_.trace}})
     if (!path.empty()) io::require_writable_file(path, flag);
 }
 
@@ -390,15 +407,18 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   };
   pipeline_->run_step(work, record);
   tied_->send_head_gradient();
-  for (auto& chunk : chunks_) exposed_comm_s_ += chunk->take_exposed_comm_seconds();
   if (step + 1 == config_.debug_fail_step && rank_ == config_.debug_fail_rank)
     STRATA_THROW("injected failure at step ", step + 1, " (--debug-fail-step)");
 
   const double loss_scale = scaler_.scale();
   const bool overflow_injected = step + 1 == config_.debug_overflow_step && rank_ == 0;
-  const bool stepped = parallel::optimizer_step(chunk_ptrs_, layers::learning_rate(config_.schedule, step), scaler_,
-                                                config_.clip_grad, grid_->world(), grid_->pp(), tp, overflow_injected);
-  if (stepped) tied_->refresh(*chunks_.front());
+  bool stepped = false;
+  {
+    const trace::Span span(trace::Track::Optimizer, "optimizer step");
+    stepped = parallel::optimizer_step(chunk_ptrs_, layers::learning_rate(config_.schedule, step), scaler_,
+                                       config_.clip_grad, grid_->world(), grid_->pp(), tp, overflow_injected);
+    if (stepped) tied_->refresh(*chunks_.front());
+  }
   if (!stepped && rank_ == 0)  // the same on every rank: agreed over the world
     log::warn("step ", step + 1, ": gradients overflowed at loss scale ", loss_scale, "; step skipped, loss scale now ",
               scaler_.scale());
@@ -420,20 +440,86 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
   return loss[0];
 }
 
-void Trainer::log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s,
-                           double comm_fraction, double eta_s) {
+namespace {
+
+std::string format_bytes_short(int64_t bytes) {
+  char buf[32];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
+  return buf;
+}
+
+// Seconds blocked in waits so far: on pipeline messages, and on every other group.
+std::pair<double, double> blocked_seconds() {
+  double pipeline = 0, other = 0;
+  for (const auto& [name, seconds] : parallel::watchdog::waited_seconds()) (name == "pp" ? pipeline : other) += seconds;
+  return {pipeline, other};
+}
+
+}  // namespace
+
+void Trainer::log_progress(int64_t step, int64_t epoch, double loss, int64_t steps, double seconds, double eta_s) {
+  const auto [pipeline_now, comm_now] = blocked_seconds();
+  // Every rank's window: its own waits, and its memory high-water mark.
+  const auto us = [](double s) { return static_cast<int64_t>(s * 1e6); };
+  const std::vector<int64_t> all = parallel::all_gather_values(
+      grid_->mpi_world(), {us(seconds), us(comm_now - comm_wait_before_), us(pipeline_now - pipeline_wait_before_),
+                           us(data_wait_s_), peak_bytes()});
+  pipeline_wait_before_ = pipeline_now;
+  comm_wait_before_ = comm_now;
+  data_wait_s_ = 0;
+  if (rank_ != 0) return;
+  io::StepSplit split;
+  int64_t peak = 0;
+  const int ranks = grid_->world().size();
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t* v = all.data() + 5 * r;
+    const double window = std::max<double>(static_cast<double>(v[0]), 1.0);
+    split.comm += static_cast<double>(v[1]) / window / ranks;
+    split.pipeline += static_cast<double>(v[2]) / window / ranks;
+    split.data += static_cast<double>(v[3]) / window / ranks;
+    peak = std::max(peak, v[4]);
+  }
+  split.compute = std::max(0.0, 1.0 - split.comm - split.pipeline - split.data);
+  io::ProgressRecord record;
+  record.step = step;
+  record.epoch = epoch;
+  record.loss = loss;
+  record.lr = layers::learning_rate(config_.schedule, step - 1);
+  record.step_time_s = seconds / static_cast<double>(std::max<int64_t>(steps, 1));
+  record.samples_per_s = static_cast<double>(config_.global_batch) / std::max(record.step_time_s, 1e-9);
+  if (targets_per_sample_ > 1) record.tokens_per_s = record.samples_per_s * static_cast<double>(targets_per_sample_);
   // NCCL's waits order streams and return at once: the host's wait measures nothing there.
-  const bool comm_measured = grid_->transport() != parallel::Transport::Nccl || dp_ == 1;
-  char comm[32] = "n/a (NCCL)";
-  if (comm_measured) std::snprintf(comm, sizeof comm, "%.1f%%", 100.0 * comm_fraction);
-  char line[256];
-  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %.0f samples/s  comm %s  eta %s",
+  if (grid_->transport() != parallel::Transport::Nccl || ranks == 1) record.split = split;
+  record.tflops_per_rank = flops_per_sample_ * record.samples_per_s / ranks / 1e12;
+  if (peak_flops_ > 0) record.mfu = record.tflops_per_rank * 1e12 / peak_flops_;
+  record.dp_bytes_per_step = dp_bytes_per_step_;
+  record.tp_bytes_per_step = tp_bytes_per_step_;
+  record.peak_bytes = peak;
+  record.eta_s = eta_s;
+
+  char rate[64], time_split[128] = "", mfu[32] = "";
+  if (record.tokens_per_s > 0)
+    std::snprintf(rate, sizeof rate, "%.0f tokens/s", record.tokens_per_s);
+  else
+    std::snprintf(rate, sizeof rate, "%.0f samples/s", record.samples_per_s);
+  if (record.split)
+    std::snprintf(time_split, sizeof time_split, " (compute %.0f%%, comm %.0f%%, pipeline %.0f%%, data %.0f%%)",
+                  100 * split.compute, 100 * split.comm, 100 * split.pipeline, 100 * split.data);
+  else
+    std::snprintf(time_split, sizeof time_split, " (split n/a under NCCL)");
+  if (record.mfu) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * *record.mfu);
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %s  %.1f ms/step%s%s  mem %s  eta %s",
                 static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch), loss,
-                lr, samples_per_s, comm, format_duration(eta_s).c_str());
+                record.lr, rate, 1e3 * record.step_time_s, time_split, mfu, format_bytes_short(peak).c_str(),
+                format_duration(eta_s).c_str());
   log::info(line);
-  metrics_.append({step, epoch, loss, lr, samples_per_s,
-                   comm_measured ? std::optional<double>(comm_fraction) : std::nullopt, dp_bytes_per_step_,
-                   tp_bytes_per_step_, peak_bytes()});
+  metrics_.append(record);
 }
 
 TrainEnd Trainer::train() {
@@ -454,9 +540,25 @@ TrainEnd Trainer::train() {
   int64_t timed_steps = 0;  // of the window, run by this process (a resumed window began earlier)
   auto window_start = clock::now();
   const auto run_start = clock::now();
+  std::tie(pipeline_wait_before_, comm_wait_before_) = blocked_seconds();
   for (int64_t step = start_step_; step < total_steps_; ++step) {
-    const io::Batch& batch = loader.next();
-    const double loss = train_step(batch, step) / static_cast<double>(targets_per_batch());
+    if (trace_) trace_->begin_step(step + 1);
+    trace::set_step(step + 1);  // what this thread records until the step is done belongs to it
+    double step_loss = 0;
+    const io::Batch* next = nullptr;
+    {
+      const trace::Span span(trace::Track::Step, trace::recording() ? detail::cat("step ", step + 1) : "");
+      const auto wait_start = clock::now();
+      {
+        const trace::Span wait(trace::Track::Data, "wait for the loader");
+        next = &loader.next();
+      }
+      data_wait_s_ += std::chrono::duration<double>(clock::now() - wait_start).count();
+      step_loss = train_step(*next, step);
+    }
+    trace::set_step(-1);
+    const io::Batch& batch = *next;
+    const double loss = step_loss / static_cast<double>(targets_per_batch());
     if (!std::isfinite(loss)) {  // all-reduced: the same on every rank
       if (rank_ == 0)
         log::error("the loss of step ", step + 1, " is ", std::isnan(loss) ? "nan" : "infinite",
@@ -472,12 +574,9 @@ TrainEnd Trainer::train() {
     const int64_t done = step + 1;
     if (done % config_.log_every == 0 || done == total_steps_) {
       const double seconds = std::chrono::duration<double>(clock::now() - window_start).count();
-      const double rate = static_cast<double>(timed_steps * config_.global_batch) / std::max(seconds, 1e-9);
       const double elapsed = std::chrono::duration<double>(clock::now() - run_start).count();
       const double eta = elapsed / static_cast<double>(done - start_step_) * static_cast<double>(total_steps_ - done);
-      log_progress(done, batch.epoch, window_loss_ / static_cast<double>(window_steps_),
-                   layers::learning_rate(config_.schedule, step), rate, exposed_comm_s_ / std::max(seconds, 1e-9), eta);
-      exposed_comm_s_ = 0;
+      log_progress(done, batch.epoch, window_loss_ / static_cast<double>(window_steps_), timed_steps, seconds, eta);
       window_loss_ = 0;
       window_steps_ = 0;
       timed_steps = 0;
@@ -522,6 +621,7 @@ TrainEnd Trainer::train() {
 }
 
 EvalResult Trainer::evaluate(const io::Samples& data) {
+  const trace::Span span(trace::Track::Evaluation, "evaluate");
   // Every sample is evaluated exactly once: replica r takes a contiguous slice of the dataset,
   // runs it forward through the pipeline, and the last stages' sums are reduced.
   // Every replica evaluates with replica 0's BatchNorm statistics (the ones checkpoints keep,
@@ -580,6 +680,7 @@ void Trainer::save_checkpoint(int64_t step, bool wait, bool at_stop) {
   // rank0: rank 0 writes the whole file (or hands it to its background thread) while the others
   // wait in the next collective. parallel: every rank writes its part, rank 0 finishes the file.
   const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
+  trace::Span span(trace::Track::Checkpoint, detail::cat("save checkpoint of step ", step));
   STRATA_CHECK(rank_ != 0 || saver_, "checkpoint of step ", step, " without a checkpoint directory");
   const bool in_parallel = at_stop ? parallel_io_at_stop_ : parallel_io_;
   if (saver_) saver_->begin(step, in_parallel);
@@ -627,6 +728,12 @@ int64_t Trainer::peak_bytes() const {
   // allocator blocks: both count.
   return static_cast<int64_t>(allocator_for(device_).peak_in_use() +
                               (device_.is_cpu() ? parallel::shared_memory_peak_bytes() : 0));
+}
+
+void Trainer::write_trace() {
+  if (!trace_) return;
+  const std::string summary = trace_->write();
+  if (rank_ == 0) log::info(summary);
 }
 
 void Trainer::write_timeline() {

@@ -30,6 +30,7 @@
 #include "parallel/state_gather.hpp"
 #include "parallel/tensor_parallel.hpp"
 #include "parallel/tied_embedding.hpp"
+#include "parallel/trace_collect.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
@@ -81,6 +82,8 @@ class Trainer {
   // `at_stop` (a preemption signal) takes that way whenever the build and flags allow it: it is
   // the fastest, and nothing is left to a background thread.
   void save_checkpoint(int64_t step, bool wait, bool at_stop = false);
+  // Collective: with --trace, writes the trace file (after the final evaluation, so it is in it).
+  void write_trace();
 
  private:
   bool first_stage() const { return stage_ == 0; }
@@ -101,8 +104,10 @@ class Trainer {
   // Rank 0 prints the plan (train/plan.hpp) and warns where a rank's real allocations differ
   // from it. Collective over the world.
   void print_plan();
-  void log_progress(int64_t step, int64_t epoch, double loss, float lr, double samples_per_s, double comm_fraction,
-                    double eta_s);
+  // Collective over the world (every rank logs at the same steps): rank 0 prints the progress
+  // line and appends it to --metrics, with the step-time split averaged over the ranks and the
+  // largest memory high-water mark.
+  void log_progress(int64_t step, int64_t epoch, double loss, int64_t steps, double seconds, double eta_s);
   void write_timeline();
   // This rank's memory high-water mark so far: its allocator's and its shared-memory buffers.
   int64_t peak_bytes() const;
@@ -150,12 +155,18 @@ class Trainer {
   // Data position of the next batch: from (0, 0), or a checkpoint's (epoch, step_in_epoch).
   int64_t next_epoch_ = 0, next_in_epoch_ = 0;
 
-  bool stop_agreed_ = false;       // some rank received a preemption signal (agreed by all)
-  double window_loss_ = 0;         // loss summed over the steps since the last progress line
-  int64_t window_steps_ = 0;       // and their count (both saved in checkpoints)
-  double exposed_comm_s_ = 0;      // waiting for gradient buckets since the last progress line
-  int64_t dp_bytes_per_step_ = 0;  // sent on the dp communicator by this rank in the last step
-  int64_t tp_bytes_per_step_ = 0;  // and on the tp communicator
+  bool stop_agreed_ = false;  // some rank received a preemption signal (agreed by all)
+  double window_loss_ = 0;    // loss summed over the steps since the last progress line
+  int64_t window_steps_ = 0;  // and their count (both saved in checkpoints)
+  // Since the last progress line: seconds waiting for the loader, and the waits' totals then
+  // (watchdog::waited_seconds: pipeline, other groups).
+  double data_wait_s_ = 0;
+  double pipeline_wait_before_ = 0, comm_wait_before_ = 0;
+  double flops_per_sample_ = 0;  // model FLOPs of one sample's training step (6 x forward multiply-adds)
+  double peak_flops_ = 0;        // per rank, for MFU (0: unknown)
+  std::unique_ptr<parallel::TraceSession> trace_;  // --trace
+  int64_t dp_bytes_per_step_ = 0;                  // sent on the dp communicator by this rank in the last step
+  int64_t tp_bytes_per_step_ = 0;                  // and on the tp communicator
 };
 
 }  // namespace strata::train

@@ -114,7 +114,7 @@ def case_train_h5py(args):
     rc, out, err = run(args, [args.train, "--config", config, "--steps", "60", "--checkpoint-dir", ckdir,
                               "--metrics", metrics, "--save-every", "30", "--micro-batch", "8", "--eval-every", "30"])
     assert rc == 0, f"rc={rc}\n{out}\n{err}"
-    assert re.search(r"steps\s*=\s*60", out), "effective configuration not printed with the override"
+    assert re.search(r"^options: .*--steps 60\b", out, re.M), "the options given not printed with the override"
     m = re.search(r"final test: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out)
     assert m, out
     assert float(m.group(2)) >= 90.0, f"accuracy {m.group(2)}% on a separable task"
@@ -333,7 +333,8 @@ def case_deepspeed_config(args):
 
 def case_plot(args):
     """strata-plot (tools/): two runs of different --lr, each with --metrics and an evaluation
-    every 10 steps, compared in one SVG: it parses as XML, both panels have their axis labels and
+    every 10 steps, compared in one SVG (and a PNG of 900 pixels' width; a language model's runs
+    in tokens/s): it parses as XML, both panels have their axis labels and
     ticks, each run a loss and a throughput line whose points are its progress lines, its
     evaluations as markers (the final one a ring), and its name in the legend; a run directory
     works as its metrics file; a file that is not metrics is one line, exit 1."""
@@ -370,4 +371,22 @@ def case_plot(args):
         f.write("step 1 loss 2\n")
     p = subprocess.run([sys.executable, plot, bad, "--out", svg], capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "line 1 is not JSON" in p.stderr, p
-    print(f"strata-plot: {svg} with {len(lines)} lines, {len(circles)} evaluation markers")
+    # A PNG: the same picture rasterised (rsvg-convert), 900 wide.
+    png = os.path.join(w, "plot.png")
+    p = subprocess.run([sys.executable, plot, runs["lr0.05"], runs["lr0.2"], "--out", png], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p
+    with open(png, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(head[16:20], "big") == 900, head
+    # Language models' runs: throughput in tokens/s.
+    lm = os.path.join(w, "lm-metrics.jsonl")
+    with open(lm, "w") as f:
+        for step in (5, 10):
+            f.write(json.dumps({"step": step, "epoch": 0, "loss": 3.0 / step, "lr": 0.1, "samples_per_s": 10.0,
+                                "tokens_per_s": 640.0}) + "\n")
+    p = subprocess.run([sys.executable, plot, lm, "--out", svg], capture_output=True, text=True)
+    assert p.returncode == 0, p
+    texts = [t.text for t in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert "tokens/s" in texts and "samples/s" not in texts, texts
+    print(f"strata-plot: {svg} with {len(lines)} lines, {len(circles)} evaluation markers; {png}")

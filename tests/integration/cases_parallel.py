@@ -1,9 +1,20 @@
 """Parallel layouts against one rank: data parallel (DDP, BatchNorm), pipeline stages (both
-schedules, peak memory) and ZeRO 1-3 (equivalence, per-rank memory), and their bad inputs."""
+schedules, peak memory) and ZeRO 1-3 (equivalence, per-rank memory), and their bad inputs; the
+one-node shared-memory segments after two stop signals."""
+import ctypes
+import glob
 import os
 import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
 
-from harness import write_dataset, expect_bad_input, train_ranks, assert_same_model, equivalence_runs
+from harness import MPI_ENV, write_dataset, expect_bad_input, train_ranks, assert_same_model, equivalence_runs
+from cases_checkpoint import train_processes
 
 
 def case_ddp_equivalence(args):
@@ -242,3 +253,214 @@ def case_zero_bad_inputs(args):
     base = ["--data", data, "--steps", "2", "--global-batch", "8", "--model", "mlp", "--hidden", "16"]
     expect_bad_input(args, base + ["--zero", "4"], r"--zero must be 0, 1, 2 or 3, found 4", ranks=2)
     expect_bad_input(args, base + ["--zero", "x"], r"zero.*x|x.*zero")
+
+
+def shm_names_of_run(ranks, jobs=()):
+    """/dev/shm entries that belong to the job of these rank pids: Strata's segments (named after
+    the pid of the group's rank 0), its heartbeats and Open MPI's vader segments of `jobs`."""
+    pids = "|".join(str(r) for r in ranks)
+    pattern = re.compile(rf"^strata-(heartbeat-)?({pids})(-|$)" + "".join(f"|{re.escape(j)}" for j in jobs))
+    return sorted(n for n in os.listdir("/dev/shm") if pattern.search(n))
+
+
+def mapped_shm(pid):
+    """{name: deleted} of the /dev/shm files that process `pid` maps."""
+    found = {}
+    for line in open(f"/proc/{pid}/maps"):
+        m = re.search(r"/dev/shm/(\S+)( \(deleted\))?$", line.rstrip("\n"))
+        if m:
+            found[m.group(1)] = bool(m.group(2))
+    return found
+
+
+def vader_jobs(names):
+    """The job part of Open MPI's vader segment names (vader_segment.HOST.UID.JOBID.RANK -> '.JOBID.')."""
+    return sorted({"." + n.split(".")[-2] + "." for n in names if n.startswith("vader_segment.")})
+
+
+def running(pid):
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finish(p, ranks, what):
+    """Waits for mpirun; returns (rc, stderr); no rank may outlive it by 10 s."""
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    for _ in range(100):
+        alive = [r for r in ranks if running(r)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    for r in alive:
+        os.kill(r, signal.SIGKILL)
+    assert not alive, f"{what}: ranks {alive} still running 10 s after mpirun ended\n{out}\n{err}"
+    return p.returncode, err
+
+
+def remove_leftovers(ranks, jobs):
+    """Removes (after the assertion's evidence is taken) whatever this run left in /dev/shm."""
+    left = shm_names_of_run(ranks, jobs)
+    for n in left:
+        try:
+            os.remove(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
+    return left
+
+
+def second_signal_while_named(args, cmd, env):
+    """Runs `cmd` (train on 2 ranks) and, when inotify sees a rank create a segment in /dev/shm,
+    stops the other rank (so the name stays until the creator exits) and sends the creator two
+    SIGINTs, then the other rank two. Returns (the segment, or None if every one had lost its
+    name before the peer stopped; mpirun's exit code; its stderr; the ranks; Open MPI's job ids)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    assert fd >= 0 and libc.inotify_add_watch(fd, b"/dev/shm", 0x100) >= 0, "inotify"  # IN_CREATE
+    tested, ranks, jobs, signalled, pending = None, [], [], set(), b""
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while tested is None and p.poll() is None and time.monotonic() < deadline:
+            if len(ranks) < 2:
+                ranks = train_processes(p.pid, args.train)
+            if not select.select([fd], [], [], 0.01)[0]:
+                continue
+            pending += os.read(fd, 65536)
+            names = []
+            while len(pending) >= 16:  # struct inotify_event: wd, mask, cookie, len, name[len]
+                length = struct.unpack_from("iIII", pending)[3]
+                names.append(pending[16:16 + length].rstrip(b"\0").decode())
+                pending = pending[16 + length:]
+            for n in names:
+                m = re.match(r"strata-(\d+)-(\d+)-([01])$", n)  # /strata-<group rank 0's pid>-<serial>-<rank>
+                if tested is not None or not m or len(ranks) < 2 or int(m.group(1)) not in ranks:
+                    continue
+                creator = int(m.group(1)) if m.group(3) == "0" else [r for r in ranks if r != int(m.group(1))][0]
+                peer = [r for r in ranks if r != creator][0]
+                os.kill(peer, signal.SIGSTOP)  # the creator cannot get past the agreement that all opened it
+                if creator not in signalled:  # the first stop signal (stop after the first step)
+                    os.kill(creator, signal.SIGINT)
+                    signalled.add(creator)
+                time.sleep(0.3)
+                if not os.path.exists(os.path.join("/dev/shm", n)):  # too late: the peer had opened it
+                    os.kill(peer, signal.SIGCONT)  # try the next segment
+                    continue
+                jobs = vader_jobs(mapped_shm(peer))
+                os.kill(creator, signal.SIGINT)  # the second signal, while its segment has a name
+                time.sleep(0.3)
+                os.kill(peer, signal.SIGCONT)
+                for _ in range(2):
+                    os.kill(peer, signal.SIGINT)
+                    time.sleep(0.2)
+                tested = n
+        if len(ranks) < 2:
+            ranks = train_processes(p.pid, args.train)
+        if tested is None:
+            for r in ranks:
+                try:
+                    os.kill(r, signal.SIGKILL)
+                except OSError:
+                    pass
+        rc, err = finish(p, ranks, "setup")
+    finally:
+        os.close(fd)
+    return tested, rc, err, ranks, jobs
+
+
+def case_shm_two_signals(args):
+    """Two stop signals to a 2-rank job whose data-parallel group uses one-node shared memory:
+    the second exits at once (code 4, _exit in the handler) and no /dev/shm name of the job is left.
+    (1) Mid-training: the group's segments lost their names as soon as every rank had mapped
+    them (so not even SIGKILL could leave them); two SIGINTs to both ranks -> exit 4, and mpirun
+    removes Open MPI's vader segments too.
+    (2) During setup, in the moment a segment has a name (created, the peer has not opened it
+    yet: the peer is held there with SIGSTOP, found by inotify on /dev/shm): two SIGINTs to the
+    creating rank -> exit 4, and the handler has unlinked the name
+    (parallel::unlink_shared_segments_for_exit).
+    (3) Ctrl-C twice to mpirun: Open MPI 4's mpirun exit(1)s at once and leaves its own vader
+    segments (removed here, not asserted on); nothing of Strata's is left.
+    Names are matched by the ranks' pids and the job id in Open MPI's names, so the runs of other
+    tests beside this one do not count."""
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "shm.h5"), n=256, shape=(1, 8, 8))
+    # --bench-stage-ms: 1.5 s per step, so the first signal's stop (and save) cannot end the run
+    # before the second signal comes.
+    flags = ["--model", "mlp", "--hidden", "2048,2048", "--threads", "1", "--data", data, "--steps", "100000",
+             "--global-batch", "16", "--log-every", "1", "--bench-stage-ms", "500"]
+    mpirun = [args.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", args.train]
+    env = dict(os.environ, **MPI_ENV)
+    second = "error: a second stop signal: exiting at once, without saving (exit code 4)"
+
+    # (1) Mid-training.
+    metrics = os.path.join(w, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck1"), "--metrics", metrics],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
+        time.sleep(0.01)
+    ranks = train_processes(p.pid, args.train)
+    assert len(ranks) == 2, ranks
+    mapped = {}
+    for r in ranks:
+        mapped.update(mapped_shm(r))
+    strata = {n: deleted for n, deleted in mapped.items() if n.startswith("strata-")}
+    jobs = vader_jobs(mapped)
+    assert any(re.match(r"strata-\d+-\d+-\d+$", n) for n in strata), f"no shared-memory group in use: {mapped}"
+    assert all(strata.values()), f"segments still named in /dev/shm while training: {strata}"
+    for sig in (signal.SIGINT, signal.SIGINT):
+        for r in ranks:
+            os.kill(r, sig)
+        time.sleep(0.2)
+    rc, err = finish(p, ranks, "mid-training")
+    left = remove_leftovers(ranks, jobs)
+    assert rc == 4 and second in err, f"exit code {rc}\n{err}"
+    assert not left, f"mid-training: left in /dev/shm: {left}"
+    print(f"(1) mid-training: {len(strata)} segments mapped, none named; two SIGINTs to the ranks: exit 4, "
+          f"nothing left (Open MPI job {jobs})")
+
+    # (2) During setup. A larger model: reserving its gradient buffer in /dev/shm takes long
+    # enough to stop the peer before it opens the name. A run in which every segment lost its
+    # name before the peer was stopped (a busy machine) tests nothing: up to 3 runs.
+    for attempt in range(1, 4):
+        cmd = mpirun + [("4096,4096" if f == "2048,2048" else f) for f in flags] + [
+            "--checkpoint-dir", os.path.join(w, "ck2")]
+        tested, rc, err, ranks, jobs = second_signal_while_named(args, cmd, env)
+        left = remove_leftovers(ranks, jobs)
+        if tested:
+            break
+    assert tested, f"no segment was caught while named in 3 runs (rc {rc}): nothing was tested\n{err}"
+    assert rc == 4 and second in err, f"exit code {rc}\n{err}"
+    assert not left, f"setup: second signal while {tested} was named: left in /dev/shm: {left}"
+    print(f"(2) setup: two SIGINTs while /dev/shm/{tested} was named (its peer stopped; run {attempt}): exit 4, "
+          f"nothing left")
+
+    # (3) Ctrl-C twice to mpirun.
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck3"), "--metrics", metrics],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
+        time.sleep(0.01)
+    ranks = train_processes(p.pid, args.train)
+    assert len(ranks) == 2, ranks
+    jobs = vader_jobs(mapped_shm(ranks[0]))
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    rc, err = finish(p, ranks, "Ctrl-C twice to mpirun")
+    left = remove_leftovers(ranks, jobs)
+    # mpirun's forced exit skips its cleanup: its session directory stays in /tmp as well.
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "ompi.*", f"pid.{p.pid}")):
+        shutil.rmtree(d, ignore_errors=True)
+    assert rc != 0, err
+    ours = [n for n in left if n.startswith("strata-")]
+    assert not ours, f"Ctrl-C twice to mpirun: left in /dev/shm: {ours}"
+    print(f"(3) Ctrl-C twice to mpirun: exit {rc}; nothing of Strata's left; Open MPI's own: {left or 'none'}")

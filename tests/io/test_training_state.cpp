@@ -215,20 +215,31 @@ TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  w.append({3, 1, 0.1234567, 0.001, 1234.56, std::nullopt, 4096, 512, 1 << 20});
-  w.append({4, 2, 2.5, 0.05, 10.0, 0.123456, 0});
+  ProgressRecord a{3, 1, 0.1234567, 0.001, 1234.56};
+  a.step_time_s = 0.0125;
+  a.tflops_per_rank = 0.5;
+  a.dp_bytes_per_step = 4096;
+  a.tp_bytes_per_step = 512;
+  a.peak_bytes = 1 << 20;
+  a.eta_s = 61.04;
+  ProgressRecord b{4, 2, 2.5, 0.05, 10.0, 10240.0, 0.1};
+  b.split = StepSplit{0.5, 0.25, 0.125, 0.125};
+  b.mfu = 0.123456;
+  w.append(a);
+  w.append(b);
   EXPECT_EQ(read_all(path),
             "{\"step\": 3, \"epoch\": 1, \"loss\": 0.123457, \"lr\": 0.001, \"samples_per_s\": 1234.6, "
-            "\"exposed_comm_fraction\": null, \"dp_bytes_per_step\": 4096, \"tp_bytes_per_step\": 512, "
-            "\"peak_bytes\": 1048576}\n"
+            "\"step_time_s\": 0.012500, \"split\": null, \"tflops_per_rank\": 0.5, \"mfu\": null, "
+            "\"dp_bytes_per_step\": 4096, \"tp_bytes_per_step\": 512, \"peak_bytes\": 1048576, \"eta_s\": 61.0}\n"
             "{\"step\": 4, \"epoch\": 2, \"loss\": 2.500000, \"lr\": 0.05, \"samples_per_s\": 10.0, "
-            "\"exposed_comm_fraction\": 0.1235, \"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, "
-            "\"peak_bytes\": 0}\n");
+            "\"tokens_per_s\": 10240.0, \"step_time_s\": 0.100000, \"split\": {\"compute\": 0.5000, \"comm\": 0.2500, "
+            "\"pipeline\": 0.1250, \"data\": 0.1250}, \"tflops_per_rank\": 0, \"mfu\": 0.1235, "
+            "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0}\n");
 }
 
 TEST(Metrics, EmptyPathWritesNothing) {
   MetricsWriter w("");
-  EXPECT_NO_THROW(w.append({1, 0, 1.0, 0.1, 1.0, 0.5, 1}));
+  EXPECT_NO_THROW(w.append(ProgressRecord{1, 0, 1.0, 0.1, 1.0}));
   EXPECT_NO_THROW(w.drop_after(0));
 }
 
@@ -236,12 +247,13 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  for (int64_t step : {10, 20, 30, 40}) w.append({step, 0, 1.0, 0.1, 100.0, 0.0, 8});
+  for (int64_t step : {10, 20, 30, 40}) w.append(ProgressRecord{step, 0, 1.0, 0.1, 100.0});
   const std::string all = read_all(path);
   const auto line_of = [&](int64_t step) {
     std::ostringstream os;
     os << "{\"step\": " << step << ", \"epoch\": 0, \"loss\": 1.000000, \"lr\": 0.1, \"samples_per_s\": 100.0, "
-       << "\"exposed_comm_fraction\": 0.0000, \"dp_bytes_per_step\": 8, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0}\n";
+       << "\"step_time_s\": 0.000000, \"split\": null, \"tflops_per_rank\": 0, \"mfu\": null, "
+       << "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0}\n";
     return os.str();
   };
   ASSERT_EQ(all, line_of(10) + line_of(20) + line_of(30) + line_of(40));
@@ -251,7 +263,7 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
   w.drop_after(20);  // a resume from step 20 logs 30 and 40 again
   EXPECT_EQ(read_all(path), line_of(10) + line_of(20));
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
-  w.append({30, 0, 1.0, 0.1, 100.0, 0.0, 8});  // appending continues after the kept lines
+  w.append(ProgressRecord{30, 0, 1.0, 0.1, 100.0});  // appending continues after the kept lines
   EXPECT_EQ(read_all(path), line_of(10) + line_of(20) + line_of(30));
   w.drop_after(0);
   EXPECT_EQ(read_all(path), "");
@@ -282,24 +294,29 @@ TEST(Metrics, HugeValuesStillMakeCompleteLines) {
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
   const int64_t most = std::numeric_limits<int64_t>::max();
-  w.append({1, 0, 1e300, 0.1, 1e300, 0.5, most, most, most});
-  w.append({2, 0, 1.0, 0.1, 1.0, 0.5, 1});
+  ProgressRecord huge{1, 0, 1e300, 0.1, 1e300, 1e300, 1e300};
+  huge.split = StepSplit{1e300, 1e300, 1e300, 1e300};
+  huge.tflops_per_rank = huge.eta_s = 1e300;
+  huge.mfu = 1e300;
+  huge.dp_bytes_per_step = huge.tp_bytes_per_step = huge.peak_bytes = most;
+  w.append(huge);
+  w.append(ProgressRecord{2, 0, 1.0, 0.1, 1.0});
   const std::string all = read_all(path);
   ASSERT_FALSE(all.empty());
   size_t lines = 0;
   for (char c : all) lines += c == '\n';
   EXPECT_EQ(lines, 2u) << all.size() << " bytes";
   EXPECT_EQ(all.substr(all.find('\n') - 1, 2), "}\n") << "the first line is cut short";
-  EXPECT_NE(all.find("\"peak_bytes\": 9223372036854775807}\n"), std::string::npos);
+  EXPECT_NE(all.find("\"peak_bytes\": 9223372036854775807, \"eta_s\": "), std::string::npos);
 }
 
 TEST(Metrics, UnwritablePathWarnsOnceAndGoesOn) {
   if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
   MetricsWriter w("/dev/full");
   testing::internal::CaptureStderr();
-  EXPECT_NO_THROW(w.append({1, 0, 1.0, 0.1, 1.0, 0.5, 1}));
-  EXPECT_NO_THROW(w.append({2, 0, 1.0, 0.1, 1.0, 0.5, 1}));
-  EXPECT_NO_THROW(w.append({3, 0, 1.0, 0.1, 1.0, std::nullopt, 1}));
+  EXPECT_NO_THROW(w.append(ProgressRecord{1, 0, 1.0, 0.1, 1.0}));
+  EXPECT_NO_THROW(w.append(ProgressRecord{2, 0, 1.0, 0.1, 1.0}));
+  EXPECT_NO_THROW(w.append(ProgressRecord{3, 0, 1.0, 0.1, 1.0}));
   const std::string err = testing::internal::GetCapturedStderr();
   size_t warnings = 0;
   for (size_t at = err.find("--metrics"); at != std::string::npos; at = err.find("--metrics", at + 1)) ++warnings;

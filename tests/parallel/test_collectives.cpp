@@ -3,15 +3,18 @@
 // known contribution. Integer-valued contributions make the sums exact in every dtype, so
 // those checks are equalities; one test adds arbitrary values in bf16/f16 with a tolerance.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
 #include "parallel/collective_values.hpp"
 #include "parallel/mpi_communicator.hpp"
+#include "parallel/shared_memory.hpp"
 
 namespace strata::parallel {
 namespace {
@@ -488,6 +491,23 @@ TEST_F(SharedMemory, AllGatherInPlaceOfAnyDtypeBetweenReduces) {
   std::vector<float> all(3001 * static_cast<size_t>(size_));
   MPI_Allgather(grads.raw(), 3001, MPI_FLOAT, all.data(), 3001, MPI_FLOAT, MPI_COMM_WORLD);
   EXPECT_EQ(std::memcmp(all.data(), all.data() + 3001 * (size_ - 1), 3001 * sizeof(float)), 0);
+}
+
+TEST_F(SharedMemory, NoSegmentKeepsANameOnceMapped) {
+  // Each segment's name goes as soon as every rank has opened it, so a rank killed later
+  // (SIGKILL, a second stop signal) leaves nothing in /dev/shm. Names: /strata-<rank 0's pid>-...
+  int pid = static_cast<int>(getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  const std::string prefix = strata::detail::cat("strata-", pid, "-");
+  Tensor t = allocate_filled(100003);
+  comm_.reserve_messages(4096, 2);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm"))
+    EXPECT_NE(entry.path().filename().string().rfind(prefix, 0), 0u) << entry.path();
+  // Nothing is registered for the exit path any more: it unlinks nothing, the buffers still work.
+  unlink_shared_segments_for_exit();
+  comm_.all_reduce(t, ReduceOp::Sum);
+  EXPECT_EQ(count_wrong(t, [&](int64_t i) { return rank_order_sum(i); }), 0);
 }
 
 TEST_F(SharedMemory, BytesSentCountedAsTheRing) {

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.hpp"
+#include "core/trace.hpp"
 #include "parallel/watchdog.hpp"
 
 namespace strata::parallel::watchdog {
@@ -115,6 +117,52 @@ TEST(Fingerprint, ReportsTheFirstDifferingCollectiveOfBothSides) {
   const std::string extra = first_difference(shorter, 0, side("all_gather"), 1);
   EXPECT_NE(extra.find("collective 6 on world differs: rank 1 #6 all_gather"), std::string::npos) << extra;
   EXPECT_NE(extra.find("rank 0 issued no collective 6 there"), std::string::npos) << extra;
+}
+
+// A message's flow id is computed alike by its sender and its receiver (here one process playing
+// world ranks 0 and 1), differs from message to message, and is exact in a JSON number; while
+// recording, a completed operation is a trace event, a wait a span, and waits add up per group.
+TEST(Trace, MessagesShareFlowIdsAndWaitsAreCounted) {
+  auto pp = channel("pp", 9);
+  pp->world_ranks = {0, 1};
+  const int saved = process_rank();
+  set_process_rank(0);
+  const uint64_t send1 = started(pp, "send", 64, DType::F32, 1, false, 4);
+  const uint64_t send2 = started(pp, "send", 64, DType::F32, 1, false, 4);
+  const uint64_t other_tag = started(pp, "send", 64, DType::F32, 1, false, 5);
+  const uint64_t flow1 = recorder().find(send1)->flow, flow2 = recorder().find(send2)->flow;
+  set_process_rank(1);
+  trace::take();
+  trace::set_recording(true);
+  const uint64_t recv1 = started(pp, "recv", 64, DType::F32, 0, false, 4);
+  {
+    Wait wait(recv1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  completed(recv1);
+  completed(recv1);  // a second completion (a handle's wait, then its destructor) adds nothing
+  const uint64_t recv2 = started(pp, "recv", 64, DType::F32, 0, false, 4);
+  trace::set_recording(false);
+  set_process_rank(saved);
+  EXPECT_NE(flow1, flow2);
+  EXPECT_NE(recorder().find(other_tag)->flow, flow1);
+  EXPECT_EQ(recorder().find(recv1)->flow, flow1);
+  EXPECT_EQ(recorder().find(recv2)->flow, flow2);
+  EXPECT_LT(flow1, uint64_t{1} << 53);
+  const uint64_t collective = started(pp, "all_reduce sum", 64, DType::F32, -1, true);
+  EXPECT_EQ(recorder().find(collective)->flow, 0u);  // collectives have none
+
+  const std::vector<trace::Event> events = trace::take();
+  ASSERT_EQ(events.size(), 2u);  // the wait's span, then the receive in flight
+  EXPECT_EQ(events[0].track, trace::Track::Wait);
+  EXPECT_EQ(events[0].name, "wait: recv pp");
+  EXPECT_GE(events[0].end_ns - events[0].begin_ns, 20'000'000);
+  EXPECT_EQ(events[1].track, trace::Track::Communication);
+  EXPECT_EQ(events[1].name, "recv pp from rank 0");
+  EXPECT_EQ(events[1].flow, flow1);
+  EXPECT_FALSE(events[1].flow_out);
+  EXPECT_NE(events[1].args.find("\"peer\":0"), std::string::npos) << events[1].args;
+  EXPECT_GE(pp->waited_s, 0.02);  // what waited_seconds() sums over the registered channels
 }
 
 std::vector<std::string> g_expired;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -334,6 +335,50 @@ TEST(Config, CommandLineOverridesTheConfigFile) {
   const TempFile bad("data = file.h5\nsteps = 1\nprecision = fp8\n");
   expect_rejected({"--config", bad.path()}, "--precision must be fp32, bf16 or fp16, found 'fp8'");
   EXPECT_EQ(parse({"--config", bad.path(), "--precision", "bf16"})->precision, DType::BF16);
+}
+
+// --run-dir: {time} becomes the start time, the paths not given go into the directory, and the
+// config.ini written there repeats the run: parsed back, it gives the same options, with
+// --run-dir as written (a new directory) and without the paths --run-dir chose.
+TEST(Config, RunDirectoryHoldsTheRunAndItsConfiguration) {
+  Config c = parse_valid({"--run-dir", "runs/x-{time}", "--lr", "0.2", "--metrics", "m.jsonl"});
+  std::tm t{};
+  t.tm_year = 2026 - 1900;
+  t.tm_mon = 11;
+  t.tm_mday = 4;
+  t.tm_hour = 21;
+  t.tm_min = 15;
+  t.tm_sec = 7;
+  t.tm_isdst = -1;
+  apply_run_dir(c, std::mktime(&t));
+  EXPECT_EQ(c.run_dir, "runs/x-20261204-211507");
+  EXPECT_EQ(c.checkpoint_dir, "runs/x-20261204-211507");
+  EXPECT_EQ(c.log_file, "runs/x-20261204-211507/train.log");
+  EXPECT_EQ(c.metrics, "m.jsonl");                                      // given: kept
+  EXPECT_EQ(effective(c, "checkpoint-dir"), "runs/x-20261204-211507");  // what checkpoints record
+  EXPECT_EQ(given_options(c), "--data train.h5 --lr 0.2 --metrics m.jsonl --run-dir runs/x-{time} --steps 1");
+
+  const std::string text = run_config_text(c, "runs/x-{time}");
+  EXPECT_NE(text.find("# The configuration of the run in runs/x-20261204-211507"), std::string::npos) << text;
+  EXPECT_EQ(text.find("checkpoint-dir"), std::string::npos) << text;
+  EXPECT_EQ(text.find("log-file = runs"), std::string::npos) << text;
+  const TempFile ini(text);
+  const std::optional<Config> again = parse({"--config", ini.path()});
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->run_dir, "runs/x-{time}");
+  EXPECT_EQ(again->metrics, "m.jsonl");
+  EXPECT_EQ(again->schedule.lr, 0.2f);
+  EXPECT_EQ(again->steps, 1);
+  EXPECT_EQ(again->data, "train.h5");
+  EXPECT_TRUE(again->checkpoint_dir.empty());  // --run-dir places it again
+  for (const auto& [key, value] : c.effective)
+    if (key != "config" && key != "run-dir" && key != "checkpoint-dir" && key != "log-file")
+      EXPECT_EQ(effective(*again, key), value) << key;
+
+  Config plain = parse_valid();
+  apply_run_dir(plain, 0);
+  EXPECT_TRUE(plain.checkpoint_dir.empty());
+  EXPECT_TRUE(plain.log_file.empty());
 }
 
 TEST(Config, ConfigFileErrors) {
