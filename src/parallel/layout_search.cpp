@@ -60,9 +60,12 @@ StepTime estimate_step_time(const layers::Model& model, const std::vector<StageR
         block_bytes += static_cast<double>(choice.micro * shape_numel(model.shape(i))) * dtype_bytes;
     const double all_reduces = choice.recompute == layers::Recompute::None ? 4.0 : 6.0;
     t.tp_s = 2.0 * (choice.tp - 1) / choice.tp * all_reduces * block_bytes * choice.micro_batches / rates.bytes_per_s;
-    if (choice.pp > 1)
-      t.pp_s = 2.0 * static_cast<double>(choice.micro * shape_numel(model.shape(r.end))) * dtype_bytes *
-               choice.micro_batches / rates.bytes_per_s;
+    // What the stage sends per micro-batch: its output forward (not the last stage: its output
+    // is the logits, which go nowhere) and its input's gradient back (not the first).
+    int64_t sent = 0;
+    if (&r != &stages.back()) sent += shape_numel(model.shape(r.end));
+    if (&r != &stages.front()) sent += shape_numel(model.shape(r.begin));
+    t.pp_s = static_cast<double>(choice.micro * sent) * dtype_bytes * choice.micro_batches / rates.bytes_per_s;
     if (t.total() > slowest.total()) slowest = t;
   }
   return slowest;
