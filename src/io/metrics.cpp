@@ -1,5 +1,6 @@
 #include "io/metrics.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -85,6 +86,64 @@ void MetricsWriter::drop_after(int64_t step) const {
   std::error_code ec;
   std::filesystem::rename(tmp, path_, ec);
   STRATA_REQUIRE(!ec, "--metrics: cannot replace '", path_, "': ", ec.message());
+}
+
+namespace {
+
+std::string format_duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::max(0.0, seconds));
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  return buf;
+}
+
+std::string format_bytes(int64_t bytes) {
+  char buf[32];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+StepSplit average_split(const std::vector<RankWindow>& ranks) {
+  StepSplit split;
+  const auto n = static_cast<double>(std::max<size_t>(ranks.size(), 1));
+  for (const RankWindow& w : ranks) {
+    const double window = std::max(w.seconds, 1e-9);
+    split.comm += w.comm_s / window / n;
+    split.pipeline += w.pipeline_s / window / n;
+    split.data += w.data_s / window / n;
+  }
+  split.compute = std::max(0.0, 1.0 - split.comm - split.pipeline - split.data);
+  return split;
+}
+
+std::string progress_line(const ProgressRecord& r, int64_t total_steps) {
+  char rate[64], time_split[128], mfu[32] = "", line[512];
+  if (r.tokens_per_s > 0)
+    std::snprintf(rate, sizeof rate, "%.0f tokens/s", r.tokens_per_s);
+  else
+    std::snprintf(rate, sizeof rate, "%.0f samples/s", r.samples_per_s);
+  if (r.split)
+    std::snprintf(time_split, sizeof time_split, " (compute %.0f%%, comm %.0f%%, pipeline %.0f%%, data %.0f%%)",
+                  100 * r.split->compute, 100 * r.split->comm, 100 * r.split->pipeline, 100 * r.split->data);
+  else
+    std::snprintf(time_split, sizeof time_split, " (split n/a under NCCL)");
+  if (r.mfu) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * *r.mfu);
+  std::snprintf(line, sizeof line,
+                "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %s  %.1f ms/step%s%s  mem %s  eta %s",
+                static_cast<long long>(r.step), static_cast<long long>(total_steps), static_cast<long long>(r.epoch),
+                r.loss, r.lr, rate, 1e3 * r.step_time_s, time_split, mfu, format_bytes(r.peak_bytes).c_str(),
+                format_duration(r.eta_s).c_str());
+  return line;
 }
 
 }  // namespace strata::io

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace strata::io {
 
@@ -43,6 +44,18 @@ struct EvalRecord {
   int64_t samples = 0;
   bool tokens = false;  // a language model's: the line adds its perplexity, exp(loss)
 };
+
+// One rank's logging window: its length and the time it spent blocked in collectives, on
+// pipeline messages and waiting for the loader (seconds).
+struct RankWindow {
+  double seconds = 0, comm_s = 0, pipeline_s = 0, data_s = 0;
+};
+// The shares of the windows averaged over the ranks; compute is the rest (never below 0).
+StepSplit average_split(const std::vector<RankWindow>& ranks);
+// The console line of a record: "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s
+// 0.2 ms/step (compute 3%, comm 51%, pipeline 36%, data 10%)  MFU 3.4%  mem 3.1 MiB  eta 0m00s"
+// (tokens/s for a language model; "split n/a under NCCL" without a split; no MFU unknown).
+std::string progress_line(const ProgressRecord& record, int64_t total_steps);
 
 class MetricsWriter {
  public:

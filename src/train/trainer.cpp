@@ -27,17 +27,6 @@ namespace strata::train {
 
 namespace {
 
-std::string format_duration(double seconds) {
-  const int64_t s = static_cast<int64_t>(std::max(0.0, seconds));
-  char buf[32];
-  if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600),
-                  static_cast<long long>(s / 60 % 60));
-  else
-    std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
-  return buf;
-}
-
 // Set by the preemption handlers; read at step boundaries. sig_atomic_t: async-signal-safe.
 volatile std::sig_atomic_t g_stop_signal = 0;
 
@@ -442,16 +431,6 @@ double Trainer::train_step(const io::Batch& batch, int64_t step) {
 
 namespace {
 
-std::string format_bytes_short(int64_t bytes) {
-  char buf[32];
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (int64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
-  else
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
-  return buf;
-}
-
 // Seconds blocked in waits so far: on pipeline messages, and on every other group.
 std::pair<double, double> blocked_seconds() {
   double pipeline = 0, other = 0;
@@ -472,18 +451,15 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, int64_t ste
   comm_wait_before_ = comm_now;
   data_wait_s_ = 0;
   if (rank_ != 0) return;
-  io::StepSplit split;
-  int64_t peak = 0;
   const int ranks = grid_->world().size();
+  std::vector<io::RankWindow> windows;
+  int64_t peak = 0;
   for (int r = 0; r < ranks; ++r) {
     const int64_t* v = all.data() + 5 * r;
-    const double window = std::max<double>(static_cast<double>(v[0]), 1.0);
-    split.comm += static_cast<double>(v[1]) / window / ranks;
-    split.pipeline += static_cast<double>(v[2]) / window / ranks;
-    split.data += static_cast<double>(v[3]) / window / ranks;
+    windows.push_back({static_cast<double>(v[0]) * 1e-6, static_cast<double>(v[1]) * 1e-6,
+                       static_cast<double>(v[2]) * 1e-6, static_cast<double>(v[3]) * 1e-6});
     peak = std::max(peak, v[4]);
   }
-  split.compute = std::max(0.0, 1.0 - split.comm - split.pipeline - split.data);
   io::ProgressRecord record;
   record.step = step;
   record.epoch = epoch;
@@ -493,32 +469,14 @@ void Trainer::log_progress(int64_t step, int64_t epoch, double loss, int64_t ste
   record.samples_per_s = static_cast<double>(config_.global_batch) / std::max(record.step_time_s, 1e-9);
   if (targets_per_sample_ > 1) record.tokens_per_s = record.samples_per_s * static_cast<double>(targets_per_sample_);
   // NCCL's waits order streams and return at once: the host's wait measures nothing there.
-  if (grid_->transport() != parallel::Transport::Nccl || ranks == 1) record.split = split;
+  if (grid_->transport() != parallel::Transport::Nccl || ranks == 1) record.split = io::average_split(windows);
   record.tflops_per_rank = flops_per_sample_ * record.samples_per_s / ranks / 1e12;
   if (peak_flops_ > 0) record.mfu = record.tflops_per_rank * 1e12 / peak_flops_;
   record.dp_bytes_per_step = dp_bytes_per_step_;
   record.tp_bytes_per_step = tp_bytes_per_step_;
   record.peak_bytes = peak;
   record.eta_s = eta_s;
-
-  char rate[64], time_split[128] = "", mfu[32] = "";
-  if (record.tokens_per_s > 0)
-    std::snprintf(rate, sizeof rate, "%.0f tokens/s", record.tokens_per_s);
-  else
-    std::snprintf(rate, sizeof rate, "%.0f samples/s", record.samples_per_s);
-  if (record.split)
-    std::snprintf(time_split, sizeof time_split, " (compute %.0f%%, comm %.0f%%, pipeline %.0f%%, data %.0f%%)",
-                  100 * split.compute, 100 * split.comm, 100 * split.pipeline, 100 * split.data);
-  else
-    std::snprintf(time_split, sizeof time_split, " (split n/a under NCCL)");
-  if (record.mfu) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * *record.mfu);
-  char line[512];
-  std::snprintf(line, sizeof line,
-                "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %s  %.1f ms/step%s%s  mem %s  eta %s",
-                static_cast<long long>(step), static_cast<long long>(total_steps_), static_cast<long long>(epoch), loss,
-                record.lr, rate, 1e3 * record.step_time_s, time_split, mfu, format_bytes_short(peak).c_str(),
-                format_duration(eta_s).c_str());
-  log::info(line);
+  log::info(io::progress_line(record, total_steps_));
   metrics_.append(record);
 }
 

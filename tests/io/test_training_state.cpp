@@ -211,18 +211,31 @@ std::string read_all(const std::string& path) {
   return ss.str();
 }
 
+// A progress record with its first fields set (the others zero or unknown).
+ProgressRecord progress(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s) {
+  ProgressRecord r;
+  r.step = step;
+  r.epoch = epoch;
+  r.loss = loss;
+  r.lr = lr;
+  r.samples_per_s = samples_per_s;
+  return r;
+}
+
 TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  ProgressRecord a{3, 1, 0.1234567, 0.001, 1234.56};
+  ProgressRecord a = progress(3, 1, 0.1234567, 0.001, 1234.56);
   a.step_time_s = 0.0125;
   a.tflops_per_rank = 0.5;
   a.dp_bytes_per_step = 4096;
   a.tp_bytes_per_step = 512;
   a.peak_bytes = 1 << 20;
   a.eta_s = 61.04;
-  ProgressRecord b{4, 2, 2.5, 0.05, 10.0, 10240.0, 0.1};
+  ProgressRecord b = progress(4, 2, 2.5, 0.05, 10.0);
+  b.tokens_per_s = 10240.0;
+  b.step_time_s = 0.1;
   b.split = StepSplit{0.5, 0.25, 0.125, 0.125};
   b.mfu = 0.123456;
   w.append(a);
@@ -237,9 +250,38 @@ TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
             "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0}\n");
 }
 
+// The split is each rank's share averaged over the ranks (compute the rest), and the console
+// line carries every field: tokens/s for a language model, n/a without a split, MFU when known.
+TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
+  const StepSplit split = average_split({{1.0, 0.5, 0.0, 0.1}, {2.0, 0.0, 1.0, 0.2}});
+  EXPECT_DOUBLE_EQ(split.comm, 0.25);
+  EXPECT_DOUBLE_EQ(split.pipeline, 0.25);
+  EXPECT_DOUBLE_EQ(split.data, 0.1);
+  EXPECT_DOUBLE_EQ(split.compute, 0.4);
+  EXPECT_DOUBLE_EQ(average_split({{1.0, 0.9, 0.3, 0.0}}).compute, 0.0);  // waits overlapping: never below 0
+
+  ProgressRecord r = progress(8, 0, 1.05663, 0.05, 196385.4);
+  r.step_time_s = 0.000163;
+  r.split = StepSplit{0.03, 0.51, 0.36, 0.10};
+  r.mfu = 0.0344;
+  r.peak_bytes = 3205184;
+  r.eta_s = 3725;
+  EXPECT_EQ(progress_line(r, 12),
+            "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s  0.2 ms/step (compute 3%, comm 51%, "
+            "pipeline 36%, data 10%)  MFU 3.4%  mem 3.1 MiB  eta 1h02m");
+  r.tokens_per_s = 12.5e6;
+  r.split.reset();
+  r.mfu.reset();
+  r.peak_bytes = int64_t{3} << 30;
+  r.eta_s = 61;
+  EXPECT_EQ(progress_line(r, 12),
+            "step 8/12  epoch 0  loss 1.0566  lr 0.05  12500000 tokens/s  0.2 ms/step (split n/a under NCCL)  mem "
+            "3.00 GiB  eta 1m01s");
+}
+
 TEST(Metrics, EmptyPathWritesNothing) {
   MetricsWriter w("");
-  EXPECT_NO_THROW(w.append(ProgressRecord{1, 0, 1.0, 0.1, 1.0}));
+  EXPECT_NO_THROW(w.append(progress(1, 0, 1.0, 0.1, 1.0)));
   EXPECT_NO_THROW(w.drop_after(0));
 }
 
@@ -247,7 +289,7 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
   test::TempDir dir;
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
-  for (int64_t step : {10, 20, 30, 40}) w.append(ProgressRecord{step, 0, 1.0, 0.1, 100.0});
+  for (int64_t step : {10, 20, 30, 40}) w.append(progress(step, 0, 1.0, 0.1, 100.0));
   const std::string all = read_all(path);
   const auto line_of = [&](int64_t step) {
     std::ostringstream os;
@@ -263,7 +305,7 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
   w.drop_after(20);  // a resume from step 20 logs 30 and 40 again
   EXPECT_EQ(read_all(path), line_of(10) + line_of(20));
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
-  w.append(ProgressRecord{30, 0, 1.0, 0.1, 100.0});  // appending continues after the kept lines
+  w.append(progress(30, 0, 1.0, 0.1, 100.0));  // appending continues after the kept lines
   EXPECT_EQ(read_all(path), line_of(10) + line_of(20) + line_of(30));
   w.drop_after(0);
   EXPECT_EQ(read_all(path), "");
@@ -294,13 +336,14 @@ TEST(Metrics, HugeValuesStillMakeCompleteLines) {
   const std::string path = dir / "metrics.jsonl";
   MetricsWriter w(path);
   const int64_t most = std::numeric_limits<int64_t>::max();
-  ProgressRecord huge{1, 0, 1e300, 0.1, 1e300, 1e300, 1e300};
+  ProgressRecord huge = progress(1, 0, 1e300, 0.1, 1e300);
+  huge.tokens_per_s = huge.step_time_s = 1e300;
   huge.split = StepSplit{1e300, 1e300, 1e300, 1e300};
   huge.tflops_per_rank = huge.eta_s = 1e300;
   huge.mfu = 1e300;
   huge.dp_bytes_per_step = huge.tp_bytes_per_step = huge.peak_bytes = most;
   w.append(huge);
-  w.append(ProgressRecord{2, 0, 1.0, 0.1, 1.0});
+  w.append(progress(2, 0, 1.0, 0.1, 1.0));
   const std::string all = read_all(path);
   ASSERT_FALSE(all.empty());
   size_t lines = 0;
@@ -314,9 +357,9 @@ TEST(Metrics, UnwritablePathWarnsOnceAndGoesOn) {
   if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
   MetricsWriter w("/dev/full");
   testing::internal::CaptureStderr();
-  EXPECT_NO_THROW(w.append(ProgressRecord{1, 0, 1.0, 0.1, 1.0}));
-  EXPECT_NO_THROW(w.append(ProgressRecord{2, 0, 1.0, 0.1, 1.0}));
-  EXPECT_NO_THROW(w.append(ProgressRecord{3, 0, 1.0, 0.1, 1.0}));
+  EXPECT_NO_THROW(w.append(progress(1, 0, 1.0, 0.1, 1.0)));
+  EXPECT_NO_THROW(w.append(progress(2, 0, 1.0, 0.1, 1.0)));
+  EXPECT_NO_THROW(w.append(progress(3, 0, 1.0, 0.1, 1.0)));
   const std::string err = testing::internal::GetCapturedStderr();
   size_t warnings = 0;
   for (size_t at = err.find("--metrics"); at != std::string::npos; at = err.find("--metrics", at + 1)) ++warnings;

@@ -371,9 +371,11 @@ TEST(Config, RunDirectoryHoldsTheRunAndItsConfiguration) {
   EXPECT_EQ(again->steps, 1);
   EXPECT_EQ(again->data, "train.h5");
   EXPECT_TRUE(again->checkpoint_dir.empty());  // --run-dir places it again
-  for (const auto& [key, value] : c.effective)
-    if (key != "config" && key != "run-dir" && key != "checkpoint-dir" && key != "log-file")
+  for (const auto& [key, value] : c.effective) {
+    if (key != "config" && key != "run-dir" && key != "checkpoint-dir" && key != "log-file") {
       EXPECT_EQ(effective(*again, key), value) << key;
+    }
+  }
 
   Config plain = parse_valid();
   apply_run_dir(plain, 0);
