@@ -21,7 +21,7 @@ struct ClockOffset {
 };
 
 // Collective over `world`: each rank's clock against rank 0's, best of `rounds` round trips.
-ClockOffset measure_clock_offset(MpiCommunicator& world, int rounds = 16);
+ClockOffset measure_clock_offset(MpiCommunicator& world, int rounds = 32);
 
 class TraceSession {
  public:
