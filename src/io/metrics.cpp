@@ -106,8 +106,10 @@ std::string format_bytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (bytes >= (int64_t{1} << 30))
     std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
-  else
+  else if (bytes >= (int64_t{1} << 20))
     std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
   return buf;
 }
 

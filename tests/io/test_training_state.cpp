@@ -273,6 +273,10 @@ TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
   r.split.reset();
   r.mfu.reset();
   r.peak_bytes = int64_t{3} << 30;
+  EXPECT_NE(progress_line(r, 12).find("mem 3.00 GiB"), std::string::npos);
+  r.peak_bytes = 20864;  // a tiny model's: not "0.0 MiB"
+  EXPECT_NE(progress_line(r, 12).find("mem 20.4 KiB"), std::string::npos);
+  r.peak_bytes = int64_t{3} << 30;
   r.eta_s = 61;
   EXPECT_EQ(progress_line(r, 12),
             "step 8/12  epoch 0  loss 1.0566  lr 0.05  12500000 tokens/s  0.2 ms/step (split n/a under NCCL)  mem "

@@ -260,7 +260,10 @@ def cancel(args):
         saved = re.search(r"^preemption signal received: stopping after step (\d+)\nsaved checkpoint (\S+) .*\n",
                           train_log, re.M)
         assert saved, f"the final save's lines are not in train.log:\n{train_log}"
-        assert log.count(saved.group(0)) == 1, f"the final save's lines are not once in the job's log:\n{log}"
+        # Each once, in order; the launcher's own lines ("srun: forcing job termination") may fall between.
+        stop_line, save_line = saved.group(0).splitlines()
+        assert log.count(stop_line + "\n") == 1 and log.count(save_line + "\n") == 1 and \
+            log.index(stop_line) < log.index(save_line), f"the final save's lines are not once in the job's log:\n{log}"
         step = int(saved.group(1))
         assert c.checkpoint(job).endswith(f"step-{step:08d}.h5"), (c.checkpoint(job), step)
         assert os.path.exists(c.checkpoint(job) + ".manifest")
