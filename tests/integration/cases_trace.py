@@ -65,7 +65,7 @@ def check_trace(path, ranks, steps, pipeline=True):
 
 def progress_lines(out):
     return re.findall(r"^step (\d+)/\d+ .*\(compute (\d+)%, comm (\d+)%, pipeline (\d+)%, data (\d+)%\)"
-                      r"(?:  MFU ([0-9.]+)%)?  mem ([0-9.]+) (MiB|GiB)", out, re.M)
+                      r"(?:  MFU ([0-9.]+)%)?  mem ([0-9.]+) (KiB|MiB|GiB)", out, re.M)
 
 
 def case_trace(args):
