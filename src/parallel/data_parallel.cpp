@@ -2,7 +2,6 @@
 // optimizer, chosen once from the ZeRO stage (Ownership).
 #include "parallel/data_parallel.hpp"
 
-#include <chrono>
 #include <limits>
 
 #include "core/ops.hpp"
@@ -80,9 +79,7 @@ Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ct
         if (gather_) gather_->layer_done(layer);
       },
       input_grad);
-  const auto wait_start = std::chrono::steady_clock::now();
   sync_->finish();  // what backward did not hide: exposed communication
-  exposed_comm_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   return dx;
 }
 
@@ -137,12 +134,6 @@ Tensor DataParallel::full_value(const layers::ParamEntry& e) {
 void DataParallel::set_value(const layers::ParamEntry& e, const Tensor& full) {
   store_->set_value(e, full);
   optimizer_->set_master(e, full);
-}
-
-double DataParallel::take_exposed_comm_seconds() {
-  const double s = exposed_comm_s_;
-  exposed_comm_s_ = 0;
-  return s;
 }
 
 int64_t DataParallel::parameter_bytes() const {

@@ -53,8 +53,8 @@ class DataParallel {
   Tensor forward(const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info);
   // Backward through the stage's layers. The step's last backward (`last_of_step`) reduces the
   // gradient buckets over the replicas as layers finish (ZeRO 2 and 3: every backward, since
-  // there is no full buffer to accumulate in); the wait for what backward did not hide is
-  // added to exposed_comm_seconds(). Returns the input's gradient where `input_grad`.
+  // there is no full buffer to accumulate in), then waits for what backward did not hide (the
+  // watchdog counts that wait: watchdog::waited_seconds). Returns the input's gradient where `input_grad`.
   Tensor backward(const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step, bool input_grad);
   // Runs in the step's last backward as soon as a layer has written its gradients, before
   // they are reduced over the replicas (TiedEmbedding adds the head's gradient to wte's).
@@ -73,8 +73,6 @@ class DataParallel {
   // Sets entry e (and its f32 master copy) from its full value, keeping this replica's part.
   void set_value(const layers::ParamEntry& e, const Tensor& full);
 
-  // Seconds spent waiting for gradient buckets since the last call.
-  double take_exposed_comm_seconds();
   // Bytes this rank allocated: parameters (+ buffers, + ZeRO-3 windows), gradients (+ ZeRO-2/3
   // ring), optimizer state (+ master weights).
   int64_t parameter_bytes() const;
@@ -95,7 +93,6 @@ class DataParallel {
   std::unique_ptr<GradientSync> sync_;
   std::unique_ptr<ParameterGather> gather_;  // ZeRO 3 only
   std::function<void(size_t)> before_reduce_;
-  double exposed_comm_s_ = 0;
 };
 
 // The optimizer step of a rank's stages after the step's backwards: its one stage, or with the
