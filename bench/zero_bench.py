@@ -7,8 +7,9 @@ K bytes of optimizer state per parameter; here everything is fp32, so parameters
 are 4 Psi each and K = 4 for SGD-momentum (the momentum), K = 8 for AdamW (two moments):
   stage 0: 4Psi + 4Psi + K Psi        stage 1: 4Psi + 4Psi + K Psi / Nd
   stage 2: 4Psi + (4Psi + K Psi) / Nd stage 3: (4Psi + 4Psi + K Psi) / Nd
-Strata adds alignment padding, a gradient ring of the largest layer + one bucket (stages 2-3)
-and two parameter windows of the largest layer (stage 3); the table shows both.
+Strata adds alignment padding, a gradient ring of the largest tile + one bucket (stages 2-3; a
+tile is a bucket-sized piece of a Linear larger than a bucket, any other layer whole) and two
+parameter windows of the largest layers (stage 3); the table shows both.
 
   OPENBLAS_CORETYPE=SkylakeX python3 bench/zero_bench.py \\
       --train build/train --data data/fashion-mnist/train
@@ -72,6 +73,7 @@ def main():
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--bucket-mb", default="1")
+    p.add_argument("--memory-only", action="store_true", help="the bytes table only, no timed runs")
     a = p.parse_args()
 
     print(f"## Bytes per rank (MiB, the fullest rank; fp32; --bucket-mb {a.bucket_mb}): measured vs paper formula\n")
@@ -86,6 +88,8 @@ def main():
                     print(f"| {model} | {optimizer} | {dp} | {zero} | {mb(got[0])} | {mb(got[1])} | {mb(got[2])} | "
                           f"{mb(sum(got))} | {mb(sum(want))} | {' / '.join(mb(w) for w in want)} |", flush=True)
 
+    if a.memory_only:
+        return
     print(f"\n## Step time and data-parallel bytes sent per step and rank (dp = 2, SGD-momentum, {a.steps} steps, "
           f"one micro-batch of {BATCH['mlp']} (mlp) / {BATCH['cnn']} (cnn) per rank)\n")
     print("| model | zero | step ms | MiB sent per step | vs zero 0 |")

@@ -126,8 +126,12 @@ Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 Tensor Linear::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);  // (N, in)
   const Tensor dy2 = dy.ndim() == 2 ? dy : dy.reshape({x.dim(0), local_out()});
-  ops::gemm(dy2, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
-  if (has_bias_) ops::bias_grad(dy2, db_);
+  if (gradient_sink() != nullptr) {
+    write_linear_gradient_pieces(*gradient_sink(), gradient_pieces(gradient_piece_limit()), dy2, x);
+  } else {
+    ops::gemm(dy2, true, x, false, dw_, 1.0f, 1.0f);  // dW (out, in) += dy^T x
+    if (has_bias_) ops::bias_grad(dy2, db_);
+  }
   Tensor dx;
   if (ctx.input_grad) {
     dx = Tensor::empty(x.shape(), x.dtype(), x.device());
@@ -139,6 +143,43 @@ Tensor Linear::backward(const Tensor& dy, Context& ctx) {
   }
   ctx.clear();
   return dx;
+}
+
+std::vector<GradientPiece> linear_gradient_pieces(int64_t rows, int64_t cols, bool bias, int64_t max_elements) {
+  if (rows * cols + (bias ? rows : 0) <= max_elements) return {};
+  const int64_t block = std::max<int64_t>(max_elements / cols, 1);
+  std::vector<GradientPiece> pieces;
+  if (bias) pieces.push_back({align_param(rows * cols), align_param(rows * cols) + rows});
+  for (int64_t hi = rows; hi > 0; hi -= block) pieces.push_back({std::max<int64_t>(hi - block, 0) * cols, hi * cols});
+  return pieces;
+}
+
+// Rows [r0, r1) of dW are dy's columns [r0, r1) times x: with dy transposed once, each block of
+// rows is one GEMM of contiguous operands.
+void write_linear_gradient_pieces(GradientSink& sink, const std::vector<GradientPiece>& pieces, const Tensor& dy,
+                                  const Tensor& x) {
+  const int64_t n = x.dim(0), rows = dy.dim(1), cols = x.dim(1);
+  Tensor dy_t;  // (rows, N)
+  for (const GradientPiece& p : pieces) {
+    const Tensor g = sink.next_piece();
+    STRATA_CHECK(g.numel() == p.end - p.begin, "a gradient piece of ", p.end - p.begin, " elements got ", g.numel());
+    if (p.begin >= rows * cols) {  // the bias
+      ops::bias_grad(dy, g);
+    } else {
+      if (!dy_t.defined()) {
+        dy_t = Tensor::empty({rows, n}, dy.dtype(), dy.device());
+        // (1, N, rows) -> (1, rows, N, 1): split_heads with one element per head is a transpose.
+        ops::split_heads(dy.reshape({1, n, rows}), dy_t.reshape({1, rows, n, 1}));
+      }
+      const int64_t block = (p.end - p.begin) / cols;
+      ops::gemm(dy_t.view(p.begin / cols * n, {block, n}), false, x, false, g.reshape({block, cols}), 1.0f, 1.0f);
+    }
+    sink.piece_written();
+  }
+}
+
+std::vector<GradientPiece> Linear::gradient_pieces(int64_t max_elements) const {
+  return linear_gradient_pieces(local_out(), local_in(), has_bias_, max_elements);
 }
 
 // ---- Conv2d ----------------------------------------------------------------------------------

@@ -16,6 +16,15 @@ namespace strata::layers {
 //           (dx is the input slice's gradient; db the same on every rank).
 enum class TensorParallelMode { None, Column, Row };
 
+// The gradient pieces of a linear map's weight (rows x cols) and bias (rows, if any; after the
+// weight, aligned) when they are larger than max_elements: the bias, then the weight in blocks
+// of whole rows from the last down (at least one row each). Empty otherwise.
+std::vector<GradientPiece> linear_gradient_pieces(int64_t rows, int64_t cols, bool bias, int64_t max_elements);
+// Writes dW += dy^T x (dy (N, rows), x (N, cols)) and db += the sum of dy's rows through `sink`,
+// in the pieces above.
+void write_linear_gradient_pieces(GradientSink& sink, const std::vector<GradientPiece>& pieces, const Tensor& dy,
+                                  const Tensor& x);
+
 // y = x W^T + b; x (B, in), W (out, in) as in torch.nn.Linear. Inputs with more dimensions
 // (B, T, in) are mapped along the last one, as (B * T, in). The bias takes no weight decay.
 class Linear final : public Layer {
@@ -40,6 +49,7 @@ class Linear final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // linear_gradient_pieces
 
  private:
   TensorSplit split(int dim) const;

@@ -6,8 +6,85 @@
 
 namespace strata::layers {
 
+void ChildGradients::add(Layer& child) {
+  const size_t first =
+      children_.empty() ? 0 : children_.back().first_param + children_.back().layer->param_specs().size();
+  children_.push_back({&child, first, {}});
+}
+
+void ChildGradients::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  for (Child& c : children_) {
+    const size_t n = c.layer->param_specs().size();
+    c.layer->bind(params.subspan(c.first_param, n), grads.subspan(c.first_param, n));
+    c.params.assign(params.begin() + static_cast<std::ptrdiff_t>(c.first_param),
+                    params.begin() + static_cast<std::ptrdiff_t>(c.first_param + n));
+  }
+}
+
+std::vector<GradientPiece> ChildGradients::pieces(int64_t max_elements) const {
+  std::vector<ParamSpec> specs;  // the composite's
+  for (const Child& c : children_)
+    for (ParamSpec& spec : c.layer->param_specs()) specs.push_back(std::move(spec));
+  const TrainableLayout layout = trainable_layout(specs);
+  if (layout.size <= max_elements) return {};
+  std::vector<GradientPiece> pieces;
+  for (size_t k = children_.size(); k-- > 0;) {
+    const Child& c = children_[k];
+    const TrainableLayout own = trainable_layout(c.layer->param_specs());
+    if (own.size == 0) continue;
+    int64_t begin = 0;  // where the child's first trainable parameter is in the composite's layout
+    for (size_t i = 0; i < own.offsets.size(); ++i)
+      if (own.offsets[i] == 0) begin = layout.offsets[c.first_param + i];
+    const std::vector<GradientPiece> inner = c.layer->gradient_pieces(max_elements);
+    if (inner.empty()) pieces.push_back({begin, begin + own.size});
+    for (const GradientPiece& p : inner) pieces.push_back({begin + p.begin, begin + p.end});
+  }
+  return pieces;
+}
+
+Tensor ChildGradients::backward(const Layer& composite, Layer& child, const std::function<Tensor()>& backward) {
+  GradientSink* sink = composite.gradient_sink();
+  if (sink == nullptr) return backward();
+  const std::vector<ParamSpec> specs = child.param_specs();
+  const TrainableLayout own = trainable_layout(specs);
+  if (own.size == 0) return backward();
+  // Pieces go down the layout: the children with parameters run last first, once each.
+  const auto with_params = [&](size_t below) {
+    for (size_t k = below; k-- > 0;)
+      if (trainable_layout(children_[k].layer->param_specs()).size > 0) return k;
+    return SIZE_MAX;
+  };
+  if (next_ == SIZE_MAX) next_ = with_params(children_.size());
+  Child& c = children_.at(next_);
+  STRATA_CHECK(c.layer == &child, "layer ", composite.name(), ": the backward of ", child.name(),
+               " ran before that of ", c.layer->name(), ", whose gradients come first");
+  next_ = with_params(next_);
+
+  const int64_t limit = composite.gradient_piece_limit();
+  if (!child.gradient_pieces(limit).empty()) {  // it writes its own pieces through the sink
+    struct Unset {
+      Layer& layer;
+      ~Unset() { layer.set_gradient_sink(nullptr, 0); }
+    } unset{child};
+    child.set_gradient_sink(sink, limit);
+    return backward();
+  }
+  const Tensor piece = sink->next_piece();
+  STRATA_CHECK(piece.numel() == own.size, "layer ", child.name(), ": a gradient piece of ", piece.numel(),
+               " elements for its ", own.size);
+  std::vector<Tensor> grads;
+  for (size_t i = 0; i < specs.size(); ++i)
+    grads.push_back(specs[i].trainable ? piece.view(own.offsets[i], specs[i].shape) : Tensor());
+  child.bind(c.params, grads);
+  Tensor dx = backward();
+  sink->piece_written();
+  return dx;
+}
+
 Sequential::Sequential(std::string name, std::vector<LayerPtr> children)
-    : Layer(std::move(name)), children_(std::move(children)) {}
+    : Layer(std::move(name)), children_(std::move(children)) {
+  for (const LayerPtr& child : children_) gradients_.add(*child);
+}
 
 std::string Sequential::describe() const {
   std::string s = "sequential(";
@@ -31,13 +108,10 @@ std::vector<ParamSpec> Sequential::param_specs() const {
   return specs;
 }
 
-void Sequential::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  size_t offset = 0;
-  for (const auto& child : children_) {
-    const size_t n = child->param_specs().size();
-    child->bind(params.subspan(offset, n), grads.subspan(offset, n));
-    offset += n;
-  }
+void Sequential::bind(std::span<const Tensor> params, std::span<const Tensor> grads) { gradients_.bind(params, grads); }
+
+std::vector<GradientPiece> Sequential::gradient_pieces(int64_t max_elements) const {
+  return gradients_.pieces(max_elements);
 }
 
 Tensor Sequential::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
@@ -49,7 +123,8 @@ Tensor Sequential::forward(const Tensor& x, Context& ctx, const StepInfo& info) 
 
 Tensor Sequential::backward(const Tensor& dy, Context& ctx) {
   Tensor g = dy;
-  for (size_t i = children_.size(); i-- > 0;) g = children_[i]->backward(g, ctx.children[i]);
+  for (size_t i = children_.size(); i-- > 0;)
+    g = gradients_.backward(*this, *children_[i], [&] { return children_[i]->backward(g, ctx.children[i]); });
   ctx.clear();
   return g;
 }
@@ -71,7 +146,10 @@ void Sequential::set_index(int index) {
 }
 
 ResidualBlock::ResidualBlock(std::string name, std::vector<LayerPtr> main, std::vector<LayerPtr> shortcut)
-    : Layer(std::move(name)), main_("main", std::move(main)), shortcut_("shortcut", std::move(shortcut)) {}
+    : Layer(std::move(name)), main_("main", std::move(main)), shortcut_("shortcut", std::move(shortcut)) {
+  gradients_.add(main_);
+  gradients_.add(shortcut_);
+}
 
 LayerPtr ResidualBlock::basic(std::string name, int64_t in_channels, int64_t out_channels, int64_t stride) {
   std::vector<LayerPtr> main;
@@ -110,9 +188,11 @@ std::vector<ParamSpec> ResidualBlock::param_specs() const {
 }
 
 void ResidualBlock::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  const size_t n = main_.param_specs().size();
-  main_.bind(params.first(n), grads.first(n));
-  shortcut_.bind(params.subspan(n), grads.subspan(n));
+  gradients_.bind(params, grads);
+}
+
+std::vector<GradientPiece> ResidualBlock::gradient_pieces(int64_t max_elements) const {
+  return gradients_.pieces(max_elements);
 }
 
 Tensor ResidualBlock::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
@@ -129,8 +209,10 @@ Tensor ResidualBlock::forward(const Tensor& x, Context& ctx, const StepInfo& inf
 Tensor ResidualBlock::backward(const Tensor& dy, Context& ctx) {
   Tensor dsum = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
   ops::relu_backward(ctx.saved.at(0), dy, dsum);
-  Tensor dx = main_.backward(dsum, ctx.children[0]);
-  const Tensor dx_shortcut = shortcut_.backward(dsum, ctx.children[1]);
+  // The shortcut first: its parameters come after the main path's (streamed gradients go down).
+  const Tensor dx_shortcut =
+      gradients_.backward(*this, shortcut_, [&] { return shortcut_.backward(dsum, ctx.children[1]); });
+  Tensor dx = gradients_.backward(*this, main_, [&] { return main_.backward(dsum, ctx.children[0]); });
   ops::axpy(1.0f, dx_shortcut, dx);
   ctx.clear();
   return dx;

@@ -2,9 +2,37 @@
 // named "<child>/<param>" under the composite, and children's contexts nest in the parent's.
 #pragma once
 
+#include <functional>
+
 #include "layers/layer.hpp"
 
 namespace strata::layers {
+
+// The children of a composite layer, registered in the order of its param_specs(), and how they
+// write their gradients when the composite streams its own (Layer::set_gradient_sink): each
+// child, the last first, gets the sink itself if it is larger than a piece and streams too, or
+// else one piece for all of its gradients, its views rebound there for its backward.
+class ChildGradients {
+ public:
+  void add(Layer& child);
+  // Binds each child to its views (what the composite's bind does) and keeps its parameters.
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads);
+  // The composite's gradient_pieces(): a child's range, or its own pieces, last child first;
+  // empty when all its gradients fit one piece.
+  std::vector<GradientPiece> pieces(int64_t max_elements) const;
+  // Runs `backward`, the backward of `child` (one of these), writing the child's gradients
+  // through the composite's sink if it has one. Children with parameters must run last first.
+  Tensor backward(const Layer& composite, Layer& child, const std::function<Tensor()>& backward);
+
+ private:
+  struct Child {
+    Layer* layer = nullptr;
+    size_t first_param = 0;  // in the composite's param_specs()
+    std::vector<Tensor> params;
+  };
+  std::vector<Child> children_;
+  size_t next_ = SIZE_MAX;  // the child whose backward comes next while streaming
+};
 
 class Sequential final : public Layer {
  public:
@@ -17,10 +45,12 @@ class Sequential final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
   bool empty() const { return children_.empty(); }
 
  private:
   std::vector<LayerPtr> children_;
+  ChildGradients gradients_;
 };
 
 // y = relu(main(x) + shortcut(x)); the shortcut is the identity when it has no layers.
@@ -39,9 +69,11 @@ class ResidualBlock final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
 
  private:
   Sequential main_, shortcut_;
+  ChildGradients gradients_;
 };
 
 }  // namespace strata::layers

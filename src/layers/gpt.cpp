@@ -22,13 +22,6 @@ void append_specs(std::vector<ParamSpec>& specs, const std::string& prefix, cons
   }
 }
 
-// Binds `child` to the next param_specs().size() views from `offset`.
-void bind_child(Layer& child, std::span<const Tensor> params, std::span<const Tensor> grads, size_t& offset) {
-  const size_t n = child.param_specs().size();
-  child.bind(params.subspan(offset, n), grads.subspan(offset, n));
-  offset += n;
-}
-
 // The group if it splits anything (null or one rank: the whole layer, today's code path).
 TensorParallelGroup* splitting(TensorParallelGroup* tp) { return tp != nullptr && tp->size() > 1 ? tp : nullptr; }
 
@@ -122,10 +115,33 @@ Tensor Embedding::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   return y;
 }
 
+std::vector<GradientPiece> Embedding::gradient_pieces(int64_t max_elements) const {
+  const int64_t wte = local_vocab_ * embed_, wpe_at = align_param(wte);
+  if (tied_head_ || wte + max_positions_ * embed_ <= max_elements) return {};
+  std::vector<GradientPiece> pieces{{wpe_at, wpe_at + max_positions_ * embed_}};
+  const int64_t block = std::max<int64_t>(max_elements / embed_, 1);
+  for (int64_t hi = local_vocab_; hi > 0; hi -= block)
+    pieces.push_back({std::max<int64_t>(hi - block, 0) * embed_, hi * embed_});
+  return pieces;
+}
+
 Tensor Embedding::backward(const Tensor& dy, Context& ctx) {
   // With tp, dy is replicated (the all-reduce's backward is the identity): dwte gets this
   // rank's rows, dwpe the same sum on every rank.
-  ops::embedding_backward(ctx.saved.at(0), dy, dwte_, dwpe_, first_token_);
+  const Tensor& tokens = ctx.saved.at(0);
+  if (gradient_sink() == nullptr) {
+    ops::embedding_backward(tokens, dy, dwte_, dwpe_, first_token_);
+  } else {
+    for (const GradientPiece& p : gradient_pieces(gradient_piece_limit())) {
+      const Tensor g = gradient_sink()->next_piece();
+      const int64_t rows = (p.end - p.begin) / embed_;
+      if (p.begin >= local_vocab_ * embed_)  // wpe
+        ops::embedding_backward(tokens, dy, Tensor(), g.reshape({rows, embed_}), first_token_);
+      else  // wte rows [r0, r0 + rows): the tokens from first_token_ + r0
+        ops::embedding_backward(tokens, dy, g.reshape({rows, embed_}), Tensor(), first_token_ + p.begin / embed_);
+      gradient_sink()->piece_written();
+    }
+  }
   ctx.clear();
   return Tensor();  // tokens have no gradient
 }
@@ -149,6 +165,8 @@ CausalSelfAttention::CausalSelfAttention(std::string name, int64_t embed, int64_
                  ")");
   c_attn_.set_gpt_init(kGptInitStd);
   c_proj_.set_gpt_init(proj_std);
+  gradients_.add(c_attn_);
+  gradients_.add(c_proj_);
   if (tp_) {
     STRATA_REQUIRE(heads % tp_->size() == 0, "--heads (", heads, ") must be divisible by --tp (", tp_->size(),
                    "): each rank computes whole heads");
@@ -180,9 +198,11 @@ std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
 }
 
 void CausalSelfAttention::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  size_t offset = 0;
-  bind_child(c_attn_, params, grads, offset);
-  bind_child(c_proj_, params, grads, offset);
+  gradients_.bind(params, grads);
+}
+
+std::vector<GradientPiece> CausalSelfAttention::gradient_pieces(int64_t max_elements) const {
+  return gradients_.pieces(max_elements);
 }
 
 int64_t CausalSelfAttention::flops(const Shape& input) const {
@@ -245,7 +265,8 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
                stats = ctx.saved.at(4);
   const Tensor dout = resid_drop_.backward(dy, ctx.children[2]);
   ctx.children[1].input_grad = true;
-  const Tensor dmerged = c_proj_.backward(dout, ctx.children[1]);  // (B, T, D)
+  const Tensor dmerged =
+      gradients_.backward(*this, c_proj_, [&] { return c_proj_.backward(dout, ctx.children[1]); });  // (B, T, D)
   Tensor dyh = Tensor::empty(y.shape(), dmerged.dtype(), dmerged.device());
   ops::split_heads(dmerged, dyh);
   Tensor dq = Tensor::empty(q.shape(), q.dtype(), q.device());
@@ -258,7 +279,7 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
   Tensor dqkv = Tensor::empty({q.dim(0), q.dim(2), 3 * q.dim(1) * q.dim(3)}, q.dtype(), q.device());
   ops::merge_qkv(dq, dk, dv, dqkv);
   ctx.children[0].input_grad = ctx.input_grad;
-  Tensor dx = c_attn_.backward(dqkv, ctx.children[0]);
+  Tensor dx = gradients_.backward(*this, c_attn_, [&] { return c_attn_.backward(dqkv, ctx.children[0]); });
   ctx.clear();
   return dx;
 }
@@ -310,6 +331,7 @@ TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t head
       mlp_("mlp", mlp_layers(embed, dropout, proj_std, splitting(tp))) {
   ln_1_.set_no_weight_decay();
   ln_2_.set_no_weight_decay();
+  for (Layer* child : std::initializer_list<Layer*>{&ln_1_, &attn_, &ln_2_, &mlp_}) gradients_.add(*child);
 }
 
 std::string TransformerBlock::describe() const {
@@ -334,11 +356,11 @@ std::vector<ParamSpec> TransformerBlock::param_specs() const {
 }
 
 void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  size_t offset = 0;
-  bind_child(ln_1_, params, grads, offset);
-  bind_child(attn_, params, grads, offset);
-  bind_child(ln_2_, params, grads, offset);
-  bind_child(mlp_, params, grads, offset);
+  gradients_.bind(params, grads);
+}
+
+std::vector<GradientPiece> TransformerBlock::gradient_pieces(int64_t max_elements) const {
+  return gradients_.pieces(max_elements);
 }
 
 int64_t TransformerBlock::flops(const Shape& input) const { return attn_.flops(input) + mlp_.flops(input); }
@@ -393,10 +415,15 @@ Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
   const bool full = recompute_ == Recompute::Full;
   std::vector<Context>& c = ctx.children;
   for (Context& child : c) child.input_grad = true;  // the residual paths need every branch's dx
-  const Tensor dm = ln_2_.backward(full ? backward_recomputing(mlp_, dy, c[3]) : mlp_.backward(dy, c[3]), c[2]);
+  // Each child's backward through gradients_, which streams their gradients if this block does.
+  const auto child = [&](Layer& layer, const Tensor& d, Context& cx, bool recompute) {
+    return gradients_.backward(*this, layer,
+                               [&] { return recompute ? backward_recomputing(layer, d, cx) : layer.backward(d, cx); });
+  };
+  const Tensor dm = child(ln_2_, child(mlp_, dy, c[3], full), c[2], false);
   Tensor dh = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
   ops::add(dy, dm, dh);
-  Tensor dx = ln_1_.backward(full ? backward_recomputing(attn_, dh, c[1]) : attn_.backward(dh, c[1]), c[0]);
+  Tensor dx = child(ln_1_, child(attn_, dh, c[1], full), c[0], false);
   ops::axpy(1.0f, dh, dx);
   ctx.clear();
   return dx;
@@ -454,6 +481,10 @@ void LMHead::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
   dw_ = grads[0];
 }
 
+std::vector<GradientPiece> LMHead::gradient_pieces(int64_t max_elements) const {
+  return tied_ ? std::vector<GradientPiece>{} : linear_gradient_pieces(local_vocab_, embed_, false, max_elements);
+}
+
 const Tensor& LMHead::weight() const { return tied_ && !copy_ ? tied_->wte() : w_; }
 const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte() : dw_; }
 
@@ -475,9 +506,13 @@ Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
   const Tensor x2 = ctx.saved.at(0);
   const Tensor dy2 = dy.reshape({x2.dim(0), local_vocab_});
-  const Tensor& dw = weight_grad();
-  STRATA_CHECK(dw.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "gradient is not bound");
-  ops::gemm(dy2, true, x2, false, dw, 1.0f, 1.0f);  // dW (V, D) += dy^T x
+  if (gradient_sink() != nullptr) {
+    write_linear_gradient_pieces(*gradient_sink(), gradient_pieces(gradient_piece_limit()), dy2, x2);
+  } else {
+    const Tensor& dw = weight_grad();
+    STRATA_CHECK(dw.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "gradient is not bound");
+    ops::gemm(dy2, true, x2, false, dw, 1.0f, 1.0f);  // dW (V, D) += dy^T x
+  }
   Tensor dx;
   if (ctx.input_grad) {
     dx = Tensor::empty(x2.shape(), x2.dtype(), x2.device());

@@ -41,6 +41,12 @@ class Embedding final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
+  // wpe whole, then wte in blocks of whole rows from the last down (each block's backward picks
+  // the tokens its rows hold); none when tied.
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
+  // A tied LM head accumulates into wte's gradient too (directly, or TiedEmbedding adds its
+  // copy's): the gradient is then written whole, never streamed.
+  void set_tied_head() { tied_head_ = true; }
 
   int64_t vocab() const { return vocab_; }  // the full vocabulary
   int64_t embed() const { return embed_; }
@@ -58,6 +64,7 @@ class Embedding final : public Layer {
   TensorParallelGroup* tp_;
   int64_t local_vocab_, first_token_;
   Tensor wte_, wpe_, dwte_, dwpe_;
+  bool tied_head_ = false;
 };
 
 enum class AttentionKind { Flash, Plain };
@@ -84,7 +91,8 @@ class CausalSelfAttention final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
-  int64_t heads() const { return heads_; }  // all of the layer's heads
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
+  int64_t heads() const { return heads_; }                                          // all of the layer's heads
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
@@ -95,6 +103,7 @@ class CausalSelfAttention final : public Layer {
   AttentionKind kind_;
   Linear c_attn_, c_proj_;
   Dropout resid_drop_;
+  ChildGradients gradients_;
 };
 
 // Activation recomputation (--recompute), per TransformerBlock, in Train mode:
@@ -130,6 +139,7 @@ class TransformerBlock final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   int64_t heads() const { return attn_.heads(); }
   float ln_eps() const { return ln_1_.eps(); }  // both LayerNorms'
   Recompute recompute() const { return recompute_; }
@@ -143,6 +153,7 @@ class TransformerBlock final : public Layer {
   CausalSelfAttention attn_;
   LayerNorm ln_2_;
   Sequential mlp_;
+  ChildGradients gradients_;
 };
 
 // logits (B, T, V) = h (B, T, D) @ W^T, W (V, D), no bias. Untied: its own "weight" (the
@@ -169,6 +180,8 @@ class LMHead final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
+  // Untied: linear_gradient_pieces. Tied: none (it accumulates into the embedding's gradient).
+  std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
   bool tied() const { return tied_ != nullptr; }
   const Embedding* tied_to() const { return tied_; }
   // A tied head from now on reads `w` and accumulates into `dw` (both local_vocab() x D)

@@ -16,6 +16,23 @@ namespace strata::layers {
 
 enum class Mode { Train, Eval };
 
+// A piece of a layer's parameter gradients: elements [begin, end) of the layer's part of the
+// flat layout (trainable_offsets), which may span several of its parameters.
+struct GradientPiece {
+  int64_t begin = 0, end = 0;
+};
+
+// Where a layer writes its parameter gradients piece by piece (ZeRO 2/3: a gradient ring smaller
+// than the layer's gradients, each piece reduced while backward writes the next).
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // Zeroed memory for the layer's next piece, in gradient_pieces() order.
+  virtual Tensor next_piece() = 0;
+  // The piece from next_piece() is written; it is reduced from here on.
+  virtual void piece_written() = 0;
+};
+
 // What a forward pass needs besides its input: the mode and the keys of random streams.
 struct StepInfo {
   Mode mode = Mode::Train;
@@ -60,6 +77,28 @@ struct ParamSpec {
   TensorSplit split{};
 };
 
+// Flat buffers start every tensor on a 16-element (64-byte) boundary (ParameterStore).
+constexpr int64_t kParamAlignment = 16;
+inline int64_t align_param(int64_t n) { return (n + kParamAlignment - 1) / kParamAlignment * kParamAlignment; }
+
+// Where each trainable parameter of a layer's specs starts in its part of the flat layout,
+// relative to the first (buffers, which live elsewhere: -1); element `size` ends the last one.
+struct TrainableLayout {
+  std::vector<int64_t> offsets;
+  int64_t size = 0;
+};
+inline TrainableLayout trainable_layout(const std::vector<ParamSpec>& specs) {
+  TrainableLayout t;
+  int64_t cursor = 0;
+  for (const ParamSpec& s : specs) {
+    t.offsets.push_back(s.trainable ? cursor : -1);
+    if (!s.trainable) continue;
+    t.size = cursor + shape_numel(s.shape);
+    cursor = align_param(t.size);
+  }
+  return t;
+}
+
 class Layer {
  public:
   explicit Layer(std::string name) : name_(std::move(name)) {}
@@ -90,6 +129,20 @@ class Layer {
   virtual const Layer* shares_parameters_with() const { return nullptr; }
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }
+  // The pieces of at most about max_elements each (at least one row of a weight, or a whole
+  // sublayer that cannot be cut) in which backward can write the parameter gradients, in the
+  // order it writes them (down the flat layout: the last parameter first); empty if it writes
+  // them whole.
+  virtual std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const { return {}; }
+  // With a sink (for a layer whose gradient_pieces(max_elements) are not empty), backward writes
+  // the parameter gradients through it, in those pieces, instead of into the bound views; null:
+  // into the views.
+  void set_gradient_sink(GradientSink* sink, int64_t max_elements) {
+    gradient_sink_ = sink;
+    gradient_piece_limit_ = max_elements;
+  }
+  GradientSink* gradient_sink() const { return gradient_sink_; }
+  int64_t gradient_piece_limit() const { return gradient_piece_limit_; }
 
   // Position in the model; keys this layer's random streams.
   int index() const { return index_; }
@@ -98,6 +151,8 @@ class Layer {
  private:
   std::string name_;
   int index_ = 0;
+  GradientSink* gradient_sink_ = nullptr;
+  int64_t gradient_piece_limit_ = 0;
 };
 
 using LayerPtr = std::unique_ptr<Layer>;

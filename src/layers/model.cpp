@@ -208,6 +208,7 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   Builder b(input);
   auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed, tp);
   const Embedding* wte = embedding.get();
+  if (spec.tie_embeddings) embedding->set_tied_head();
   b.add(std::move(embedding));
   if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
   for (int i = 0; i < spec.layers; ++i)
@@ -283,7 +284,7 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
 
 namespace {
 
-constexpr int64_t kAlign = 16;  // elements: 64 bytes of f32
+constexpr int64_t kAlign = kParamAlignment;  // elements: 64 bytes of f32
 int64_t align_up(int64_t n, int64_t multiple = kAlign) { return (n + multiple - 1) / multiple * multiple; }
 
 uint64_t fnv1a(const std::string& s) {

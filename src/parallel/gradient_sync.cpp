@@ -26,13 +26,9 @@ std::vector<layers::ParameterStore::LayerRange> layer_extents(
   return extents;
 }
 
-namespace {
-
 int64_t bucket_elements(int64_t bucket_bytes) {
   return std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
 }
-
-}  // namespace
 
 std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
                                  int64_t bucket_bytes) {
@@ -49,39 +45,83 @@ std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::Layer
   return buckets;
 }
 
-int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                      int64_t bucket_bytes, bool pinned) {
-  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
-  const int64_t base = pinned && !extents.empty() ? extents.front().end : 0;  // the pinned first extent
+std::vector<GradientTile> whole_layer_tiles(const std::vector<layers::ParameterStore::LayerRange>& ranges,
+                                            int64_t flat_numel) {
+  std::vector<GradientTile> tiles;
+  for (const auto& e : layer_extents(ranges, flat_numel)) tiles.push_back({e.layer, e.begin, e.end});
+  return tiles;
+}
+
+std::vector<GradientTile> gradient_tiles(const layers::Model& model, const std::vector<layers::ParamEntry>& entries,
+                                         int64_t flat_numel, int64_t bucket_bytes) {
+  std::vector<GradientTile> tiles;
+  for (const GradientTile& whole : whole_layer_tiles(layers::ParameterStore::layer_ranges(entries), flat_numel)) {
+    const layers::Layer& layer = model.layer(whole.layer);
+    const std::vector<layers::GradientPiece> pieces = layer.gradient_pieces(bucket_elements(bucket_bytes));
+    if (pieces.empty()) {
+      tiles.push_back(whole);
+      continue;
+    }
+    // The layer's trainable entries; pieces count from the first one's offset.
+    std::vector<const layers::ParamEntry*> params;
+    for (const layers::ParamEntry& e : entries)
+      if (e.layer == whole.layer && e.trainable) params.push_back(&e);
+    const int64_t base = params.front()->offset;
+    // Pieces come down the flat layout; each tile reaches up to the one above it.
+    const size_t first = tiles.size();
+    int64_t top = whole.end;
+    for (const layers::GradientPiece& p : pieces) {
+      const int64_t lo = base + p.begin, hi = base + p.end;
+      STRATA_CHECK(p.begin >= 0 && p.begin < p.end && hi <= top, "layer ", layer.name(), ": gradient piece [", p.begin,
+                   ", ", p.end, ") is not below the pieces before it");
+      tiles.push_back({whole.layer, lo, top, true, lo, hi});
+      top = lo;
+    }
+    tiles.back().begin = whole.begin;
+    std::reverse(tiles.begin() + static_cast<std::ptrdiff_t>(first), tiles.end());
+    // Every gradient element is written by some piece.
+    for (const layers::ParamEntry* e : params) {
+      int64_t covered = e->offset;  // tiles are in flat order now
+      for (size_t k = first; k < tiles.size(); ++k)
+        if (tiles[k].written_begin <= covered && tiles[k].written_end > covered) covered = tiles[k].written_end;
+      STRATA_CHECK(covered >= e->offset + shape_numel(e->shape), "layer ", layer.name(), "'s gradient pieces miss ",
+                   e->name, " from element ", covered - e->offset);
+    }
+  }
+  return tiles;
+}
+
+int64_t ring_elements(const std::vector<GradientTile>& tiles, int64_t bucket_bytes, bool pinned) {
+  if (tiles.empty()) return 0;
+  const int64_t flat_numel = tiles.back().end;
+  const int64_t base = pinned ? tiles.front().end : 0;  // the pinned first tile
   int64_t largest = 0;
-  for (size_t k = pinned ? 1 : 0; k < extents.size(); ++k)
-    largest = std::max(largest, extents[k].end - extents[k].begin);
+  for (size_t k = pinned ? 1 : 0; k < tiles.size(); ++k) largest = std::max(largest, tiles[k].end - tiles[k].begin);
   if (largest == 0) return base;
-  // The largest layer while the bucket above it is still being reduced; never more than the
-  // whole buffer, which holds every layer without a wrap.
+  // The largest tile while the bucket above it is still being reduced; never more than the
+  // whole buffer, which holds every tile without a wrap.
   return base + std::min(largest + bucket_elements(bucket_bytes), flat_numel - base);
 }
 
-std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                                    int64_t ring, bool pinned) {
+std::vector<RingSlot> place_in_ring(const std::vector<GradientTile>& tiles, int64_t ring, bool pinned) {
   std::vector<RingSlot> slots;
-  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
-  const int64_t bottom = pinned && !extents.empty() ? extents.front().end : 0;  // the others cycle above it
+  const int64_t bottom = pinned && !tiles.empty() ? tiles.front().end : 0;  // the others cycle above it
   int64_t top = ring;  // the lowest ring element taken since the last wrap
-  for (size_t k = extents.size(); k-- > 0;) {
-    const int64_t n = extents[k].end - extents[k].begin;
+  for (size_t k = tiles.size(); k-- > 0;) {
+    const GradientTile& t = tiles[k];
+    const int64_t n = t.end - t.begin;
     if (pinned && k == 0) {  // at its own flat positions; the part above is reduced before it
-      slots.push_back({extents[k].layer, extents[k].begin, extents[k].end, 0, true, true});
+      STRATA_CHECK(!t.streamed, "layer ", t.layer, "'s pinned gradients cannot be written in pieces");
+      slots.push_back({t, 0, true, true});
       break;
     }
-    STRATA_CHECK(n <= ring - bottom, "layer ", extents[k].layer, "'s ", n, " gradients do not fit the ring's ",
-                 ring - bottom);
+    STRATA_CHECK(n <= ring - bottom, "layer ", t.layer, "'s ", n, " gradients do not fit the ring's ", ring - bottom);
     // Descending positions keep flat order inside the ring, so a bucket is one piece of it
     // unless a wrap splits it.
     const bool wraps = n > top - bottom;
     if (wraps) top = ring;
     top -= n;
-    slots.push_back({extents[k].layer, extents[k].begin, extents[k].end, top, wraps});
+    slots.push_back({t, top, wraps});
   }
   return slots;
 }
@@ -115,10 +155,18 @@ GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const l
   model_ = &model;
   shard_size_ = shard_size;
   shard_grads_ = Tensor::zeros({shard_size}, DType::F32, store.params().device());
-  const int64_t ring = ring_elements(store.layer_ranges(), store.flat_numel(), bucket_bytes, pinned);
-  slots_ = place_in_ring(store.layer_ranges(), store.flat_numel(), ring, pinned);
+  const std::vector<GradientTile> tiles = gradient_tiles(model, store.entries(), store.flat_numel(), bucket_bytes);
+  const int64_t ring = ring_elements(tiles, bucket_bytes, pinned);
+  slots_ = place_in_ring(tiles, ring, pinned);
+  for (const GradientTile& t : tiles)
+    if (t.streamed && (streaming_.empty() || streaming_.back() != t.layer)) streaming_.push_back(t.layer);
+  for (size_t layer : streaming_) model.layer(layer).set_gradient_sink(this, bucket_elements(bucket_bytes));
   // From the communicator: on one node, shared memory that the reduces read in place.
   ring_ = dp.allocate(ring, DType::F32, store.params().device());
+}
+
+GradientSync::~GradientSync() {
+  for (size_t layer : streaming_) model_->layer(layer).set_gradient_sink(nullptr, 0);
 }
 
 void GradientSync::broadcast_parameters() {
@@ -142,6 +190,7 @@ void GradientSync::begin() {
   started_ = store_.flat_numel();
   if (!sharded()) return;
   placed_ = 0;
+  piece_out_ = false;
   if (!slots_.empty() && slots_.back().pinned) bind_slot(slots_.back());  // before the tied head writes it
   place_next();
 }
@@ -152,7 +201,7 @@ void GradientSync::bind_slot(const RingSlot& s) {
   // Layers accumulate into their gradient views, so the range starts at zero.
   const Tensor grads = ring_.view(s.offset, {n});
   grads.fill_zero();
-  store_.bind_grads(*model_, s.layer, grads, s.begin);
+  if (!s.streamed) store_.bind_grads(*model_, s.layer, grads, s.begin);
 }
 
 void GradientSync::place_next() {
@@ -163,6 +212,25 @@ void GradientSync::place_next() {
   if (s.wraps) start_down_to(s.end);
   ring_shift_ = s.begin - s.offset;
   if (!s.pinned) bind_slot(s);  // the pinned one was bound at begin() and holds the tied head's part
+}
+
+Tensor GradientSync::next_piece() {
+  STRATA_CHECK(placed_ > 0 && slots_[placed_ - 1].streamed && !piece_out_,
+               "a gradient piece was asked for outside its layer's turn in backward");
+  piece_out_ = true;
+  const RingSlot& s = slots_[placed_ - 1];
+  return ring_.view(s.offset + s.written_begin - s.begin, {s.written_end - s.written_begin});
+}
+
+void GradientSync::piece_written() {
+  STRATA_CHECK(piece_out_, "a gradient piece was written that was not asked for");
+  piece_out_ = false;
+  // Everything from the piece's tile up is final: the buckets there are complete.
+  const int64_t done_from = slots_[placed_ - 1].begin;
+  while (next_ < buckets_.size() && buckets_[next_].begin >= done_from) start_down_to(buckets_[next_].begin);
+  place_next();
+  dp_.progress();
+  retire(/*wait=*/false);
 }
 
 void GradientSync::start_down_to(int64_t lo) {

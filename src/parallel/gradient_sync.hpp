@@ -7,14 +7,16 @@
 // ZeRO 0 and 1: each bucket of the store's full gradient buffer is all-reduced (ZeRO 1: reduced
 // to the owners of its pieces), during the step's last backward only (earlier micro-batches
 // accumulate locally).
-// ZeRO 2 and 3: there is no full gradient buffer. Backward writes each layer's gradients into a
-// ring of R = min(largest layer + one bucket, the whole buffer) elements: layers are placed from
-// the top down in backward order, so flat order holds inside the ring, and wrap to the top when
-// the next one does not fit below (the part of the ring written since the last wrap is then
-// reduced first). A complete bucket is reduced piece by piece (split at wraps and at shards) to
-// the rank(s) whose shard it overlaps, and each owner adds its pieces into a persistent
-// accumulator of its own shard only: 4 * (S + R) bytes of gradients per rank. This runs for
-// every micro-batch.
+// ZeRO 2 and 3: there is no full gradient buffer. Backward writes the gradients into a ring of
+// R = min(largest tile + one bucket, the whole buffer) elements, a tile being a layer's
+// gradients or, for a layer larger than a bucket that can (Linear, an untied LM head), a
+// bucket-sized piece of them that its backward writes and hands back before computing the next:
+// two buckets when every large layer streams. Tiles are placed from the top down in backward
+// order, so flat order holds inside the ring, and wrap to the top when the next one does not fit
+// below (the part of the ring written since the last wrap is then reduced first). A complete
+// bucket is reduced piece by piece (split at wraps and at shards) to the rank(s) whose shard it
+// overlaps, and each owner adds its pieces into a persistent accumulator of its own shard only:
+// 4 * (S + R) bytes of gradients per rank. This runs for every micro-batch.
 #pragma once
 
 #include <cstdint>
@@ -45,38 +47,57 @@ std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bu
 std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
                                  int64_t bucket_bytes);
 
-// ZeRO 2/3: elements of the gradient ring, min(largest extent + one bucket, flat_numel). With
-// `pinned` (ZeRO 2, a tied LM head on the stage of its embedding, the stage's first layer),
-// the first extent keeps its own part of the ring for the whole backward — the head, which
-// runs first, accumulates into the embedding's gradient, which runs last — and the others
-// cycle through the rest: first extent + min(largest other + one bucket, the rest).
-int64_t ring_elements(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                      int64_t bucket_bytes, bool pinned = false);
+// Elements of a bucket of bucket_bytes (at least one): also the most a streamed piece holds.
+int64_t bucket_elements(int64_t bucket_bytes);
 
-// Where a layer's gradients live in the ring during one backward: its extent [begin, end) at
-// ring elements [offset, offset + end - begin).
-struct RingSlot {
+// ZeRO 2/3: a unit in which backward writes gradients into the ring: a layer's whole extent,
+// or, for a layer that writes its gradients piece by piece (Layer::gradient_pieces, bucket-sized
+// pieces), one piece widened to tile the extent (the highest up to its end, the lowest down to
+// its begin). Tiles are in forward order and tile the flat buffer.
+struct GradientTile {
   size_t layer = 0;
   int64_t begin = 0, end = 0;
-  int64_t offset = 0;
-  bool wraps = false;   // placed at the top again: what was written since the last wrap is reduced first
-  bool pinned = false;  // the first extent, bound at the start of backward (ring_elements)
+  bool streamed = false;                       // a piece, written through the layer's GradientSink
+  int64_t written_begin = 0, written_end = 0;  // streamed: the piece's elements, in [begin, end)
 };
 
-// The placement of every layer's extent in a ring of `ring` elements, in backward order: each
-// right below the one before, or at the top when it does not fit there. The same on every
-// replica, so all start the same reduces in the same order.
-// With `pinned`, the first extent sits at the ring's bottom (its own flat positions), marked
-// pinned and wrapping (the others above it are reduced before it is), and the others cycle above.
-std::vector<RingSlot> place_in_ring(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                                    int64_t ring, bool pinned = false);
+// Whole layers: the extents of `ranges` as tiles.
+std::vector<GradientTile> whole_layer_tiles(const std::vector<layers::ParameterStore::LayerRange>& ranges,
+                                            int64_t flat_numel);
+// The tiles of a stage's layout (`entries`, padded to flat_numel): layers whose gradients are
+// larger than a bucket are cut into pieces of about one bucket when they can be.
+std::vector<GradientTile> gradient_tiles(const layers::Model& model, const std::vector<layers::ParamEntry>& entries,
+                                         int64_t flat_numel, int64_t bucket_bytes);
+
+// Elements of the gradient ring, min(largest tile + one bucket, the whole buffer): two buckets
+// when every layer larger than a bucket streams. With `pinned` (a tied LM head on the stage of
+// its embedding, the stage's first layer: a whole tile), the first tile keeps its own part of the
+// ring for the whole backward — the head, which runs first, accumulates into the embedding's
+// gradient, which runs last — and the others cycle through the rest: first tile + min(largest
+// other + one bucket, the rest).
+int64_t ring_elements(const std::vector<GradientTile>& tiles, int64_t bucket_bytes, bool pinned = false);
+
+// Where a tile lives in the ring during one backward: its elements [begin, end) at ring elements
+// [offset, offset + end - begin).
+struct RingSlot : GradientTile {
+  int64_t offset = 0;
+  bool wraps = false;   // placed at the top again: what was written since the last wrap is reduced first
+  bool pinned = false;  // the first tile, bound at the start of backward (ring_elements)
+};
+
+// The placement of every tile in a ring of `ring` elements, in backward order: each right below
+// the one before, or at the top when it does not fit there. The same on every replica, so all
+// start the same reduces in the same order.
+// With `pinned`, the first tile sits at the ring's bottom (its own flat positions), marked pinned
+// and wrapping (the others above it are reduced before it is), and the others cycle above.
+std::vector<RingSlot> place_in_ring(const std::vector<GradientTile>& tiles, int64_t ring, bool pinned = false);
 
 // Whether a stage's gradient ring pins its first extent: a layer in [begin, end) sharing the
 // parameters of another (a tied LM head) that accumulates into its embedding's gradient directly (no copy:
 // TiedEmbedding), the embedding being in the range too (it must be its first layer with parameters).
 bool pins_tied_embedding(const layers::Model& model, size_t begin, size_t end);
 
-class GradientSync {
+class GradientSync final : public layers::GradientSink {
  public:
   // ZeRO 0 (owner_shard_size = 0): all-reduces buckets of store.grads() in place.
   // ZeRO 1 (owner_shard_size = S): reduces each bucket's pieces in place to the ranks whose
@@ -88,8 +109,13 @@ class GradientSync {
   // ZeRO 2 and 3: `store` has no gradient buffer (allocate_grads = false) and is padded to dp shards
   // of `shard_size` elements; gradients of `model`'s layers go through the ring into
   // shard_grads(). `pinned`: the first extent keeps its part of the ring (ring_elements).
+  // Layers that stream their gradients write them through this object (GradientSink), one
+  // bucket-sized piece at a time, each reduced while the next is computed.
   GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store, int64_t bucket_bytes,
                int64_t shard_size, bool pinned = false);
+  ~GradientSync() override;
+  GradientSync(const GradientSync&) = delete;
+  GradientSync& operator=(const GradientSync&) = delete;
 
   // Makes parameters (unless sharded: ZeRO 3) and buffers identical on every replica:
   // broadcast from replica 0.
@@ -105,6 +131,9 @@ class GradientSync {
   // Starts what is left and waits for all buckets: ZeRO 0/1 gradients are then summed over
   // replicas; ZeRO 2 has added this backward's reduced pieces into shard_grads().
   void finish();
+  // GradientSink (ZeRO 2/3): the ring range of the streaming layer's next piece, and its end.
+  Tensor next_piece() override;
+  void piece_written() override;
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   bool sharded() const { return model_ != nullptr; }
@@ -126,7 +155,8 @@ class GradientSync {
   // the ring holds since the last wrap), bucket by bucket: all-reduces (ZeRO 0) or reduces of
   // each owner's piece (ZeRO 1, 2).
   void start_down_to(int64_t lo);
-  // ZeRO 2: binds the next layer's gradients to its ring range, zeroed, once nothing reads it.
+  // ZeRO 2: binds the next tile's ring range, zeroed, once nothing reads it, to its layer's
+  // gradients (unless the layer streams them and asks for it).
   void place_next();
   void bind_slot(const RingSlot& s);
   // ZeRO 2: adds completed (or, with wait, all) pieces that read ring elements [lo, hi) into
@@ -146,10 +176,12 @@ class GradientSync {
   const layers::Model* model_ = nullptr;
   Tensor shard_grads_;
   Tensor ring_;
-  std::vector<RingSlot> slots_;  // backward order
-  size_t placed_ = 0;            // slots_ bound so far in this backward
-  int64_t ring_shift_ = 0;       // since the last wrap, flat element f is at ring element f - ring_shift_
-  std::vector<Piece> pending_;   // reductions still reading the ring
+  std::vector<RingSlot> slots_;    // backward order
+  std::vector<size_t> streaming_;  // layers writing through next_piece()
+  size_t placed_ = 0;              // slots_ bound so far in this backward
+  bool piece_out_ = false;         // next_piece() handed out slots_[placed_ - 1]
+  int64_t ring_shift_ = 0;         // since the last wrap, flat element f is at ring element f - ring_shift_
+  std::vector<Piece> pending_;     // reductions still reading the ring
 };
 
 }  // namespace strata::parallel

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <memory>
 
 #include "core/allocator.hpp"
 #include "layers/gpt.hpp"
@@ -34,10 +35,12 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
         ParameterGather::window_elements(ParameterGather::visits(model, range.begin, range.end, ranges));
     b.params += (windows[0] + windows[1]) * dtype_bytes;
   }
-  if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest layer + a bucket)
+  if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest tile + a bucket)
     // ZeRO 2 and 3 keep a tied embedding's gradient in the ring.
     const bool pinned = pins_tied_embedding(model, range.begin, range.end);
-    b.grads = (shard.size + ring_elements(ranges, flat, layout.bucket_bytes, pinned)) * f32;
+    const int64_t ring =
+        ring_elements(gradient_tiles(model, entries, flat, layout.bucket_bytes), layout.bucket_bytes, pinned);
+    b.grads = (shard.size + ring) * f32;
   } else {
     b.grads = flat * f32;
   }
@@ -72,9 +75,12 @@ RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& s
 
 namespace {
 
-// Binds the layers of `range` to meta parameters (compute dtype; buffers and gradients f32).
+// Binds the layers of `range` to meta parameters (compute dtype; buffers and gradients f32),
+// which `held` keeps: they are counted before the activations, and a layer rebinding its views
+// (a composite streaming its children's gradients) must not free them during the count.
 // A tied head whose embedding is not on this rank gets a meta copy, as TiedEmbedding gives it.
-void bind_meta(layers::Model& model, StageRange range, DType dtype, const std::vector<size_t>& rank_layers) {
+void bind_meta(layers::Model& model, StageRange range, DType dtype, const std::vector<size_t>& rank_layers,
+               std::vector<Tensor>& held) {
   for (size_t i = range.begin; i < range.end; ++i) {
     layers::Layer& layer = model.layer(i);
     std::vector<Tensor> params, grads;
@@ -83,6 +89,8 @@ void bind_meta(layers::Model& model, StageRange range, DType dtype, const std::v
       grads.push_back(s.trainable ? Tensor::empty(s.shape, DType::F32, Device::meta()) : Tensor());
     }
     layer.bind(params, grads);
+    held.insert(held.end(), params.begin(), params.end());
+    held.insert(held.end(), grads.begin(), grads.end());
     auto* head = dynamic_cast<layers::LMHead*>(&layer);
     if (head && head->shares_parameters_with() != nullptr &&
         std::none_of(rank_layers.begin(), rank_layers.end(),
@@ -120,6 +128,35 @@ class PlannedCommunicator final : public Communicator {
   int rank_, size_;
 };
 
+// ZeRO 2/3: a layer that streams its gradients (GradientSync) gets its pieces from the ring,
+// which RankBytes::grads counts, so here from one meta buffer allocated before the count starts;
+// what the layer allocates to compute them (Linear: dy transposed) is counted as the real run's.
+class PlannedGradientSink final : public layers::GradientSink {
+ public:
+  PlannedGradientSink(layers::Layer& layer, int64_t bucket_bytes) : layer_(layer) {
+    int64_t largest = 0;
+    for (const layers::GradientPiece& p : layer.gradient_pieces(bucket_elements(bucket_bytes))) {
+      sizes_.push_back(p.end - p.begin);
+      largest = std::max(largest, sizes_.back());
+    }
+    buffer_ = Tensor::empty({largest}, DType::F32, Device::meta());
+    if (!sizes_.empty()) layer.set_gradient_sink(this, bucket_elements(bucket_bytes));
+  }
+  ~PlannedGradientSink() override {
+    if (!sizes_.empty()) layer_.set_gradient_sink(nullptr, 0);
+  }
+  PlannedGradientSink(const PlannedGradientSink&) = delete;
+  PlannedGradientSink& operator=(const PlannedGradientSink&) = delete;
+  Tensor next_piece() override { return buffer_.view(0, {sizes_[next_++ % sizes_.size()]}); }
+  void piece_written() override {}
+
+ private:
+  layers::Layer& layer_;
+  std::vector<int64_t> sizes_;
+  size_t next_ = 0;
+  Tensor buffer_;
+};
+
 }  // namespace
 
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
@@ -129,7 +166,13 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   std::vector<size_t> rank_layers;
   for (int c = 0; c < v; ++c)
     for (size_t i = chunk_range(c).begin; i < chunk_range(c).end; ++i) rank_layers.push_back(i);
-  for (int c = 0; c < v; ++c) bind_meta(model, chunk_range(c), layout.dtype, rank_layers);
+  std::vector<Tensor> held;
+  for (int c = 0; c < v; ++c) bind_meta(model, chunk_range(c), layout.dtype, rank_layers, held);
+
+  std::vector<std::unique_ptr<PlannedGradientSink>> sinks;
+  if (layout.zero >= 2)
+    for (size_t i : rank_layers)
+      sinks.push_back(std::make_unique<PlannedGradientSink>(model.layer(i), layout.bucket_bytes));
 
   MetaAllocator& meta = meta_allocator();
   meta.set_host_staging(layout.cpu);

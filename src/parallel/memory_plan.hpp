@@ -49,7 +49,7 @@ struct RankBytes {
   // Parameters in the compute dtype (ZeRO 3: the shard and two gather windows), f32 buffers,
   // a tied head's copy of wte.
   int64_t params = 0;
-  // f32 gradients (ZeRO 2/3: the shard and the ring of the largest layer + one bucket), a tied
+  // f32 gradients (ZeRO 2/3: the shard and the ring of the largest tile + one bucket), a tied
   // head's copy's gradient and the embedding stage's receive chunk.
   int64_t grads = 0;
   // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.

@@ -6,7 +6,8 @@
 //
 // Stage 0 is plain data parallelism: one shard is the whole buffer. Stage 1 shards the
 // optimizer state. Stage 2 also shards the gradients: backward writes them into GradientSync's
-// ring (the largest layer + one bucket), each bucket is reduced to the owners and only this
+// ring (the largest tile + one bucket: about two buckets when the large layers write their
+// gradients piece by piece), each bucket is reduced to the owners and only this
 // rank's S-element gradient shard is kept, which is what step() and grad_sum_squares() then
 // receive. Stage 3 also shards the parameters: the store holds only this rank's S elements,
 // ParameterGather broadcasts each layer's pieces from their owners into a window just before

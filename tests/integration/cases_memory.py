@@ -66,6 +66,10 @@ PLAN_LAYOUTS = [
     ("dp 2 zero 1", 2, ["--zero", "1"]),
     ("dp 2 zero 2", 2, ["--zero", "2"]),
     ("dp 2 zero 3", 2, ["--zero", "3"]),
+    # Buckets of 2621 elements: the embedding, the blocks and the untied head (260 x 32) write
+    # their gradients through the ring in pieces.
+    ("dp 2 zero 2, streamed", 2, ["--zero", "2", "--bucket-mb", "0.01"]),
+    ("dp 2 zero 3, streamed", 2, ["--zero", "3", "--bucket-mb", "0.01"]),
     ("pp 2 1f1b, 4 micro-batches", 2, ["--pp", "2", "--micro-batch", "4"]),
     ("pp 2 gpipe, 4 micro-batches", 2, ["--pp", "2", "--micro-batch", "4", "--schedule", "gpipe"]),
     ("pp 2 interleaved", 2, ["--pp", "2", "--micro-batch", "4", "--schedule", "interleaved", "--virtual-stages", "2"]),

@@ -145,9 +145,9 @@ def case_zero_equivalence(args):
             for z in stages[1:]:
                 assert_same_model(runs[layouts[z]], runs[layouts["0"]],
                                   f"zero {z} vs 0, {ranks} ranks micro-batch {micro} {grid} {optimizer}")
-    # --bucket-mb 0.001 (262 elements): ZeRO 2/3's gradient ring (fc1 + a bucket, 4422 elements)
-    # is smaller than the buffer (6384, 6400), so fc1 does not fit below fc2 and wraps to the top:
-    # the bucket the wrap splits is reduced as two pieces. With and without accumulation.
+    # --bucket-mb 0.001 (262 elements): every layer but fc3 streams its gradients in pieces of 4
+    # rows (256 elements) through a ring of 518 elements, which wraps about 12 times per backward:
+    # a bucket a wrap splits is reduced as two pieces. With and without accumulation.
     for ranks, micro in ((2, 16), (4, 2)):
         layouts = {z: (ranks, micro, ("--optimizer", "sgd", "--momentum", "0.9", "--zero", z)) for z in "023"}
         runs = equivalence_runs(args, ZERO_MLP, list(layouts.values()), bucket_mb="0.001")
@@ -195,14 +195,30 @@ def dry_run_table(args, ranks, flags):
     return rows
 
 
-def ring_elements(layer_sizes, total, bucket_mb):
-    """Elements of ZeRO 2/3's gradient ring, as GradientSync sizes it: the largest layer extent
-    (a layer's aligned elements; the last one's reaches to the padded end `total`) plus one
-    bucket of bucket_mb MiB, at most the whole buffer. layer_sizes: each layer's aligned
-    trainable elements, in forward order."""
-    extents = layer_sizes[:-1] + [total - sum(layer_sizes[:-1])]
+def ring_elements(layers, total, bucket_mb):
+    """Elements of ZeRO 2/3's gradient ring, as GradientSync sizes it: the largest tile plus one
+    bucket of bucket_mb MiB, at most the whole buffer. A layer whose gradients (weight + bias)
+    exceed a bucket writes them in pieces, the bias first, then blocks of max(bucket // cols, 1)
+    weight rows from the last down, each piece's tile reaching up to the one above (the highest
+    to the layer's end, the lowest down to its start); another layer is one tile, its extent.
+    layers: (rows, cols) of each Linear, forward order; every tensor starts on a 16-element
+    boundary and the last layer's extent reaches to the padded end `total`."""
+    align = lambda n, m=16: (n + m - 1) // m * m
     bucket = max(int(bucket_mb * (1 << 20)) // 4, 1)
-    return min(max(extents) + bucket, total)
+    tiles, begin = [], 0
+    for k, (rows, cols) in enumerate(layers):
+        bias_at = begin + align(rows * cols)
+        end = total if k == len(layers) - 1 else bias_at + align(rows)
+        if rows * cols + rows <= bucket:
+            tiles.append(end - begin)
+        else:
+            block = max(bucket // cols, 1)
+            top = end
+            for cut in [bias_at] + [begin + max(hi - block, 0) * cols for hi in range(rows, 0, -block)]:
+                tiles.append(top - cut)
+                top = cut
+        begin = end
+    return min(max(tiles) + bucket, total)
 
 
 def case_zero_memory(args):
@@ -210,7 +226,8 @@ def case_zero_memory(args):
     optimizer state for S = align_up(ceil(N / dp), 16) elements (64-byte alignment), 4 bytes x
     (1 for SGD-momentum, 2 for AdamW) each; the last rank may hold less (N - (dp-1) S).
     Parameters stay whole, padded to dp x S elements; so do gradients with ZeRO 1, while ZeRO 2
-    and 3 keep a gradient shard of S elements plus a ring of the largest layer + one bucket.
+    and 3 keep a gradient shard of S elements plus a ring of the largest tile + one bucket (fc1
+    and fc2 stream their gradients in pieces of 20 rows).
     ZeRO 3 keeps a parameter shard of S elements plus two window slots, layer j in slot j % 2,
     each as large as its largest layer (from its first parameter to the end of its last): fc1's
     4096 + 64 elements (fc1 and fc3 share slot 0) and fc2's 2048 + 32."""
@@ -218,18 +235,16 @@ def case_zero_memory(args):
     # The MLP's flat layout, computed here independently: 8x8 inputs, 64, 32, 4 classes;
     # every tensor starts on a 16-element boundary.
     sizes = [64 * 64, 64, 32 * 64, 32, 4 * 32, 4]
-    layer_sizes = [align(sizes[0]) + align(sizes[1]), align(sizes[2]) + align(sizes[3]),
-                   align(sizes[4]) + align(sizes[5])]
     n = sum(align(s) for s in sizes)
     layer_span = [align(sizes[k]) + sizes[k + 1] for k in (0, 2, 4)]  # fc1, fc2, fc3
     windows = max(layer_span[0], layer_span[2]) + layer_span[1]
-    bucket_mb = 0.005  # 1310 elements: fc1 (4160) spans four buckets, ring 4160 + 1310 < dp*S
+    bucket_mb = 0.005  # 1310 elements: fc1 (4160) and fc2 (2080) stream, ring 1280 + 1310 < dp*S
     for optimizer, per_element in (("sgd", 1), ("adamw", 2)):
         for dp in (1, 2, 4):
             flags = ZERO_MLP + ["--optimizer", optimizer, "--bucket-mb", str(bucket_mb)]
             base = dry_run_table(args, dp, flags + ["--zero", "0"])
             shard = align(-(-n // dp))
-            ring = ring_elements(layer_sizes, dp * shard, bucket_mb)
+            ring = ring_elements([(64, 64), (32, 64), (4, 32)], dp * shard, bucket_mb)
             for zero in (1, 2, 3):
                 rows = dry_run_table(args, dp, flags + ["--zero", str(zero)])
                 for r in range(dp):

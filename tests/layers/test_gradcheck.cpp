@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <tuple>
 
 #include "layers/basic.hpp"
 #include "layers/composite.hpp"
@@ -520,6 +521,109 @@ TEST_F(GradCheck, SoftmaxCrossEntropyLogits) {
           << "scale " << scale << " logit " << i;
     }
   }
+}
+
+// ---- streamed gradients ----------------------------------------------------------------------
+
+// ZeRO 2/3 hand a layer its gradient memory piece by piece (Layer::set_gradient_sink): the
+// pieces a layer writes through a sink, put at their places in its layout, must equal the
+// gradients it writes whole into views of that layout (up to rounding), and dx bit for bit.
+class PieceRecorder final : public GradientSink {
+ public:
+  explicit PieceRecorder(std::vector<GradientPiece> expected) : expected_(std::move(expected)) {}
+  Tensor next_piece() override {
+    EXPECT_FALSE(out_) << "a piece asked for before the last was written";
+    out_ = true;
+    const GradientPiece& p = expected_.at(pieces_.size());
+    pieces_.push_back(Tensor::zeros({p.end - p.begin}));
+    return pieces_.back();
+  }
+  void piece_written() override { out_ = false; }
+  // The pieces at their places in a layout of `size` elements.
+  std::vector<float> assembled(int64_t size) const {
+    EXPECT_EQ(pieces_.size(), expected_.size());
+    EXPECT_FALSE(out_);
+    std::vector<float> flat(static_cast<size_t>(size), 0.0f);
+    for (size_t k = 0; k < pieces_.size(); ++k)
+      std::copy_n(pieces_[k].data<float>(), pieces_[k].numel(), flat.begin() + expected_[k].begin);
+    return flat;
+  }
+
+ private:
+  std::vector<GradientPiece> expected_;
+  std::vector<Tensor> pieces_;
+  bool out_ = false;
+};
+
+std::vector<float> values_of(const Tensor& t) { return {t.data<float>(), t.data<float>() + t.numel()}; }
+
+void expect_streams_like_whole(Layer& layer, const Tensor& x, int64_t limit) {
+  Params p = bind_random(layer);
+  const TrainableLayout layout = trainable_layout(p.specs);
+  const Tensor flat = Tensor::zeros({layout.size});
+  std::vector<Tensor> views;
+  for (size_t i = 0; i < p.specs.size(); ++i)
+    views.push_back(p.specs[i].trainable ? flat.view(layout.offsets[i], p.specs[i].shape) : Tensor());
+  layer.bind(p.values, views);
+  Context probe;
+  const Tensor dy = randn(layer.forward(x, probe, train_info()).shape());
+
+  Context ctx;
+  layer.forward(x, ctx, train_info());
+  const Tensor dx_whole = layer.backward(dy, ctx);
+
+  const std::vector<GradientPiece> pieces = layer.gradient_pieces(limit);
+  ASSERT_GT(pieces.size(), 1u) << "the layer is larger than " << limit << " elements";
+  EXPECT_TRUE(layer.gradient_pieces(layout.size).empty()) << "it fits one piece of its own size";
+  int64_t top = layout.size;
+  for (const GradientPiece& piece : pieces) {
+    EXPECT_LT(piece.begin, piece.end);
+    EXPECT_LE(piece.end, top) << "pieces go down the layout";
+    top = piece.begin;
+  }
+  PieceRecorder sink(pieces);
+  layer.set_gradient_sink(&sink, limit);
+  Context ctx2;
+  layer.forward(x, ctx2, train_info());
+  const Tensor dx_streamed = layer.backward(dy, ctx2);
+  layer.set_gradient_sink(nullptr, 0);
+  // A block of rows is its own GEMM: OpenBLAS kernels may add its products in another order
+  // than the whole GEMM's (OPENBLAS_CORETYPE=Haswell does), so rounding apart.
+  const std::vector<float> streamed = sink.assembled(layout.size), whole = values_of(flat);
+  float largest = 0.0f;
+  for (float v : whole) largest = std::max(largest, std::fabs(v));
+  for (size_t i = 0; i < whole.size(); ++i)
+    ASSERT_NEAR(streamed[i], whole[i], 1e-6f * largest) << "element " << i << " of " << whole.size();
+  if (dx_whole.defined()) EXPECT_EQ(values_of(dx_streamed), values_of(dx_whole));
+}
+
+TEST_F(GradCheck, StreamedGradientsEqualTheWholeLinear) {
+  Linear with_bias("fc", 7, 10, true), without_bias("fc", 7, 10, false);
+  expect_streams_like_whole(with_bias, randn({2, 3, 7}), 15);  // the bias, then blocks of two rows
+  expect_streams_like_whole(without_bias, randn({4, 7}), 3);   // at least one row per piece
+  EXPECT_EQ(with_bias.gradient_pieces(15).size(), 6u);
+  EXPECT_EQ(without_bias.gradient_pieces(3).size(), 10u);
+}
+
+TEST_F(GradCheck, StreamedGradientsEqualTheWholeEmbeddingAndHead) {
+  Embedding embedding("wte", 11, 6, 4);
+  Tensor tokens = Tensor::empty({2, 5}, DType::I32);
+  for (int64_t i = 0; i < tokens.numel(); ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 7 + 2) % 11);
+  expect_streams_like_whole(embedding, tokens, 9);  // wpe, then wte in blocks of two rows
+  LMHead head("lm_head", 8, 20);
+  expect_streams_like_whole(head, randn({2, 3, 8}), 30);
+}
+
+TEST_F(GradCheck, StreamedGradientsEqualTheWholeComposites) {
+  for (Recompute recompute : {Recompute::None, Recompute::Block, Recompute::Full}) {
+    SCOPED_TRACE("recompute " + std::to_string(static_cast<int>(recompute)));
+    // c_attn (16 x 48 + 48) and c_fc (16 x 64 + 64) stream, the LayerNorms are one piece each.
+    TransformerBlock block("h0", 16, 2, 0.1f, AttentionKind::Flash, kGptInitStd, nullptr, recompute);
+    expect_streams_like_whole(block, randn({2, 5, 16}), 100);
+  }
+  // Convolutions do not stream: each child of the main path and of the shortcut is one piece.
+  LayerPtr residual = ResidualBlock::basic("block", 4, 8, 2);
+  expect_streams_like_whole(*residual, randn({2, 4, 6, 6}), 100);
 }
 
 }  // namespace

@@ -164,7 +164,8 @@ std::vector<Recipe> recipes() {
   adamw.name = "adamw";
   adamw.weight_decay = 0.01f;
   // 64-byte buckets are 16 elements: every layer (64, 80 and 48 elements with padding) spans
-  // several, and ZeRO 2/3's gradient ring (80 + 16 elements) wraps at each of the lower layers.
+  // several, and under ZeRO 2/3 each streams its gradients in pieces of two rows (at most 16
+  // elements) through a ring of 32, which wraps several times per backward.
   return {
       {"sgd", sgd, 0.05f, 1, 25 << 20, 0, 0},
       {"sgd_2micro_small_buckets_clip", sgd, 0.05f, 2, 64, 0.05f, 0},
@@ -210,6 +211,11 @@ Snapshots train(Communicator& dp, Communicator& pipeline, int zero, DType dtype,
   }
   EXPECT_EQ(replica.store().params().numel(), o.shards_params() ? mine.size : replica.store().flat_numel());
   EXPECT_EQ(replica.store().grads().defined(), !o.shards_grads());
+  if (o.shards_grads()) {  // the paper's gradient shard + two buckets (a tile may hold < 16 elements of
+                           // alignment padding besides its piece): every layer here streams
+    const int64_t ring_bound = std::min(2 * bucket_elements(recipe.bucket_bytes) + 15, replica.store().flat_numel());
+    EXPECT_LE(replica.gradient_bytes(), 4 * (mine.size + ring_bound));
+  }
 
   const layers::SoftmaxCrossEntropy loss;
   layers::LossScaler scaler = recipe.loss_scale > 0

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
 #include <tuple>
 
 #include "core/error.hpp"
@@ -86,9 +87,9 @@ TEST(MakeBuckets, RealModelBucketsTileAndWaitForTheirLowestLayer) {
 }
 
 TEST(Ring, LargestLayerPlusOneBucketAtMostTheBuffer) {
-  EXPECT_EQ(ring_elements(kRanges, kFlat, kBucketBytes), 288 + 64);
-  EXPECT_EQ(ring_elements(kRanges, kFlat, 1000 * 4), kFlat);
-  EXPECT_EQ(ring_elements({}, 0, kBucketBytes), 0);
+  EXPECT_EQ(ring_elements(whole_layer_tiles(kRanges, kFlat), kBucketBytes), 288 + 64);
+  EXPECT_EQ(ring_elements(whole_layer_tiles(kRanges, kFlat), 1000 * 4), kFlat);
+  EXPECT_EQ(ring_elements({}, kBucketBytes), 0);
 }
 
 std::vector<std::tuple<size_t, int64_t, bool>> placement(const std::vector<RingSlot>& slots) {
@@ -100,20 +101,20 @@ std::vector<std::tuple<size_t, int64_t, bool>> placement(const std::vector<RingS
 TEST(Ring, LayersGoDownInBackwardOrderAndWrapToTheTop) {
   // Ring of 352: layer 5 (48) at [304, 352), layer 4 (16) right below, layer 3 (288) fills
   // [0, 288), layer 1 (112) does not fit below 0 and wraps to [240, 352).
-  const std::vector<RingSlot> slots = place_in_ring(kRanges, kFlat, 352);
+  const std::vector<RingSlot> slots = place_in_ring(whole_layer_tiles(kRanges, kFlat), 352);
   EXPECT_EQ(placement(slots), (std::vector<std::tuple<size_t, int64_t, bool>>{
                                   {5, 304, false}, {4, 288, false}, {3, 0, false}, {1, 240, true}}));
   // Flat order inside the ring: one shift between wraps.
   EXPECT_EQ(slots[0].begin - slots[0].offset, slots[2].begin - slots[2].offset);
   // A ring of 300 wraps twice: layer 3 does not fit below 236, layer 1 not below 12.
-  EXPECT_EQ(placement(place_in_ring(kRanges, kFlat, 300)),
+  EXPECT_EQ(placement(place_in_ring(whole_layer_tiles(kRanges, kFlat), 300)),
             (std::vector<std::tuple<size_t, int64_t, bool>>{
                 {5, 252, false}, {4, 236, false}, {3, 12, true}, {1, 188, true}}));
   // The whole buffer: the flat layout itself, no wrap.
-  EXPECT_EQ(placement(place_in_ring(kRanges, kFlat, kFlat)),
+  EXPECT_EQ(placement(place_in_ring(whole_layer_tiles(kRanges, kFlat), kFlat)),
             (std::vector<std::tuple<size_t, int64_t, bool>>{
                 {5, 416, false}, {4, 400, false}, {3, 112, false}, {1, 0, false}}));
-  EXPECT_THROW(place_in_ring(kRanges, kFlat, 287), Error);  // layer 3 does not fit at all
+  EXPECT_THROW(place_in_ring(whole_layer_tiles(kRanges, kFlat), 287), Error);  // layer 3 does not fit at all
 }
 
 // ZeRO 2 with a tied head on its embedding's stage: the first extent keeps [0, 112) of the ring
@@ -121,9 +122,10 @@ TEST(Ring, LayersGoDownInBackwardOrderAndWrapToTheTop) {
 // the 304 elements above it.
 TEST(Ring, PinnedFirstExtentKeepsItsPlace) {
   constexpr int64_t bucket = 16 * 4;
-  EXPECT_EQ(ring_elements(kRanges, kFlat, bucket, /*pinned=*/true), 112 + 288 + 16);
-  EXPECT_EQ(ring_elements(kRanges, kFlat, kBucketBytes, /*pinned=*/true), kFlat);  // at most the buffer
-  const std::vector<RingSlot> slots = place_in_ring(kRanges, kFlat, 416, /*pinned=*/true);
+  EXPECT_EQ(ring_elements(whole_layer_tiles(kRanges, kFlat), bucket, /*pinned=*/true), 112 + 288 + 16);
+  EXPECT_EQ(ring_elements(whole_layer_tiles(kRanges, kFlat), kBucketBytes, /*pinned=*/true),
+            kFlat);  // at most the buffer
+  const std::vector<RingSlot> slots = place_in_ring(whole_layer_tiles(kRanges, kFlat), 416, /*pinned=*/true);
   // Layer 5 at [368, 416), 4 right below, 3 (288) does not fit above 112 and wraps, 1 pinned at 0.
   EXPECT_EQ(placement(slots), (std::vector<std::tuple<size_t, int64_t, bool>>{
                                   {5, 368, false}, {4, 352, false}, {3, 128, true}, {1, 0, true}}));
@@ -156,8 +158,8 @@ TEST(Ring, SlotsSinceAWrapAreDisjointAndKeepFlatOrder) {
   const int64_t flat = 4096;
   for (int64_t elements : {1, 16, 100, 1000}) {
     SCOPED_TRACE(elements);
-    const int64_t ring = ring_elements(ranges, flat, elements * 4);
-    const std::vector<RingSlot> slots = place_in_ring(ranges, flat, ring);
+    const int64_t ring = ring_elements(whole_layer_tiles(ranges, flat), elements * 4);
+    const std::vector<RingSlot> slots = place_in_ring(whole_layer_tiles(ranges, flat), ring);
     ASSERT_EQ(slots.size(), ranges.size());
     int64_t top = ring;
     for (size_t k = 0; k < slots.size(); ++k) {
@@ -176,6 +178,50 @@ TEST(Ring, SlotsSinceAWrapAreDisjointAndKeepFlatOrder) {
       top = s.offset;
     }
   }
+}
+
+// ZeRO 2/3 with the zoo's MLP (784 -> 1024 -> 1024 -> 10) and 1 MiB buckets: fc1 and fc2 are
+// three and four buckets large and stream, fc3 (10,250 elements) is one whole tile, so the ring
+// is two buckets instead of fc2 + a bucket (five).
+TEST(GradientTiles, LargeLinearLayersStreamInPiecesOfABucket) {
+  layers::ModelSpec spec;
+  spec.name = "mlp";
+  spec.hidden = {1024, 1024};
+  const layers::Model model = layers::build_model(spec, {1, 28, 28}, 10);
+  const std::vector<layers::ParamEntry> entries = layers::ParameterStore::layout(model);
+  const int64_t flat = (layers::ParameterStore::layout_numel(entries) + 31) / 32 * 32;  // dp 2's padding
+  constexpr int64_t bucket = int64_t{1} << 20, elements = bucket / 4;
+
+  const std::vector<GradientTile> tiles = gradient_tiles(model, entries, flat, bucket);
+  int64_t end = 0;
+  std::map<size_t, int64_t> written;  // per layer
+  for (const GradientTile& t : tiles) {
+    EXPECT_EQ(t.begin, end) << "tiles tile the buffer";
+    end = t.end;
+    EXPECT_LE(t.end - t.begin, elements + 15) << "a bucket, give or take the alignment padding";
+    EXPECT_EQ(t.streamed, t.layer != 5) << t.layer;  // fc1 and fc2 stream, fc3 is whole
+    if (!t.streamed) continue;
+    EXPECT_LE(t.begin, t.written_begin);
+    EXPECT_LT(t.written_begin, t.written_end);
+    EXPECT_LE(t.written_end, t.end);
+    written[t.layer] += t.written_end - t.written_begin;
+  }
+  EXPECT_EQ(end, flat);
+  EXPECT_EQ(written[1], 784 * 1024 + 1024);
+  EXPECT_EQ(written[3], 1024 * 1024 + 1024);
+
+  const int64_t ring = ring_elements(tiles, bucket);
+  EXPECT_LE(ring, 2 * elements + 15);
+  EXPECT_EQ(ring_elements(whole_layer_tiles(layers::ParameterStore::layer_ranges(entries), flat), bucket),
+            1024 * 1024 + 1024 + elements);
+  const std::vector<RingSlot> slots = place_in_ring(tiles, ring);
+  ASSERT_EQ(slots.size(), tiles.size());
+  for (size_t k = 0; k < slots.size(); ++k) EXPECT_EQ(slots[k].begin, tiles[tiles.size() - 1 - k].begin);
+
+  // Buckets of 25 MiB hold every layer whole: the tiles are the layers' extents.
+  const std::vector<GradientTile> whole = gradient_tiles(model, entries, flat, int64_t{25} << 20);
+  ASSERT_EQ(whole.size(), 3u);
+  for (const GradientTile& t : whole) EXPECT_FALSE(t.streamed);
 }
 
 }  // namespace
