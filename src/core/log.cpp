@@ -46,4 +46,17 @@ void tee_to(const std::string& path) {
   g_tee = f;
 }
 
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  auto value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof text, unit ? "%.2f %s" : "%.0f %s", value, units[unit]);
+  return text;
+}
+
 }  // namespace strata::log

@@ -2,6 +2,7 @@
 // line with its rank and lets all ranks print.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "core/error.hpp"
@@ -18,6 +19,10 @@ void write(Level level, const std::string& line);
 // a job's log that does not depend on the launcher forwarding output (mpirun stops at a
 // cancel). An Input error if it cannot be opened.
 void tee_to(const std::string& path);
+
+// 208 B, 72.31 KiB, 5.69 GiB: a byte count for reading (exact counts stand beside it where they
+// matter).
+std::string format_bytes(int64_t bytes);
 
 template <class... Args>
 void info(const Args&... args) {

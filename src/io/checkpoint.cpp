@@ -259,17 +259,10 @@ void CheckpointWriter::write_tensor(const std::string& name, const Tensor& t) {
   STRATA_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::I32 || t.dtype() == DType::U8, "checkpoint tensor '",
                name, "' has unsupported dtype ", dtype_name(t.dtype()));
   STRATA_CHECK(!h5::exists(file_, name), "checkpoint tensor '", name, "' written twice");
-  std::vector<hsize_t> dims(t.shape().begin(), t.shape().end());
-  h5::Space space(dims.empty() ? H5_CHECK(H5Screate(H5S_SCALAR), "scalar space")
-                               : H5_CHECK(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
-                                          "space for ", name));
-  h5::PList lcpl(H5_CHECK(H5Pcreate(H5P_LINK_CREATE), "link property list"));
-  H5_CHECK(H5Pset_create_intermediate_group(lcpl, 1), "intermediate groups");
   const hid_t file_type = t.dtype() == DType::F32   ? H5T_IEEE_F32LE
                           : t.dtype() == DType::I32 ? H5T_STD_I32LE
                                                     : H5T_STD_U8LE;
-  h5::DataSet ds(H5_CHECK(H5Dcreate2(file_, name.c_str(), file_type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
-                          "creating checkpoint tensor ", name));
+  const h5::DataSet ds = h5::create_dataset(file_, name, file_type, h5::space_of(t.shape(), name));
   H5_CHECK(H5Dwrite(ds, h5::native_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()), "writing ", name, " to ",
            tmp_path_);
   h5::write_attr_u32(ds, "crc32", crc32_of(t));

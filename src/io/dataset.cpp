@@ -376,21 +376,16 @@ void write_shard(const std::string& path, const Tensor& inputs, std::span<const 
   STRATA_REQUIRE(file.valid(), "cannot create '", path, "' (", h5::last_error(), ")");
 
   // Contiguous, uncompressed: random-access reads of single samples stay cheap.
-  std::vector<hsize_t> dims(inputs.shape().begin(), inputs.shape().end());
-  h5::Space ispace(H5_CHECK(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "inputs space"));
   const hid_t file_type = inputs.dtype() == DType::U8 ? H5T_STD_U8LE : H5T_IEEE_F32LE;
-  h5::DataSet in(H5_CHECK(H5Dcreate2(file, "inputs", file_type, ispace, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                          "creating inputs in ", path));
+  const h5::DataSet in = h5::create_dataset(file, "inputs", file_type, h5::space_of(inputs.shape(), "inputs"));
   H5_CHECK(H5Dwrite(in, h5::native_type(inputs.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, inputs.raw()),
            "writing inputs to ", path);
   if (attrs.scale != 0.0f) h5::write_attr(in, "scale", static_cast<double>(attrs.scale));
   if (!attrs.mean.empty()) h5::write_attr(in, "mean", attrs.mean);
   if (!attrs.std.empty()) h5::write_attr(in, "std", attrs.std);
 
-  hsize_t n = labels.size();
-  h5::Space lspace(H5_CHECK(H5Screate_simple(1, &n, nullptr), "labels space"));
-  h5::DataSet lab(H5_CHECK(H5Dcreate2(file, "labels", H5T_STD_I32LE, lspace, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                           "creating labels in ", path));
+  const h5::DataSet lab =
+      h5::create_dataset(file, "labels", H5T_STD_I32LE, h5::space_of({static_cast<int64_t>(labels.size())}, "labels"));
   H5_CHECK(H5Dwrite(lab, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels.data()), "writing labels to ", path);
   if (attrs.num_classes > 0) h5::write_attr(lab, "num_classes", static_cast<int64_t>(attrs.num_classes));
   H5_CHECK(H5Fflush(file, H5F_SCOPE_LOCAL), "flushing ", path);

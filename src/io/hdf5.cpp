@@ -65,6 +65,22 @@ bool exists(hid_t loc, const std::string& path) {
   }
 }
 
+Space space_of(const Shape& shape, const std::string& name) {
+  const Guard guard;
+  const std::vector<hsize_t> d(shape.begin(), shape.end());
+  return Space(d.empty()
+                   ? H5_CHECK(H5Screate(H5S_SCALAR), "scalar space")
+                   : H5_CHECK(H5Screate_simple(static_cast<int>(d.size()), d.data(), nullptr), "space for ", name));
+}
+
+DataSet create_dataset(hid_t file, const std::string& name, hid_t file_type, hid_t space) {
+  const Guard guard;
+  PList lcpl(H5_CHECK(H5Pcreate(H5P_LINK_CREATE), "link property list"));
+  H5_CHECK(H5Pset_create_intermediate_group(lcpl, 1), "intermediate groups");
+  return DataSet(H5_CHECK(H5Dcreate2(file, name.c_str(), file_type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
+                          "creating dataset ", name));
+}
+
 Shape dims(hid_t space, const std::string& what) {
   const Guard guard;
   // Dataspaces come from files: a damaged one is bad input.

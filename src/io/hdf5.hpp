@@ -115,6 +115,11 @@ Shape dims(hid_t space, const std::string& what = "");
 // The HDF5 memory type for a tensor dtype (F32, I32, U8).
 hid_t native_type(DType dtype);
 
+// The dataspace of a tensor of `shape` (a scalar for {}).
+Space space_of(const Shape& shape, const std::string& name);
+// A new dataset `name` in `file`, its parent groups created as needed ("model/h0/attn/...").
+DataSet create_dataset(hid_t file, const std::string& name, hid_t file_type, hid_t space);
+
 // A readable name for an HDF5 type ("uint16", "float32", "string", ...), for error messages.
 std::string type_name(hid_t type);
 

@@ -101,18 +101,6 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-std::string format_bytes(int64_t bytes) {
-  char buf[32];
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (int64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
-  else if (bytes >= (int64_t{1} << 20))
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
-  else
-    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
-  return buf;
-}
-
 }  // namespace
 
 StepSplit average_split(const std::vector<RankWindow>& ranks) {
@@ -143,7 +131,7 @@ std::string progress_line(const ProgressRecord& r, int64_t total_steps) {
   std::snprintf(line, sizeof line,
                 "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %s  %.1f ms/step%s%s  mem %s  eta %s",
                 static_cast<long long>(r.step), static_cast<long long>(total_steps), static_cast<long long>(r.epoch),
-                r.loss, r.lr, rate, 1e3 * r.step_time_s, time_split, mfu, format_bytes(r.peak_bytes).c_str(),
+                r.loss, r.lr, rate, 1e3 * r.step_time_s, time_split, mfu, log::format_bytes(r.peak_bytes).c_str(),
                 format_duration(r.eta_s).c_str());
   return line;
 }

@@ -85,14 +85,8 @@ void ParallelCheckpointFile::write(const std::string& name, const Shape& local, 
         "checkpoint tensor '", name, "': a part of ", n, " elements given as ",
         part.defined() ? part.str() : std::string("nothing"));
     const h5::Guard guard;
-    std::vector<hsize_t> dims(full.begin(), full.end());
-    h5::Space space(dims.empty() ? H5_CHECK(H5Screate(H5S_SCALAR), "scalar space")
-                                 : H5_CHECK(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
-                                            "space for ", name));
-    h5::PList lcpl(H5_CHECK(H5Pcreate(H5P_LINK_CREATE), "link property list"));
-    H5_CHECK(H5Pset_create_intermediate_group(lcpl, 1), "intermediate groups");
-    h5::DataSet ds(H5_CHECK(H5Dcreate2(file_, name.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
-                            "creating checkpoint tensor ", name));
+    const h5::Space space = h5::space_of(full, name);
+    const h5::DataSet ds = h5::create_dataset(file_, name, H5T_IEEE_F32LE, space);
     const hsize_t mem_size = static_cast<hsize_t>(std::max<int64_t>(n, 1));
     h5::Space mem(H5_CHECK(H5Screate_simple(1, &mem_size, nullptr), "memory space"));
     if (n == 0) {

@@ -308,23 +308,17 @@ TokenShardWriter::TokenShardWriter(const std::string& path, int64_t num_tokens, 
   w.vocab = tokenizer.vocab_size();
   w.file = h5::File(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
   STRATA_REQUIRE(w.file.valid(), "cannot create '", path, "' (", h5::last_error(), ")");
-  const auto n = static_cast<hsize_t>(num_tokens);
-  h5::Space space(H5_CHECK(H5Screate_simple(1, &n, nullptr), "tokens space"));
   const hid_t file_type = w.vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_U32LE;
-  w.tokens = h5::DataSet(H5_CHECK(H5Dcreate2(w.file, "tokens", file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                                  "creating tokens in ", path));
+  w.tokens = h5::create_dataset(w.file, "tokens", file_type, h5::space_of({num_tokens}, "tokens"));
   h5::write_attr(w.file, "kind", std::string("tokens"));
   h5::write_attr(w.file, "vocab_size", w.vocab);
   h5::write_attr(w.file, "num_tokens", num_tokens);
   h5::write_attr(w.file, "tokenizer", tokenizer.name());
   h5::write_attr(w.file, "eot", int64_t{tokenizer.eot()});
   if (tokenizer.kind() == Tokenizer::Kind::Bpe) {
-    h5::Group g(H5_CHECK(H5Gcreate2(w.file, "tokenizer", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "creating group tokenizer in ", path));
-    const hsize_t mdims[2] = {tokenizer.merges().size(), 2};
-    h5::Space mspace(H5_CHECK(H5Screate_simple(2, mdims, nullptr), "merges space"));
-    h5::DataSet m(H5_CHECK(H5Dcreate2(g, "merges", H5T_STD_I32LE, mspace, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                           "creating merges in ", path));
+    const Shape merges{static_cast<int64_t>(tokenizer.merges().size()), 2};
+    const h5::DataSet m =
+        h5::create_dataset(w.file, "tokenizer/merges", H5T_STD_I32LE, h5::space_of(merges, "tokenizer/merges"));
     if (!tokenizer.merges().empty())
       H5_CHECK(H5Dwrite(m, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokenizer.merges().data()),
                "writing merges to ", path);

@@ -11,6 +11,7 @@
 #include <map>
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "core/tensor.hpp"
 #include "core/trace.hpp"
 #include "parallel/communicator.hpp"
@@ -60,17 +61,6 @@ uint64_t mix_string(uint64_t h, const char* s) {
   return h;
 }
 constexpr uint64_t k52 = (uint64_t{1} << 52) - 1;
-
-std::string format_bytes(int64_t bytes) {
-  char text[32];
-  if (bytes >= (1 << 20))
-    std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  else if (bytes >= 1024)
-    std::snprintf(text, sizeof text, "%.1f KiB", static_cast<double>(bytes) / 1024);
-  else
-    std::snprintf(text, sizeof text, "%lld B", static_cast<long long>(bytes));
-  return text;
-}
 
 std::vector<std::weak_ptr<Channel>>& channels() {
   static std::vector<std::weak_ptr<Channel>> all;
@@ -122,7 +112,7 @@ std::shared_ptr<Channel> open_channel(MPI_Comm comm, const std::string& name) {
 
 std::string describe(const Record& r) {
   std::string s =
-      detail::cat("#", r.seq, " ", r.op, " of ", format_bytes(r.bytes), " ", dtype_name(r.dtype), " on ", r.comm);
+      detail::cat("#", r.seq, " ", r.op, " of ", log::format_bytes(r.bytes), " ", dtype_name(r.dtype), " on ", r.comm);
   if (r.peer >= 0)
     s += detail::cat(std::strncmp(r.op, "send", 4) == 0 || std::strncmp(r.op, "recv", 4) == 0 ? " peer " : " root ",
                      r.peer);
@@ -314,7 +304,7 @@ std::string report(uint64_t seq, double waited_s) {
       if (at == 0 || quiet_s <= std::min(1.0, g_timeout_s / 2)) return std::string();
       return detail::cat("rank ", w, " (no sign of life for ", static_cast<int>(quiet_s * 10) / 10.0,
                          " s; last started #", h.seq.load(), " ", std::string(h.op, strnlen(h.op, sizeof h.op)), " of ",
-                         format_bytes(h.bytes), " on ", std::string(h.comm, strnlen(h.comm, sizeof h.comm)), ")");
+                         log::format_bytes(h.bytes), " on ", std::string(h.comm, strnlen(h.comm, sizeof h.comm)), ")");
     };
     std::string stale, unknown;
     for (int w : r->channel->world_ranks) {

@@ -19,20 +19,6 @@ namespace strata::train {
 
 namespace {
 
-// 72.3 KiB, 5.69 GiB: for reading; the exact bytes stand beside it.
-std::string human(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  auto value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 4) {
-    value /= 1024;
-    ++unit;
-  }
-  char text[32];
-  std::snprintf(text, sizeof text, unit ? "%.2f %s" : "%.0f %s", value, units[unit]);
-  return text;
-}
-
 // "rank 3 (stage 1, replica 1)" or "ranks 0-2 (stage 0, replicas 0-2)"; with tensor
 // parallelism the ranks of a line are a stage's replicas and their tp ranks.
 std::string ranks_str(int first, int last, const GridShape& g) {
@@ -96,15 +82,16 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
      << "recompute; 1F1B), " << r.fitting.size() << " fit "
-     << (config.device_memory > 0 ? human(config.device_memory) + " per rank" : std::string("(no --device-memory)"))
+     << (config.device_memory > 0 ? log::format_bytes(config.device_memory) + " per rank"
+                                  : std::string("(no --device-memory)"))
      << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan_gbps
      << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
   for (const std::string& why : r.skipped) os << "\n  skipped " << why;
   if (r.fitting.empty()) {
     const parallel::LayoutChoice& s = r.smallest;
     os << "\n  none fits: the smallest, tp " << s.tp << " pp " << s.pp << " dp " << s.dp << " zero " << s.zero
-       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs " << human(s.bytes)
-       << " on its fullest rank; add ranks or memory";
+       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs "
+       << log::format_bytes(s.bytes) << " on its fullest rank; add ranks or memory";
     return os.str();
   }
   os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
@@ -112,13 +99,40 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   for (size_t k = 0; k < shown; ++k) {
     const parallel::LayoutChoice& c = r.fitting[k];
     char row[200];
-    std::snprintf(
-        row, sizeof row, "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
-        c.tp, c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute), human(c.bytes).c_str(),
-        c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
+    std::snprintf(row, sizeof row,
+                  "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1, c.tp,
+                  c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute),
+                  log::format_bytes(c.bytes).c_str(), c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s,
+                  c.time.tp_s, c.time.pp_s);
     os << row << "\n     " << layout_command(config, c, world_size);
   }
   return os.str();
+}
+
+// --dry-run: the planner's step-time model for the layout given, the number --plan ranks it by.
+std::string step_time_line(const Config& config, const layers::Model& model,
+                           const std::vector<parallel::StageRange>& stages, int world_size) {
+  if (config.schedule_kind != parallel::ScheduleKind::OneFOneB || config.virtual_stages > 1)
+    return "  step-time model: 1F1B only (the schedule --plan assumes)";
+  const int dp = world_size / (config.pp * config.tp);
+  const parallel::MemoryLayout layout = memory_layout(config, dp);
+  parallel::LayoutChoice choice;
+  choice.tp = config.tp;
+  choice.pp = config.pp;
+  choice.dp = dp;
+  choice.zero = config.zero;
+  choice.micro = layout.micro;
+  choice.micro_batches = layout.micro_batches;
+  choice.recompute = layers::parse_recompute(config.model.recompute);
+  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
+  const parallel::StepTime t =
+      parallel::estimate_step_time(model, stages, choice, config.global_batch, layout.dtype, rates);
+  char line[300];
+  std::snprintf(line, sizeof line,
+                "  step-time model: %.3g s per step (compute / bubble / dp / tp / pp: %.3g / %.3g / %.3g / %.3g / "
+                "%.3g) at %.3g TFLOP/s and %g GB/s per rank, communication not overlapped",
+                t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12, config.plan_gbps);
+  return line;
 }
 
 }  // namespace
@@ -220,7 +234,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
     const int states = layers::Optimizer::state_tensors(config.optimizer) + (config.precision == DType::F32 ? 0 : 1);
     const int64_t bytes = (elements + trainable * states) * static_cast<int64_t>(sizeof(float));
     os << "\n  --async-save: rank 0 holds the checkpoint's tensors in host memory until they are written: " << bytes
-       << " bytes (" << human(bytes) << ")";
+       << " bytes (" << log::format_bytes(bytes) << ")";
   }
   const int fullest = fullest_rank(ranks);
   os << "\n  bytes per rank (params include non-trained buffers; activations: the step's high-water mark of what "
@@ -233,7 +247,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
     const parallel::RankBytes& b = ranks[static_cast<size_t>(first)];
     os << "\n  " << ranks_str(first, last, g) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
        << b.optimizer << ", activations " << b.activations << " (" << b.in_flight << " in flight), total " << b.total()
-       << " (" << human(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
+       << " (" << log::format_bytes(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
     first = last + 1;
   }
   return os.str();
@@ -254,11 +268,11 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
   const auto largest = *std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& a, const auto& b) { return a.second < b.second; });
   STRATA_THROW_INPUT(
-      "--device-memory ", human(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g), " needs ",
-      human(worst.total()), " by the plan (parameters ", human(worst.params), ", gradients ", human(worst.grads),
-      ", optimizer state ", human(worst.optimizer), ", activations of stage ", g.stage(fullest), " ",
-      human(worst.activations), " with ", worst.in_flight, " micro-batches in flight); the largest part, ",
-      largest.first, " (", human(largest.second),
+      "--device-memory ", log::format_bytes(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g),
+      " needs ", log::format_bytes(worst.total()), " by the plan (parameters ", log::format_bytes(worst.params),
+      ", gradients ", log::format_bytes(worst.grads), ", optimizer state ", log::format_bytes(worst.optimizer),
+      ", activations of stage ", g.stage(fullest), " ", log::format_bytes(worst.activations), " with ", worst.in_flight,
+      " micro-batches in flight); the largest part, ", largest.first, " (", log::format_bytes(largest.second),
       "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
 }
 
@@ -301,7 +315,8 @@ void dry_run(const Config& config, MPI_Comm world) {
       plan_ranks(config, model, static_cast<int>(classes), stages, world_size);
   const std::string report = plan_report(config, model, stages, ranks);
   log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
-  log::info(report, "\n--dry-run: not training (planned from shapes, nothing allocated)");
+  log::info(report, "\n", step_time_line(config, model, stages, world_size),
+            "\n--dry-run: not training (planned from shapes, nothing allocated)");
   check_fits(config, ranks);
 }
 

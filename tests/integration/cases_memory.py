@@ -17,7 +17,7 @@ def case_memory_cap(args):
     step (exit 2, one line); no layout of 1 rank fits 500KiB (--plan), and the layout
     `--dry-run --plan --world 4` puts first trains on 4 ranks under 500KiB (checkpoints and
     the final evaluation included) and matches 1 rank without a
-    cap within 1e-5."""
+    cap within 1e-5; --dry-run of that layout prints the step time --plan ranked it by."""
     data = tokenize(args, "byte")
     flags = GPT4 + SGD + UNTIED + ["--data", data[0], "--steps", "2", "--global-batch", "16"]
     expect_bad_input(args, flags + ["--device-memory", "500KiB"],
@@ -35,13 +35,20 @@ def case_memory_cap(args):
     # one process picks a layout of 4 ranks, and that command, run as printed, trains.
     out = train_ranks(args, 1, flags + ["--dry-run", "--plan", "--device-memory", "500KiB"])
     assert re.search(r"0 fit 500\.00 KiB per rank.*\n  none fits: the smallest, .* needs [0-9.]+ KiB", out), out
-    out = train_ranks(args, 1, flags + ["--bucket-mb", "0.01", "--dry-run", "--plan", "--world", "4",
-                                        "--device-memory", "500KiB"])
-    command = re.search(r"^  1\. .*\n\s+(mpirun -np 4 \./build/train .*)$", out, re.M)
+    rate = ["--plan-tflops", "0.1"]  # not measured: both runs below model the same rate
+    out = train_ranks(args, 1, flags + rate + ["--bucket-mb", "0.01", "--dry-run", "--plan", "--world", "4",
+                                               "--device-memory", "500KiB"])
+    command = re.search(r"^  1\. .* (\S+)  \((\S+) / (\S+) / (\S+) / (\S+) / (\S+)\)\n\s+(mpirun -np 4 \./build/train .*)$",
+                        out, re.M)
     assert command, out
-    printed = command.group(1).split()[4:]
+    printed = command.group(7).split()[4:]
     assert "--data" in printed and "--device-memory" in printed and "--plan" not in printed, printed
-    layout = re.search(r"--tp \d+ --pp \d+ --zero \d+ --micro-batch \d+ --recompute \w+$", command.group(1)).group(0)
+    layout = re.search(r"--tp \d+ --pp \d+ --zero \d+ --micro-batch \d+ --recompute \w+$", command.group(7)).group(0)
+    # --dry-run of that layout prints the step-time model --plan ranked it by, the same numbers.
+    out = train_ranks(args, 1, printed + rate + ["--dry-run", "--world", "4"])
+    model_line = re.search(r"step-time model: (\S+) s per step \(compute / bubble / dp / tp / pp: (\S+) / (\S+) / "
+                           r"(\S+) / (\S+) / (\S+)\)", out)
+    assert model_line and model_line.groups() == command.groups()[:6], (model_line and model_line.groups(), out)
     reference, _ = gpt_run(args, 1, SGD + UNTIED, data, "cap-1", model=GPT4)
     model, out = gpt_run(args, 4, SGD + UNTIED + layout.split() + ["--device-memory", "500KiB"], data, "cap-planned",
                          model=GPT4)

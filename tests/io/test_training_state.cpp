@@ -268,14 +268,14 @@ TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
   r.eta_s = 3725;
   EXPECT_EQ(progress_line(r, 12),
             "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s  0.2 ms/step (compute 3%, comm 51%, "
-            "pipeline 36%, data 10%)  MFU 3.4%  mem 3.1 MiB  eta 1h02m");
+            "pipeline 36%, data 10%)  MFU 3.4%  mem 3.06 MiB  eta 1h02m");
   r.tokens_per_s = 12.5e6;
   r.split.reset();
   r.mfu.reset();
   r.peak_bytes = int64_t{3} << 30;
   EXPECT_NE(progress_line(r, 12).find("mem 3.00 GiB"), std::string::npos);
   r.peak_bytes = 20864;  // a tiny model's: not "0.0 MiB"
-  EXPECT_NE(progress_line(r, 12).find("mem 20.4 KiB"), std::string::npos);
+  EXPECT_NE(progress_line(r, 12).find("mem 20.38 KiB"), std::string::npos);
   r.peak_bytes = int64_t{3} << 30;
   r.eta_s = 61;
   EXPECT_EQ(progress_line(r, 12),

@@ -55,7 +55,7 @@ TEST(FlightRecorder, KeepsTheLast64InOrder) {
   ring.start(dp, "all_reduce sum", 8, DType::F32, -1, true);
   set_step(-1);
   EXPECT_EQ(describe(*ring.find(101)),
-            "#101 all_reduce sum of 4.0 MiB f32 on dp (collective 51 there, bucket 3 of step 1412)");
+            "#101 all_reduce sum of 4.00 MiB f32 on dp (collective 51 there, bucket 3 of step 1412)");
   EXPECT_EQ(describe(*ring.find(102)), "#102 all_reduce sum of 8 B f32 on dp (collective 52 there, step 1412)");
 }
 
@@ -190,7 +190,7 @@ TEST(Deadline, FiresOnceAfterTheTimeoutAndNotBefore) {
   ASSERT_EQ(g_expired.size(), 1u);
   EXPECT_GE(waited, 0.2);
   EXPECT_LT(waited, 1.0);
-  EXPECT_NE(g_expired[0].find("watchdog: #" + std::to_string(seq) + " recv of 4.0 KiB f32 on pp peer 1"),
+  EXPECT_NE(g_expired[0].find("watchdog: #" + std::to_string(seq) + " recv of 4.00 KiB f32 on pp peer 1"),
             std::string::npos)
       << g_expired[0];
   EXPECT_NE(g_expired[0].find("not complete after 0.2 s (--timeout 0.2)"), std::string::npos) << g_expired[0];
