@@ -107,9 +107,7 @@ void CheckpointSaver::complete(Save& save, const Attributes& attributes, std::ve
   if (written.empty() || written.back() != save.path) written.push_back(save.path);
   prune_checkpoints(written, keep);
   char took[128];
-  const double kib = static_cast<double>(save.bytes) / 1024;
-  std::snprintf(took, sizeof took, "%.1f %s in %.2f s", kib < 1024 ? kib : kib / 1024, kib < 1024 ? "KiB" : "MiB",
-                now_s() - save.started);
+  std::snprintf(took, sizeof took, "%s in %.2f s", log::format_bytes(save.bytes).c_str(), now_s() - save.started);
   std::string held;
   if (background) {
     char text[96];

@@ -2,7 +2,7 @@
 // background thread (--async-save). A save is begin(step), add() for each tensor, finish(): the
 // file is committed (CheckpointWriter: tmp, fsync, rename), `latest` points at it, the job's
 // older checkpoints are pruned to --keep, and one line is logged:
-//   saved checkpoint DIR/step-NNNNNNNN.h5 (12.3 MiB in 0.04 s)
+//   saved checkpoint DIR/step-NNNNNNNN.h5 (12.30 MiB in 0.04 s)
 // (async: "..., written in the background: training held 0.002 s", the stall of the step).
 // Async: add() keeps the tensors it is given (StateGather hands over fresh ones, so nothing is
 // copied: rank 0 holds the whole state in host memory until the write ends) and finish() hands
