@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "layers/model.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::bench {
 

@@ -13,18 +13,19 @@
 //   bench_gpt_step --sgemm-peak 2048 --threads 1
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_step.hpp"
 #include "core/allocator.hpp"
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
-#include "layers/loss.hpp"
 #include "layers/model.hpp"
-#include "layers/optimizer.hpp"
+#include "parallel/mpi.hpp"
 
 namespace {
 
@@ -127,147 +128,57 @@ double flops_per_token(int64_t params, const Options& o) {
   return 6.0 * static_cast<double>(params) + 6.0 * o.layers * static_cast<double>(o.embed * o.seq_len);
 }
 
-// Everything one training step touches: the model, its flat buffers, AdamW with GPT's parameter
-// groups, the per-layer contexts and one fixed batch of random tokens and targets.
-struct Bench {
-  layers::Model model;
-  layers::ParameterStore store;
-  layers::Optimizer optimizer;
-  layers::SoftmaxCrossEntropy loss;
-  std::vector<layers::Context> ctx;
-  Tensor x, y;
-  float lr;
-  int64_t step = 0;
-
-  static layers::ModelSpec spec(const Options& o) {
-    layers::ModelSpec s;
-    s.name = "gpt";
-    s.layers = o.layers;
-    s.heads = o.heads;
-    s.embed = o.embed;
-    s.seq_len = o.seq_len;
-    s.attention = o.attention;
-    return s;  // tied embeddings, no dropout: as torch_gpt_step.py
-  }
-  static layers::OptimizerConfig adamw(const Options& o) {
-    layers::OptimizerConfig c;
-    c.name = "adamw";
-    c.weight_decay = o.weight_decay;
-    c.beta1 = 0.9;
-    c.beta2 = 0.95;  // nanoGPT's
-    c.eps = 1e-8f;
-    return c;
-  }
-
-  explicit Bench(const Options& o)
-      : model(layers::build_model(spec(o), {o.seq_len}, static_cast<int>(o.vocab))),
-        store(model, o.seed),
-        optimizer(adamw(o), store.params().numel()),
-        lr(o.lr) {
-    // Weight decay on the Linear weights only, as train does (layers::no_decay_ranges).
-    optimizer.set_no_decay(layers::no_decay_ranges(store.entries(), 0, store.params().numel()));
-    // Random tokens: x is a window, y the same stream shifted by one.
-    std::mt19937 gen(static_cast<uint32_t>(o.seed));
-    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(o.vocab - 1));
-    std::vector<int32_t> stream(static_cast<size_t>(o.batch * (o.seq_len + 1)));
-    for (int32_t& v : stream) v = token(gen);
-    x = Tensor::empty({o.batch, o.seq_len}, DType::I32);
-    y = Tensor::empty({o.batch, o.seq_len}, DType::I32);
-    for (int64_t b = 0; b < o.batch; ++b)
-      for (int64_t t = 0; t < o.seq_len; ++t) {
-        x.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t)];
-        y.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t + 1)];
-      }
-  }
-
-  float loss_scale() const { return 1.0f / static_cast<float>(y.numel()); }  // mean over tokens
-
-  // One step as train::Trainer::train_step does it with one micro-batch on one rank; returns
-  // the mean loss per token.
-  double train_step() {
-    store.grads().fill_zero();
-    layers::StepInfo info{layers::Mode::Train, 1, step, 0};
-    const Tensor logits = model.forward(x, ctx, info);
-    layers::Context loss_ctx;
-    const double l = loss.forward(logits, y, loss_ctx);
-    model.backward(loss.backward(loss_ctx, loss_scale()), ctx);
-    optimizer.step(store.params(), store.grads(), lr);
-    ++step;
-    return l / static_cast<double>(y.numel());
-  }
-
-  // The same step with a clock around every piece; times accumulate into the vectors.
-  void profiled_step(std::vector<double>& fwd, std::vector<double>& bwd, double& zero_s, double& loss_s,
-                     double& opt_s) {
-    auto t = clock_type::now();
-    store.grads().fill_zero();
-    zero_s += seconds_since(t);
-    layers::StepInfo info{layers::Mode::Train, 1, step, 0};
-    ctx.resize(model.size());
-    Tensor h = x;
-    for (size_t i = 0; i < model.size(); ++i) {
-      t = clock_type::now();
-      h = model.layer(i).forward(h, ctx[i], info);
-      fwd[i] += seconds_since(t);
+// The step under test: train's own (bench_step.hpp) on one rank, for GPT with AdamW (nanoGPT's
+// betas and weight decay on the Linear weights, as train applies it) and one fixed batch of
+// random tokens: x a window, y the same stream shifted by one.
+std::unique_ptr<bench::StepBench> make_bench(const Options& o) {
+  layers::ModelSpec spec;
+  spec.name = "gpt";
+  spec.layers = o.layers;
+  spec.heads = o.heads;
+  spec.embed = o.embed;
+  spec.seq_len = o.seq_len;
+  spec.attention = o.attention;  // tied embeddings, no dropout: as torch_gpt_step.py
+  bench::StepSetup setup;
+  setup.optimizer.name = "adamw";
+  setup.optimizer.weight_decay = o.weight_decay;
+  setup.optimizer.beta1 = 0.9;
+  setup.optimizer.beta2 = 0.95;  // nanoGPT's
+  setup.optimizer.eps = 1e-8f;
+  setup.batch = o.batch;
+  setup.seed = o.seed;
+  setup.lr = o.lr;
+  auto bench = std::make_unique<bench::StepBench>(
+      MPI_COMM_SELF, setup, [&] { return layers::build_model(spec, {o.seq_len}, static_cast<int>(o.vocab)); });
+  std::mt19937 gen(static_cast<uint32_t>(o.seed));
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(o.vocab - 1));
+  std::vector<int32_t> stream(static_cast<size_t>(o.batch * (o.seq_len + 1)));
+  for (int32_t& v : stream) v = token(gen);
+  Tensor x = Tensor::empty({o.batch, o.seq_len}, DType::I32), y = Tensor::empty({o.batch, o.seq_len}, DType::I32);
+  for (int64_t b = 0; b < o.batch; ++b)
+    for (int64_t t = 0; t < o.seq_len; ++t) {
+      x.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t)];
+      y.data<int32_t>()[b * o.seq_len + t] = stream[static_cast<size_t>(b * (o.seq_len + 1) + t + 1)];
     }
-    t = clock_type::now();
-    layers::Context loss_ctx;
-    loss.forward(h, y, loss_ctx);
-    Tensor g = loss.backward(loss_ctx, loss_scale());
-    loss_s += seconds_since(t);
-    // As Model::backward: the embedding (layer 0) returns no input gradient.
-    for (size_t i = model.size(); i-- > 0 && g.defined();) {
-      t = clock_type::now();
-      ctx[i].input_grad = i > 0;
-      g = model.layer(i).backward(g, ctx[i]);
-      bwd[i] += seconds_since(t);
-    }
-    t = clock_type::now();
-    optimizer.step(store.params(), store.grads(), lr);
-    opt_s += seconds_since(t);
-    ++step;
-  }
-};
-
-void profile(Bench& b, const Options& o) {
-  const size_t n = b.model.size();
-  std::vector<double> fwd(n, 0.0), bwd(n, 0.0);
-  double zero_s = 0, loss_s = 0, opt_s = 0;
-  for (int s = 0; s < o.profile_steps; ++s) b.profiled_step(fwd, bwd, zero_s, loss_s, opt_s);
-  const double k = 1e3 / o.profile_steps;  // ms per step
-  double total = zero_s + loss_s + opt_s;
-  for (size_t i = 0; i < n; ++i) total += fwd[i] + bwd[i];
-  std::printf("\nper-step breakdown (mean of %d profiled steps, ms)\n", o.profile_steps);
-  std::printf("  %-10s %-60s %9s %9s %6s\n", "layer", "kind", "forward", "backward", "%");
-  for (size_t i = 0; i < n; ++i) {
-    const layers::Layer& l = b.model.layer(i);
-    std::string kind = l.describe();
-    if (kind.size() > 60) kind = kind.substr(0, 57) + "...";
-    std::printf("  %-10s %-60s %9.2f %9.2f %5.1f%%\n", l.name().c_str(), kind.c_str(), fwd[i] * k, bwd[i] * k,
-                100.0 * (fwd[i] + bwd[i]) / total);
-  }
-  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "zero_grad", "fill_zero(grads)", zero_s * k, "",
-              100.0 * zero_s / total);
-  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "loss", "softmax_xent fwd+bwd", loss_s * k, "",
-              100.0 * loss_s / total);
-  std::printf("  %-10s %-60s %9.2f %9s %5.1f%%\n", "optimizer", "adamw", opt_s * k, "", 100.0 * opt_s / total);
-  std::printf("  %-10s %-60s %9.2f\n", "total", "", total * k);
+  bench->set_batch(x, y);
+  return bench;
 }
 
 int run_steps(const Options& o) {
-  Bench b(o);
-  const int64_t params = b.store.num_trainable();
+  const std::unique_ptr<bench::StepBench> bench = make_bench(o);
+  bench::StepBench& b = *bench;
+  const int64_t params = b.engine().trainable_parameters();
   const int64_t tokens = o.batch * o.seq_len;
   const double fpt = flops_per_token(params, o);
   std::printf(
       "strata bench_gpt_step: gpt L%d H%d D%lld T%lld V%lld, %s attention, batch %lld (%lld tokens/step), AdamW, "
-      "threads %d, %lld parameters\n",
+      "threads %d, %lld parameters; train's step (StageEngine)\n",
       o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
       static_cast<long long>(o.vocab), o.attention.c_str(), static_cast<long long>(o.batch),
       static_cast<long long>(tokens), ops::num_threads(), static_cast<long long>(params));
   double first_loss = 0;
   for (int s = 0; s < o.warmup; ++s) {
-    const double l = b.train_step();
+    const double l = b.step();
     if (s == 0) first_loss = l;
   }
   const AllocatorStats before = host_allocator().stats();
@@ -275,7 +186,7 @@ int run_steps(const Options& o) {
   double last_loss = 0;
   for (int w = 0; w < o.windows; ++w) {
     const auto t0 = clock_type::now();
-    for (int s = 0; s < o.steps; ++s) last_loss = b.train_step();
+    for (int s = 0; s < o.steps; ++s) last_loss = b.step();
     rates.push_back(static_cast<double>(o.steps * tokens) / seconds_since(t0));
   }
   const double med = median(rates);
@@ -291,7 +202,7 @@ int run_steps(const Options& o) {
   std::printf(
       "RESULT impl=strata mode=step attention=%s threads=%d tokens_per_s=%.2f flops_per_token=%.0f params=%lld\n",
       o.attention.c_str(), o.threads, med, fpt, static_cast<long long>(params));
-  if (o.profile) profile(b, o);
+  if (o.profile) bench::print_profile(b, o.profile_steps);
   return 0;
 }
 
@@ -398,6 +309,7 @@ int run_sgemm_peak(const Options& o) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
+  parallel::MpiRuntime mpi(argc, argv);  // the step's communicators (one rank)
   try {
     ops::set_num_threads(o.threads);
     const std::string warning = ops::blas_kernel_warning();

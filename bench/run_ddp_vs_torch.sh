@@ -6,7 +6,7 @@
 #   strata 2 ranks (mpirun -np 2 bench_ddp_step) torch DDP gloo, 2 processes (--nproc 2)
 # alternating which side goes first, REPS times, and prints the medians: samples/s, scaling
 # efficiency (= 2-rank samples/s / (2 x 1-rank samples/s)), Strata DDP / torch DDP, and
-# Strata's step-time breakdown at 2 ranks (compute, exposed communication, optimizer).
+# Strata's step-time breakdown at 2 ranks (compute, exposed communication).
 #
 #   cmake --build build --target bench_ddp_step
 #   bash bench/run_ddp_vs_torch.sh               # REPS=5 STEPS=20 WINDOWS=7 WARMUP=20 BUCKET_MB=25
@@ -68,8 +68,7 @@ echo
 rows=() brows=()
 for config in $MODELS; do
   model="${config%%:*}" batch="${config##*:}"
-  s1=() s2=() s3=() s4=() s5=() paired=() t1=() t2=() comp=() expo=() opt=() lar=() stp=() ar=() expo3=() stp3=()
-  buckets=""
+  s1=() s2=() s3=() s4=() s5=() paired=() t1=() t2=() comp=() expo=() stp=() ar=() expo3=() stp3=()
   for ((r = 1; r <= REPS; ++r)); do
     strata_side() {
       local a b c d e
@@ -83,9 +82,8 @@ for config in $MODELS; do
       paired+=("$(awk -v a="$(field samples_per_s "$a")" -v b="$(field samples_per_s "$b")" 'BEGIN {print b / (2 * a)}')")
       s1+=("$(field samples_per_s "$a")"); s2+=("$(field samples_per_s "$b")"); s3+=("$(field samples_per_s "$c")")
       expo3+=("$(field exposed_ms "$c")"); stp3+=("$(field step_ms "$c")")
-      comp+=("$(field compute_ms "$b")"); expo+=("$(field exposed_ms "$b")"); opt+=("$(field optim_ms "$b")")
-      lar+=("$(field loss_ar_ms "$b")"); stp+=("$(field step_ms "$b")"); ar+=("$(field allreduce_alone_ms "$b")")
-      buckets="$(field buckets "$b")"
+      comp+=("$(field compute_ms "$b")"); expo+=("$(field exposed_ms "$b")")
+      stp+=("$(field step_ms "$b")"); ar+=("$(field allreduce_alone_ms "$b")")
     }
     torch_side() {
       local a b
@@ -98,7 +96,7 @@ for config in $MODELS; do
     echo "  $model b$batch rep $r: strata 1x1 ${s1[-1]}  2x1 ${s2[-1]} (exposed ${expo[-1]} of ${stp[-1]} ms)  2x1 MPI ${s3[-1]} (exposed ${expo3[-1]} of ${stp3[-1]} ms)  2x1 zero1 ${s5[-1]}  2x1 no-sync ${s4[-1]}   torch 1x1 ${t1[-1]}  DDP 2x1 ${t2[-1]}"
   done
   S1=$(median "${s1[@]}"); S2=$(median "${s2[@]}"); T1=$(median "${t1[@]}"); T2=$(median "${t2[@]}")
-  C=$(median "${comp[@]}"); X=$(median "${expo[@]}"); O=$(median "${opt[@]}"); L=$(median "${lar[@]}")
+  C=$(median "${comp[@]}"); X=$(median "${expo[@]}")
   P=$(median "${stp[@]}"); A=$(median "${ar[@]}")
   S4=$(median "${s4[@]}"); S5=$(median "${s5[@]}"); SP=$(median "${paired[@]}")
   S3=$(median "${s3[@]}"); X3=$(median "${expo3[@]}"); P3=$(median "${stp3[@]}")
@@ -108,10 +106,8 @@ for config in $MODELS; do
             m, b, s1, s2, 100 * s2 / (2 * s1), 100 * sp, 100 * x / p, s3, 100 * s3 / (2 * s1), 100 * x3 / p3,
             s5, 100 * s5 / (2 * s1), 100 * s4 / (2 * s1),
             t1, t2, 100 * t2 / (2 * t1), s2 / t2}')")
-  brows+=("$(awk -v m="$model" -v b="$batch" -v c="$C" -v x="$X" -v o="$O" -v l="$L" -v p="$P" -v a="$A" \
-    -v nb="$buckets" -v bm="$BUCKET_MB" -v s1="$S1" \
-    'BEGIN {printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s x (--bucket-mb %s) |", m, b,
-            1e3 * b / s1, c, x, o, l, p, a, nb, bm}')")
+  brows+=("$(awk -v m="$model" -v b="$batch" -v c="$C" -v x="$X" -v p="$P" -v a="$A" -v bm="$BUCKET_MB" -v s1="$S1" \
+    'BEGIN {printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %s |", m, b, 1e3 * b / s1, c, x, p, a, bm}')")
 done
 
 echo
@@ -121,12 +117,12 @@ printf '%s\n' "${rows[@]}"
 echo
 echo "Strata at 2 ranks, ms per step (rank 0, medians):"
 echo
-echo "| model | batch per rank | 1-rank step | compute (fwd+bwd) | exposed comm | optimizer | loss all-reduce | 2-rank step | all-reduce alone | buckets |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+echo "| model | batch per rank | 1-rank step | compute (step - exposed comm) | exposed comm | 2-rank step | all-reduce alone | --bucket-mb |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${brows[@]}"
 echo
 echo "scaling = 2x1 samples/s / (2 x 1x1 samples/s) from the medians; paired = median over repetitions of that ratio;"
-echo "no-sync = 2 ranks that never communicate (--no-sync), the ceiling for any communication; exposed comm = time in GradientSync::finish / step time;"
-echo "all-reduce alone = blocking all-reduce of every bucket with nothing else running."
+echo "no-sync = 2 ranks that never communicate (--no-sync), the ceiling for any communication; exposed comm = time blocked in the step's collectives (the watchdog's count) / step time;"
+echo "all-reduce alone = blocking all-reduce of the gradients' bytes with nothing else running."
 echo "cpu: $cpu; load average after: $(load_average)"
 warn_if_busy 2

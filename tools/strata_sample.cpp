@@ -24,12 +24,15 @@
 
 #include "core/error.hpp"
 #include "core/ops.hpp"
-#include "io/checkpoint.hpp"
+#include "io/checkpoint/directory.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/run_state.hpp"
 #include "io/tokenizer.hpp"
 #include "io/tokens.hpp"
-#include "io/training_state.hpp"
 #include "layers/gpt_decode.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 
 namespace po = boost::program_options;
 using namespace strata;

@@ -84,7 +84,7 @@ Shape Embedding::output_shape(const Shape& input) const {
 }
 
 std::vector<ParamSpec> Embedding::param_specs() const {
-  std::vector<ParamSpec> specs{normal("wte/weight", {local_vocab_, embed_}, kGptInitStd, true),
+  std::vector<ParamSpec> specs{normal(kTokenWeight, {local_vocab_, embed_}, kGptInitStd, true),
                                normal("wpe/weight", {max_positions_, embed_}, kGptInitStd, true)};
   if (tp_) specs[0].split = {tp_->size(), tp_->rank(), 0, 1};
   return specs;
@@ -432,6 +432,21 @@ Tensor TransformerBlock::backward(const Tensor& dy, Context& ctx) {
 // ---- LMHead ----------------------------------------------------------------------------------
 
 const Layer* LMHead::shares_parameters_with() const { return copy_ ? nullptr : tied_; }
+
+const Layer& LMHead::weight_owner() const {
+  STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
+  return *tied_;
+}
+
+Shape LMHead::weight_shape() const {
+  STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
+  return {tied_->local_vocab(), tied_->embed()};
+}
+
+const Tensor& LMHead::owner_weight_grad() const {
+  STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");
+  return tied_->dwte();
+}
 
 void LMHead::use_copy(Tensor w, Tensor dw) {
   STRATA_CHECK(tied_, "layer ", name(), " is not tied: it has its own weight");

@@ -41,6 +41,7 @@ class Embedding final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   int64_t flops(const Shape& input) const override;
+  bool takes_token_ids() const override { return true; }
   // wpe whole, then wte in blocks of whole rows from the last down (each block's backward picks
   // the tokens its rows hold); none when tied.
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
@@ -54,6 +55,8 @@ class Embedding final : public Layer {
   int64_t local_vocab() const { return local_vocab_; }
   int64_t first_token() const { return first_token_; }
   TensorParallelGroup* tensor_parallel() const { return tp_; }
+  // The token embedding's parameter name, model-level.
+  static constexpr const char* kTokenWeight = "wte/weight";
   // The token embedding (this rank's rows) and its gradient as bound now (the tied LMHead
   // reads these).
   const Tensor& wte() const { return wte_; }
@@ -140,6 +143,7 @@ class TransformerBlock final : public Layer {
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
+  bool is_tensor_parallel_block() const override { return true; }
   int64_t heads() const { return attn_.heads(); }
   float ln_eps() const { return ln_1_.eps(); }  // both LayerNorms'
   Recompute recompute() const { return recompute_; }
@@ -168,7 +172,7 @@ class TransformerBlock final : public Layer {
 // the tied embedding's rows: the same tokens), the output its slice of the logits (B, T, V/T),
 // columns [r V/T, (r+1) V/T) (SoftmaxCrossEntropy with the same group takes them); backward
 // all-reduces dx.
-class LMHead final : public Layer {
+class LMHead final : public Layer, public TiedWeight {
  public:
   // vocab is the full vocabulary; a tied head must have the embedding's group.
   LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to = nullptr,
@@ -184,9 +188,15 @@ class LMHead final : public Layer {
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;
   bool tied() const { return tied_ != nullptr; }
   const Embedding* tied_to() const { return tied_; }
+  // Tied: itself, the Embedding's wte/weight (local_vocab() x D); untied: null.
+  TiedWeight* tied_weight() override { return tied_ ? this : nullptr; }
+  const Layer& weight_owner() const override;
+  std::string weight_name() const override { return Embedding::kTokenWeight; }
+  Shape weight_shape() const override;
+  const Tensor& owner_weight_grad() const override;
   // A tied head from now on reads `w` and accumulates into `dw` (both local_vocab() x D)
   // instead of the Embedding's views; it then shares nothing.
-  void use_copy(Tensor w, Tensor dw);
+  void use_copy(Tensor w, Tensor dw) override;
   bool uses_copy() const { return copy_; }
   const Layer* shares_parameters_with() const override;
   int64_t vocab() const { return vocab_; }              // the full vocabulary

@@ -23,6 +23,7 @@
 
 #include "core/tensor.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::layers {
 

@@ -33,6 +33,28 @@ class GradientSink {
   virtual void piece_written() = 0;
 };
 
+class Layer;
+
+// A layer that multiplies by another layer's weight instead of one of its own (GPT-2's tied LM
+// head uses the token embedding's wte). Parallel code asks it for the pair and, where the two
+// layers cannot share views (another pipeline stage or chunk), gives it a copy of the weight and
+// of its gradient and keeps them in step (parallel::TiedEmbedding).
+class TiedWeight {
+ public:
+  virtual ~TiedWeight() = default;
+  // The layer whose parameter the weight is.
+  virtual const Layer& weight_owner() const = 0;
+  // That parameter's name in the parameter store ("wte/weight") and its shape on this rank (a
+  // tensor-parallel rank's rows).
+  virtual std::string weight_name() const = 0;
+  virtual Shape weight_shape() const = 0;
+  // The owner's gradient of the weight as bound now: where the copy's gradient is added.
+  virtual const Tensor& owner_weight_grad() const = 0;
+  // From now on the layer reads `w` and accumulates into `dw` (both weight_shape()) instead of
+  // the owner's views; it then shares nothing (Layer::shares_parameters_with() is null).
+  virtual void use_copy(Tensor w, Tensor dw) = 0;
+};
+
 // What a forward pass needs besides its input: the mode and the keys of random streams.
 struct StepInfo {
   Mode mode = Mode::Train;
@@ -58,7 +80,7 @@ struct Context {
 
 // How a parameter starts. FanInUniform is PyTorch's default for Linear and Conv weights and
 // biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). Normal is N(0, std^2) (GPT-2's init), drawn by
-// Box-Muller from the same counter-based uniforms (model.cpp: initialise).
+// Box-Muller from the same counter-based uniforms (parameter_store.cpp: initialise).
 enum class Init { FanInUniform, Zeros, Ones, Normal };
 
 struct ParamSpec {
@@ -127,6 +149,16 @@ class Layer {
   // The layer whose parameters this one also uses (a tied LM head: the token embedding), or
   // null. Tied layers must share a pipeline stage and their views must not be rebound.
   virtual const Layer* shares_parameters_with() const { return nullptr; }
+  // The other layer's weight this one multiplies by (a tied LM head's), whether shared or
+  // copied, or null.
+  virtual TiedWeight* tied_weight() { return nullptr; }
+  // Whether the input is i32 token ids (B, T...) rather than activations (a token embedding).
+  virtual bool takes_token_ids() const { return false; }
+  // Whether this is one of the model's repeated blocks whose tensor-parallel form all-reduces its
+  // activations (micro-batch x input shape) twice in forward and twice in backward, twice more
+  // when recomputed (a transformer block: attention and MLP). The layout search counts
+  // tensor-parallel traffic by these.
+  virtual bool is_tensor_parallel_block() const { return false; }
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }
   // The pieces of at most about max_elements each (at least one row of a weight, or a whole

@@ -23,23 +23,33 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
   // head on its embedding's stage reads the embedding's views: ZeRO 2 and 3's ring keeps the
   // embedding's gradient bound while the head writes it, and ZeRO 3 gathers the embedding's
   // parameters again, into the head's window, when the head runs (ParameterGather's visits).
-  // ZeRO 2 and 3 never allocate the full gradient buffer: GradientSync holds the shard and
-  // slots. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
+  // ZeRO 2 and 3 never allocate the full gradient buffer: GradientRing holds the shard and
+  // the ring. ZeRO 3 neither allocates the full parameter buffer: the store holds this replica's
   // S-element shard (elements replica*S onwards) and ParameterGather the windows. The full
   // buffers come from the communicator: on one node, shared memory that the bucket
   // all-reduces (and ZeRO's reduces and parameter all-gather) read in place.
   const Shard shard = ownership_.shard(dp.rank());
   store_ = std::make_unique<layers::ParameterStore>(
-      model, config.seed, stage.begin, stage.end, ownership_.pad_multiple(), !ownership_.shards_grads(),
-      !ownership_.shards_params(), dp.rank() * shard.size, shard.size, config.dtype, config.device,
-      [&dp, device = config.device](int64_t numel, DType dtype) { return dp.allocate(numel, dtype, device); });
+      model, config.seed,
+      layers::StoreLayout{.begin = stage.begin,
+                          .end = stage.end,
+                          .pad_multiple = ownership_.pad_multiple(),
+                          .allocate_grads = !ownership_.shards_grads(),
+                          .allocate_params = !ownership_.shards_params(),
+                          .shard_begin = dp.rank() * shard.size,
+                          .shard_size = shard.size,
+                          .dtype = config.dtype,
+                          .device = config.device,
+                          .allocate = [&dp, device = config.device](int64_t numel, DType dtype) {
+                            return dp.allocate(numel, dtype, device);
+                          }});
   optimizer_ = std::make_unique<ShardedOptimizer>(config.optimizer, ownership_, dp, *store_);
   if (ownership_.shards_grads())
-    sync_ = std::make_unique<GradientSync>(dp, model, *store_, config.bucket_bytes, shard.size,
+    ring_ = std::make_unique<GradientRing>(dp, model, *store_, config.bucket_bytes, shard.size,
                                            pins_tied_embedding(model, stage.begin, stage.end));
   else
-    sync_ =
-        std::make_unique<GradientSync>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
+    reducer_ =
+        std::make_unique<BucketReducer>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
   if (ownership_.shards_params())
     gather_ = std::make_unique<ParameterGather>(dp, model, *store_, shard.size, stage.begin, stage.end);
 }
@@ -48,7 +58,7 @@ Ownership DataParallel::ownership_of(StageRange stage) const {
   return Ownership(ownership_.zero(), ownership_.dp(), used_elements(model_, stage));
 }
 
-const Tensor& DataParallel::grads() const { return sync_->sharded() ? sync_->shard_grads() : store_->grads(); }
+const Tensor& DataParallel::grads() const { return ring_ ? ring_->shard_grads() : store_->grads(); }
 
 void DataParallel::zero_grads() { grads().fill_zero(); }
 
@@ -64,9 +74,13 @@ Tensor DataParallel::forward(const Tensor& x, std::vector<layers::Context>& ctx,
 }
 
 Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step, bool input_grad) {
-  // ZeRO 0/1 accumulate the micro-batches of a step locally and sync once, at the last.
-  if (!last_of_step && !sync_->sharded()) return model_.backward(dy, ctx, stage_.begin, stage_.end, {}, input_grad);
-  sync_->begin();
+  // ZeRO 0/1 accumulate the micro-batches of a step locally and sync once, at the last; the
+  // ring (ZeRO 2/3) has no full buffer to accumulate in and reduces every backward.
+  if (!last_of_step && !ring_) return model_.backward(dy, ctx, stage_.begin, stage_.end, {}, input_grad);
+  if (ring_)
+    ring_->begin();
+  else
+    reducer_->begin();
   if (gather_) {  // ZeRO 3: the top layer's window now, each lower one as the layer above is done
     gather_->begin_pass(/*backward=*/true);
     gather_->next();
@@ -75,11 +89,18 @@ Tensor DataParallel::backward(const Tensor& dy, std::vector<layers::Context>& ct
       dy, ctx, stage_.begin, stage_.end,
       [this, last_of_step](size_t layer) {
         if (last_of_step && before_reduce_) before_reduce_(layer);
-        sync_->layer_done(layer);
+        if (ring_)
+          ring_->layer_done(layer);
+        else
+          reducer_->layer_done(layer);
         if (gather_) gather_->layer_done(layer);
       },
       input_grad);
-  sync_->finish();  // what backward did not hide: exposed communication
+  // What backward did not hide: exposed communication.
+  if (ring_)
+    ring_->finish();
+  else
+    reducer_->finish();
   return dx;
 }
 
@@ -123,9 +144,16 @@ bool optimizer_step(std::span<DataParallel* const> chunks, float lr, layers::Los
   return true;
 }
 
-void DataParallel::broadcast_parameters() { sync_->broadcast_parameters(); }
+void DataParallel::broadcast_parameters() {
+  if (dp_.size() == 1) return;
+  // ZeRO 3: each replica holds a different shard, initialised identically by construction.
+  if (!store_->sharded_params() && store_->params().numel() > 0) dp_.broadcast(store_->params(), 0);
+  broadcast_buffers();
+}
 
-void DataParallel::broadcast_buffers() { sync_->broadcast_buffers(); }
+void DataParallel::broadcast_buffers() {
+  if (dp_.size() > 1 && store_->buffers().numel() > 0) dp_.broadcast(store_->buffers(), 0);
+}
 
 Tensor DataParallel::full_value(const layers::ParamEntry& e) {
   return gather_ && e.trainable ? gather_->gather(e) : store_->value(e);
@@ -142,7 +170,7 @@ int64_t DataParallel::parameter_bytes() const {
 }
 
 int64_t DataParallel::gradient_bytes() const {
-  return static_cast<int64_t>(store_->grads().nbytes()) + sync_->allocated_bytes();
+  return static_cast<int64_t>(store_->grads().nbytes()) + (ring_ ? ring_->allocated_bytes() : 0);
 }
 
 }  // namespace strata::parallel

@@ -1,10 +1,11 @@
 // DataParallel: one pipeline stage replicated over a data-parallel group, and the one owner of
 // everything the ZeRO stage decides. Given the stage's layers, the dp communicator and the
-// ZeRO stage it lays out the flat buffers (ParameterStore), builds the bucketed gradient sync,
-// the ZeRO-3 parameter gather and the sharded optimizer; runs the stage's forward and backward
-// with their hooks (buckets started as layers finish, ZeRO-3 windows gathered just in time);
-// steps the optimizer; and answers "who owns what" (Ownership) for checkpoints and memory
-// tables. Nothing outside it branches on the ZeRO stage.
+// ZeRO stage it lays out the flat buffers (ParameterStore), builds the gradient reduction
+// (BucketReducer; GradientRing under ZeRO 2/3), the ZeRO-3 parameter gather and the sharded
+// optimizer; runs the stage's forward and backward with their hooks (buckets started as layers
+// finish, ZeRO-3 windows gathered just in time); steps the optimizer; and answers "who owns
+// what" (Ownership) for checkpoints and memory tables. Nothing outside it branches on the ZeRO
+// stage.
 #pragma once
 
 #include <functional>
@@ -15,8 +16,10 @@
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/parameter_store.hpp"
+#include "parallel/bucket_reducer.hpp"
 #include "parallel/communicator.hpp"
-#include "parallel/gradient_sync.hpp"
+#include "parallel/gradient_ring.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/zero.hpp"
 
@@ -90,7 +93,9 @@ class DataParallel {
   Ownership ownership_;
   std::unique_ptr<layers::ParameterStore> store_;
   std::unique_ptr<ShardedOptimizer> optimizer_;
-  std::unique_ptr<GradientSync> sync_;
+  // Exactly one of the two reduces the gradients over the replicas, by the ZeRO stage.
+  std::unique_ptr<BucketReducer> reducer_;   // ZeRO 0, 1: buckets of the full gradient buffer
+  std::unique_ptr<GradientRing> ring_;       // ZeRO 2, 3: no full buffer, a ring into the shard
   std::unique_ptr<ParameterGather> gather_;  // ZeRO 3 only
   std::function<void(size_t)> before_reduce_;
 };

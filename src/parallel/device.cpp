@@ -1,10 +1,13 @@
 // Device selection: which GPU (or the CPU) each rank uses, checked before anything starts.
 #include "parallel/device.hpp"
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "parallel/mpi.hpp"
+#include "parallel/shared_memory.hpp"
 
 #if STRATA_WITH_CUDA
 #include <cuda_runtime.h>
@@ -103,6 +106,17 @@ Device select_device(MPI_Comm world, DeviceKind kind, Transport transport) {
 Device select_device(const MpiRuntime& mpi, DeviceKind kind, Transport transport) {
   (void)mpi;  // the runtime exists: MPI is initialised; the node is found again over the world
   return select_device(MPI_COMM_WORLD, kind, transport);
+}
+
+int64_t peak_memory_bytes(Device device) {
+  return static_cast<int64_t>(allocator_for(device).peak_in_use() + (device.is_cpu() ? shared_memory_peak_bytes() : 0));
+}
+
+void cap_host_memory(Device device, int64_t bytes) {
+  if (!device.is_cpu()) return;
+  host_allocator().set_limit(
+      bytes > 0 ? static_cast<size_t>(std::max<int64_t>(1, bytes - static_cast<int64_t>(shared_memory_peak_bytes())))
+                : 0);
 }
 
 }  // namespace strata::parallel

@@ -49,4 +49,11 @@ Device select_device(DeviceKind kind, Transport transport, const NodeGpus& node)
 Device select_device(MPI_Comm world, DeviceKind kind, Transport transport);
 Device select_device(const MpiRuntime& mpi, DeviceKind kind, Transport transport);
 
+// This rank's memory high-water mark: its device allocator's and, on the CPU, the shared-memory
+// buffers of its one-node groups (gradients and parameters), which are not allocator blocks.
+int64_t peak_memory_bytes(Device device);
+// --device-memory on the CPU: holds the host allocator to what `bytes` leaves beside the
+// shared-memory buffers made so far (0: no cap). The GPU's memory is the driver's to refuse.
+void cap_host_memory(Device device, int64_t bytes);
+
 }  // namespace strata::parallel

@@ -7,7 +7,9 @@
 #include <optional>
 #include <utility>
 
+#include "layers/parameter_store.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/zero.hpp"
 
 namespace strata::parallel {
 
@@ -35,8 +37,6 @@ int64_t stage_macs(const layers::Model& model, StageRange r) {
   return macs;
 }
 
-bool is_block(const layers::Layer& layer) { return dynamic_cast<const layers::TransformerBlock*>(&layer) != nullptr; }
-
 }  // namespace
 
 StepTime estimate_step_time(const layers::Model& model, const std::vector<StageRange>& stages,
@@ -52,11 +52,11 @@ StepTime estimate_step_time(const layers::Model& model, const std::vector<StageR
     int64_t trainable = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
       if (e.trainable) trainable += shape_numel(e.shape);
-    const double dp_share = 2.0 * (choice.dp - 1) / choice.dp * (choice.zero == 3 ? 1.5 : 1.0);
+    const double dp_share = 2.0 * (choice.dp - 1) / choice.dp * (Ownership::shards_params(choice.zero) ? 1.5 : 1.0);
     t.dp_s = dp_share * 4.0 * static_cast<double>(trainable) / rates.bytes_per_s;
     double block_bytes = 0;
     for (size_t i = r.begin; i < r.end; ++i)
-      if (is_block(model.layer(i)))
+      if (model.layer(i).is_tensor_parallel_block())
         block_bytes += static_cast<double>(choice.micro * shape_numel(model.shape(i))) * dtype_bytes;
     const double all_reduces = choice.recompute == layers::Recompute::None ? 4.0 : 6.0;
     t.tp_s = 2.0 * (choice.tp - 1) / choice.tp * all_reduces * block_bytes * choice.micro_batches / rates.bytes_per_s;
@@ -120,7 +120,7 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
           std::vector<int64_t> activations;  // per stage; the same for every ZeRO stage
           for (int s = 0; s < pp; ++s) activations.push_back(plan_activations(*model, stages, s, layout).peak);
           layout.micro_batches = choice.micro_batches;
-          for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) {
+          for (int zero = 0; zero <= (dp > 1 ? Ownership::kMaxStage : 0); ++zero) {
             layout.zero = choice.zero = zero;
             choice.bytes = 0;
             for (int s = 0; s < pp; ++s) {  // replica 0 holds the largest shard

@@ -5,9 +5,10 @@
 #include <memory>
 
 #include "core/allocator.hpp"
-#include "layers/gpt.hpp"
 #include "layers/loss.hpp"
-#include "parallel/gradient_sync.hpp"
+#include "layers/parameter_store.hpp"
+#include "parallel/bucket_reducer.hpp"
+#include "parallel/gradient_ring.hpp"
 #include "parallel/pipeline.hpp"
 #include "parallel/tied_embedding.hpp"
 #include "parallel/zero.hpp"
@@ -91,11 +92,11 @@ void bind_meta(layers::Model& model, StageRange range, DType dtype, const std::v
     layer.bind(params, grads);
     held.insert(held.end(), params.begin(), params.end());
     held.insert(held.end(), grads.begin(), grads.end());
-    auto* head = dynamic_cast<layers::LMHead*>(&layer);
-    if (head && head->shares_parameters_with() != nullptr &&
+    layers::TiedWeight* head = layer.tied_weight();
+    if (head && layer.shares_parameters_with() != nullptr &&
         std::none_of(rank_layers.begin(), rank_layers.end(),
-                     [&](size_t k) { return &model.layer(k) == head->shares_parameters_with(); })) {
-      const Shape w{head->local_vocab(), head->tied_to()->embed()};
+                     [&](size_t k) { return &model.layer(k) == layer.shares_parameters_with(); })) {
+      const Shape w = head->weight_shape();
       head->use_copy(Tensor::empty(w, dtype, Device::meta()), Tensor::empty(w, DType::F32, Device::meta()));
     }
   }
@@ -170,7 +171,7 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   for (int c = 0; c < v; ++c) bind_meta(model, chunk_range(c), layout.dtype, rank_layers, held);
 
   std::vector<std::unique_ptr<PlannedGradientSink>> sinks;
-  if (layout.zero >= 2)
+  if (Ownership::shards_grads(layout.zero))
     for (size_t i : rank_layers)
       sinks.push_back(std::make_unique<PlannedGradientSink>(model.layer(i), layout.bucket_bytes));
 
@@ -188,7 +189,7 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   PlannedCommunicator pp_comm(stage, pp);
   PipelineExecutor executor(pp_comm, layout.schedule, layout.micro_batches, v, inputs, outputs, layout.dtype,
                             Device::meta());
-  const bool tokens = dynamic_cast<const layers::Embedding*>(&model.layer(0)) != nullptr;
+  const bool tokens = model.layer(0).takes_token_ids();
   const Shape logits = model.shape(model.size());  // (V) or (T, V)
   const Shape labels = batch(logits.size() > 1 ? Shape(logits.begin(), logits.end() - 1) : Shape{});
   const layers::SoftmaxCrossEntropy loss;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -173,6 +174,27 @@ void agree(MPI_Comm comm, const std::function<void()>& part) {
   if (lowest == size) return;
   if (rank == lowest) std::rethrow_exception(error);
   throw PeerFailed();
+}
+
+namespace {
+
+// A fixed array: a signal handler may read it while nothing allocates.
+constexpr int kMaxExitCleanups = 8;
+std::atomic<ExitCleanup> g_exit_cleanups[kMaxExitCleanups];
+
+}  // namespace
+
+void register_exit_cleanup(ExitCleanup cleanup) {
+  for (auto& slot : g_exit_cleanups) {
+    ExitCleanup expected = nullptr;
+    if (slot.load() == cleanup || slot.compare_exchange_strong(expected, cleanup)) return;
+  }
+  STRATA_THROW("more than ", kMaxExitCleanups, " exit cleanups registered");
+}
+
+void run_exit_cleanups() noexcept {
+  for (auto& slot : g_exit_cleanups)
+    if (const ExitCleanup cleanup = slot.load()) cleanup();
 }
 
 void await_abort(int seconds) {

@@ -23,9 +23,25 @@ namespace strata::parallel {
 
 std::string mpi_error_string(const char* call, int code);
 
-// Exit codes of every Strata program, the same on every rank.
-// 3 and 4 are the trainer's (preempted, second signal); 5: the watchdog (watchdog.hpp).
-enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2 };
+// Exit codes of every Strata program, the same on every rank. Preempted: a stop signal's
+// checkpoint was saved (a batch script requeues the job, which continues with --resume auto);
+// SecondSignal: a second stop signal before that save was done (nothing saved after the last
+// checkpoint); Timeout: a deadline passed or the ranks' collectives disagreed (watchdog.hpp).
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitFailure = 1,
+  kExitBadInput = 2,
+  kExitPreempted = 3,
+  kExitSecondSignal = 4,
+  kExitTimeout = 5
+};
+
+// What a process must undo when it exits at once from a signal handler (names in /dev/shm, say):
+// async-signal-safe functions, registered by the part of the runtime that made the thing.
+using ExitCleanup = void (*)() noexcept;
+void register_exit_cleanup(ExitCleanup cleanup);
+// Runs them (async-signal-safe).
+void run_exit_cleanups() noexcept;
 
 class MpiRuntime {
  public:

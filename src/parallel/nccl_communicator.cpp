@@ -205,8 +205,8 @@ class NcclWatchdog {
                  why.c_str());
     std::fflush(stderr);
     ncclCommAbort(e.comm);  // the kernels waiting for the peer return
-    MPI_Abort(MPI_COMM_WORLD, watchdog::kExitTimeout);
-    _exit(watchdog::kExitTimeout);
+    MPI_Abort(MPI_COMM_WORLD, kExitTimeout);
+    _exit(kExitTimeout);
   }
 
   std::mutex mutex_;

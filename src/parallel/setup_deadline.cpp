@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "parallel/mpi.hpp"
 #include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
@@ -19,9 +20,9 @@ SetupDeadline::SetupDeadline(int rank, double seconds) {
     const int n = std::snprintf(line, sizeof line,
                                 "error on rank %d: setup did not finish within %g s (--setup-timeout): a rank "
                                 "stopped, lost or much slower before the first step; exiting (code %d)\n",
-                                rank, seconds, watchdog::kExitTimeout);
+                                rank, seconds, kExitTimeout);
     if (n > 0) (void)!write(2, line, static_cast<size_t>(n));
-    _exit(watchdog::kExitTimeout);
+    _exit(kExitTimeout);
   });
 }
 

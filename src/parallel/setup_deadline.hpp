@@ -2,7 +2,7 @@
 // agreements of run_collectively, broadcasts of data and checkpoint checks) are blocking calls
 // that cannot be polled the way waits on requests are (watchdog.hpp), so a thread holds their
 // deadline: if a rank is still in setup `seconds` after it was armed, it writes one line (its
-// rank, how long, what to suspect) and _exits with watchdog::kExitTimeout; mpirun then ends
+// rank, how long, what to suspect) and _exits with kExitTimeout; mpirun then ends
 // the other ranks. A stopped or lost rank before the first step thus ends the job instead of
 // leaving every other rank blocked forever.
 #pragma once

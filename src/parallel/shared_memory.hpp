@@ -1,32 +1,13 @@
 // All-reduce, reduce and all-gather through shared memory, for a communicator whose ranks all
-// run on one node (the data-parallel group of a one-node job, or of a stage). A buffer from
+// run on one node (the data-parallel group of a one-node job, or of a stage), and point-to-point
+// messages (the pipeline's activations and gradients) through mailboxes in it. A buffer from
 // allocate() is one POSIX shared-memory segment per rank, mapped by every rank of the group, so
-// reducing a range of it sends no messages: for an all-reduce each rank sums its 1/n chunk of
-// the range straight out of the peers' mappings (always in rank order, so every element has one
-// rounding sequence), then copies the other chunks' sums from their owners; for a reduce
-// (ZeRO's reduce of a bucket's pieces to their owners) the root sums the whole range and
-// nothing is copied; for an in-place all-gather (ZeRO's parameters after the sharded step) each
-// rank copies the other ranks' chunks from their mappings. Open MPI's shared-memory transport
-// moves every byte through an intermediate buffer first; here each byte is read where it lies.
-// Measured on the 2-core development machine, 7.45 MB of f32 on 2 ranks: 0.57 ms against 1.15
-// ms for MPI_Allreduce (docs/benchmarks.md, "Collectives").
-//
-// Three counters per rank order the phases of operation s (operations run strictly one after
-// another, in the order they were started, the same on every rank): arrived = s (this rank's
-// gradients for the range are written), reduced = s (its chunk, or as root the range, holds the
-// sum; all-gather: it holds every chunk), done = s (it has copied the other chunks: nobody
-// reads its memory for s any more). A rank writes only its own counters. Waiting spins on them
-// and yields the core when it spins long (oversubscribed runs).
-//
-// Point-to-point messages (the pipeline's activations and gradients) go through mailboxes once
-// enable_messages() has set them up: every rank owns an inbox segment with a few slots per
-// sender. A send copies the message into the next slot of the receiver's inbox (or, with that
-// slot still full, at a later call of this group) and marks it full; the receiver copies it out
-// and marks it free. When every slot from a peer is full and no receive takes them, the oldest
-// is moved to this rank's memory (an unexpected message, as MPI keeps them), so a sender never
-// waits on a receive that is started later. Open MPI moves a 128 KiB message with a rendezvous
-// (a request, the receiver's single copy, an acknowledgement); here it is two copies and one
-// flag.
+// reducing a range of it sends no messages: each rank reads its peers' data where it lies,
+// where Open MPI's shared-memory transport moves every byte through an intermediate buffer
+// first. Each protocol is explained at the top of the file that implements it:
+// shared_memory_segments.cpp (the segments, their names in /dev/shm, the registry of mappings),
+// shared_memory_collectives.cpp (the three counters that order a collective's phases) and
+// shared_memory_mailboxes.cpp (the slots of the mailboxes, unexpected messages).
 #pragma once
 
 #include <mpi.h>
@@ -137,7 +118,8 @@ class NodeSharedMemory {
 size_t shared_memory_peak_bytes();
 
 // Unlinks the names this process has created in /dev/shm and not yet unlinked, for a signal
-// handler (or a deadline's thread) about to _exit. A segment's name exists only while every
+// handler (or a deadline's thread) about to _exit: registered with the runtime's exit cleanups
+// (mpi.hpp) by the first create(). A segment's name exists only while every
 // rank of its group is inside create(), allocate() or enable_messages() (train calls them
 // during setup) and not every rank has opened it yet; afterwards none of these segments has
 // a name in /dev/shm, however the process ends. Async-signal-safe: fixed slots read with

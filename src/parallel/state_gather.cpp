@@ -33,8 +33,8 @@ StateGather::StateGather(ProcessGrid& grid, const layers::Model& model, std::vec
 
 int StateGather::rank_at(int stage, int replica, int tp_rank) const {
   std::vector<int> coords{stage, replica};
-  if (grid_.has("tp")) coords.push_back(tp_rank);
-  return grid_.rank_of(coords);
+  if (grid_.has(Axis::Tensor)) coords.push_back(tp_rank);
+  return grid_.layout().rank_of(coords);
 }
 
 void StateGather::gather(const Write& write) {
@@ -110,7 +110,7 @@ void StateGather::gather(const Write& write) {
 }
 
 void StateGather::write_parts(const WritePart& part) {
-  const int tp_rank = grid_.has("tp") ? grid_.coord("tp") : 0;
+  const int tp_rank = grid_.has(Axis::Tensor) ? grid_.tp_rank() : 0;
   // Of a tensor every tensor-parallel rank holds whole, tp rank 0 writes.
   const auto writes_shard = [&](const layers::ParamEntry& e) { return e.split.split() || tp_rank == 0; };
   for (size_t vs = 0; vs < stages_.size(); ++vs) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/ops.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel {
 
@@ -25,10 +26,10 @@ TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::v
                                         int pipeline_ranks, int zero) {
   Pair pair;
   for (size_t i = 0; i < model.size(); ++i) {
-    auto* head = dynamic_cast<layers::LMHead*>(&model.layer(i));
-    if (!head || !head->tied()) continue;
+    layers::TiedWeight* head = model.layer(i).tied_weight();
+    if (!head) continue;
     pair.head = head;
-    while (&model.layer(pair.embedding_layer) != head->tied_to()) ++pair.embedding_layer;
+    while (&model.layer(pair.embedding_layer) != &head->weight_owner()) ++pair.embedding_layer;
     // Virtual stage vs is chunk vs / P of pipeline rank vs % P (one chunk per rank: vs itself).
     const int embedding_vs = stage_of(stages, pair.embedding_layer), head_vs = stage_of(stages, i);
     pair.embedding_stage = embedding_vs % pipeline_ranks;
@@ -50,8 +51,7 @@ std::pair<int64_t, int64_t> TiedEmbedding::planned_bytes(const layers::Model& mo
                                                          int stage, int zero, DType dtype) {
   const Pair pair = find(model, stages, pipeline_ranks, zero);
   if (!pair.copy) return {0, 0};
-  const auto* embedding = pair.head->tied_to();
-  const int64_t numel = embedding->local_vocab() * embedding->embed();  // this tp rank's rows
+  const int64_t numel = shape_numel(pair.head->weight_shape());  // this tp rank's rows
   if (stage == pair.head_stage)
     return {numel * static_cast<int64_t>(dtype_size(dtype)), numel * static_cast<int64_t>(sizeof(float))};
   if (stage == pair.embedding_stage) return {0, std::min(numel, kChunkElements) * static_cast<int64_t>(sizeof(float))};
@@ -64,11 +64,10 @@ TiedEmbedding::TiedEmbedding(Communicator& pp, const layers::Model& model, const
   const Pair pair = find(model, stages, pp.size(), zero);
   if (!pair.copy) return;
   head_ = pair.head;
-  embedding_ = head_->tied_to();
   embedding_layer_ = pair.embedding_layer;
   embedding_stage_ = pair.embedding_stage;
   head_stage_ = pair.head_stage;
-  const Shape shape{embedding_->local_vocab(), embedding_->embed()};  // this tp rank's rows of wte
+  const Shape shape = head_->weight_shape();  // this tp rank's rows of wte
   if (holds_head()) {
     weight_ = Tensor::zeros(shape, dtype, device);
     grad_ = Tensor::zeros(shape, DType::F32, device);
@@ -111,7 +110,7 @@ void TiedEmbedding::send_head_gradient() {
 
 void TiedEmbedding::add_head_gradient(size_t layer) {
   if (!head_ || layer != embedding_layer_ || !holds_embedding()) return;
-  const Tensor& dwte = embedding_->dwte();
+  const Tensor& dwte = head_->owner_weight_grad();
   STRATA_CHECK(dwte.defined(), "the tied embedding's gradient is not bound when its layer finishes");
   if (holds_head())
     ops::axpy(1.0f, grad_, dwte);
@@ -125,7 +124,7 @@ void TiedEmbedding::refresh(DataParallel& replica) {
   if (holds_embedding()) {
     const std::vector<layers::ParamEntry>& entries = replica.store().entries();
     const auto e = std::find_if(entries.begin(), entries.end(), [&](const layers::ParamEntry& p) {
-      return p.layer == embedding_layer_ && p.name == "wte/weight";
+      return p.layer == embedding_layer_ && p.name == head_->weight_name();
     });
     STRATA_CHECK(e != entries.end(), "the embedding's stage holds no wte/weight");
     value = replica.full_value(*e);  // collective over the replicas with ZeRO 3

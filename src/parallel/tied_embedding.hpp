@@ -1,6 +1,7 @@
-// TiedEmbedding: GPT-2's LM head multiplies by the token embedding's weight wte. On one stage
-// the head simply uses the Embedding's views (layers::LMHead), whatever the ZeRO stage (ZeRO 2
-// and 3 pin the Embedding's gradient in their ring, ZeRO 3 gathers wte into the head's window).
+// TiedEmbedding: GPT-2's LM head multiplies by the token embedding's weight wte (the head is a
+// layer whose tied_weight() names the embedding, layers::TiedWeight). On one stage the head
+// simply uses the Embedding's views, whatever the ZeRO stage (ZeRO 2 and 3 pin the Embedding's
+// gradient in their ring, ZeRO 3 gathers wte into the head's window).
 // Where it cannot (the head on another pipeline stage, or another chunk, than the embedding)
 // this class gives the head its own copy of wte and of its gradient, as Megatron's last stage
 // does, and keeps the two in step:
@@ -16,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "layers/gpt.hpp"
 #include "layers/model.hpp"
 #include "parallel/communicator.hpp"
 #include "parallel/data_parallel.hpp"
@@ -63,7 +63,7 @@ class TiedEmbedding {
  private:
   // The tied head and its embedding, and whether the head needs a copy.
   struct Pair {
-    layers::LMHead* head = nullptr;  // null: no tied head
+    layers::TiedWeight* head = nullptr;  // null: no tied head
     size_t embedding_layer = 0;
     int embedding_stage = 0, head_stage = 0;
     bool copy = false;
@@ -77,8 +77,7 @@ class TiedEmbedding {
   void receive_chunks(const Tensor& t, int tag, bool add_to);
 
   Communicator& pp_;
-  const layers::Embedding* embedding_ = nullptr;
-  layers::LMHead* head_ = nullptr;  // set when the head keeps a copy
+  layers::TiedWeight* head_ = nullptr;  // set when the head keeps a copy
   size_t embedding_layer_ = 0;
   int embedding_stage_ = 0, head_stage_ = 0;
   Tensor weight_, grad_;  // the head's copy (on the head's stage)

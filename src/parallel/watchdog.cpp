@@ -15,6 +15,7 @@
 #include "core/tensor.hpp"
 #include "core/trace.hpp"
 #include "parallel/communicator.hpp"
+#include "parallel/mpi.hpp"
 
 namespace strata::parallel::watchdog {
 

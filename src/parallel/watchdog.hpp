@@ -33,8 +33,6 @@ class Communicator;
 
 namespace watchdog {
 
-// Exit code of every rank when a deadline passes or the collectives disagree (ExitCode in mpi.hpp).
-constexpr int kExitTimeout = 5;
 // The deadline before the trainer sets --timeout (setup: communicators, first collectives).
 constexpr double kSetupTimeoutS = 600;
 // Waits inside checkpoint saves and loads (rank 0 may write gigabytes while the others wait).

@@ -21,7 +21,8 @@ Shard shard_of(int64_t used, int dp, int rank) {
 }
 
 Ownership::Ownership(int zero, int dp, int64_t used) : zero_(zero), dp_(dp), used_(used) {
-  STRATA_CHECK(zero >= 0 && zero <= 3 && dp >= 1 && used >= 0, "no ZeRO stage ", zero, " over ", dp, " replicas");
+  STRATA_CHECK(zero >= 0 && zero <= kMaxStage && dp >= 1 && used >= 0, "no ZeRO stage ", zero, " over ", dp,
+               " replicas");
 }
 
 int64_t Ownership::pad_multiple() const { return shards_state() ? shard_pad_multiple(dp_) : kShardAlign; }

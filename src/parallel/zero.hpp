@@ -23,6 +23,7 @@
 
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/parameter_store.hpp"
 #include "parallel/communicator.hpp"
 
 namespace strata::parallel {
@@ -49,14 +50,23 @@ class Ownership {
   // Internal error unless 0 <= zero <= 3 (the flag is validated with the configuration).
   Ownership(int zero, int dp, int64_t used);
 
+  // The stages are 0 (none) to kMaxStage.
+  static constexpr int kMaxStage = 3;
+  // What stage `zero` shards: the optimizer state from 1 on, the gradients from 2 on, the
+  // parameters at 3 (for a plan that has no Ownership yet; an Ownership answers the same).
+  static bool shards_state(int zero) { return zero >= 1; }
+  static bool shards_grads(int zero) { return zero >= 2; }
+  static bool shards_params(int zero) { return zero == 3; }
+  // Stages 1 and 2 all-gather the updated parameter shards after each step.
+  static bool gathers_params_after_step(int zero) { return zero == 1 || zero == 2; }
+
   int zero() const { return zero_; }
   int dp() const { return dp_; }
   int64_t used() const { return used_; }
-  bool shards_state() const { return zero_ >= 1; }
-  bool shards_grads() const { return zero_ >= 2; }
-  bool shards_params() const { return zero_ == 3; }
-  // Stages 1 and 2 all-gather the updated parameter shards after each step.
-  bool gathers_params_after_step() const { return zero_ == 1 || zero_ == 2; }
+  bool shards_state() const { return shards_state(zero_); }
+  bool shards_grads() const { return shards_grads(zero_); }
+  bool shards_params() const { return shards_params(zero_); }
+  bool gathers_params_after_step() const { return gathers_params_after_step(zero_); }
   // The ParameterStore pad_multiple: dp equal shards with ZeRO, 64-byte alignment without.
   int64_t pad_multiple() const;
   // Replica r's shard of the used elements (whatever the stage: stage 0 reduces nothing to it).

@@ -16,8 +16,9 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "io/parallel_checkpoint.hpp"
+#include "io/checkpoint/parallel_file.hpp"
 #include "layers/loss_scaler.hpp"
+#include "parallel/batch_plan.hpp"
 #include "train/deepspeed_config.hpp"
 
 namespace po = boost::program_options;
@@ -529,6 +530,41 @@ std::string given_options(const Config& c) {
     text += (text.empty() ? "--" : " --") + key + (value.empty() ? "" : " " + value);
   }
   return text;
+}
+
+parallel::MemoryLayout memory_layout(const Config& config, int dp) {
+  const parallel::BatchPlan batch = parallel::make_batch_plan(config.global_batch, config.micro_batch, dp);
+  parallel::MemoryLayout layout;
+  layout.pp = config.pp;
+  layout.dp = dp;
+  layout.zero = config.zero;
+  layout.dtype = config.precision;
+  layout.optimizer = config.optimizer;
+  layout.bucket_bytes = static_cast<int64_t>(config.bucket_mb * (1 << 20));
+  layout.micro = batch.micro;
+  layout.micro_batches = static_cast<int>(batch.count);
+  layout.schedule = config.schedule_kind;
+  layout.virtual_stages = config.virtual_stages;
+  layout.cpu = config.device == DeviceKind::CPU;
+  return layout;
+}
+
+parallel::EngineSettings engine_settings(const Config& config, int dp) {
+  parallel::EngineSettings settings;
+  settings.layout = memory_layout(config, dp);
+  settings.seed = config.seed;
+  settings.clip_grad = config.clip_grad;
+  settings.scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
+                                                   config.loss_scale_init, config.loss_scale_window);
+  settings.stand_in_ms = config.bench_stage_ms;
+  settings.faults = {config.debug_fail_step, config.debug_fail_rank, config.debug_overflow_step,
+                     config.debug_mismatch_step};
+  return settings;
+}
+
+io::CheckpointSettings checkpoint_settings(const Config& config) {
+  return {config.checkpoint_dir, config.save_every, config.keep,   config.async_save,
+          config.checkpoint_io,  config.init_from,  config.resume, config.eval_only};
 }
 
 }  // namespace strata::train

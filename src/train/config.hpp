@@ -12,10 +12,13 @@
 #include <vector>
 
 #include "core/dtype.hpp"
-#include "layers/model.hpp"
+#include "io/checkpoint/manager.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/device.hpp"
+#include "parallel/memory_plan.hpp"
 #include "parallel/schedule.hpp"
+#include "parallel/stage/engine.hpp"
 
 namespace strata::train {
 
@@ -125,6 +128,13 @@ std::string given_options(const Config& config);
 // world (--pp against the ranks, the batch split: parallel::make_batch_plan) or the data is
 // checked by the trainer.
 void validate(const Config& c);
+
+// The sections of the configuration each owner takes whole. The layout of a world with `dp`
+// data-parallel replicas (what the planner and the stage engine take), the stage engine's
+// settings, and the checkpoint manager's.
+parallel::MemoryLayout memory_layout(const Config& config, int dp);
+parallel::EngineSettings engine_settings(const Config& config, int dp);
+io::CheckpointSettings checkpoint_settings(const Config& config);
 
 // Parses "1024,1024" into sizes; throws an Input error naming the flag otherwise.
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag);

@@ -20,11 +20,12 @@
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
-#include "io/checkpoint.hpp"
+#include "io/checkpoint/file.hpp"
 #include "parallel/mpi.hpp"
 #include "parallel/setup_deadline.hpp"
 #include "train/config.hpp"
 #include "train/plan.hpp"
+#include "train/signals.hpp"
 #include "train/trainer.hpp"
 
 using namespace strata;
@@ -137,9 +138,9 @@ int main(int argc, char** argv) {
   try {
     if (!config->eval_only) {
       const train::TrainEnd end = trainer->train();
-      if (end != train::TrainEnd::Finished) trainer->write_trace();         // what was recorded up to the stop
-      if (end == train::TrainEnd::Preempted) return train::kExitPreempted;  // saved; the batch script requeues
-      if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;  // rank 0 said why
+      if (end != train::TrainEnd::Finished) trainer->write_trace();            // what was recorded up to the stop
+      if (end == train::TrainEnd::Preempted) return parallel::kExitPreempted;  // saved; the batch script requeues
+      if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;     // rank 0 said why
     }
     if (const io::Samples* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);

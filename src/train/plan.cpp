@@ -21,14 +21,15 @@ namespace {
 
 // "rank 3 (stage 1, replica 1)" or "ranks 0-2 (stage 0, replicas 0-2)"; with tensor
 // parallelism the ranks of a line are a stage's replicas and their tp ranks.
-std::string ranks_str(int first, int last, const GridShape& g) {
+std::string ranks_str(int first, int last, const parallel::GridLayout& g) {
   std::ostringstream os;
   os << (first == last ? "rank " : "ranks ") << first;
   if (last != first) os << "-" << last;
   os << " (stage " << g.stage(first) << ", replica" << (g.replica(first) != g.replica(last) ? "s " : " ")
      << g.replica(first);
   if (g.replica(first) != g.replica(last)) os << "-" << g.replica(last);
-  if (g.tp > 1) os << ", tp " << g.tp_rank(first) << (first != last ? detail::cat("-", g.tp_rank(last)) : "");
+  if (g.size(parallel::Axis::Tensor) > 1)
+    os << ", tp " << g.tp_rank(first) << (first != last ? detail::cat("-", g.tp_rank(last)) : "");
   os << ")";
   return os.str();
 }
@@ -151,39 +152,21 @@ double compute_rate(const Config& config) {
   return 2.0 * n * n * n / best;
 }
 
-std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config) {
-  std::vector<parallel::ProcessGrid::Axis> axes{{"pp", config.pp}, {"dp", std::nullopt}};
-  if (config.tp > 1) axes.push_back({"tp", config.tp});
-  return axes;
-}
-
-parallel::MemoryLayout memory_layout(const Config& config, int dp) {
-  const parallel::BatchPlan batch = parallel::make_batch_plan(config.global_batch, config.micro_batch, dp);
-  parallel::MemoryLayout layout;
-  layout.pp = config.pp;
-  layout.dp = dp;
-  layout.zero = config.zero;
-  layout.dtype = config.precision;
-  layout.optimizer = config.optimizer;
-  layout.bucket_bytes = static_cast<int64_t>(config.bucket_mb * (1 << 20));
-  layout.micro = batch.micro;
-  layout.micro_batches = static_cast<int>(batch.count);
-  layout.schedule = config.schedule_kind;
-  layout.virtual_stages = config.virtual_stages;
-  layout.cpu = config.device == DeviceKind::CPU;
-  return layout;
+parallel::GridLayout grid_layout(const Config& config, int world_size) {
+  return parallel::GridLayout::train(config.pp, config.tp, world_size);
 }
 
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
                                             const std::vector<parallel::StageRange>& stages, int world_size) {
-  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
-  const parallel::MemoryLayout layout = memory_layout(config, g.dp);
+  const parallel::GridLayout g = grid_layout(config, world_size);
+  const parallel::MemoryLayout layout = memory_layout(config, g.size(parallel::Axis::Data));
   // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
   // run the same shapes), on a model built for it.
   parallel::PlannedTensorParallel tp(config.tp);
   layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
   std::vector<int64_t> activations;
-  for (int s = 0; s < g.pp; ++s) activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
+  for (int s = 0; s < config.pp; ++s)
+    activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
   std::vector<parallel::RankBytes> ranks;
   for (int k = 0; k < world_size; ++k) {
     // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
@@ -197,20 +180,20 @@ std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::StageRange>& stages,
                         const std::vector<parallel::RankBytes>& ranks) {
   const int world_size = static_cast<int>(ranks.size());
-  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
-  const int pp = g.pp, dp = g.dp;
+  const parallel::GridLayout g = grid_layout(config, world_size);
+  const int pp = config.pp, dp = g.size(parallel::Axis::Data), tp = config.tp;
   const parallel::MemoryLayout layout = memory_layout(config, dp);
   const layers::LossScaler scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
                                                                    config.loss_scale_init, config.loss_scale_window);
   std::ostringstream os;
   os << "plan: " << pp << " stage(s) x " << dp << " replica(s)"
-     << (g.tp > 1 ? detail::cat(" x ", g.tp, " tensor-parallel ranks") : std::string()) << ", schedule "
+     << (tp > 1 ? detail::cat(" x ", tp, " tensor-parallel ranks") : std::string()) << ", schedule "
      << parallel::to_string(config.schedule_kind)
      << (config.virtual_stages > 1 ? detail::cat(" (", config.virtual_stages, " chunks per rank)") : std::string())
      << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.zero
      << ", optimizer " << config.optimizer.name << ", " << parallel::device_kind_name(config.device) << " "
      << precision_name(config.precision) << " (loss scale " << scaler.describe() << "):\n"
-     << parallel::ProcessGrid::describe(grid_axes(config), world_size);
+     << g.describe();
   for (size_t vs = 0; vs < stages.size(); ++vs) {
     const parallel::StageRange r = stages[vs];
     int64_t trainable = 0;
@@ -220,7 +203,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
        << (config.virtual_stages > 1 ? detail::cat(" chunk ", vs / static_cast<size_t>(pp)) : std::string())
        << ": layers " << r.begin << "-" << r.end - 1 << " (" << model.layer(r.begin).name() << " .. "
        << model.layer(r.end - 1).name() << "), " << trainable << " parameters"
-       << (g.tp > 1 ? " per tensor-parallel rank" : "");
+       << (tp > 1 ? " per tensor-parallel rank" : "");
   }
 
   if (config.async_save) {
@@ -256,7 +239,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
 void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ranks) {
   if (config.device_memory <= 0) return;
   const int world_size = static_cast<int>(ranks.size());
-  const GridShape g{config.pp, world_size / (config.pp * config.tp), config.tp};
+  const parallel::GridLayout g = grid_layout(config, world_size);
   const int fullest = fullest_rank(ranks);
   const parallel::RankBytes& worst = ranks[static_cast<size_t>(fullest)];
   if (worst.total() <= config.device_memory) return;
@@ -305,7 +288,7 @@ void dry_run(const Config& config, MPI_Comm world) {
     return;
   }
   // The grid's checks first (the sizes fit the world), then the model's (heads and vocabulary divide by --tp).
-  parallel::ProcessGrid::describe(grid_axes(config), world_size);
+  grid_layout(config, world_size);
   parallel::PlannedTensorParallel tp(config.tp);
   const layers::Model model =
       layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);

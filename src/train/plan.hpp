@@ -13,22 +13,14 @@
 #include "layers/model.hpp"
 #include "parallel/memory_plan.hpp"
 #include "parallel/partition.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/plan/grid_layout.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {
 
-// The grid's axes for the configuration: {pp, dp} with dp open, and tp (fastest) with --tp > 1.
-std::vector<parallel::ProcessGrid::Axis> grid_axes(const Config& config);
-
-// World rank k's coordinates in the grid {pp, dp, tp} (tp fastest), as ProcessGrid lays them
-// out, for plans of worlds that were not launched (--world).
-struct GridShape {
-  int pp = 1, dp = 1, tp = 1;
-  int stage(int k) const { return k / (dp * tp); }
-  int replica(int k) const { return k / tp % dp; }
-  int tp_rank(int k) const { return k % tp; }
-};
+// The grid of a world of `world_size` ranks for the configuration: {pp, dp, tp}, tp fastest
+// (Input errors when the sizes do not fit the world).
+parallel::GridLayout grid_layout(const Config& config, int world_size);
 
 // Every rank's bytes in a world of `world_size` ranks (pp x dp x tp, tp fastest): parameters,
 // gradients and optimizer state from the layout's arithmetic (parallel::plan_rank), activations
@@ -40,9 +32,6 @@ std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::
 // The plan's text for the world of `ranks` (plan_ranks).
 std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::StageRange>& stages, const std::vector<parallel::RankBytes>& ranks);
-
-// What plan_rank needs of the configuration, for `dp` replicas.
-parallel::MemoryLayout memory_layout(const Config& config, int dp);
 
 // A rank's compute rate in FLOP/s (--plan's step-time model, MFU's denominator): --plan-tflops,
 // or on the CPU a 512^3 f32 GEMM timed here (best of 5); 300 TFLOP/s on a GPU.

@@ -14,8 +14,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "io/checkpoint.hpp"
-#include "io/training_state.hpp"
+#include "io/checkpoint/directory.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/lock.hpp"
+#include "io/checkpoint/manifest.hpp"
+#include "io/checkpoint/run_state.hpp"
 #include "io_test_util.hpp"
 
 namespace strata::io {

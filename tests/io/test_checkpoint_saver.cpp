@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "io/checkpoint_saver.hpp"
-#include "io/training_state.hpp"
+#include "io/checkpoint/directory.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/manifest.hpp"
+#include "io/checkpoint/saver.hpp"
 #include "io_test_util.hpp"
 
 namespace strata::io {

@@ -13,8 +13,9 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "io/checkpoint.hpp"
-#include "io/parallel_checkpoint.hpp"
+#include "io/checkpoint/directory.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/parallel_file.hpp"
 #include "parallel/mpi.hpp"
 
 namespace strata::io {

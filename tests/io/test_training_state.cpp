@@ -1,4 +1,4 @@
-// The training checkpoint schema (io/training_state.hpp) through real checkpoint files: the
+// The training checkpoint schema (io/checkpoint/run_state.hpp) through real checkpoint files: the
 // run state's root attributes round trip, tensor names, and read_model_value's choice between
 // the model tensor and the f32 master weights. And the --metrics writer: the exact JSON line,
 // drop_after on resume, and a failed write that warns once and goes on.
@@ -10,9 +10,9 @@
 #include <sstream>
 #include <string>
 
-#include "io/checkpoint.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/run_state.hpp"
 #include "io/metrics.hpp"
-#include "io/training_state.hpp"
 #include "io_test_util.hpp"
 
 namespace strata::io {

@@ -18,6 +18,8 @@
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::layers {
 namespace {

@@ -14,6 +14,8 @@
 #include "expect_error.hpp"
 #include "layers/gpt_decode.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::layers {
 namespace {

@@ -14,7 +14,9 @@
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
 #include "layers/optimizer.hpp"
+#include "layers/parameter_store.hpp"
 #include "layers/torch_ref.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::layers {
 namespace {

@@ -16,6 +16,8 @@
 #include "layers/basic.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::layers {
 namespace {
@@ -323,7 +325,7 @@ TEST(ParameterLayout, InitialisationDependsOnlyOnSeedAndName) {
     // Cut the model into two stages anywhere: each stage's store has the same values.
     for (size_t cut : {size_t{1}, full_model.size() / 2, full_model.size() - 1}) {
       const Model staged = build_model(b.spec, b.input, b.classes);
-      const ParameterStore first(staged, 21, 0, cut), second(staged, 21, cut);
+      const ParameterStore first(staged, 21, {.end = cut}), second(staged, 21, {.begin = cut});
       EXPECT_EQ(first.entries().size() + second.entries().size(), full.entries().size()) << "cut " << cut;
       for (const ParameterStore* s : {&first, &second})
         for (const ParamEntry& e : s->entries()) {

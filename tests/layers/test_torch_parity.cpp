@@ -15,7 +15,9 @@
 #include "layers/composite.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
 #include "layers/torch_ref.hpp"
+#include "layers/zoo.hpp"
 
 namespace strata::layers {
 namespace {

@@ -21,6 +21,8 @@
 #include "layers/loss.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data_parallel.hpp"
 #include "parallel/mpi_communicator.hpp"
 

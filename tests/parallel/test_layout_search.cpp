@@ -6,6 +6,7 @@
 #include <set>
 #include <tuple>
 
+#include "layers/zoo.hpp"
 #include "parallel/layout_search.hpp"
 #include "parallel/partition.hpp"
 

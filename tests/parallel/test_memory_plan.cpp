@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "layers/model.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data_parallel.hpp"
 #include "parallel/memory_plan.hpp"
 #include "parallel/mpi_communicator.hpp"

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "layers/model.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/zero.hpp"
 

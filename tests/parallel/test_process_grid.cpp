@@ -111,11 +111,12 @@ TEST(ProcessGrid, BadPpIsAnInputErrorOnEveryRank) {
 
 // --- Grids of named axes.
 
-using Axes = std::vector<ProcessGrid::Axis>;
+using Axes = std::vector<AxisSize>;
 
 std::string axes_str(const Axes& axes) {
   std::string s;
-  for (const auto& a : axes) s += a.name + " " + (a.size ? std::to_string(*a.size) : "rest") + "; ";
+  for (const auto& a : axes)
+    s += std::string(axis_name(a.axis)) + " " + (a.size ? std::to_string(*a.size) : "rest") + "; ";
   return s;
 }
 
@@ -129,16 +130,17 @@ void check_axes(const Axes& axes) {
   for (int i = 0; i < n; ++i) want_coords[i] = rank / stride[i] % *axes[i].size;
 
   ProcessGrid grid(MPI_COMM_WORLD, axes);
-  ASSERT_EQ(grid.axes().size(), axes.size());
-  EXPECT_EQ(grid.coords(), want_coords);
-  EXPECT_EQ(grid.rank_of(grid.coords()), rank);
-  for (int r = 0; r < size; ++r) EXPECT_EQ(grid.rank_of(grid.coords_of(r)), r);
+  const GridLayout& layout = grid.layout();
+  ASSERT_EQ(layout.axes().size(), axes.size());
+  EXPECT_EQ(layout.coords_of(rank), want_coords);
+  EXPECT_EQ(layout.rank_of(want_coords), rank);
+  for (int r = 0; r < size; ++r) EXPECT_EQ(layout.rank_of(layout.coords_of(r)), r);
   EXPECT_EQ(grid.world().size(), size);
   for (int i = 0; i < n; ++i) {
-    const std::string& name = axes[i].name;
-    SCOPED_TRACE("axis " + name);
-    EXPECT_EQ(grid.axes()[i].name, name);
-    EXPECT_EQ(grid.axes()[i].size, axes[i].size);
+    const Axis name = axes[i].axis;
+    SCOPED_TRACE(std::string("axis ") + axis_name(name));
+    EXPECT_EQ(layout.axes()[i].axis, name);
+    EXPECT_EQ(layout.axes()[i].size, axes[i].size);
     EXPECT_TRUE(grid.has(name));
     EXPECT_EQ(grid.size(name), *axes[i].size);
     EXPECT_EQ(grid.coord(name), want_coords[i]);
@@ -151,91 +153,89 @@ void check_axes(const Axes& axes) {
     for (int c = 0; c < *axes[i].size; ++c) want.push_back(rank + (c - want_coords[i]) * stride[i]);
     EXPECT_EQ(members(grid.comm(name)), want);
     EXPECT_EQ(members(grid.mpi_comm(name)), want);
-    std::vector<int> coords = grid.coords();
+    std::vector<int> coords = want_coords;
     for (int c = 0; c < *axes[i].size; ++c) {
       coords[i] = c;
-      EXPECT_EQ(grid.rank_of(coords), want[c]);
+      EXPECT_EQ(layout.rank_of(coords), want[c]);
     }
     coords[i] = *axes[i].size;
-    EXPECT_THROW(grid.rank_of(coords), Error);
+    EXPECT_THROW(layout.rank_of(coords), Error);
   }
   // Today's names follow the pp and dp axes; tp stays at this rank's coordinate.
-  EXPECT_EQ(grid.stage(), grid.coord("pp"));
-  EXPECT_EQ(grid.replica(), grid.coord("dp"));
-  EXPECT_EQ(grid.pp_size(), grid.size("pp"));
-  EXPECT_EQ(grid.dp_size(), grid.size("dp"));
+  EXPECT_EQ(grid.stage(), grid.coord(Axis::Pipeline));
+  EXPECT_EQ(grid.replica(), grid.coord(Axis::Data));
+  EXPECT_EQ(grid.pp_size(), grid.size(Axis::Pipeline));
+  EXPECT_EQ(grid.dp_size(), grid.size(Axis::Data));
   EXPECT_EQ(grid.rank_of(grid.stage(), grid.replica()), rank);
-  EXPECT_EQ(&grid.pp(), &grid.comm("pp"));
-  EXPECT_EQ(&grid.dp(), &grid.comm("dp"));
-  EXPECT_EQ(&grid.mpi_pp(), &grid.mpi_comm("pp"));
-  EXPECT_EQ(&grid.mpi_dp(), &grid.mpi_comm("dp"));
-  EXPECT_THROW(grid.rank_of({}), Error);
-  EXPECT_THROW(grid.coords_of(size), Error);
-  EXPECT_THROW(grid.size("xx"), Error);
+  EXPECT_EQ(&grid.pp(), &grid.comm(Axis::Pipeline));
+  EXPECT_EQ(&grid.dp(), &grid.comm(Axis::Data));
+  EXPECT_EQ(&grid.mpi_pp(), &grid.mpi_comm(Axis::Pipeline));
+  EXPECT_EQ(&grid.mpi_dp(), &grid.mpi_comm(Axis::Data));
+  EXPECT_THROW(layout.rank_of({}), Error);
+  EXPECT_THROW(layout.coords_of(size), Error);
 
   // A tp all-reduce mixes only the ranks of my tp group.
   Tensor t = Tensor::empty({1}, DType::I32);
   t.data<int32_t>()[0] = rank;
-  grid.comm("tp").all_reduce(t, ReduceOp::Sum);
+  grid.comm(Axis::Tensor).all_reduce(t, ReduceOp::Sum);
   int want_sum = 0;
-  for (int c = 0; c < grid.size("tp"); ++c) want_sum += rank + (c - grid.coord("tp"));
+  for (int c = 0; c < grid.size(Axis::Tensor); ++c) want_sum += rank + (c - grid.coord(Axis::Tensor));
   EXPECT_EQ(t.data<int32_t>()[0], want_sum);
 }
 
 TEST(ProcessGrid, ThreeAxes) {
   const int size = world_size();
-  check_axes({{"pp", 1}, {"dp", 1}, {"tp", size}});
-  check_axes({{"pp", size}, {"dp", 1}, {"tp", 1}});
-  check_axes({{"pp", 1}, {"dp", size}, {"tp", 1}});
+  check_axes({{Axis::Pipeline, 1}, {Axis::Data, 1}, {Axis::Tensor, size}});
+  check_axes({{Axis::Pipeline, size}, {Axis::Data, 1}, {Axis::Tensor, 1}});
+  check_axes({{Axis::Pipeline, 1}, {Axis::Data, size}, {Axis::Tensor, 1}});
   if (size == 4) {
-    check_axes({{"pp", 2}, {"dp", 1}, {"tp", 2}});
-    check_axes({{"pp", 1}, {"dp", 2}, {"tp", 2}});
-    check_axes({{"pp", 2}, {"dp", 2}, {"tp", 1}});
+    check_axes({{Axis::Pipeline, 2}, {Axis::Data, 1}, {Axis::Tensor, 2}});
+    check_axes({{Axis::Pipeline, 1}, {Axis::Data, 2}, {Axis::Tensor, 2}});
+    check_axes({{Axis::Pipeline, 2}, {Axis::Data, 2}, {Axis::Tensor, 1}});
   }
 }
 
 TEST(ProcessGrid, ThreeAxesLayout) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   const int rank = world_rank();
-  ProcessGrid grid(MPI_COMM_WORLD, {{"pp", 2}, {"dp", 1}, {"tp", 2}});
-  EXPECT_EQ(grid.coords(), (std::vector<int>{rank / 2, 0, rank % 2}));
-  EXPECT_EQ(members(grid.comm("tp")), (std::vector<int32_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
+  ProcessGrid grid(MPI_COMM_WORLD, {{Axis::Pipeline, 2}, {Axis::Data, 1}, {Axis::Tensor, 2}});
+  EXPECT_EQ(grid.layout().coords_of(rank), (std::vector<int>{rank / 2, 0, rank % 2}));
+  EXPECT_EQ(members(grid.comm(Axis::Tensor)), (std::vector<int32_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
   EXPECT_EQ(members(grid.pp()), (std::vector<int32_t>{rank % 2, rank % 2 + 2}));
   EXPECT_EQ(members(grid.dp()), (std::vector<int32_t>{rank}));
-  EXPECT_EQ(grid.rank_of({1, 0, 0}), 2);
-  EXPECT_EQ(grid.rank_of({0, 0, 1}), 1);
-  EXPECT_EQ(grid.coords_of(3), (std::vector<int>{1, 0, 1}));
+  EXPECT_EQ(grid.layout().rank_of({1, 0, 0}), 2);
+  EXPECT_EQ(grid.layout().rank_of({0, 0, 1}), 1);
+  EXPECT_EQ(grid.layout().coords_of(3), (std::vector<int>{1, 0, 1}));
   // rank_of(stage, replica) keeps my tp coordinate.
   EXPECT_EQ(grid.rank_of(1, 0), 2 + rank % 2);
   EXPECT_EQ(grid.rank_of(0, 0), rank % 2);
   EXPECT_THROW(grid.rank_of(0, 1), Error);
 
-  ProcessGrid wide(MPI_COMM_WORLD, {{"pp", 1}, {"dp", 2}, {"tp", 2}});
-  EXPECT_EQ(wide.coords(), (std::vector<int>{0, rank / 2, rank % 2}));
+  ProcessGrid wide(MPI_COMM_WORLD, {{Axis::Pipeline, 1}, {Axis::Data, 2}, {Axis::Tensor, 2}});
+  EXPECT_EQ(wide.layout().coords_of(rank), (std::vector<int>{0, rank / 2, rank % 2}));
   EXPECT_EQ(members(wide.dp()), (std::vector<int32_t>{rank % 2, rank % 2 + 2}));
-  EXPECT_EQ(members(wide.comm("tp")), (std::vector<int32_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
+  EXPECT_EQ(members(wide.comm(Axis::Tensor)), (std::vector<int32_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
   EXPECT_EQ(members(wide.pp()), (std::vector<int32_t>{rank}));
 }
 
 TEST(ProcessGrid, OpenAxisTakesTheRestOfTheWorld) {
   const int size = world_size();
-  ProcessGrid grid(MPI_COMM_WORLD, {{"pp", 1}, {"dp", std::nullopt}, {"tp", 2}});
-  EXPECT_EQ(grid.size("dp"), size / 2);
-  EXPECT_EQ(*grid.axes()[1].size, size / 2);
+  ProcessGrid grid(MPI_COMM_WORLD, {{Axis::Pipeline, 1}, {Axis::Data, std::nullopt}, {Axis::Tensor, 2}});
+  EXPECT_EQ(grid.size(Axis::Data), size / 2);
+  EXPECT_EQ(*grid.layout().axes()[1].size, size / 2);
   EXPECT_EQ(grid.dp().size(), size / 2);
-  EXPECT_EQ(grid.comm("tp").size(), 2);
+  EXPECT_EQ(grid.comm(Axis::Tensor).size(), 2);
 }
 
 TEST(ProcessGrid, AxisTheGridDoesNotListHasSizeOne) {
   ProcessGrid grid(MPI_COMM_WORLD, 1);
-  EXPECT_FALSE(grid.has("tp"));
-  EXPECT_TRUE(grid.has("pp"));
-  EXPECT_EQ(grid.size("tp"), 1);
-  EXPECT_EQ(grid.coord("tp"), 0);
-  EXPECT_THROW(grid.comm("tp"), Error);
-  EXPECT_THROW(grid.mpi_comm("tp"), Error);
-  EXPECT_THROW(grid.has("xx"), Error);
-  ProcessGrid dp_only(MPI_COMM_WORLD, {{"dp", std::nullopt}});
+  EXPECT_FALSE(grid.has(Axis::Tensor));
+  EXPECT_TRUE(grid.has(Axis::Pipeline));
+  EXPECT_EQ(grid.size(Axis::Tensor), 1);
+  EXPECT_EQ(grid.coord(Axis::Tensor), 0);
+  EXPECT_THROW(grid.comm(Axis::Tensor), Error);
+  EXPECT_THROW(grid.mpi_comm(Axis::Tensor), Error);
+  ProcessGrid dp_only(MPI_COMM_WORLD, {{Axis::Data, std::nullopt}});
   EXPECT_EQ(dp_only.stage(), 0);
   EXPECT_EQ(dp_only.pp_size(), 1);
   EXPECT_EQ(dp_only.replica(), world_rank());
@@ -246,12 +246,12 @@ TEST(ProcessGrid, AxisTheGridDoesNotListHasSizeOne) {
 TEST(ProcessGrid, Describe) {
   const int size = world_size();
   if (size == 4) {
-    EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{"pp", 2}, {"dp", 1}, {"tp", 2}}).describe(),
+    EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{Axis::Pipeline, 2}, {Axis::Data, 1}, {Axis::Tensor, 2}}).describe(),
               "process grid: pp 2 x dp 1 x tp 2 = 4 ranks, tp fastest\n"
               "  pp groups: [0 2] [1 3]\n"
               "  dp groups: [0] [1] [2] [3]\n"
               "  tp groups: [0 1] [2 3]");
-    EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{"pp", 1}, {"dp", 2}, {"tp", 2}}).describe(),
+    EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{Axis::Pipeline, 1}, {Axis::Data, 2}, {Axis::Tensor, 2}}).describe(),
               "process grid: pp 1 x dp 2 x tp 2 = 4 ranks, tp fastest\n"
               "  pp groups: [0] [1] [2] [3]\n"
               "  dp groups: [0 2] [1 3]\n"
@@ -267,7 +267,7 @@ TEST(ProcessGrid, Describe) {
               "  pp groups: [0] [1]\n"
               "  dp groups: [0 1]");
   }
-  EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{"dp", size}}).describe(),
+  EXPECT_EQ(ProcessGrid(MPI_COMM_WORLD, {{Axis::Data, size}}).describe(),
             "process grid: dp " + std::to_string(size) + " = " + std::to_string(size) + " ranks\n  dp groups: [0 1" +
                 (size == 4 ? " 2 3]" : "]"));
 }
@@ -289,20 +289,22 @@ TEST(ProcessGrid, BadAxesAreAnInputErrorOnEveryRank) {
   const std::string world = std::to_string(size) + " ranks of the world";
   const std::string s = std::to_string(size);
   expect_axes_error({}, "a process grid needs at least one axis");
-  expect_axes_error({{"pp", 1}, {"xx", size}}, "unknown process grid axis 'xx' (known: pp, dp, tp)");
-  expect_axes_error({{"pp", 1}, {"dp", size}, {"pp", 1}}, "process grid axis 'pp' is given twice");
-  expect_axes_error({{"pp", 1}, {"dp", std::nullopt}, {"tp", std::nullopt}},
+  expect_axes_error({{Axis::Pipeline, 1}, {Axis::Data, size}, {Axis::Pipeline, 1}},
+                    "process grid axis 'pp' is given twice");
+  expect_axes_error({{Axis::Pipeline, 1}, {Axis::Data, std::nullopt}, {Axis::Tensor, std::nullopt}},
                     "process grid axes dp and tp both take the rest of the world; at most one may");
-  expect_axes_error({{"pp", 1}, {"dp", std::nullopt}, {"tp", 0}}, "--tp 0 must be at least 1");
-  expect_axes_error({{"pp", -2}, {"dp", size}}, "--pp -2 must be at least 1");
-  expect_axes_error({{"pp", 3}, {"dp", std::nullopt}, {"tp", 1}}, "--pp 3 does not divide the " + world);
-  expect_axes_error({{"pp", 1}, {"dp", std::nullopt}, {"tp", 3}}, "--tp 3 does not divide the " + world);
-  expect_axes_error({{"pp", 2}, {"dp", std::nullopt}, {"tp", size}},
+  expect_axes_error({{Axis::Pipeline, 1}, {Axis::Data, std::nullopt}, {Axis::Tensor, 0}}, "--tp 0 must be at least 1");
+  expect_axes_error({{Axis::Pipeline, -2}, {Axis::Data, size}}, "--pp -2 must be at least 1");
+  expect_axes_error({{Axis::Pipeline, 3}, {Axis::Data, std::nullopt}, {Axis::Tensor, 1}},
+                    "--pp 3 does not divide the " + world);
+  expect_axes_error({{Axis::Pipeline, 1}, {Axis::Data, std::nullopt}, {Axis::Tensor, 3}},
+                    "--tp 3 does not divide the " + world);
+  expect_axes_error({{Axis::Pipeline, 2}, {Axis::Data, std::nullopt}, {Axis::Tensor, size}},
                     "--pp 2 x --tp " + s + " does not divide the " + world);
-  expect_axes_error({{"pp", size}, {"dp", 2}, {"tp", 1}},
+  expect_axes_error({{Axis::Pipeline, size}, {Axis::Data, 2}, {Axis::Tensor, 1}},
                     "--pp " + s + " x --dp 2 x --tp 1 does not match the " + world);
-  expect_axes_error({{"dp", 1}}, "--dp 1 does not match the " + world);
-  expect_axes_error({{"pp", 3}, {"tp", size}}, "--pp 3 x --tp " + s + " does not match the " + world);
+  expect_axes_error({{Axis::Data, 1}}, "--dp 1 does not match the " + world);
+  expect_axes_error({{Axis::Pipeline, 3}, {Axis::Tensor, size}}, "--pp 3 x --tp " + s + " does not match the " + world);
   // The world is still in step: a collective after the errors completes.
   MpiCommunicator world_comm(MPI_COMM_WORLD, "world");
   world_comm.barrier();
@@ -329,6 +331,26 @@ TEST(ProcessGrid, AgreeEndsAPartThatFailedOnOneRankEverywhere) {
   EXPECT_EQ(code, kExitBadInput);
   EXPECT_EQ(printed, rank == last ? "error: bad tensor on rank " + std::to_string(last) + "\n" : "");
   EXPECT_NO_THROW(agree(MPI_COMM_WORLD, [] {}));  // all ranks still in step
+}
+
+// The layout alone, without MPI: what --dry-run --world N plans with.
+TEST(GridLayout, TrainsGridForAWorldThatWasNotLaunched) {
+  const GridLayout g = GridLayout::train(2, 2, 8);  // pp 2 x dp 2 x tp 2
+  EXPECT_EQ(g.size(Axis::Data), 2);
+  for (int k = 0; k < 8; ++k) {
+    EXPECT_EQ(g.stage(k), k / 4);
+    EXPECT_EQ(g.replica(k), k / 2 % 2);
+    EXPECT_EQ(g.tp_rank(k), k % 2);
+    EXPECT_EQ(g.rank_of(g.coords_of(k)), k);
+  }
+  EXPECT_FALSE(GridLayout::train(2, 1, 4).has(Axis::Tensor));
+  EXPECT_EQ(GridLayout::train(2, 1, 4).tp_rank(3), 0);
+  try {
+    GridLayout::train(3, 1, 8);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "--pp 3 does not divide the 8 ranks of the world");
+  }
 }
 
 }  // namespace

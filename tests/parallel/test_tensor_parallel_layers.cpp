@@ -20,6 +20,8 @@
 #include "layers/basic.hpp"
 #include "layers/loss.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/mpi_world.hpp"
 #include "parallel/tensor_parallel.hpp"
 

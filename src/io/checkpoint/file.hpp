@@ -1,18 +1,18 @@
-// HDF5 checkpoints (layout in docs/formats.md): full tensors under stable names such as
+// A checkpoint file (layout in docs/formats.md): full tensors under stable names such as
 // "model/conv1/weight", each with a crc32 attribute, plus root attributes (format_version,
-// step, ...). Writes go to PATH.tmp and become PATH only on commit(), after an fsync, so a
-// crash never leaves a broken checkpoint at PATH. A checkpoint directory holds step-NNNNNNNN.h5
-// files and a `latest` pointer (docs/checkpoints.md); the helpers below maintain and search it.
+// step, ...). CheckpointWriter writes to PATH.tmp, which becomes PATH only on commit(), after an
+// fsync and beside its manifest, so a crash never leaves a broken checkpoint at PATH;
+// CheckpointReader checks the manifest before HDF5 opens the file, and every crc32 it reads.
 #pragma once
 
 #include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "io/checkpoint/manifest.hpp"
 #include "io/hdf5.hpp"
 #include "layers/tensor_parallel.hpp"
 
@@ -22,36 +22,6 @@ namespace strata::io {
 // version 1 files (model only) still load with --init-from.
 constexpr int64_t kCheckpointFormatVersion = 2;
 constexpr int64_t kOldestReadableVersion = 1;
-
-// A training run's position, stored both as root attributes (step, epoch, step_in_epoch, seed)
-// and in the manifest, whose checksum covers it.
-struct Position {
-  int64_t step = 0, epoch = 0, step_in_epoch = 0;
-  uint64_t seed = 0;
-  bool operator==(const Position&) const = default;
-};
-
-// The manifest beside each checkpoint, PATH.manifest (format in docs/checkpoints.md): read and
-// checked before HDF5 parses the file, so that a damaged file (which may make libhdf5 loop
-// forever) is refused by its size and whole-file crc32 without being opened.
-struct Manifest {
-  std::string file;  // the checkpoint's file name (no directory)
-  int64_t size = 0;
-  uint32_t crc32 = 0;
-  std::optional<Position> position;  // training checkpoints only
-};
-std::string manifest_path(const std::string& checkpoint);
-// fsync of a file (flags O_RDONLY) or directory (O_RDONLY | O_DIRECTORY); throws with the
-// system's reason.
-void fsync_path(const std::string& path, int flags);
-// Size and zlib crc32 of a whole file, read in 1 MiB blocks.
-std::pair<int64_t, uint32_t> file_size_and_crc32(const std::string& path);
-// Checks `checkpoint` against its manifest: the manifest when it holds (file name, size, crc32,
-// position checksum and ranges), nullopt when there is none (a checkpoint from before
-// manifests); an Input error naming the file and the mismatch otherwise. Without `whole_file`
-// the crc32 of the file is not computed (everything else is checked): for a file this job has
-// checked already.
-std::optional<Manifest> check_manifest(const std::string& checkpoint, bool whole_file = true);
 
 class CheckpointWriter {
  public:
@@ -149,40 +119,5 @@ class CheckpointReader {
 // Selects elements [begin, end) of the shard `local` split as `split` in `space`, the dataspace
 // of the full tensor (a union of hyperslabs; all of a scalar).
 void select_part(hid_t space, const Shape& local, const layers::TensorSplit& split, int64_t begin, int64_t end);
-
-// ---- checkpoint directories ------------------------------------------------------------------
-
-// Creates `dir` if needed and proves a file can be written in it; an Input error naming `flag`
-// otherwise (checked at setup, not at the first save hours later).
-void require_writable_directory(const std::string& dir, const std::string& flag);
-// DIR/step-NNNNNNNN.h5.
-std::string checkpoint_path(const std::string& dir, int64_t step);
-// Points DIR/latest at `path` (a file in DIR): writes latest.tmp, fsyncs, renames, fsyncs DIR.
-void update_latest(const std::string& dir, const std::string& path);
-// `written`: the checkpoints this job wrote, oldest first. Keeps the newest `keep` of them and
-// removes the older ones with their manifests (keep <= 0: removes nothing). No job deletes a
-// file it did not write: other jobs' checkpoints (an earlier run's, before a requeue) stay.
-void prune_checkpoints(std::vector<std::string>& written, int64_t keep);
-// The newest checkpoint of DIR that validates: the one `latest` names, else step-*.h5 from the
-// highest step down; each candidate must pass its manifest (whole-file crc32), open and give
-// its run state (without a manifest: pass every tensor's crc32), and a bad one is skipped with
-// a one-line warning naming it and why.
-// Empty when there is none.
-std::string newest_checkpoint(const std::string& dir);
-
-// Creates DIR if needed and takes an advisory lock (flock) on DIR/.lock held while the object lives, so that one job at
-// a time writes a checkpoint directory. The file names the holder ("host H pid P slurm_job J"); a second job gets an
-// Input error naming it. The kernel drops the lock when the process dies, so a requeued job gets it back. Once held,
-// the *.tmp files of writes a killed job left unfinished are named in a note (never deleted: not this job's).
-class DirectoryLock {
- public:
-  explicit DirectoryLock(const std::string& dir);
-  ~DirectoryLock();
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
 
 }  // namespace strata::io

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "io/checkpoint.hpp"
-#include "io/parallel_checkpoint.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/parallel_file.hpp"
 
 namespace strata::io {
 

@@ -1,5 +1,5 @@
 // CheckpointSaver: commit, `latest`, --keep and the log line, now or on a background thread.
-#include "io/checkpoint_saver.hpp"
+#include "io/checkpoint/saver.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -7,6 +7,7 @@
 
 #include "core/log.hpp"
 #include "core/trace.hpp"
+#include "io/checkpoint/directory.hpp"
 #include "io/hdf5.hpp"
 
 namespace strata::io {

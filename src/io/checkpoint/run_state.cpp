@@ -1,4 +1,6 @@
-#include "io/training_state.hpp"
+// The training checkpoint schema: tensor names (model, optimizer state, master weights) and the
+// run state's root attributes.
+#include "io/checkpoint/run_state.hpp"
 
 namespace strata::io {
 

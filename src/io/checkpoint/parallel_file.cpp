@@ -1,5 +1,5 @@
 // ParallelCheckpointFile: collective create, hyperslab writes and close; crc32s combined on rank 0.
-#include "io/parallel_checkpoint.hpp"
+#include "io/checkpoint/parallel_file.hpp"
 
 #include <fcntl.h>
 #include <zlib.h>
@@ -7,7 +7,8 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "io/checkpoint.hpp"
+#include "io/checkpoint/file.hpp"
+#include "io/checkpoint/manifest.hpp"
 #include "parallel/mpi.hpp"
 
 namespace strata::io {
@@ -18,11 +19,6 @@ namespace {
 // (Lustre's and GPFS's default stripe or block is 1 MiB) no two large tensors share a stripe, so
 // ranks writing neighbouring tensors do not contend for one lock. Small tensors pack as before.
 constexpr hsize_t kAlignment = hsize_t{1} << 20;
-
-uint32_t crc32_of(const void* data, int64_t bytes) {
-  return static_cast<uint32_t>(
-      crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(data), static_cast<z_size_t>(bytes)));
-}
 
 }  // namespace
 
@@ -107,7 +103,8 @@ void ParallelCheckpointFile::write(const std::string& name, const Shape& local, 
   const auto* data = n > 0 ? static_cast<const char*>(part.raw()) : nullptr;
   for (const auto& [offset, length] : layers::shard_runs(local, split, begin, end)) {
     const int64_t bytes = length * static_cast<int64_t>(sizeof(float));
-    runs_.push_back({index, offset * static_cast<int64_t>(sizeof(float)), bytes, crc32_of(data, bytes)});
+    runs_.push_back(
+        {index, offset * static_cast<int64_t>(sizeof(float)), bytes, crc32_of(data, static_cast<size_t>(bytes))});
     data += bytes;
   }
 }

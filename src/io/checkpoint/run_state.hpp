@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/checkpoint.hpp"
+#include "io/checkpoint/file.hpp"
 
 namespace strata::io {
 

@@ -1,49 +1,12 @@
-// Bucketed gradient sync: all-reduce per bucket (ZeRO 0/1) or reduce to the shard owners
-// through a ring of layer gradients (ZeRO 2).
-#include "parallel/gradient_sync.hpp"
+// ZeRO 2/3's gradient ring: the placement of the layers' gradients in it, and the reduction of
+// its buckets to the shard owners, added into each owner's gradient shard.
+#include "parallel/gradient_ring.hpp"
 
 #include <algorithm>
 
 #include "core/ops.hpp"
-#include "parallel/watchdog.hpp"
 
 namespace strata::parallel {
-
-std::vector<Bucket> make_buckets(const layers::ParameterStore& store, int64_t bucket_bytes) {
-  // flat_numel: grads and params may not exist in full (ZeRO 2, 3)
-  return make_buckets(store.layer_ranges(), store.flat_numel(), bucket_bytes);
-}
-
-std::vector<layers::ParameterStore::LayerRange> layer_extents(
-    const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel) {
-  STRATA_CHECK(ranges.empty() || ranges.back().end <= flat_numel, "layers end at element ", ranges.back().end,
-               ", past the flat buffer's ", flat_numel);
-  std::vector<layers::ParameterStore::LayerRange> extents = ranges;
-  for (size_t k = 0; k < extents.size(); ++k) {
-    extents[k].begin = k == 0 ? 0 : ranges[k].begin;
-    extents[k].end = k + 1 < ranges.size() ? ranges[k + 1].begin : flat_numel;
-  }
-  return extents;
-}
-
-int64_t bucket_elements(int64_t bucket_bytes) {
-  return std::max<int64_t>(bucket_bytes / static_cast<int64_t>(sizeof(float)), 1);
-}
-
-std::vector<Bucket> make_buckets(const std::vector<layers::ParameterStore::LayerRange>& ranges, int64_t flat_numel,
-                                 int64_t bucket_bytes) {
-  const std::vector<layers::ParameterStore::LayerRange> extents = layer_extents(ranges, flat_numel);
-  const int64_t size = bucket_elements(bucket_bytes);
-  std::vector<Bucket> buckets;
-  size_t k = extents.size();  // the extent holding the bucket's first element (extents tile the buffer)
-  for (int64_t end = extents.empty() ? 0 : flat_numel; end > 0;) {
-    const int64_t begin = std::max<int64_t>(end - size, 0);
-    while (extents[k - 1].begin > begin) --k;
-    buckets.push_back({begin, end, extents[k - 1].layer});
-    end = begin;
-  }
-  return buckets;
-}
 
 std::vector<GradientTile> whole_layer_tiles(const std::vector<layers::ParameterStore::LayerRange>& ranges,
                                             int64_t flat_numel) {
@@ -142,79 +105,65 @@ bool pins_tied_embedding(const layers::Model& model, size_t begin, size_t end) {
   return false;
 }
 
-GradientSync::GradientSync(Communicator& dp, const layers::ParameterStore& store, int64_t bucket_bytes,
-                           int64_t owner_shard_size)
-    : dp_(dp), store_(store), buckets_(make_buckets(store, bucket_bytes)), shard_size_(owner_shard_size) {}
-
-GradientSync::GradientSync(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
+GradientRing::GradientRing(Communicator& dp, const layers::Model& model, const layers::ParameterStore& store,
                            int64_t bucket_bytes, int64_t shard_size, bool pinned)
-    : GradientSync(dp, store, bucket_bytes) {
+    : dp_(dp),
+      store_(store),
+      model_(model),
+      queue_(store, bucket_bytes, [this](int64_t from, int64_t to) { start(from, to); }),
+      shard_size_(shard_size) {
   STRATA_CHECK(!store.grads().defined(), "ZeRO 2 keeps no full gradient buffer, but the store has one");
   STRATA_CHECK(store.flat_numel() == shard_size * dp.size(), "ZeRO 2 needs the store padded to ", dp.size(), " x ",
                shard_size, " elements, it has ", store.flat_numel());
-  model_ = &model;
-  shard_size_ = shard_size;
   shard_grads_ = Tensor::zeros({shard_size}, DType::F32, store.params().device());
   const std::vector<GradientTile> tiles = gradient_tiles(model, store.entries(), store.flat_numel(), bucket_bytes);
   const int64_t ring = ring_elements(tiles, bucket_bytes, pinned);
   slots_ = place_in_ring(tiles, ring, pinned);
   for (const GradientTile& t : tiles)
     if (t.streamed && (streaming_.empty() || streaming_.back() != t.layer)) streaming_.push_back(t.layer);
-  for (size_t layer : streaming_) model.layer(layer).set_gradient_sink(this, bucket_elements(bucket_bytes));
   // From the communicator: on one node, shared memory that the reduces read in place.
   ring_ = dp.allocate(ring, DType::F32, store.params().device());
+  // Last, once nothing can throw: the destructor, which takes the sinks back, runs only for a
+  // constructed object.
+  for (size_t layer : streaming_) model.layer(layer).set_gradient_sink(this, bucket_elements(bucket_bytes));
 }
 
-GradientSync::~GradientSync() {
-  for (size_t layer : streaming_) model_->layer(layer).set_gradient_sink(nullptr, 0);
+GradientRing::~GradientRing() {
+  for (size_t layer : streaming_) model_.layer(layer).set_gradient_sink(nullptr, 0);
 }
 
-void GradientSync::broadcast_parameters() {
-  if (dp_.size() == 1) return;
-  // ZeRO 3: each replica holds a different shard, initialised identically by construction.
-  if (!store_.sharded_params() && store_.params().numel() > 0) dp_.broadcast(store_.params(), 0);
-  broadcast_buffers();
-}
-
-void GradientSync::broadcast_buffers() {
-  if (dp_.size() > 1 && store_.buffers().numel() > 0) dp_.broadcast(store_.buffers(), 0);
-}
-
-int64_t GradientSync::allocated_bytes() const {
+int64_t GradientRing::allocated_bytes() const {
   return static_cast<int64_t>(shard_grads_.nbytes()) + static_cast<int64_t>(ring_.nbytes());
 }
 
-void GradientSync::begin() {
-  work_.clear();
-  next_ = 0;
-  started_ = store_.flat_numel();
-  if (!sharded()) return;
+void GradientRing::begin() {
+  queue_.rewind();
   placed_ = 0;
   piece_out_ = false;
   if (!slots_.empty() && slots_.back().pinned) bind_slot(slots_.back());  // before the tied head writes it
   place_next();
 }
 
-void GradientSync::bind_slot(const RingSlot& s) {
+void GradientRing::bind_slot(const RingSlot& s) {
   const int64_t n = s.end - s.begin;
   retire(/*wait=*/true, s.offset, s.offset + n);  // all started: no replica waits on another's future
   // Layers accumulate into their gradient views, so the range starts at zero.
   const Tensor grads = ring_.view(s.offset, {n});
   grads.fill_zero();
-  if (!s.streamed) store_.bind_grads(*model_, s.layer, grads, s.begin);
+  if (!s.streamed) store_.bind_grads(model_, s.layer, grads, s.begin);
 }
 
-void GradientSync::place_next() {
+void GradientRing::place_next() {
   if (placed_ == slots_.size()) return;
   const RingSlot& s = slots_[placed_++];
   // Every layer placed since the last wrap is done (the layer above this one was the last):
   // their elements are final, so what of them is not reduced yet is, before being overwritten.
-  if (s.wraps) start_down_to(s.end);
+  if (s.wraps) queue_.start_down_to(s.end);
   ring_shift_ = s.begin - s.offset;
   if (!s.pinned) bind_slot(s);  // the pinned one was bound at begin() and holds the tied head's part
 }
 
-Tensor GradientSync::next_piece() {
+Tensor GradientRing::next_piece() {
   STRATA_CHECK(placed_ > 0 && slots_[placed_ - 1].streamed && !piece_out_,
                "a gradient piece was asked for outside its layer's turn in backward");
   piece_out_ = true;
@@ -222,47 +171,29 @@ Tensor GradientSync::next_piece() {
   return ring_.view(s.offset + s.written_begin - s.begin, {s.written_end - s.written_begin});
 }
 
-void GradientSync::piece_written() {
+void GradientRing::piece_written() {
   STRATA_CHECK(piece_out_, "a gradient piece was written that was not asked for");
   piece_out_ = false;
   // Everything from the piece's tile up is final: the buckets there are complete.
-  const int64_t done_from = slots_[placed_ - 1].begin;
-  while (next_ < buckets_.size() && buckets_[next_].begin >= done_from) start_down_to(buckets_[next_].begin);
+  queue_.start_above(slots_[placed_ - 1].begin);
   place_next();
   dp_.progress();
   retire(/*wait=*/false);
 }
 
-void GradientSync::start_down_to(int64_t lo) {
-  // Bucket by bucket from the top, each owner's piece of it in owner order: every replica
-  // starts the same collectives in the same order, as collectives on one communicator must.
-  while (started_ > lo) {
-    const Bucket& b = buckets_[next_];
-    const watchdog::InBucket in_bucket(static_cast<int>(next_) + 1);  // names it in watchdog reports
-    const int64_t from = std::max(lo, b.begin), to = started_;
-    if (!sharded() && shard_size_ == 0) {
-      work_.push_back(dp_.all_reduce_async(store_.grads().view(from, {to - from}), ReduceOp::Sum));
-    } else {
-      for (int o = 0; o < dp_.size(); ++o) {
-        const int64_t piece_lo = std::max(from, o * shard_size_), piece_hi = std::min(to, (o + 1) * shard_size_);
-        if (piece_lo >= piece_hi) continue;
-        if (!sharded()) {  // ZeRO 1: the owner's piece is summed in place in its full gradient buffer
-          work_.push_back(dp_.reduce_async(store_.grads().view(piece_lo, {piece_hi - piece_lo}), o, ReduceOp::Sum));
-          continue;
-        }
-        const int64_t at = piece_lo - ring_shift_;
-        const Tensor piece = ring_.view(at, {piece_hi - piece_lo});
-        Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor(), at, at + piece.numel()};
-        if (o == dp_.rank()) p.into = shard_grads_.view(piece_lo - o * shard_size_, {piece_hi - piece_lo});
-        pending_.push_back(std::move(p));
-      }
-    }
-    started_ = from;
-    if (from == b.begin) ++next_;
+void GradientRing::start(int64_t from, int64_t to) {
+  for (int o = 0; o < dp_.size(); ++o) {  // in owner order, the same on every replica
+    const int64_t piece_lo = std::max(from, o * shard_size_), piece_hi = std::min(to, (o + 1) * shard_size_);
+    if (piece_lo >= piece_hi) continue;
+    const int64_t at = piece_lo - ring_shift_;
+    const Tensor piece = ring_.view(at, {piece_hi - piece_lo});
+    Piece p{dp_.reduce_async(piece, o, ReduceOp::Sum), piece, Tensor(), at, at + piece.numel()};
+    if (o == dp_.rank()) p.into = shard_grads_.view(piece_lo - o * shard_size_, {piece_hi - piece_lo});
+    pending_.push_back(std::move(p));
   }
 }
 
-void GradientSync::retire(bool wait, int64_t lo, int64_t hi) {
+void GradientRing::retire(bool wait, int64_t lo, int64_t hi) {
   // A reduced piece is added to the owner's shard as soon as it is complete, once: the
   // accumulator sums micro-batches, the ring is reused by the next layers.
   std::erase_if(pending_, [wait, lo, hi](Piece& p) {
@@ -276,22 +207,17 @@ void GradientSync::retire(bool wait, int64_t lo, int64_t hi) {
   });
 }
 
-void GradientSync::layer_done(size_t layer) {
-  // ZeRO 2 goes through the ring even on one rank (a reduce to itself).
-  if (dp_.size() == 1 && !sharded()) return;
-  // Backward runs from the last layer down, so buckets complete in order.
-  while (next_ < buckets_.size() && layer <= buckets_[next_].first_layer) start_down_to(buckets_[next_].begin);
+void GradientRing::layer_done(size_t layer) {
+  // Even on one rank (a reduce to itself): the shard is filled through the ring.
+  queue_.start_completed(layer);
   // The layer bound last is done: the next one down runs next.
-  if (sharded() && placed_ > 0 && layer <= slots_[placed_ - 1].layer) place_next();
+  if (placed_ > 0 && layer <= slots_[placed_ - 1].layer) place_next();
   dp_.progress();
   retire(/*wait=*/false);
 }
 
-void GradientSync::finish() {
-  if (dp_.size() == 1 && !sharded()) return;
+void GradientRing::finish() {
   layer_done(0);  // anything not yet started (layers without parameters at the front)
-  for (WorkPtr& w : work_) w->wait();
-  work_.clear();
   retire(/*wait=*/true);
 }
 

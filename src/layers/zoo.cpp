@@ -1,0 +1,202 @@
+// The model zoo: mlp, cnn, resnet and gpt (with the GPT-2 presets), built from the data's shape.
+#include "layers/zoo.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "layers/basic.hpp"
+#include "layers/composite.hpp"
+#include "layers/gpt.hpp"
+
+namespace strata::layers {
+
+namespace {
+
+// Appends layers while tracking the per-sample shape, so sizes come from the data.
+class Builder {
+ public:
+  explicit Builder(Shape input) : shape_(std::move(input)) {}
+  template <class L, class... Args>
+  void add(Args&&... args) {
+    layers_.push_back(std::make_unique<L>(std::forward<Args>(args)...));
+    shape_ = layers_.back()->output_shape(shape_);
+  }
+  void add(LayerPtr layer) {
+    layers_.push_back(std::move(layer));
+    shape_ = layers_.back()->output_shape(shape_);
+  }
+  const Shape& shape() const { return shape_; }
+  int64_t features() const { return shape_numel(shape_); }
+  std::vector<LayerPtr> take() { return std::move(layers_); }
+
+ private:
+  Shape shape_;
+  std::vector<LayerPtr> layers_;
+};
+
+std::string numbered(const char* base, size_t i) { return base + std::to_string(i); }
+
+Model build_mlp(const ModelSpec& spec, const Shape& input, int classes) {
+  Builder b(input);
+  b.add<Flatten>("flatten");
+  for (size_t i = 0; i < spec.hidden.size(); ++i) {
+    STRATA_REQUIRE(spec.hidden[i] > 0, "--hidden sizes must be positive, found ", spec.hidden[i]);
+    b.add<Linear>(numbered("fc", i + 1), b.features(), spec.hidden[i]);
+    b.add<ActivationLayer>(numbered("relu", i + 1), Activation::ReLU);
+    if (spec.dropout > 0) b.add<Dropout>(numbered("dropout", i + 1), spec.dropout);
+  }
+  b.add<Linear>(numbered("fc", spec.hidden.size() + 1), b.features(), classes);
+  return Model(b.take(), input, classes);
+}
+
+Model build_cnn(const ModelSpec& spec, const Shape& input, int classes) {
+  STRATA_REQUIRE(input.size() == 3, "model cnn expects image samples [C, H, W], found ", shape_str(input));
+  Builder b(input);
+  b.add<Conv2d>("conv1", input[0], 32, 3, 1, 1);
+  b.add<ActivationLayer>("relu1", Activation::ReLU);
+  b.add<Pool2d>("pool1", PoolKind::Max, 2, 2);
+  b.add<Conv2d>("conv2", 32, 64, 3, 1, 1);
+  b.add<ActivationLayer>("relu2", Activation::ReLU);
+  b.add<Pool2d>("pool2", PoolKind::Max, 2, 2);
+  b.add<Flatten>("flatten");
+  b.add<Linear>("fc1", b.features(), 128);
+  b.add<ActivationLayer>("relu3", Activation::ReLU);
+  if (spec.dropout > 0) b.add<Dropout>("dropout", spec.dropout);
+  b.add<Linear>("fc2", 128, classes);
+  return Model(b.take(), input, classes);
+}
+
+// CIFAR-style ResNet (He et al. 2016, section 4.2): 3 stages of n basic blocks, depth 6n+2.
+Model build_resnet(const ModelSpec& spec, const Shape& input, int classes) {
+  STRATA_REQUIRE(input.size() == 3, "model resnet expects image samples [C, H, W], found ", shape_str(input));
+  STRATA_REQUIRE(spec.depth >= 8 && (spec.depth - 2) % 6 == 0,
+                 "--depth for resnet must be 6n+2 (8, 14, 20, 32, 56, ...), found ", spec.depth);
+  STRATA_REQUIRE(spec.width > 0, "--width must be positive, found ", spec.width);
+  STRATA_REQUIRE(spec.dropout == 0, "--dropout applies to mlp and cnn; resnet has no dropout, found ", spec.dropout);
+  const int blocks = (spec.depth - 2) / 6;
+  Builder b(input);
+  b.add<Conv2d>("conv1", input[0], spec.width, 3, 1, 1, false);
+  b.add<BatchNorm2d>("bn1", spec.width);
+  b.add<ActivationLayer>("relu1", Activation::ReLU);
+  int64_t channels = spec.width;
+  for (int stage = 0; stage < 3; ++stage) {
+    const int64_t out = static_cast<int64_t>(spec.width) << stage;
+    for (int i = 0; i < blocks; ++i) {
+      const int64_t stride = (stage > 0 && i == 0) ? 2 : 1;
+      b.add(ResidualBlock::basic(detail::cat("block", stage + 1, "_", i + 1), channels, out, stride));
+      channels = out;
+    }
+  }
+  b.add<GlobalAvgPool>("pool");
+  b.add<Linear>("fc", channels, classes);
+  return Model(b.take(), input, classes);
+}
+
+// GPT-2 (nanoGPT's layout): wte + wpe, [dropout], blocks h0..h{L-1}, ln_f, lm_head. Each is one
+// top-level layer, so pipeline stages cut between blocks.
+Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorParallelGroup* tp) {
+  STRATA_REQUIRE(input.size() == 1 && input[0] >= 1, "model ", spec.name, " expects token sequences [T], found ",
+                 shape_str(input));
+  STRATA_REQUIRE(spec.layers >= 1, "--layers must be positive, found ", spec.layers);
+  STRATA_REQUIRE(spec.embed >= 1, "--embed must be positive, found ", spec.embed);
+  STRATA_REQUIRE(spec.heads >= 1 && spec.embed % spec.heads == 0, "--heads (", spec.heads, ") must divide --embed (",
+                 spec.embed, ")");
+  STRATA_REQUIRE(spec.dropout >= 0.0f && spec.dropout < 1.0f, "--dropout must be in [0, 1), found ", spec.dropout);
+  STRATA_REQUIRE(spec.attention == "flash" || spec.attention == "plain", "--attention must be flash or plain, found '",
+                 spec.attention, "'");
+  const int64_t t = input[0];
+  const int64_t positions = spec.seq_len > 0 ? spec.seq_len : t;
+  STRATA_REQUIRE(t <= positions, "the data's sequences have ", t, " tokens but --seq-len is ", positions);
+  const int64_t vocab = spec.vocab > 0 ? spec.vocab : classes;
+  STRATA_REQUIRE(vocab >= classes, "--vocab ", vocab, " is smaller than the data's vocabulary of ", classes, " tokens");
+  STRATA_REQUIRE(vocab <= INT32_MAX, "--vocab ", vocab, " is too large");
+  if (tp != nullptr && tp->size() > 1) {
+    const int64_t t_size = tp->size();
+    STRATA_REQUIRE(spec.heads % t_size == 0, "--heads (", spec.heads, ") must be divisible by --tp (", t_size,
+                   "): each rank computes whole heads");
+    STRATA_REQUIRE(vocab % t_size == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ", t_size,
+                   " (each rank holds V / tp rows of wte); pass --vocab ", (vocab + t_size - 1) / t_size * t_size);
+  } else {
+    tp = nullptr;
+  }
+  const AttentionKind kind = spec.attention == "plain" ? AttentionKind::Plain : AttentionKind::Flash;
+  const Recompute recompute = parse_recompute(spec.recompute);
+  // GPT-2: the residual projections are scaled by 1/sqrt(2 * layers) at init.
+  const double proj_std = kGptInitStd / std::sqrt(2.0 * spec.layers);
+
+  Builder b(input);
+  auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed, tp);
+  const Embedding* wte = embedding.get();
+  if (spec.tie_embeddings) embedding->set_tied_head();
+  b.add(std::move(embedding));
+  if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
+  for (int i = 0; i < spec.layers; ++i)
+    b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind, proj_std,
+                            tp, recompute);
+  auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed);
+  ln_f->set_no_weight_decay();
+  b.add(std::move(ln_f));
+  b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
+  return Model(b.take(), input, static_cast<int>(vocab), tp);
+}
+
+struct GptPreset {
+  const char* name;
+  int layers, heads;
+  int64_t embed;
+};
+constexpr GptPreset kGptPresets[] = {
+    {"gpt2-124m", 12, 12, 768},
+    {"gpt2-350m", 24, 16, 1024},
+    {"gpt2-774m", 36, 20, 1280},
+    {"gpt2-1.5b", 48, 25, 1600},
+};
+constexpr int64_t kGpt2SeqLen = 1024, kGpt2Vocab = 50257;
+
+}  // namespace
+
+const std::vector<std::string>& gpt_presets() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const GptPreset& p : kGptPresets) n.emplace_back(p.name);
+    return n;
+  }();
+  return names;
+}
+
+ModelSpec resolve_preset(const ModelSpec& spec) {
+  ModelSpec out = spec;
+  for (const GptPreset& p : kGptPresets)
+    if (spec.name == p.name) {
+      out.layers = p.layers;
+      out.heads = p.heads;
+      out.embed = p.embed;
+      out.seq_len = kGpt2SeqLen;
+      out.vocab = spec.vocab > 0 ? spec.vocab : kGpt2Vocab;  // --vocab pads it (nanoGPT's 50304)
+    }
+  return out;
+}
+
+bool is_language_model(const ModelSpec& spec) {
+  const std::vector<std::string>& presets = gpt_presets();
+  return spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end();
+}
+
+Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes, TensorParallelGroup* tp) {
+  STRATA_REQUIRE(num_classes >= 2, "a classifier needs at least 2 classes, the dataset has ", num_classes);
+  // Only the GPT has a tensor-parallel form (an alternating column/row MLP is left out).
+  const bool split = tp != nullptr && tp->size() > 1;
+  const bool classic = spec.name == "mlp" || spec.name == "cnn" || spec.name == "resnet";
+  STRATA_REQUIRE(!split || !classic, "--tp applies to the gpt models; --model ", spec.name, " runs with --tp 1");
+  STRATA_REQUIRE(!classic || spec.recompute == "none", "--recompute ", spec.recompute,
+                 " applies to the gpt models' transformer blocks; --model ", spec.name, " runs with --recompute none");
+  if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
+  if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
+  if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
+  if (is_language_model(spec)) return build_gpt(resolve_preset(spec), input_shape, num_classes, tp);
+  STRATA_THROW_INPUT(
+      "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; found '", spec.name,
+      "'");
+}
+
+}  // namespace strata::layers

@@ -1,0 +1,42 @@
+#include "train/signals.hpp"
+
+#include <unistd.h>
+
+#include <csignal>
+
+#include "parallel/mpi.hpp"
+
+namespace strata::train {
+
+namespace {
+
+// Set by the handlers; read at step boundaries. sig_atomic_t: async-signal-safe.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+// A second SIGINT or SIGTERM while a stop is pending means the graceful stop takes too long (a
+// save stuck in I/O, a rank that never reaches the step boundary): leave at once, with one line
+// by write(2) and _exit, the async-signal-safe calls. The last committed checkpoint stays intact
+// (saves are atomic). A repeated SIGUSR1 (Slurm's warning) keeps waiting for the save.
+extern "C" void on_preemption_signal(int signal) {
+  if (g_stop_signal != 0 && signal != SIGUSR1) {
+    parallel::run_exit_cleanups();  // e.g. shared-memory names still in setup's create-and-map window
+    static const char kLine[] = "error: a second stop signal: exiting at once, without saving (exit code 4)\n";
+    [[maybe_unused]] const ssize_t ignored = write(STDERR_FILENO, kLine, sizeof kLine - 1);
+    _exit(parallel::kExitSecondSignal);
+  }
+  g_stop_signal = signal;
+}
+
+}  // namespace
+
+void install_preemption_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;  // MPI and file I/O in progress are not interrupted
+  for (int signal : {SIGTERM, SIGUSR1, SIGINT}) sigaction(signal, &action, nullptr);
+}
+
+bool stop_requested() { return g_stop_signal != 0; }
+
+}  // namespace strata::train
