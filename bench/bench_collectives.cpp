@@ -24,8 +24,8 @@
 
 #include "bench_common.hpp"
 #include "core/ops.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/mpi_communicator.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace {
 

@@ -30,8 +30,7 @@
 #include "bench_step.hpp"
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace {
 
@@ -74,12 +73,7 @@ double max_over(MPI_Comm comm, double v) {
 }
 
 // Seconds this rank has been blocked in collectives so far (not pipeline messages).
-double blocked_in_collectives() {
-  double s = 0;
-  for (const auto& [group, seconds] : parallel::watchdog::waited_seconds())
-    if (group != "pp") s += seconds;
-  return s;
-}
+double blocked_in_collectives() { return parallel::StageEngine::blocked_seconds().collectives; }
 
 }  // namespace
 

@@ -25,7 +25,7 @@
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
 #include "layers/model.hpp"
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace {
 

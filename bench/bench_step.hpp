@@ -13,8 +13,8 @@
 
 #include "core/trace.hpp"
 #include "layers/zoo.hpp"
-#include "parallel/partition.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/pipeline/partition.hpp"
+#include "parallel/runtime/process_grid.hpp"
 #include "parallel/stage/engine.hpp"
 
 namespace strata::bench {

@@ -15,7 +15,7 @@
 #include "core/allocator.hpp"
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace {
 

@@ -30,10 +30,10 @@
 #include "core/rng.hpp"
 #include "core/tensor.hpp"
 #include "data_tool.hpp"
+#include "io/batch_order.hpp"
 #include "io/dataset.hpp"
 #include "io/loader.hpp"
-#include "io/sampler.hpp"
-#include "io/shards.hpp"
+#include "io/shard_files.hpp"
 #include "io/tokens.hpp"
 
 using namespace strata;
@@ -373,7 +373,7 @@ int bench(const std::vector<std::string>& args) {
                 1e3 * std::chrono::duration<double>(Clock::now() - t_open).count());
     const size_t sample_bytes =
         static_cast<size_t>(shape_numel(ds.info().sample_shape)) * dtype_size(ds.info().input_dtype);
-    io::EpochSampler sampler(ds.size(), batch, 1, true);
+    io::BatchOrder sampler(ds.size(), batch, 1, true);
     Shape xs{batch};
     xs.insert(xs.end(), ds.info().sample_shape.begin(), ds.info().sample_shape.end());
     Tensor x = Tensor::empty(xs), y = Tensor::empty({batch}, DType::I32);

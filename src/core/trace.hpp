@@ -2,7 +2,7 @@
 // optimizer, the loader thread, ...) and operations in flight (collectives, messages), kept in
 // memory per process while recording is on, and turned into Chrome trace-event JSON (Perfetto,
 // chrome://tracing) by trace_json(). Collecting every rank's events into one file is
-// parallel/trace_collect.hpp's job. Off (the default) it costs one relaxed atomic load per span.
+// parallel/runtime/trace_collect.hpp's job. Off (the default) it costs one relaxed atomic load per span.
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,7 @@
 
 #include "core/ops.hpp"
 #include "io/hdf5.hpp"
-#include "io/shards.hpp"
+#include "io/shard_files.hpp"
 
 namespace strata::io {
 

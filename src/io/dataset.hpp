@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "io/samples.hpp"
+#include "io/data_source.hpp"
 
 namespace strata::io {
 
@@ -31,7 +31,7 @@ struct DatasetOptions {
   int64_t in_memory_limit_bytes = int64_t{256} << 20;
 };
 
-class Dataset final : public Samples {
+class Dataset final : public DataSource {
  public:
   // spec: a file, a directory (all *.h5 inside, sorted by name), or a glob pattern. `flag`
   // (e.g. "--data") names the source in error messages.

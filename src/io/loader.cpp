@@ -8,7 +8,7 @@
 
 namespace strata::io {
 
-Loader::Loader(const Samples& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth,
+Loader::Loader(const DataSource& dataset, const BatchOrder& sampler, int64_t slice_begin, int64_t slice_size, int depth,
                bool read_inputs)
     : dataset_(dataset),
       sampler_(sampler),
@@ -109,7 +109,7 @@ void Loader::run() {
   }
 }
 
-void read_range(const Samples& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y) {
+void read_range(const DataSource& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y) {
   STRATA_CHECK(begin >= 0 && begin <= end && end <= dataset.size(), "read_range [", begin, ", ", end,
                ") outside a dataset of ", dataset.size());
   std::vector<int64_t> indices(static_cast<size_t>(end - begin));

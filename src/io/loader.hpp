@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "io/batch_order.hpp"
 #include "io/dataset.hpp"
-#include "io/sampler.hpp"
 
 namespace strata::io {
 
@@ -30,7 +30,7 @@ class Loader {
   // buffers are allocated once: the one the caller holds plus depth - 1 being prefetched.
   // The dataset and sampler must outlive the loader.
   // read_inputs = false: batches carry labels only (x undefined), for stages that need no inputs.
-  Loader(const Samples& dataset, const EpochSampler& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
+  Loader(const DataSource& dataset, const BatchOrder& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
          bool read_inputs = true);
   ~Loader();
   Loader(const Loader&) = delete;
@@ -46,8 +46,8 @@ class Loader {
  private:
   void run();
 
-  const Samples& dataset_;
-  const EpochSampler& sampler_;
+  const DataSource& dataset_;
+  const BatchOrder& sampler_;
   const int64_t slice_begin_, slice_size_;
   std::vector<Batch> slots_;
   std::vector<int64_t> indices_;  // used by the reader thread only
@@ -67,6 +67,6 @@ class Loader {
 
 // Reads samples [begin, end) in order (every sample, no drop-last) into x (end - begin,
 // input...) and y (end - begin, target...): the simple path for evaluation.
-void read_range(const Samples& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y);
+void read_range(const DataSource& dataset, int64_t begin, int64_t end, const Tensor& x, const Tensor& y);
 
 }  // namespace strata::io

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "io/shards.hpp"
-#include "parallel/mpi.hpp"
+#include "io/shard_files.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace strata::io {
 

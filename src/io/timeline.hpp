@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/schedule.hpp"
+#include "parallel/pipeline/schedule.hpp"
 
 namespace strata::io {
 

@@ -8,7 +8,7 @@
 #include <optional>
 
 #include "io/hdf5.hpp"
-#include "io/shards.hpp"
+#include "io/shard_files.hpp"
 
 namespace strata::io {
 
@@ -256,10 +256,10 @@ void TokenDataset::read_sample(int64_t index, int64_t seq_len, int32_t* inputs, 
   read_window(index * seq_len + 1, seq_len, targets);
 }
 
-TokenSamples::TokenSamples(TokenDataset data, int64_t seq_len)
+TokenWindows::TokenWindows(TokenDataset data, int64_t seq_len)
     : data_(std::move(data)), windows_(data_.num_windows(seq_len)), shape_{seq_len} {}
 
-void TokenSamples::read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const {
+void TokenWindows::read(std::span<const int64_t> indices, const Tensor& x, const Tensor& y) const {
   const int64_t t = shape_[0];
   std::vector<int32_t> inputs(static_cast<size_t>(t));
   for (size_t k = 0; k < indices.size(); ++k) {

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "io/samples.hpp"
+#include "io/data_source.hpp"
 #include "io/tokenizer.hpp"
 
 namespace strata::io {
@@ -63,10 +63,10 @@ class TokenDataset {
 
 // A token dataset as training samples of sequence length T: sample i is window i (inputs and
 // the targets one token later), read as i32 (B, T) each. Holds the dataset.
-class TokenSamples final : public Samples {
+class TokenWindows final : public DataSource {
  public:
   // An Input error (naming the data's flag) when it holds fewer than T + 1 tokens.
-  TokenSamples(TokenDataset data, int64_t seq_len);
+  TokenWindows(TokenDataset data, int64_t seq_len);
   const TokenDataset& data() const { return data_; }
   int64_t size() const override { return windows_; }
   const Shape& input_shape() const override { return shape_; }

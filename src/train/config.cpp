@@ -18,7 +18,7 @@
 #include "core/error.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "layers/loss_scaler.hpp"
-#include "parallel/batch_plan.hpp"
+#include "parallel/data/batch_split.hpp"
 #include "train/deepspeed_config.hpp"
 
 namespace po = boost::program_options;
@@ -533,7 +533,7 @@ std::string given_options(const Config& c) {
 }
 
 parallel::MemoryLayout memory_layout(const Config& config, int dp) {
-  const parallel::BatchPlan batch = parallel::make_batch_plan(config.global_batch, config.micro_batch, dp);
+  const parallel::BatchSplit batch = parallel::split_batch(config.global_batch, config.micro_batch, dp);
   parallel::MemoryLayout layout;
   layout.pp = config.pp;
   layout.dp = dp;

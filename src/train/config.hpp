@@ -15,9 +15,9 @@
 #include "io/checkpoint/manager.hpp"
 #include "layers/optimizer.hpp"
 #include "layers/zoo.hpp"
-#include "parallel/device.hpp"
-#include "parallel/memory_plan.hpp"
-#include "parallel/schedule.hpp"
+#include "parallel/pipeline/schedule.hpp"
+#include "parallel/plan/memory_plan.hpp"
+#include "parallel/runtime/device.hpp"
 #include "parallel/stage/engine.hpp"
 
 namespace strata::train {
@@ -58,7 +58,7 @@ struct Config {
   parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
   int virtual_stages = 1;  // --virtual-stages: chunks per pipeline rank (interleaved)
   std::string timeline;    // SVG of the last step's pipeline timeline
-  std::string trace;       // --trace FILE: Chrome trace-event JSON of every rank (parallel/trace_collect.hpp)
+  std::string trace;       // --trace FILE: Chrome trace-event JSON of every rank (parallel/runtime/trace_collect.hpp)
   int64_t trace_first = 1, trace_last = 10;  // --trace-steps first:last (1-based, inclusive)
   int zero = 0;               // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
   bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
@@ -125,7 +125,7 @@ std::string given_options(const Config& config);
 
 // Every check of a parsed Config that does not need the world size (value ranges and the rules
 // between options); the first broken one is thrown as a one-line Input error. What needs the
-// world (--pp against the ranks, the batch split: parallel::make_batch_plan) or the data is
+// world (--pp against the ranks, the batch split: parallel::split_batch) or the data is
 // checked by the trainer.
 void validate(const Config& c);
 

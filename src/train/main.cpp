@@ -4,7 +4,7 @@
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted); a
 // second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal). A communication wait
 // past --timeout, a rank still in setup after --setup-timeout, or ranks whose collectives
-// differ: exit 5 (parallel/watchdog.hpp, parallel/setup_deadline.hpp).
+// differ: exit 5 (parallel/runtime/watchdog.hpp, parallel/runtime/setup_deadline.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -21,8 +21,8 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint/file.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/setup_deadline.hpp"
+#include "parallel/runtime/mpi.hpp"
+#include "parallel/runtime/setup_deadline.hpp"
 #include "train/config.hpp"
 #include "train/plan.hpp"
 #include "train/signals.hpp"
@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
       if (end == train::TrainEnd::Preempted) return parallel::kExitPreempted;  // saved; the batch script requeues
       if (end == train::TrainEnd::Diverged) return parallel::kExitFailure;     // rank 0 said why
     }
-    if (const io::Samples* data = trainer->eval_data()) {
+    if (const io::DataSource* data = trainer->eval_data()) {
       const train::EvalResult r = trainer->evaluate(*data);
       // Without --val-data the data evaluated is the training data: the line says so.
       const char* what = config->eval_only          ? "evaluation"

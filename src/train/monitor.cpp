@@ -8,24 +8,12 @@
 #include "core/trace.hpp"
 #include "io/shared_files.hpp"
 #include "io/timeline.hpp"
-#include "parallel/device.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/values.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/device.hpp"
+#include "parallel/runtime/host_values.hpp"
+#include "parallel/runtime/mpi.hpp"
 #include "train/plan.hpp"
 
 namespace strata::train {
-
-namespace {
-
-// Seconds blocked in waits so far: on pipeline messages, and on every other group.
-std::pair<double, double> blocked_seconds() {
-  double pipeline = 0, other = 0;
-  for (const auto& [name, seconds] : parallel::watchdog::waited_seconds()) (name == "pp" ? pipeline : other) += seconds;
-  return {pipeline, other};
-}
-
-}  // namespace
 
 Monitor::Monitor(const Config& config, parallel::ProcessGrid& grid) : config_(config), grid_(grid) {
   if (grid.device().is_cpu() || config.plan_tflops > 0) peak_flops_ = compute_rate(config);
@@ -76,7 +64,9 @@ void Monitor::start(parallel::StageEngine& engine, const layers::Model& model,
     trace_ = std::make_unique<parallel::TraceSession>(
         grid_.mpi_world(), config_.trace, config_.trace_first, config_.trace_last,
         detail::cat("rank ", rank, ": stage ", grid_.stage(), ", replica ", grid_.replica(), ", tp ", grid_.tp_rank()));
-  std::tie(pipeline_wait_before_, comm_wait_before_) = blocked_seconds();
+  const parallel::StageEngine::Blocked blocked = parallel::StageEngine::blocked_seconds();
+  pipeline_wait_before_ = blocked.pipeline;
+  comm_wait_before_ = blocked.collectives;
   window_start_ = run_start_ = Clock::now();
 }
 
@@ -137,7 +127,8 @@ void Monitor::end_step(int64_t done, int64_t epoch, const parallel::StepResult& 
 }
 
 void Monitor::log_progress(int64_t step, int64_t epoch, double seconds, double eta_s) {
-  const auto [pipeline_now, comm_now] = blocked_seconds();
+  const parallel::StageEngine::Blocked blocked = parallel::StageEngine::blocked_seconds();
+  const double pipeline_now = blocked.pipeline, comm_now = blocked.collectives;
   // Every rank's window: its own waits, and its memory high-water mark.
   const auto us = [](double s) { return static_cast<int64_t>(s * 1e6); };
   const std::vector<int64_t> all = parallel::all_gather_values(

@@ -15,10 +15,10 @@
 
 #include "core/trace.hpp"
 #include "io/metrics.hpp"
-#include "parallel/memory_plan.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/plan/memory_plan.hpp"
+#include "parallel/runtime/process_grid.hpp"
+#include "parallel/runtime/trace_collect.hpp"
 #include "parallel/stage/engine.hpp"
-#include "parallel/trace_collect.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {

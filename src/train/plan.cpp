@@ -9,11 +9,11 @@
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
-#include "io/samples.hpp"
+#include "io/data_source.hpp"
 #include "layers/loss_scaler.hpp"
-#include "parallel/batch_plan.hpp"
-#include "parallel/layout_search.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/data/batch_split.hpp"
+#include "parallel/plan/layout_search.hpp"
+#include "parallel/runtime/process_grid.hpp"
 
 namespace strata::train {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "layers/model.hpp"
-#include "parallel/memory_plan.hpp"
-#include "parallel/partition.hpp"
+#include "parallel/pipeline/partition.hpp"
 #include "parallel/plan/grid_layout.hpp"
+#include "parallel/plan/memory_plan.hpp"
 #include "train/config.hpp"
 
 namespace strata::train {

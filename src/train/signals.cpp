@@ -4,7 +4,7 @@
 
 #include <csignal>
 
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace strata::train {
 

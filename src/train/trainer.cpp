@@ -7,8 +7,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/shared_files.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/mpi.hpp"
 #include "train/plan.hpp"
 #include "train/signals.hpp"
 
@@ -35,7 +34,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
                                                                     : layers::resolve_preset(config_.model).seq_len;
   if (!config_.data.empty()) train_data_ = io::open_samples(config_.data, "--data", seq_len);
   if (!config_.val_data.empty()) val_data_ = io::open_samples(config_.val_data, "--val-data", seq_len);
-  const io::Samples& shape_source = train_data_ ? *train_data_ : *val_data_;
+  const io::DataSource& shape_source = train_data_ ? *train_data_ : *val_data_;
   if (train_data_ && val_data_)
     if (const std::string warning = io::check_evaluation_data(*train_data_, *val_data_); !warning.empty() && rank == 0)
       log::warn(warning);
@@ -67,7 +66,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
     STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
                    " samples, fewer than one --global-batch of ", config_.global_batch);
     sampler_ =
-        std::make_unique<io::EpochSampler>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
+        std::make_unique<io::BatchOrder>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
     const int64_t per_epoch = sampler_->steps_per_epoch();
     // Sample positions (epoch x samples) stay within int64 for any run: a multi-exabyte token
     // file read for 2^20 epochs would not.
@@ -147,7 +146,7 @@ TrainEnd Trainer::train() {
   position_.in_epoch %= per_epoch;
   loader.start(position_.epoch, position_.in_epoch);
 
-  parallel::watchdog::set_timeout(config_.timeout);  // setup ran under watchdog::kSetupTimeoutS
+  engine_->set_wait_deadline(config_.timeout);
   for (int64_t step = position_.start_step; step < total; ++step) {
     parallel::StepResult result;
     const io::Batch* batch = nullptr;
@@ -194,7 +193,7 @@ void Trainer::save_at_stop(int64_t done) {
   grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
 }
 
-EvalResult Trainer::evaluate(const io::Samples& data) {
+EvalResult Trainer::evaluate(const io::DataSource& data) {
   const parallel::EvalSums sums = engine_->evaluate(
       data.size(), data.input_dtype(),
       [&](int64_t begin, int64_t end, const Tensor& x, const Tensor& y) { io::read_range(data, begin, end, x, y); },
@@ -203,7 +202,7 @@ EvalResult Trainer::evaluate(const io::Samples& data) {
   return {sums.loss / targets, sums.correct / targets, data.size(), engine_->targets_per_sample() > 1};
 }
 
-const io::Samples* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
+const io::DataSource* Trainer::eval_data() const { return val_data_ ? val_data_.get() : train_data_.get(); }
 
 void Trainer::record_evaluation(const std::string& what, const EvalResult& r) {
   monitor_->record_evaluation(config_.eval_only ? position_.start_step : position_.total_steps, what, r);

@@ -8,12 +8,12 @@
 #include <memory>
 #include <string>
 
+#include "io/batch_order.hpp"
 #include "io/checkpoint/manager.hpp"
+#include "io/data_source.hpp"
 #include "io/loader.hpp"
-#include "io/sampler.hpp"
-#include "io/samples.hpp"
 #include "layers/model.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/runtime/process_grid.hpp"
 #include "parallel/stage/engine.hpp"
 #include "train/config.hpp"
 #include "train/monitor.hpp"
@@ -35,9 +35,9 @@ class Trainer {
   // --checkpoint-dir is set), a non-finite loss ends it without saving.
   TrainEnd train();
   // Collective over the world: every rank calls it.
-  EvalResult evaluate(const io::Samples& data);
+  EvalResult evaluate(const io::DataSource& data);
   // The dataset evaluated at the end and by --eval-only.
-  const io::Samples* eval_data() const;
+  const io::DataSource* eval_data() const;
   // Rank 0 appends an evaluation to --metrics (at the step training reached).
   void record_evaluation(const std::string& what, const EvalResult& r);
   // Collective: with --trace, writes the trace file.
@@ -60,8 +60,8 @@ class Trainer {
   std::unique_ptr<parallel::ProcessGrid> grid_;
   std::unique_ptr<Monitor> monitor_;
   std::unique_ptr<io::CheckpointManager> checkpoints_;
-  std::unique_ptr<io::Samples> train_data_, val_data_;
-  std::unique_ptr<io::EpochSampler> sampler_;
+  std::unique_ptr<io::DataSource> train_data_, val_data_;
+  std::unique_ptr<io::BatchOrder> sampler_;
   std::unique_ptr<layers::Model> model_;
   std::unique_ptr<parallel::StageEngine> engine_;
   Position position_;

@@ -102,7 +102,7 @@ def case_gpt_equivalence(args):
 
     reference, _ = gpt_run(args, 1, GPT_FLAGS_TIED, data, "tied-1")
     assert "lm_head/weight" not in reference and "wte/weight" in reference, sorted(reference)
-    # Across stages and under ZeRO 2/3 the head keeps a copy of wte (parallel/tied_embedding.hpp).
+    # Across stages and under ZeRO 2/3 the head keeps a copy of wte (parallel/stage/tied_embedding.hpp).
     tied = {k: layouts[k] for k in ("dp2", "pp2", "pp4", "pp2xdp2", "dp2-zero1", "dp2-zero2", "dp2-zero3",
                                     "pp2xdp2-zero3")}
     for name, (ranks, extra) in tied.items():

@@ -25,7 +25,7 @@ Dataset make_identity_dataset(const test::TempDir& dir, int64_t n, DatasetOption
 }
 
 // Checks that `b` holds positions [begin, begin + size) of the sampler's batch.
-void expect_slice(const Batch& b, const EpochSampler& s, int64_t epoch, int64_t step, int64_t begin, int64_t size) {
+void expect_slice(const Batch& b, const BatchOrder& s, int64_t epoch, int64_t step, int64_t begin, int64_t size) {
   ASSERT_EQ(b.epoch, epoch);
   ASSERT_EQ(b.step_in_epoch, step);
   EXPECT_EQ(b.first_sample, (epoch * s.steps_per_epoch() + step) * s.global_batch() + begin);
@@ -42,7 +42,7 @@ TEST(Loader, FollowsTheSamplerAcrossEpochsAndRestarts) {
   test::TempDir dir;
   for (int64_t limit : {int64_t{0}, int64_t{1} << 30}) {  // from file, in memory
     Dataset ds = make_identity_dataset(dir, 50, {limit});
-    EpochSampler s(50, 8, 11, true);  // 6 steps per epoch, 2 samples dropped
+    BatchOrder s(50, 8, 11, true);  // 6 steps per epoch, 2 samples dropped
     for (int depth : {1, 2, 4}) {
       Loader loader(ds, s, 2, 4, depth);
       loader.start(0, 4);
@@ -66,7 +66,7 @@ TEST(Loader, FollowsTheSamplerAcrossEpochsAndRestarts) {
 TEST(Loader, DestroysCleanlyWhileFull) {
   test::TempDir dir;
   Dataset ds = make_identity_dataset(dir, 40);
-  EpochSampler s(40, 4, 1, true);
+  BatchOrder s(40, 4, 1, true);
   { Loader never_started(ds, s, 0, 4); }
   Loader loader(ds, s, 0, 4, 3);
   loader.start(0, 0);
@@ -113,11 +113,11 @@ TEST(Loader, RethrowsReaderErrorsFromNext) {
     std::fwrite(junk.data(), 1, junk.size(), f);
     std::fclose(f);
   }
-  EpochSampler s(64, 8, 1, true);
+  BatchOrder s(64, 8, 1, true);
   Loader loader(ds, s, 0, 8);
   loader.start(0, 0);
   EXPECT_THROW(loader.next(), Error);
-  EpochSampler other(30, 5, 1, false);
+  BatchOrder other(30, 5, 1, false);
   EXPECT_THROW(Loader(ds, other, 0, 5), Error);  // a sampler for another dataset size
 }
 

@@ -16,7 +16,7 @@
 #include "io/checkpoint/directory.hpp"
 #include "io/checkpoint/file.hpp"
 #include "io/checkpoint/parallel_file.hpp"
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace strata::io {
 namespace {

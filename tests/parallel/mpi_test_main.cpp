@@ -6,7 +6,7 @@
 
 #include <cstdio>
 
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace {
 

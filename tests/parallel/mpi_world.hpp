@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "parallel/mpi_communicator.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
 
 namespace strata::parallel::testing_world {
 

@@ -8,7 +8,7 @@
 
 #include "core/error.hpp"
 #include "layers/model.hpp"
-#include "parallel/bucket_reducer.hpp"
+#include "parallel/data/bucket_reducer.hpp"
 #include "parallel/gradient_layout.hpp"
 
 namespace strata::parallel {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "parallel/collective_values.hpp"
-#include "parallel/mpi_communicator.hpp"
-#include "parallel/shared_memory.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
+#include "parallel/comm/shared_memory.hpp"
 
 namespace strata::parallel {
 namespace {

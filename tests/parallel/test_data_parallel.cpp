@@ -23,8 +23,8 @@
 #include "layers/model.hpp"
 #include "layers/parameter_store.hpp"
 #include "layers/zoo.hpp"
-#include "parallel/data_parallel.hpp"
-#include "parallel/mpi_communicator.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
+#include "parallel/data/data_parallel.hpp"
 
 namespace strata::parallel {
 namespace {

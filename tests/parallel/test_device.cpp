@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/error.hpp"
-#include "parallel/device.hpp"
+#include "parallel/runtime/device.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -9,8 +9,8 @@
 
 #include "core/error.hpp"
 #include "layers/model.hpp"
+#include "parallel/data/gradient_ring.hpp"
 #include "parallel/gradient_layout.hpp"
-#include "parallel/gradient_ring.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -7,8 +7,8 @@
 #include <tuple>
 
 #include "layers/zoo.hpp"
-#include "parallel/layout_search.hpp"
-#include "parallel/partition.hpp"
+#include "parallel/pipeline/partition.hpp"
+#include "parallel/plan/layout_search.hpp"
 
 namespace strata::parallel {
 namespace {

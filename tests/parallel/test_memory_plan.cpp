@@ -13,11 +13,11 @@
 
 #include "layers/model.hpp"
 #include "layers/zoo.hpp"
-#include "parallel/data_parallel.hpp"
-#include "parallel/memory_plan.hpp"
-#include "parallel/mpi_communicator.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
+#include "parallel/data/data_parallel.hpp"
 #include "parallel/mpi_world.hpp"
-#include "parallel/tied_embedding.hpp"
+#include "parallel/plan/memory_plan.hpp"
+#include "parallel/stage/tied_embedding.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -14,16 +14,16 @@
 
 #include "core/ops.hpp"
 #include "parallel/collective_values.hpp"
-#include "parallel/device.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/mpi_communicator.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
 #include "parallel/mpi_world.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/runtime/device.hpp"
+#include "parallel/runtime/mpi.hpp"
+#include "parallel/runtime/process_grid.hpp"
 #if STRATA_WITH_CUDA
 #include <cuda_runtime.h>
 
 #include "core/cuda/runtime.hpp"
-#include "parallel/nccl_communicator.hpp"
+#include "parallel/comm/nccl_communicator.hpp"
 #endif
 
 namespace strata::parallel {

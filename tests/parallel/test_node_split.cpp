@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "parallel/mpi.hpp"
-#include "parallel/shared_memory.hpp"
+#include "parallel/comm/shared_memory.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace strata::parallel {
 namespace {

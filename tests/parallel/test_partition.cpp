@@ -7,8 +7,8 @@
 
 #include "layers/model.hpp"
 #include "layers/zoo.hpp"
-#include "parallel/partition.hpp"
-#include "parallel/zero.hpp"
+#include "parallel/data/zero.hpp"
+#include "parallel/pipeline/partition.hpp"
 
 namespace strata::parallel {
 namespace {

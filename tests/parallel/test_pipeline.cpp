@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "parallel/mpi_communicator.hpp"
-#include "parallel/pipeline.hpp"
-#include "parallel/schedule.hpp"
+#include "parallel/comm/mpi_communicator.hpp"
+#include "parallel/pipeline/executor.hpp"
+#include "parallel/pipeline/schedule.hpp"
 
 namespace strata::parallel {
 namespace {
@@ -122,9 +122,9 @@ struct Seen {
   }
 };
 
-StageWork toy_stage(int stage, const Layout& layout, int step, Seen& seen) {
+StageCallbacks toy_stage(int stage, const Layout& layout, int step, Seen& seen) {
   const int total = layout.virtual_stages();
-  StageWork w;
+  StageCallbacks w;
   w.input = [=](int micro) {
     Tensor x = Tensor::empty(kShape);
     for (int64_t k = 0; k < x.numel(); ++k) x.data<float>()[k] = static_cast<float>(input_value(step, micro, k));
@@ -425,7 +425,7 @@ TEST(InterleavedShapes, EachChunkReceivesItsOwnShape) {
   }
   PipelineExecutor exec(pp, ScheduleKind::Interleaved, m, v, in, out, DType::F32, Device::cpu());
   int wrong = 0;
-  StageWork w;
+  StageCallbacks w;
   w.input = [&](int) { return Tensor::zeros({kBatch, width(0)}); };
   // Each virtual stage widens by one column (zeros) and checks what it receives.
   w.forward = [&](int, int chunk, const Tensor& x, std::vector<layers::Context>&) {

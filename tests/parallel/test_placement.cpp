@@ -2,7 +2,7 @@
 // masks are what mpirun's binding or Slurm's --cpus-per-task give each rank of a node).
 #include <gtest/gtest.h>
 
-#include "parallel/placement.hpp"
+#include "parallel/runtime/cpu_threads.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "parallel/mpi.hpp"
 #include "parallel/mpi_world.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/runtime/mpi.hpp"
+#include "parallel/runtime/process_grid.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -13,7 +13,7 @@
 #include <tuple>
 
 #include "core/error.hpp"
-#include "parallel/schedule.hpp"
+#include "parallel/pipeline/schedule.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -22,8 +22,8 @@
 #include "layers/model.hpp"
 #include "layers/parameter_store.hpp"
 #include "layers/zoo.hpp"
+#include "parallel/comm/tensor_parallel.hpp"
 #include "parallel/mpi_world.hpp"
-#include "parallel/tensor_parallel.hpp"
 
 namespace strata::parallel {
 namespace {

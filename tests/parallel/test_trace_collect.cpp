@@ -12,8 +12,8 @@
 
 #include "core/trace.hpp"
 #include "parallel/mpi_world.hpp"
-#include "parallel/trace_collect.hpp"
-#include "parallel/values.hpp"
+#include "parallel/runtime/host_values.hpp"
+#include "parallel/runtime/trace_collect.hpp"
 
 namespace strata::parallel {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "core/error.hpp"
 #include "core/trace.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/watchdog.hpp"
 
 namespace strata::parallel::watchdog {
 namespace {

@@ -1,7 +1,7 @@
 // Error checks for the CUDA runtime and its libraries (CUDA builds only). CUDA_CHECK,
 // CUBLAS_CHECK and CUDNN_CHECK turn a failed call into a strata::Error naming the call and the
 // library's own message; the _NOTHROW variants report to stderr instead, for destructors.
-// (NCCL_CHECK is the NCCL communicator's, parallel/nccl_communicator.hpp.)
+// (NCCL_CHECK is the NCCL communicator's, parallel/comm/nccl_communicator.hpp.)
 #pragma once
 
 #include <cublasLt.h>

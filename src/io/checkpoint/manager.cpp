@@ -7,9 +7,9 @@
 #include "io/checkpoint/directory.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "io/shared_files.hpp"
-#include "parallel/mpi.hpp"
-#include "parallel/values.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/host_values.hpp"
+#include "parallel/runtime/mpi.hpp"
+#include "parallel/runtime/watchdog.hpp"
 
 namespace strata::io {
 

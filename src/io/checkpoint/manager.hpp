@@ -16,8 +16,8 @@
 #include "io/checkpoint/lock.hpp"
 #include "io/checkpoint/run_state.hpp"
 #include "io/checkpoint/saver.hpp"
-#include "parallel/process_grid.hpp"
-#include "parallel/state_gather.hpp"
+#include "parallel/runtime/process_grid.hpp"
+#include "parallel/stage/state_gather.hpp"
 
 namespace strata::io {
 

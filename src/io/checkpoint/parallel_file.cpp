@@ -9,7 +9,7 @@
 
 #include "io/checkpoint/file.hpp"
 #include "io/checkpoint/manifest.hpp"
-#include "parallel/mpi.hpp"
+#include "parallel/runtime/mpi.hpp"
 
 namespace strata::io {
 

@@ -5,7 +5,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "core/trace.hpp"
-#include "parallel/watchdog.hpp"
+#include "parallel/runtime/watchdog.hpp"
 
 namespace strata::parallel {
 
@@ -18,6 +18,22 @@ void FaultInjection::before_agreement(int64_t step, int rank, Communicator& worl
   const Tensor extra = Tensor::zeros({4}, DType::F32);
   world.all_reduce(extra, rank == fail_rank ? ReduceOp::Avg : ReduceOp::Sum);
 }
+
+// The engine's chunks for step_callbacks: its data-parallel replicas.
+class StageEngine::Replicas final : public ChunkRunner {
+ public:
+  explicit Replicas(StageEngine& engine) : engine_(engine) {}
+  Tensor forward(int chunk, const Tensor& x, std::vector<layers::Context>& ctx, const layers::StepInfo& info) override {
+    return engine_.chunk(chunk).forward(x, ctx, info);
+  }
+  Tensor backward(int chunk, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step,
+                  bool input_grad) override {
+    return engine_.chunk(chunk).backward(dy, ctx, last_of_step, input_grad);
+  }
+
+ private:
+  StageEngine& engine_;
+};
 
 namespace {
 
@@ -83,21 +99,14 @@ StepResult StageEngine::step(const Tensor& x, const Tensor& y, int64_t first_sam
   const auto micro_slice = [&](const Tensor& t, int micro) {
     return t.slice(micro * layout.micro, (micro + 1) * layout.micro);
   };
+  MicroBatches data;
+  data.input = [&](int micro) { return to_compute(micro_slice(x, micro)); };
+  data.labels = [&](int micro) { return to_device(micro_slice(y, micro)); };
+  data.size = layout.micro;
   double loss_sum = 0;
-  StageWork work;
-  work.input = [&](int micro) { return to_compute(micro_slice(x, micro)); };
-  work.forward = [&](int micro, int c, const Tensor& in, std::vector<layers::Context>& ctx) {
-    return chunk(c).forward(in, ctx, {layers::Mode::Train, settings_.seed, step, first_sample + micro * layout.micro});
-  };
-  work.loss = [&](int micro, const Tensor& out) {
-    layers::Context loss_ctx;
-    loss_sum += loss_.forward(out, to_device(micro_slice(y, micro)), loss_ctx);
-    return loss_.backward(loss_ctx, scale);
-  };
-  work.backward = [&](int, int c, const Tensor& dy, std::vector<layers::Context>& ctx, bool last_of_step) {
-    // The first virtual stage has no input gradient to send.
-    return chunk(c).backward(dy, ctx, last_of_step, !pipeline_->first_virtual_stage(c));
-  };
+  Replicas replicas(*this);
+  const StageCallbacks work = step_callbacks(
+      *pipeline_, replicas, loss_, data, {layers::Mode::Train, settings_.seed, step, first_sample}, scale, loss_sum);
   pipeline_->run_step(work, record_timeline);
   tied_->send_head_gradient();
   settings_.faults.after_backward(step + 1, rank);
@@ -179,6 +188,15 @@ EvalSums StageEngine::evaluate(int64_t n, DType input_dtype, const ReadSlice& re
   }
   all_reduce_sum(grid_.world(), sums);
   return {sums[0], sums[1]};
+}
+
+void StageEngine::set_wait_deadline(double seconds) { watchdog::set_timeout(seconds); }
+
+StageEngine::Blocked StageEngine::blocked_seconds() {
+  Blocked blocked;
+  for (const auto& [group, seconds] : watchdog::waited_seconds())
+    (group == "pp" ? blocked.pipeline : blocked.collectives) += seconds;
+  return blocked;
 }
 
 void StageEngine::synchronise_replicas() {

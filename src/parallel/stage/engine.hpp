@@ -6,7 +6,7 @@
 // chunk, the end-of-step agreement of all ranks — and a forward-only pass for evaluation.
 //
 // This is the only implementation of the step: `train`, every benchmark (bench/) and the memory
-// planner's activation run (plan_activations runs the same StageWork on meta tensors) call it,
+// planner's activation run (plan_activations runs the same StageCallbacks on meta tensors) call it,
 // so what the benchmarks measure is what `train` runs.
 #pragma once
 
@@ -17,15 +17,16 @@
 #include "layers/loss.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/model.hpp"
-#include "parallel/data_parallel.hpp"
-#include "parallel/memory_plan.hpp"
-#include "parallel/partition.hpp"
-#include "parallel/pipeline.hpp"
-#include "parallel/process_grid.hpp"
+#include "parallel/data/data_parallel.hpp"
+#include "parallel/pipeline/executor.hpp"
+#include "parallel/pipeline/partition.hpp"
+#include "parallel/plan/memory_plan.hpp"
+#include "parallel/runtime/process_grid.hpp"
 #include "parallel/stage/fault_injection.hpp"
 #include "parallel/stage/stage_map.hpp"
-#include "parallel/state_gather.hpp"
-#include "parallel/tied_embedding.hpp"
+#include "parallel/stage/state_gather.hpp"
+#include "parallel/stage/step.hpp"
+#include "parallel/stage/tied_embedding.hpp"
 
 namespace strata::parallel {
 
@@ -80,6 +81,15 @@ class StageEngine {
   // and ~64 MiB of outputs. `input_dtype`: the data's (tokens: i32).
   EvalSums evaluate(int64_t n, DType input_dtype, const ReadSlice& read, bool capped);
 
+  // The deadline of every wait from now on (train's --timeout; setup runs under the watchdog's own).
+  void set_wait_deadline(double seconds);
+  // Seconds this process has been blocked so far: on pipeline messages, and in every other
+  // group's collectives (the watchdog's count; the progress line's `pipeline` and `comm`).
+  struct Blocked {
+    double pipeline = 0, collectives = 0;
+  };
+  static Blocked blocked_seconds();
+
   // Every replica takes replica 0's parameters and the tied head its copy of wte: after
   // initialisation or loading.
   void synchronise_replicas();
@@ -104,6 +114,7 @@ class StageEngine {
   std::vector<TimelineEvent> gather_timeline();
 
  private:
+  class Replicas;                            // the chunks as step_callbacks runs them
   Tensor to_compute(const Tensor& x) const;  // in the compute dtype on this rank's device
   Tensor to_device(const Tensor& t) const;
   DataParallel& chunk(int c) { return *chunks_[static_cast<size_t>(c)]; }

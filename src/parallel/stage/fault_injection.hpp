@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "parallel/communicator.hpp"
+#include "parallel/comm/communicator.hpp"
 
 namespace strata::parallel {
 

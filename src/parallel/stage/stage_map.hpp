@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "parallel/partition.hpp"
+#include "parallel/pipeline/partition.hpp"
 
 namespace strata::parallel {
 

@@ -1,0 +1,148 @@
+// The layout search of `train --dry-run --plan` (layout_search.hpp).
+#include "parallel/plan/layout_search.hpp"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "layers/parameter_store.hpp"
+#include "parallel/data/zero.hpp"
+#include "parallel/pipeline/partition.hpp"
+
+namespace strata::parallel {
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(k);
+  return d;
+}
+
+// Micro-batch sizes for a replica's `local` samples: the powers of two that divide it, and
+// `local` itself (no accumulation).
+std::vector<int64_t> micro_sizes(int64_t local) {
+  std::vector<int64_t> sizes;
+  for (int64_t m = 1; m < local && local % m == 0; m *= 2) sizes.push_back(m);
+  sizes.push_back(local);
+  return sizes;
+}
+
+int64_t stage_macs(const layers::Model& model, StageRange r) {
+  int64_t macs = 0;
+  for (size_t i = r.begin; i < r.end; ++i) macs += model.layer(i).flops(model.shape(i));
+  return macs;
+}
+
+}  // namespace
+
+StepTime estimate_step_time(const layers::Model& model, const std::vector<StageRange>& stages,
+                            const LayoutChoice& choice, int64_t global_batch, DType dtype, const Rates& rates) {
+  const double samples = static_cast<double>(global_batch) / choice.dp;  // per replica and step
+  const double forwards = choice.recompute == layers::Recompute::None ? 3.0 : 4.0;
+  const auto dtype_bytes = static_cast<double>(dtype_size(dtype));
+  StepTime slowest;
+  for (const StageRange& r : stages) {
+    StepTime t;
+    t.compute_s = 2.0 * forwards * static_cast<double>(stage_macs(model, r)) * samples / rates.flops_per_s;
+    t.bubble_s = t.compute_s * (choice.pp - 1) / choice.micro_batches;
+    int64_t trainable = 0;
+    for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
+      if (e.trainable) trainable += shape_numel(e.shape);
+    const double dp_share = 2.0 * (choice.dp - 1) / choice.dp * (Ownership::shards_params(choice.zero) ? 1.5 : 1.0);
+    t.dp_s = dp_share * 4.0 * static_cast<double>(trainable) / rates.bytes_per_s;
+    double block_bytes = 0;
+    for (size_t i = r.begin; i < r.end; ++i)
+      if (model.layer(i).is_tensor_parallel_block())
+        block_bytes += static_cast<double>(choice.micro * shape_numel(model.shape(i))) * dtype_bytes;
+    const double all_reduces = choice.recompute == layers::Recompute::None ? 4.0 : 6.0;
+    t.tp_s = 2.0 * (choice.tp - 1) / choice.tp * all_reduces * block_bytes * choice.micro_batches / rates.bytes_per_s;
+    // What the stage sends per micro-batch: its output forward (not the last stage: its output
+    // is the logits, which go nowhere) and its input's gradient back (not the first).
+    int64_t sent = 0;
+    if (&r != &stages.back()) sent += shape_numel(model.shape(r.end));
+    if (&r != &stages.front()) sent += shape_numel(model.shape(r.begin));
+    t.pp_s = static_cast<double>(choice.micro * sent) * dtype_bytes * choice.micro_batches / rates.bytes_per_s;
+    if (t.total() > slowest.total()) slowest = t;
+  }
+  return slowest;
+}
+
+SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const ModelFor& model_for) {
+  STRATA_CHECK(rates.flops_per_s > 0 && rates.bytes_per_s > 0, "layout search without rates");
+  SearchResult result;
+  std::optional<LayoutChoice> smallest;
+  std::vector<layers::Recompute> recomputes{layers::Recompute::None};
+  if (space.can_recompute) recomputes.insert(recomputes.end(), {layers::Recompute::Block, layers::Recompute::Full});
+  for (const int tp : divisors(space.world)) {
+    if (tp > space.max_tp) break;
+    for (const layers::Recompute recompute : recomputes) {
+      auto group = std::make_unique<PlannedTensorParallel>(tp);
+      std::optional<layers::Model> model;
+      try {
+        model.emplace(model_for(tp, recompute, tp > 1 ? group.get() : nullptr));
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::Input) throw;
+        result.skipped.push_back(detail::cat("tp ", tp, ": ", e.message()));
+        break;  // this width does not divide the model
+      }
+      for (const int pp : divisors(space.world / tp)) {
+        std::vector<StageRange> stages;
+        try {
+          stages = partition_layers(*model, pp, space.partition);
+        } catch (const Error& e) {
+          if (e.kind() != ErrorKind::Input) throw;
+          break;  // more stages than the model can be cut into
+        }
+        const int dp = space.world / (tp * pp);
+        if (space.global_batch % dp != 0) continue;
+        for (const int64_t micro : micro_sizes(space.global_batch / dp)) {
+          LayoutChoice choice;
+          choice.tp = tp;
+          choice.pp = pp;
+          choice.dp = dp;
+          choice.micro = micro;
+          choice.micro_batches = static_cast<int>(space.global_batch / dp / micro);
+          choice.recompute = recompute;
+          MemoryLayout layout = space.base;
+          layout.pp = pp;
+          layout.dp = dp;
+          layout.micro = micro;
+          layout.schedule = ScheduleKind::OneFOneB;
+          layout.virtual_stages = 1;
+          // 1F1B's memory repeats once P micro-batches are in the pipeline (nothing is kept
+          // from one to the next: test_memory_plan), so 2P of them plan any m at a fraction of
+          // the time; the step's other bytes take the real m.
+          layout.micro_batches = std::min(choice.micro_batches, 2 * pp);
+          std::vector<int64_t> activations;  // per stage; the same for every ZeRO stage
+          for (int s = 0; s < pp; ++s) activations.push_back(plan_activations(*model, stages, s, layout).peak);
+          layout.micro_batches = choice.micro_batches;
+          for (int zero = 0; zero <= (dp > 1 ? Ownership::kMaxStage : 0); ++zero) {
+            layout.zero = choice.zero = zero;
+            choice.bytes = 0;
+            for (int s = 0; s < pp; ++s) {  // replica 0 holds the largest shard
+              RankBytes b = plan_rank(*model, stages, s, 0, layout);
+              b.activations = activations[static_cast<size_t>(s)];
+              choice.bytes = std::max(choice.bytes, b.total());
+            }
+            choice.time = estimate_step_time(*model, stages, choice, space.global_batch, layout.dtype, rates);
+            ++result.tried;
+            if (!smallest || choice.bytes < smallest->bytes) smallest = choice;
+            if (space.device_bytes == 0 || choice.bytes <= space.device_bytes) result.fitting.push_back(choice);
+          }
+        }
+      }
+    }
+  }
+  // Fastest first; of equally fast layouts, the one that leaves the most memory free.
+  std::stable_sort(result.fitting.begin(), result.fitting.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
+    return std::pair(a.time.total(), a.bytes) < std::pair(b.time.total(), b.bytes);
+  });
+  if (smallest) result.smallest = *smallest;
+  return result;
+}
+
+}  // namespace strata::parallel

@@ -1,0 +1,85 @@
+// The bytes each rank allocates for a layout, computed from shapes alone (nothing is
+// allocated): what `train --dry-run` prints for any world size (--world) and any model,
+// GPT-2 1.5B included. DataParallel, TiedEmbedding and the ZeRO classes then allocate exactly
+// this for real; test_memory_plan holds the two equal for every ZeRO stage, dtype, optimizer
+// and pipeline cut it tries. The arithmetic is theirs (Ownership, ParameterStore::layout,
+// ring_elements, Optimizer::state_tensors, TiedEmbedding::planned_bytes), not a copy.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "layers/model.hpp"
+#include "layers/optimizer.hpp"
+#include "parallel/pipeline/partition.hpp"
+#include "parallel/pipeline/schedule.hpp"
+
+namespace strata::parallel {
+
+// A plan's tensor-parallel group: rank 0 of `size`, for the shapes of its shards. It moves
+// nothing: meta tensors (plan_activations) have no values, and a real tensor is an Internal error.
+class PlannedTensorParallel final : public layers::TensorParallelGroup {
+ public:
+  explicit PlannedTensorParallel(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  void all_reduce_sum(const Tensor& t) override { require_meta(t); }
+  void all_gather(const Tensor& local, const Tensor&) override { require_meta(local); }
+
+ private:
+  static void require_meta(const Tensor& t) {
+    STRATA_CHECK(t.device().is_meta(), "a planned tensor-parallel group moves no values, got ", t.str());
+  }
+  int size_;
+};
+
+struct MemoryLayout {
+  int pp = 1, dp = 1, zero = 0;
+  DType dtype = DType::F32;  // parameters and activations
+  layers::OptimizerConfig optimizer;
+  int64_t bucket_bytes = 25 << 20;
+  int64_t micro = 1;      // samples per micro-batch
+  int micro_batches = 1;  // per replica and step
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  int virtual_stages = 1;  // chunks per pipeline rank (interleaved)
+  bool cpu = true;         // CPU kernels: bf16/f16 ops stage their tensors through f32 scratch
+};
+
+struct RankBytes {
+  // Parameters in the compute dtype (ZeRO 3: the shard and two gather windows), f32 buffers,
+  // a tied head's copy of wte.
+  int64_t params = 0;
+  // f32 gradients (ZeRO 2/3: the shard and the ring of the largest tile + one bucket), a tied
+  // head's copy's gradient and the embedding stage's receive chunk.
+  int64_t grads = 0;
+  // Optimizer state and, below f32, the f32 master weights of the elements this rank steps.
+  int64_t optimizer = 0;
+  // The step's activation high-water mark (plan_activations(...).peak; plan_rank leaves it 0).
+  int64_t activations = 0;
+  // Micro-batches (interleaved: chunk micro-batches) whose activations the stage holds at once.
+  int in_flight = 1;
+  int64_t total() const { return params + grads + optimizer + activations; }
+};
+
+// Activations of pipeline rank `stage` over a training step, measured by running it on meta
+// tensors (nothing is allocated; core/allocator.hpp's MetaAllocator counts): the real
+// PipelineExecutor runs two steps of the schedule over a communicator that moves nothing, with
+// the stage's layers and, on the last stage, the loss. So what layers save for backward,
+// recomputation, backward's temporaries, what the executor holds (received messages, outputs
+// until sent) and the caching allocator's rounding come from the code that runs, not from a
+// second model of it. `model` is built for planning: its layers are bound to meta parameters
+// here (a tied head on another stage to a meta copy). Not counted: MPI's and the shared-memory
+// mailboxes' own buffers.
+struct ActivationBytes {
+  int64_t peak = 0;      // high-water mark above the parameters, over a whole step
+  int64_t retained = 0;  // held from one step into the next (0: the executor lets go of everything)
+};
+ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
+                                 const MemoryLayout& layout);
+
+// Parameter, gradient and optimizer bytes of rank (stage, replica) of the layout, whose (virtual) stages cut the model
+// as `stages` does: pp x virtual_stages of them, chunk c of pipeline rank s being virtual stage c·pp + s.
+RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
+                    const MemoryLayout& layout);
+
+}  // namespace strata::parallel
