@@ -25,6 +25,7 @@
 #include "core/ops.hpp"
 #include "core/tensor.hpp"
 #include "layers/model.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/runtime/mpi.hpp"
 
 namespace {

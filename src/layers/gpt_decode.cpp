@@ -10,6 +10,7 @@
 #include "core/rng.hpp"
 #include "layers/basic.hpp"
 #include "layers/gpt.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::layers {
 

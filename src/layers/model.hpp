@@ -49,8 +49,3 @@ class Model {
 };
 
 }  // namespace strata::layers
-
-// Kept while some users (src/train/trainer.*, bench/*.cpp, parallel/gradient_sync.hpp) still
-// reach the zoo and the parameter store through this header; new code includes them itself.
-#include "layers/parameter_store.hpp"  // IWYU pragma: export
-#include "layers/zoo.hpp"              // IWYU pragma: export

@@ -25,7 +25,7 @@ struct OptimizerConfig {
 // weight_decay 0, for SGD and AdamW alike. The flat buffer is stepped in contiguous segments,
 // each with weight_decay or 0; the optimizers are element-wise, so this is the same update as
 // torch.optim with two param groups. Without such ranges (every model but gpt) step() is one
-// update over the whole buffer, exactly as before the groups existed.
+// update over the whole buffer.
 class Optimizer {
  public:
   // f32 state tensors per parameter element: SGD 1 with momentum (else 0), AdamW 2.

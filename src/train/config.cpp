@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "layers/loss_scaler.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data/batch_split.hpp"
 #include "train/deepspeed_config.hpp"
 
@@ -532,11 +533,12 @@ std::string given_options(const Config& c) {
   return text;
 }
 
-parallel::MemoryLayout memory_layout(const Config& config, int dp) {
+parallel::Layout layout_of(const Config& config, int dp) {
   const parallel::BatchSplit batch = parallel::split_batch(config.global_batch, config.micro_batch, dp);
-  parallel::MemoryLayout layout;
+  parallel::Layout layout;
   layout.pp = config.pp;
   layout.dp = dp;
+  layout.tp = config.tp;
   layout.zero = config.zero;
   layout.dtype = config.precision;
   layout.optimizer = config.optimizer;
@@ -551,7 +553,7 @@ parallel::MemoryLayout memory_layout(const Config& config, int dp) {
 
 parallel::EngineSettings engine_settings(const Config& config, int dp) {
   parallel::EngineSettings settings;
-  settings.layout = memory_layout(config, dp);
+  settings.layout = layout_of(config, dp);
   settings.seed = config.seed;
   settings.clip_grad = config.clip_grad;
   settings.scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),

@@ -129,10 +129,10 @@ std::string given_options(const Config& config);
 // checked by the trainer.
 void validate(const Config& c);
 
-// The sections of the configuration each owner takes whole. The layout of a world with `dp`
+// The sections of the configuration each owner takes whole: the layout of a world with `dp`
 // data-parallel replicas (what the planner and the stage engine take), the stage engine's
 // settings, and the checkpoint manager's.
-parallel::MemoryLayout memory_layout(const Config& config, int dp);
+parallel::Layout layout_of(const Config& config, int dp);
 parallel::EngineSettings engine_settings(const Config& config, int dp);
 io::CheckpointSettings checkpoint_settings(const Config& config);
 

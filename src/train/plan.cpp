@@ -11,6 +11,8 @@
 #include "core/ops.hpp"
 #include "io/data_source.hpp"
 #include "layers/loss_scaler.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data/batch_split.hpp"
 #include "parallel/plan/layout_search.hpp"
 #include "parallel/runtime/process_grid.hpp"
@@ -59,7 +61,8 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   os << "mpirun -np " << world << " ./build/train";
   for (const auto& [name, value] : config.given)
     if (!replaced.count(name)) os << " --" << name << " " << value;
-  os << " --tp " << c.tp << " --pp " << c.pp << " --zero " << c.zero << " --micro-batch " << c.micro << " --recompute "
+  const parallel::Layout& l = c.layout;
+  os << " --tp " << l.tp << " --pp " << l.pp << " --zero " << l.zero << " --micro-batch " << l.micro << " --recompute "
      << recompute_flag(c.recompute);
   return os.str();
 }
@@ -70,7 +73,7 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   space.world = world_size;
   space.global_batch = config.global_batch;
   space.device_bytes = config.device_memory;
-  space.base = memory_layout(config, 1);
+  space.base = layout_of(config, 1);
   space.partition = config.partition;
   space.can_recompute = layers::is_language_model(config.model);
   const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
@@ -90,8 +93,9 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   for (const std::string& why : r.skipped) os << "\n  skipped " << why;
   if (r.fitting.empty()) {
     const parallel::LayoutChoice& s = r.smallest;
-    os << "\n  none fits: the smallest, tp " << s.tp << " pp " << s.pp << " dp " << s.dp << " zero " << s.zero
-       << " micro-batch " << s.micro << " recompute " << recompute_flag(s.recompute) << ", needs "
+    const parallel::Layout& l = s.layout;
+    os << "\n  none fits: the smallest, tp " << l.tp << " pp " << l.pp << " dp " << l.dp << " zero " << l.zero
+       << " micro-batch " << l.micro << " recompute " << recompute_flag(s.recompute) << ", needs "
        << log::format_bytes(s.bytes) << " on its fullest rank; add ranks or memory";
     return os.str();
   }
@@ -101,10 +105,10 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
     const parallel::LayoutChoice& c = r.fitting[k];
     char row[200];
     std::snprintf(row, sizeof row,
-                  "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1, c.tp,
-                  c.pp, c.dp, c.zero, static_cast<long long>(c.micro), recompute_flag(c.recompute),
-                  log::format_bytes(c.bytes).c_str(), c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s,
-                  c.time.tp_s, c.time.pp_s);
+                  "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
+                  c.layout.tp, c.layout.pp, c.layout.dp, c.layout.zero, static_cast<long long>(c.layout.micro),
+                  recompute_flag(c.recompute), log::format_bytes(c.bytes).c_str(), c.time.total(), c.time.compute_s,
+                  c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
     os << row << "\n     " << layout_command(config, c, world_size);
   }
   return os.str();
@@ -115,19 +119,11 @@ std::string step_time_line(const Config& config, const layers::Model& model,
                            const std::vector<parallel::StageRange>& stages, int world_size) {
   if (config.schedule_kind != parallel::ScheduleKind::OneFOneB || config.virtual_stages > 1)
     return "  step-time model: 1F1B only (the schedule --plan assumes)";
-  const int dp = world_size / (config.pp * config.tp);
-  const parallel::MemoryLayout layout = memory_layout(config, dp);
   parallel::LayoutChoice choice;
-  choice.tp = config.tp;
-  choice.pp = config.pp;
-  choice.dp = dp;
-  choice.zero = config.zero;
-  choice.micro = layout.micro;
-  choice.micro_batches = layout.micro_batches;
+  choice.layout = layout_of(config, world_size / (config.pp * config.tp));
   choice.recompute = layers::parse_recompute(config.model.recompute);
   const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
-  const parallel::StepTime t =
-      parallel::estimate_step_time(model, stages, choice, config.global_batch, layout.dtype, rates);
+  const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.global_batch, rates);
   char line[300];
   std::snprintf(line, sizeof line,
                 "  step-time model: %.3g s per step (compute / bubble / dp / tp / pp: %.3g / %.3g / %.3g / %.3g / "
@@ -159,7 +155,7 @@ parallel::GridLayout grid_layout(const Config& config, int world_size) {
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
                                             const std::vector<parallel::StageRange>& stages, int world_size) {
   const parallel::GridLayout g = grid_layout(config, world_size);
-  const parallel::MemoryLayout layout = memory_layout(config, g.size(parallel::Axis::Data));
+  const parallel::Layout layout = layout_of(config, g.size(parallel::Axis::Data));
   // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
   // run the same shapes), on a model built for it.
   parallel::PlannedTensorParallel tp(config.tp);
@@ -182,7 +178,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
   const int world_size = static_cast<int>(ranks.size());
   const parallel::GridLayout g = grid_layout(config, world_size);
   const int pp = config.pp, dp = g.size(parallel::Axis::Data), tp = config.tp;
-  const parallel::MemoryLayout layout = memory_layout(config, dp);
+  const parallel::Layout layout = layout_of(config, dp);
   const layers::LossScaler scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
                                                                    config.loss_scale_init, config.loss_scale_window);
   std::ostringstream os;

@@ -7,6 +7,7 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/shared_files.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/runtime/mpi.hpp"
 #include "train/plan.hpp"
 #include "train/signals.hpp"
@@ -53,7 +54,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
   check_fits(config_, planned);
   parallel::cap_host_memory(device, config_.device_memory);
   const parallel::EngineSettings settings = engine_settings(config_, grid_->dp_size());
-  const parallel::MemoryLayout& layout = settings.layout;
+  const parallel::Layout& layout = settings.layout;
   STRATA_REQUIRE(config_.gradient_accumulation == 0 || config_.gradient_accumulation == layout.micro_batches,
                  "--deepspeed-config: train_batch_size ", config_.global_batch, " = train_micro_batch_size_per_gpu ",
                  layout.micro, " x gradient_accumulation_steps x ", layout.dp, " data-parallel replicas gives ",
@@ -136,7 +137,7 @@ io::RunState Trainer::run_state(int64_t step) const {
 TrainEnd Trainer::train() {
   using clock = std::chrono::steady_clock;
   const int64_t per_epoch = sampler_->steps_per_epoch(), total = position_.total_steps;
-  const parallel::MemoryLayout& layout = engine_->layout();
+  const parallel::Layout& layout = engine_->layout();
   // Only the first stage reads inputs and only the last reads labels; middle stages read
   // nothing but still follow the sampler (the loader of labels is cheap).
   const int64_t local = layout.micro * layout.micro_batches;

@@ -196,7 +196,7 @@ def dry_run_table(args, ranks, flags):
 
 
 def ring_elements(layers, total, bucket_mb):
-    """Elements of ZeRO 2/3's gradient ring, as GradientSync sizes it: the largest tile plus one
+    """Elements of ZeRO 2/3's gradient ring, as the GradientRing sizes it: the largest tile plus one
     bucket of bucket_mb MiB, at most the whole buffer. A layer whose gradients (weight + bias)
     exceed a bucket writes them in pieces, the bias first, then blocks of max(bucket // cols, 1)
     weight rows from the last down, each piece's tile reaching up to the one above (the highest

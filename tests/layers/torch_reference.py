@@ -101,7 +101,7 @@ KINIT, KDROPOUT = 1, 3
 
 
 def strata_fan_in_uniform(seed, name, shape, fan_in):
-    """Strata's Init::FanInUniform for parameter `name` (model.cpp: initialise)."""
+    """Strata's Init::FanInUniform for parameter `name` (parameter_store.cpp: initialise)."""
     n = int(np.prod(shape))
     bound = np.float32(1.0) / np.sqrt(np.float32(fan_in))
     u = uniform(derive_key(seed, KINIT), fnv1a(name), n)
@@ -109,7 +109,7 @@ def strata_fan_in_uniform(seed, name, shape, fan_in):
 
 
 def strata_normal(seed, name, shape, std):
-    """Strata's Init::Normal (model.cpp: initialise): Box-Muller on uniforms 2i, 2i+1, in double."""
+    """Strata's Init::Normal (parameter_store.cpp: initialise): Box-Muller on uniforms 2i, 2i+1, in double."""
     n = int(np.prod(shape))
     u = uniform(derive_key(seed, KINIT), fnv1a(name), 2 * n).astype(np.float64)
     u1 = 1.0 - u[0::2]
@@ -421,7 +421,7 @@ class ResNet(nn.Module):
 
 
 def strata_init(named, seed):
-    """Loads Strata's initial parameters (model.cpp ParameterStore) into the torch modules."""
+    """Loads Strata's initial parameters (parameter_store.cpp) into the torch modules."""
     with torch.no_grad():
         for prefix, mod in named:
             if isinstance(mod, (nn.Linear, nn.Conv2d)):

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel::testing_layout {
 

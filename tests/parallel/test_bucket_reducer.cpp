@@ -8,6 +8,8 @@
 
 #include "core/error.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data/bucket_reducer.hpp"
 #include "parallel/gradient_layout.hpp"
 

@@ -409,7 +409,7 @@ TEST_F(SharedMemory, AverageAndOddRangesOfOneBuffer) {
 }
 
 TEST_F(SharedMemory, BucketsStartedInTurnCompleteWhateverTheWaitOrder) {
-  // GradientSync's pattern: one bucket after another, progress() in between; waited backwards
+  // the bucket reducer's pattern: one bucket after another, progress() in between; waited backwards
   // here, and mixed with an MPI all-reduce of ordinary memory.
   const int64_t n = 300007;
   Tensor t = allocate_filled(n);

@@ -3,7 +3,7 @@
 //    cover the used elements exactly; the flags per ZeRO stage (arithmetic, no MPI).
 //  - Every ZeRO stage's step is the replicated step: MPI_COMM_WORLD is split into
 //    data-parallel groups of 1, 2 and 4 ranks; each replica forwards and backwards its slice
-//    of one fixed global batch (as Trainer::train_step does) and after every step the full
+//    of one fixed global batch (as StageEngine::step does) and after every step the full
 //    parameters must equal a one-rank ZeRO 0 reference that trains on the whole batch locally.
 //  - ZeRO 3's set_value / full_value round trip, and a forward through the gathered windows.
 #include <gtest/gtest.h>
@@ -191,13 +191,12 @@ std::vector<float> full_values(DataParallel& replica) {
 // Trains kSteps steps of `recipe` as replica dp.rank() of dp.size(), on its slice of the batch.
 Snapshots train(Communicator& dp, Communicator& pipeline, int zero, DType dtype, const Recipe& recipe) {
   const layers::Model model = make_model();
-  DataParallelConfig config;
-  config.zero = zero;
-  config.bucket_bytes = recipe.bucket_bytes;
-  config.seed = kSeed;
-  config.dtype = dtype;
-  config.optimizer = recipe.optimizer;
-  DataParallel replica(dp, model, StageRange{0, model.size()}, config);
+  Layout layout;
+  layout.zero = zero;
+  layout.bucket_bytes = recipe.bucket_bytes;
+  layout.dtype = dtype;
+  layout.optimizer = recipe.optimizer;
+  DataParallel replica(dp, model, StageRange{0, model.size()}, layout, kSeed, Device::cpu());
 
   // What this replica owns, as its Ownership says.
   const Ownership& o = replica.ownership();
@@ -391,11 +390,10 @@ TEST(ZeroThree, SetValueThenFullValueRoundTrips) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " dp " + std::to_string(dp));
       Group group(dp);
       const layers::Model model = make_model();
-      DataParallelConfig config;
-      config.zero = 3;
-      config.seed = kSeed;
-      config.dtype = dtype;
-      DataParallel replica(*group.comm, model, StageRange{0, model.size()}, config);
+      Layout layout;
+      layout.zero = 3;
+      layout.dtype = dtype;
+      DataParallel replica(*group.comm, model, StageRange{0, model.size()}, layout, kSeed, Device::cpu());
       const std::vector<layers::ParamEntry>& entries = replica.store().entries();
       for (const layers::ParamEntry& e : entries) replica.set_value(e, known_full(e));
 
@@ -431,9 +429,9 @@ TEST(ZeroThree, SetValueThenFullValueRoundTrips) {
       // logits as a one-rank model holding them in full.
       MpiCommunicator self(MPI_COMM_SELF, "self");
       const layers::Model ref_model = make_model();
-      DataParallelConfig ref_config = config;
-      ref_config.zero = 0;
-      DataParallel ref(self, ref_model, StageRange{0, ref_model.size()}, ref_config);
+      Layout ref_layout = layout;
+      ref_layout.zero = 0;
+      DataParallel ref(self, ref_model, StageRange{0, ref_model.size()}, ref_layout, kSeed, Device::cpu());
       for (const layers::ParamEntry& e : ref.store().entries()) ref.set_value(e, known_full(e));
       std::vector<layers::Context> ctx, ref_ctx;
       const Tensor x = to_dtype(batch_x(), dtype);

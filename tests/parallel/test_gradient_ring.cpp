@@ -9,6 +9,8 @@
 
 #include "core/error.hpp"
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
+#include "layers/zoo.hpp"
 #include "parallel/data/gradient_ring.hpp"
 #include "parallel/gradient_layout.hpp"
 

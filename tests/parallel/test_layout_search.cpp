@@ -37,12 +37,12 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
   const layers::Model model = gpt_for(tiny_gpt())(1, layers::Recompute::None, nullptr);
   const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
   LayoutChoice c;
-  c.pp = 2;
-  c.dp = 2;
-  c.micro = 2;
-  c.micro_batches = 4;  // 16 samples per replica of a global batch of 32
+  c.layout.pp = 2;
+  c.layout.dp = 2;
+  c.layout.micro = 2;
+  c.layout.micro_batches = 4;  // 16 samples per replica of a global batch of 32
   const Rates rates{1e9, 1e6};
-  const StepTime t = estimate_step_time(model, stages, c, 32, DType::F32, rates);
+  const StepTime t = estimate_step_time(model, stages, c, 32, rates);
   // By hand, for each stage: MACs per sample from the layers, trainable elements, block inputs.
   double slowest = 0;
   StepTime expected;
@@ -52,7 +52,7 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
       macs += static_cast<double>(model.layer(i).flops(model.shape(i)));
       for (const layers::ParamSpec& p : model.layer(i).param_specs())
         trainable += static_cast<double>(shape_numel(p.shape));
-      blocks += dynamic_cast<const layers::TransformerBlock*>(&model.layer(i)) != nullptr;
+      blocks += model.layer(i).is_tensor_parallel_block();
     }
     StepTime s;
     s.compute_s = 6 * macs * 16 / 1e9;
@@ -75,10 +75,10 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
   EXPECT_LT(t.pp_s, 2.0 * 2 * static_cast<double>(shape_numel(model.shape(model.size()))) * 4 * 4 / 1e6);
   // Recomputation adds a forward: 4/3 of the compute; tensor parallelism costs all-reduces.
   c.recompute = layers::Recompute::Block;
-  EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, DType::F32, rates).compute_s, expected.compute_s * 4 / 3);
+  EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, rates).compute_s, expected.compute_s * 4 / 3);
   c.recompute = layers::Recompute::None;
-  c.tp = 2;
-  EXPECT_GT(estimate_step_time(model, stages, c, 32, DType::F32, rates).tp_s, 0);
+  c.layout.tp = 2;
+  EXPECT_GT(estimate_step_time(model, stages, c, 32, rates).tp_s, 0);
 }
 
 TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
@@ -93,17 +93,20 @@ TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
   std::set<std::tuple<int, int, int, int, int64_t, int>> seen;
   for (size_t k = 0; k < all.fitting.size(); ++k) {
     const LayoutChoice& c = all.fitting[k];
-    EXPECT_EQ(c.tp * c.pp * c.dp, 4);
-    EXPECT_EQ(c.micro * c.micro_batches * c.dp, 16);
-    EXPECT_TRUE(c.dp > 1 || c.zero == 0);
-    EXPECT_TRUE(seen.emplace(c.tp, c.pp, c.dp, c.zero, c.micro, static_cast<int>(c.recompute)).second);
+    const Layout& l = c.layout;
+    EXPECT_EQ(l.tp * l.pp * l.dp, 4);
+    EXPECT_EQ(l.micro * l.micro_batches * l.dp, 16);
+    EXPECT_TRUE(l.dp > 1 || l.zero == 0);
+    EXPECT_TRUE(seen.emplace(l.tp, l.pp, l.dp, l.zero, l.micro, static_cast<int>(c.recompute)).second);
     if (k > 0) {
       EXPECT_LE(all.fitting[k - 1].time.total(), c.time.total());
     }
   }
   // tp 1, 2 and 4 (4 heads), pp up to the cut's limit, ZeRO 0-3, three recomputations.
-  EXPECT_TRUE(std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.tp == 4; }));
-  EXPECT_TRUE(std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.pp == 4; }));
+  EXPECT_TRUE(
+      std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.layout.tp == 4; }));
+  EXPECT_TRUE(
+      std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.layout.pp == 4; }));
 
   // A cap between the smallest and the largest: exactly the layouts within it are listed.
   int64_t largest = 0;
@@ -134,7 +137,7 @@ TEST(LayoutSearch, SkipsWidthsTheModelCannotTake) {
   const SearchResult r = search_layouts(space, Rates{1e9, 1e9}, gpt_for(spec));
   ASSERT_EQ(r.skipped.size(), 1u);
   EXPECT_NE(r.skipped[0].find("tp 4: --heads (2) must be divisible by --tp (4)"), std::string::npos) << r.skipped[0];
-  for (const LayoutChoice& c : r.fitting) EXPECT_LE(c.tp, 2);
+  for (const LayoutChoice& c : r.fitting) EXPECT_LE(c.layout.tp, 2);
 }
 
 }  // namespace

@@ -83,22 +83,8 @@ TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
                            std::to_string(bucket_bytes) + " stage " + std::to_string(stage) + " replica " +
                            std::to_string(replica));
               const TiedEmbedding tied(*pipeline, model, stages, zero, dtype, Device::cpu());
-              DataParallelConfig config;
-              config.zero = zero;
-              config.bucket_bytes = bucket_bytes;
-              config.dtype = dtype;
-              config.optimizer = optimizer;
-              // Chunk k of this rank: virtual stage k·pp + stage, each its own DataParallel.
-              std::vector<std::unique_ptr<DataParallel>> chunks;
-              int64_t params = tied.parameter_bytes(), grads = tied.gradient_bytes(), state = 0;
-              for (int k = 0; k < v; ++k) {
-                chunks.push_back(
-                    std::make_unique<DataParallel>(*dp, model, stages[static_cast<size_t>(k * pp + stage)], config));
-                params += chunks.back()->parameter_bytes();
-                grads += chunks.back()->gradient_bytes();
-                state += chunks.back()->optimizer_bytes();
-              }
-              MemoryLayout layout;
+              // One layout for the real allocations and the plan.
+              Layout layout;
               layout.pp = pp;
               layout.virtual_stages = v;
               layout.schedule = v > 1 ? ScheduleKind::Interleaved : ScheduleKind::OneFOneB;
@@ -108,6 +94,16 @@ TEST(MemoryPlan, PredictsWhatDataParallelAndTiedEmbeddingAllocate) {
               layout.dtype = dtype;
               layout.optimizer = optimizer;
               layout.bucket_bytes = bucket_bytes;
+              // Chunk k of this rank: virtual stage k·pp + stage, each its own DataParallel.
+              std::vector<std::unique_ptr<DataParallel>> chunks;
+              int64_t params = tied.parameter_bytes(), grads = tied.gradient_bytes(), state = 0;
+              for (int k = 0; k < v; ++k) {
+                chunks.push_back(std::make_unique<DataParallel>(*dp, model, stages[static_cast<size_t>(k * pp + stage)],
+                                                                layout, uint64_t{0}, Device::cpu()));
+                params += chunks.back()->parameter_bytes();
+                grads += chunks.back()->gradient_bytes();
+                state += chunks.back()->optimizer_bytes();
+              }
               const RankBytes plan = plan_rank(model, stages, stage, replica, layout);
               EXPECT_EQ(plan.params, params);
               EXPECT_EQ(plan.grads, grads);
@@ -135,7 +131,7 @@ TEST(MemoryPlan, ActivationsFollowTheScheduleAndRecomputation) {
     s.recompute = recompute;
     layers::Model model = layers::build_model(s, {16}, 64);
     const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
-    MemoryLayout layout;
+    Layout layout;
     layout.pp = 2;
     layout.micro = micro;
     layout.micro_batches = 4;
@@ -153,7 +149,7 @@ TEST(MemoryPlan, ActivationsFollowTheScheduleAndRecomputation) {
   // (what --plan relies on to plan large m quickly).
   const auto one_f_one_b = [&](int m, int stage) {
     layers::Model model = layers::build_model(spec, {16}, 64);
-    MemoryLayout layout;
+    Layout layout;
     layout.pp = 2;
     layout.micro = 2;
     layout.micro_batches = m;
@@ -163,7 +159,7 @@ TEST(MemoryPlan, ActivationsFollowTheScheduleAndRecomputation) {
   // In flight: min(P - s, m) micro-batches for 1F1B, m for GPipe.
   const layers::Model model = layers::build_model(spec, {16}, 64);
   const std::vector<StageRange> stages = partition_layers(model, 2, "balanced");
-  MemoryLayout layout;
+  Layout layout;
   layout.pp = 2;
   layout.micro_batches = 4;
   for (int s = 0; s < 2; ++s) {
@@ -196,7 +192,7 @@ TEST(MemoryPlan, ZeroTwoKeepsTheShardAndTwoBucketsOfGradientsOnTheZoo) {
         for (int64_t bucket_bytes : {int64_t{1} << 18, int64_t{1} << 20}) {
           SCOPED_TRACE(spec.name + " dp " + std::to_string(dp) + " " + optimizer.name + " buckets " +
                        std::to_string(bucket_bytes));
-          MemoryLayout layout;
+          Layout layout;
           layout.dp = dp;
           layout.optimizer = optimizer;
           layout.bucket_bytes = bucket_bytes;

@@ -73,13 +73,12 @@ TrainedRun train(Communicator& pp, Communicator& dp, int zero) {
   const bool first = pp.rank() == 0, last = pp.rank() == pp.size() - 1;
   TiedEmbedding tied(pp, model, stages, zero, DType::F32, Device::cpu());
   EXPECT_EQ(tied.copied(), pp.size() > 1);  // one stage: the ring pins wte's gradient, ZeRO 3 gathers wte for the head
-  DataParallelConfig config;
-  config.zero = zero;
-  config.seed = kSeed;
-  config.bucket_bytes = 512;  // many buckets: wte's is reduced last
-  config.optimizer.name = "sgd";
-  config.optimizer.momentum = 0.9f;
-  DataParallel replica(dp, model, mine, config);
+  Layout layout;
+  layout.zero = zero;
+  layout.bucket_bytes = 512;  // many buckets: wte's is reduced last
+  layout.optimizer.name = "sgd";
+  layout.optimizer.momentum = 0.9f;
+  DataParallel replica(dp, model, mine, layout, kSeed, Device::cpu());
   replica.set_before_reduce([&](size_t layer) { tied.add_head_gradient(layer); });
   replica.broadcast_parameters();
   tied.refresh(replica);

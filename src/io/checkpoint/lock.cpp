@@ -45,7 +45,7 @@ DirectoryLock::DirectoryLock(const std::string& dir) {
   if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
     log::warn("cannot write the holder into ", path, ": ", std::strerror(errno));
   // A *.tmp here is a write that a killed job (SIGKILL, a second signal) never finished. No job
-  // deletes a file it did not create (#19), so the user hears of it, once, with its size.
+  // deletes a file it did not create, so the user hears of it, once, with its size.
   for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
     if (entry.path().extension() != ".tmp" || !entry.is_regular_file(ec)) continue;
     log::info("note: ", entry.path().string(), " (", entry.file_size(ec),

@@ -7,6 +7,7 @@
 #include "io/checkpoint/directory.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "io/shared_files.hpp"
+#include "layers/parameter_store.hpp"
 #include "parallel/runtime/host_values.hpp"
 #include "parallel/runtime/mpi.hpp"
 #include "parallel/runtime/watchdog.hpp"

@@ -17,7 +17,7 @@ namespace {
 
 // Tensors of at least 1 MiB start on a multiple of 1 MiB in the file: on a striped filesystem
 // (Lustre's and GPFS's default stripe or block is 1 MiB) no two large tensors share a stripe, so
-// ranks writing neighbouring tensors do not contend for one lock. Small tensors pack as before.
+// ranks writing neighbouring tensors do not contend for one lock. Small tensors pack tightly.
 constexpr hsize_t kAlignment = hsize_t{1} << 20;
 
 }  // namespace

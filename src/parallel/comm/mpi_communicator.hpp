@@ -15,7 +15,7 @@
 // compute stream when the operation starts (the host waits for that stream), and copied back
 // asynchronously on the compute stream when the operation is found complete (wait(), test(),
 // or a dropped handle), so kernels launched afterwards see the result. CPU tensors are used in
-// place, as before.
+// place.
 #pragma once
 
 #include <mpi.h>
@@ -51,7 +51,7 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   // The private duplicate (for code that needs a raw MPI call on the same group).
   MPI_Comm comm() const { return comm_; }
-  // Its identity and collective fingerprint, for raw MPI calls recorded by the watchdog (values.hpp).
+  // Its identity and collective fingerprint, for raw MPI calls recorded by the watchdog (runtime/host_values.hpp).
   const std::shared_ptr<watchdog::Channel>& channel() const { return channel_; }
 
   WorkPtr all_reduce_async(const Tensor& t, ReduceOp op) override;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "layers/parameter_store.hpp"
 #include "parallel/runtime/watchdog.hpp"
 
 namespace strata::parallel {

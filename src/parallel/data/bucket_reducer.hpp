@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
 #include "parallel/comm/communicator.hpp"
 
 namespace strata::parallel {

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/ops.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel {
 
@@ -16,9 +17,9 @@ int64_t used_elements(const layers::Model& model, StageRange stage) {
 
 }  // namespace
 
-DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRange stage,
-                           const DataParallelConfig& config)
-    : dp_(dp), model_(model), stage_(stage), ownership_(config.zero, dp.size(), used_elements(model, stage)) {
+DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRange stage, const Layout& layout,
+                           uint64_t seed, Device device)
+    : dp_(dp), model_(model), stage_(stage), ownership_(layout.zero, dp.size(), used_elements(model, stage)) {
   // ZeRO 2 and 3 rebind layers' gradient and parameter views as buckets and windows pass. A tied
   // head on its embedding's stage reads the embedding's views: ZeRO 2 and 3's ring keeps the
   // embedding's gradient bound while the head writes it, and ZeRO 3 gathers the embedding's
@@ -30,26 +31,25 @@ DataParallel::DataParallel(Communicator& dp, const layers::Model& model, StageRa
   // all-reduces (and ZeRO's reduces and parameter all-gather) read in place.
   const Shard shard = ownership_.shard(dp.rank());
   store_ = std::make_unique<layers::ParameterStore>(
-      model, config.seed,
-      layers::StoreLayout{.begin = stage.begin,
-                          .end = stage.end,
-                          .pad_multiple = ownership_.pad_multiple(),
-                          .allocate_grads = !ownership_.shards_grads(),
-                          .allocate_params = !ownership_.shards_params(),
-                          .shard_begin = dp.rank() * shard.size,
-                          .shard_size = shard.size,
-                          .dtype = config.dtype,
-                          .device = config.device,
-                          .allocate = [&dp, device = config.device](int64_t numel, DType dtype) {
-                            return dp.allocate(numel, dtype, device);
-                          }});
-  optimizer_ = std::make_unique<ShardedOptimizer>(config.optimizer, ownership_, dp, *store_);
+      model, seed,
+      layers::StoreLayout{
+          .begin = stage.begin,
+          .end = stage.end,
+          .pad_multiple = ownership_.pad_multiple(),
+          .allocate_grads = !ownership_.shards_grads(),
+          .allocate_params = !ownership_.shards_params(),
+          .shard_begin = dp.rank() * shard.size,
+          .shard_size = shard.size,
+          .dtype = layout.dtype,
+          .device = device,
+          .allocate = [&dp, device](int64_t numel, DType dtype) { return dp.allocate(numel, dtype, device); }});
+  optimizer_ = std::make_unique<ShardedOptimizer>(layout.optimizer, ownership_, dp, *store_);
   if (ownership_.shards_grads())
-    ring_ = std::make_unique<GradientRing>(dp, model, *store_, config.bucket_bytes, shard.size,
+    ring_ = std::make_unique<GradientRing>(dp, model, *store_, layout.bucket_bytes, shard.size,
                                            pins_tied_embedding(model, stage.begin, stage.end));
   else
     reducer_ =
-        std::make_unique<BucketReducer>(dp, *store_, config.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
+        std::make_unique<BucketReducer>(dp, *store_, layout.bucket_bytes, ownership_.shards_state() ? shard.size : 0);
   if (ownership_.shards_params())
     gather_ = std::make_unique<ParameterGather>(dp, model, *store_, shard.size, stage.begin, stage.end);
 }

@@ -22,23 +22,18 @@
 #include "parallel/data/gradient_ring.hpp"
 #include "parallel/data/zero.hpp"
 #include "parallel/pipeline/partition.hpp"
+#include "parallel/plan/layout.hpp"
 
 namespace strata::parallel {
-
-struct DataParallelConfig {
-  int zero = 0;  // ZeRO stage 0-3 (validated with the configuration)
-  int64_t bucket_bytes = 25 << 20;
-  uint64_t seed = 0;  // parameter initialisation
-  DType dtype = DType::F32;
-  Device device = Device::cpu();
-  layers::OptimizerConfig optimizer;
-};
 
 class DataParallel {
  public:
   // Collective over `dp` (the full buffers may be shared memory it hands out). `stage`: the
   // layers [begin, end) of `model` this stage holds.
-  DataParallel(Communicator& dp, const layers::Model& model, StageRange stage, const DataParallelConfig& config);
+  // From `layout`: the ZeRO stage, bucket bytes, dtype and optimizer; `seed` initialises the
+  // parameters on `device`.
+  DataParallel(Communicator& dp, const layers::Model& model, StageRange stage, const Layout& layout, uint64_t seed,
+               Device device);
 
   const Ownership& ownership() const { return ownership_; }
   // The Ownership of another stage of the same model under this group's ZeRO stage and size.

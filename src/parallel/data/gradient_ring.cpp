@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/ops.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel {
 

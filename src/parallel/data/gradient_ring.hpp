@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "layers/model.hpp"
+#include "layers/parameter_store.hpp"
 #include "parallel/comm/communicator.hpp"
 #include "parallel/data/bucket_reducer.hpp"
 

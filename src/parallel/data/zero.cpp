@@ -1,10 +1,11 @@
-// ZeRO stages 1 and 2: sharded optimizer state (and, for 2, gradients: see gradient_sync),
+// ZeRO stages 1 and 2: sharded optimizer state (and, for 2, gradients: see gradient_ring.hpp),
 // all-gathered parameters. Stage 3: sharded parameters, gathered per layer (ParameterGather).
 #include "parallel/data/zero.hpp"
 
 #include <algorithm>
 
 #include "core/ops.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel {
 
@@ -106,7 +107,7 @@ void ShardedOptimizer::set_steps_taken(int64_t steps) {
 
 void ShardedOptimizer::step(const Tensor& params, const Tensor& grads, float lr) {
   ++steps_;
-  // Stage 1 keeps GradientSync's all-reduce, so grads hold the full sum here; stage 2 reduced
+  // Stage 1 keeps the BucketReducer's all-reduce, so grads hold the full sum here; stage 2 reduced
   // each bucket to its owners, so grads is the owned shard alone.
   if (shard_.numel() > 0 && master_.defined()) {
     inner_.step(master_, owned_grads(grads), lr);

@@ -5,7 +5,7 @@
 // pads params and grads to dp*S elements so every all-gather chunk has the same size.
 //
 // Stage 0 is plain data parallelism: one shard is the whole buffer. Stage 1 shards the
-// optimizer state. Stage 2 also shards the gradients: backward writes them into GradientSync's
+// optimizer state. Stage 2 also shards the gradients: backward writes them into the GradientRing's
 // ring (the largest tile + one bucket: about two buckets when the large layers write their
 // gradients piece by piece), each bucket is reduced to the owners and only this
 // rank's S-element gradient shard is kept, which is what step() and grad_sum_squares() then
@@ -89,7 +89,7 @@ class ShardedOptimizer {
   // (Ownership::pad_multiple).
   //
   // `grads` below is the flat gradient buffer (stages 0, 1) or this rank's gradient shard of
-  // S elements (stages 2, 3: GradientSync::shard_grads()); `params` is the flat parameter
+  // S elements (stages 2, 3: GradientRing::shard_grads()); `params` is the flat parameter
   // buffer, or with stage 3 this rank's S-element parameter shard.
   ShardedOptimizer(const layers::OptimizerConfig& config, const Ownership& ownership, Communicator& dp,
                    const layers::ParameterStore& store);
@@ -147,7 +147,7 @@ class ShardedOptimizer {
 // its window. Every replica runs the same passes, so the broadcasts on `dp` are started in the same order everywhere,
 // as collectives must be. A tied head (layers::LMHead reading its Embedding's wte, on the same stage) is one more
 // visit at the head's place: the Embedding's range is gathered into the head's slot and bound as the Embedding's
-// views, which the head reads; no copy of wte (its gradient stays pinned in GradientSync's ring).
+// views, which the head reads; no copy of wte (its gradient stays pinned in the GradientRing).
 class ParameterGather {
  public:
   // `store` holds this rank's shard (allocate_params = false) of a layout padded to

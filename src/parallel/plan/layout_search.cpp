@@ -40,32 +40,33 @@ int64_t stage_macs(const layers::Model& model, StageRange r) {
 }  // namespace
 
 StepTime estimate_step_time(const layers::Model& model, const std::vector<StageRange>& stages,
-                            const LayoutChoice& choice, int64_t global_batch, DType dtype, const Rates& rates) {
-  const double samples = static_cast<double>(global_batch) / choice.dp;  // per replica and step
+                            const LayoutChoice& choice, int64_t global_batch, const Rates& rates) {
+  const Layout& layout = choice.layout;
+  const double samples = static_cast<double>(global_batch) / layout.dp;  // per replica and step
   const double forwards = choice.recompute == layers::Recompute::None ? 3.0 : 4.0;
-  const auto dtype_bytes = static_cast<double>(dtype_size(dtype));
+  const auto dtype_bytes = static_cast<double>(dtype_size(layout.dtype));
   StepTime slowest;
   for (const StageRange& r : stages) {
     StepTime t;
     t.compute_s = 2.0 * forwards * static_cast<double>(stage_macs(model, r)) * samples / rates.flops_per_s;
-    t.bubble_s = t.compute_s * (choice.pp - 1) / choice.micro_batches;
+    t.bubble_s = t.compute_s * (layout.pp - 1) / layout.micro_batches;
     int64_t trainable = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
       if (e.trainable) trainable += shape_numel(e.shape);
-    const double dp_share = 2.0 * (choice.dp - 1) / choice.dp * (Ownership::shards_params(choice.zero) ? 1.5 : 1.0);
+    const double dp_share = 2.0 * (layout.dp - 1) / layout.dp * (Ownership::shards_params(layout.zero) ? 1.5 : 1.0);
     t.dp_s = dp_share * 4.0 * static_cast<double>(trainable) / rates.bytes_per_s;
     double block_bytes = 0;
     for (size_t i = r.begin; i < r.end; ++i)
       if (model.layer(i).is_tensor_parallel_block())
-        block_bytes += static_cast<double>(choice.micro * shape_numel(model.shape(i))) * dtype_bytes;
+        block_bytes += static_cast<double>(layout.micro * shape_numel(model.shape(i))) * dtype_bytes;
     const double all_reduces = choice.recompute == layers::Recompute::None ? 4.0 : 6.0;
-    t.tp_s = 2.0 * (choice.tp - 1) / choice.tp * all_reduces * block_bytes * choice.micro_batches / rates.bytes_per_s;
+    t.tp_s = 2.0 * (layout.tp - 1) / layout.tp * all_reduces * block_bytes * layout.micro_batches / rates.bytes_per_s;
     // What the stage sends per micro-batch: its output forward (not the last stage: its output
     // is the logits, which go nowhere) and its input's gradient back (not the first).
     int64_t sent = 0;
     if (&r != &stages.back()) sent += shape_numel(model.shape(r.end));
     if (&r != &stages.front()) sent += shape_numel(model.shape(r.begin));
-    t.pp_s = static_cast<double>(choice.micro * sent) * dtype_bytes * choice.micro_batches / rates.bytes_per_s;
+    t.pp_s = static_cast<double>(layout.micro * sent) * dtype_bytes * layout.micro_batches / rates.bytes_per_s;
     if (t.total() > slowest.total()) slowest = t;
   }
   return slowest;
@@ -101,34 +102,32 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
         if (space.global_batch % dp != 0) continue;
         for (const int64_t micro : micro_sizes(space.global_batch / dp)) {
           LayoutChoice choice;
-          choice.tp = tp;
-          choice.pp = pp;
-          choice.dp = dp;
-          choice.micro = micro;
-          choice.micro_batches = static_cast<int>(space.global_batch / dp / micro);
           choice.recompute = recompute;
-          MemoryLayout layout = space.base;
+          Layout& layout = choice.layout;
+          layout = space.base;
           layout.pp = pp;
           layout.dp = dp;
+          layout.tp = tp;
           layout.micro = micro;
           layout.schedule = ScheduleKind::OneFOneB;
           layout.virtual_stages = 1;
+          const int micro_batches = static_cast<int>(space.global_batch / dp / micro);
           // 1F1B's memory repeats once P micro-batches are in the pipeline (nothing is kept
           // from one to the next: test_memory_plan), so 2P of them plan any m at a fraction of
           // the time; the step's other bytes take the real m.
-          layout.micro_batches = std::min(choice.micro_batches, 2 * pp);
+          layout.micro_batches = std::min(micro_batches, 2 * pp);
           std::vector<int64_t> activations;  // per stage; the same for every ZeRO stage
           for (int s = 0; s < pp; ++s) activations.push_back(plan_activations(*model, stages, s, layout).peak);
-          layout.micro_batches = choice.micro_batches;
+          layout.micro_batches = micro_batches;
           for (int zero = 0; zero <= (dp > 1 ? Ownership::kMaxStage : 0); ++zero) {
-            layout.zero = choice.zero = zero;
+            layout.zero = zero;
             choice.bytes = 0;
             for (int s = 0; s < pp; ++s) {  // replica 0 holds the largest shard
               RankBytes b = plan_rank(*model, stages, s, 0, layout);
               b.activations = activations[static_cast<size_t>(s)];
               choice.bytes = std::max(choice.bytes, b.total());
             }
-            choice.time = estimate_step_time(*model, stages, choice, space.global_batch, layout.dtype, rates);
+            choice.time = estimate_step_time(*model, stages, choice, space.global_batch, rates);
             ++result.tried;
             if (!smallest || choice.bytes < smallest->bytes) smallest = choice;
             if (space.device_bytes == 0 || choice.bytes <= space.device_bytes) result.fitting.push_back(choice);

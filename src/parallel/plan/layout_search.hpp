@@ -34,10 +34,9 @@ struct StepTime {
   double total() const { return compute_s + bubble_s + dp_s + tp_s + pp_s; }
 };
 
+// A layout the search tried (1F1B, one chunk per rank) and what it costs.
 struct LayoutChoice {
-  int tp = 1, pp = 1, dp = 1, zero = 0;
-  int64_t micro = 1;      // samples per micro-batch
-  int micro_batches = 1;  // per replica and step
+  Layout layout;
   layers::Recompute recompute = layers::Recompute::None;
   int64_t bytes = 0;  // the fullest rank's plan
   StepTime time;
@@ -47,7 +46,7 @@ struct SearchSpace {
   int world = 1;
   int64_t global_batch = 1;
   int64_t device_bytes = 0;  // per rank; 0: any layout fits
-  MemoryLayout base;         // dtype, optimizer, bucket bytes, device kind (the rest is searched)
+  Layout base;               // dtype, optimizer, bucket bytes, device kind (the rest is searched)
   std::string partition = "balanced";
   bool can_recompute = false;  // the model has blocks to recompute (GPT)
   int max_tp = 8;              // tensor parallelism stays within a node's GPUs
@@ -69,6 +68,6 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
 
 // The model's time for one step of `choice` (built for its tp and recomputation, cut into `stages`).
 StepTime estimate_step_time(const layers::Model& model, const std::vector<StageRange>& stages,
-                            const LayoutChoice& choice, int64_t global_batch, DType dtype, const Rates& rates);
+                            const LayoutChoice& choice, int64_t global_batch, const Rates& rates);
 
 }  // namespace strata::parallel

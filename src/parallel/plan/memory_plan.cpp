@@ -20,7 +20,7 @@ namespace strata::parallel {
 namespace {
 
 // Parameter, gradient and optimizer bytes of one (virtual) stage's DataParallel.
-RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, const MemoryLayout& layout) {
+RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, const Layout& layout) {
   const std::vector<layers::ParamEntry> entries = layers::ParameterStore::layout(model, range.begin, range.end);
   const std::vector<layers::ParameterStore::LayerRange> ranges = layers::ParameterStore::layer_ranges(entries);
   const Ownership ownership(layout.zero, layout.dp, layers::ParameterStore::layout_numel(entries));
@@ -38,7 +38,7 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
         ParameterGather::window_elements(ParameterGather::visits(model, range.begin, range.end, ranges));
     b.params += (windows[0] + windows[1]) * dtype_bytes;
   }
-  if (ownership.shards_grads()) {  // GradientSync: the shard and the ring (largest tile + a bucket)
+  if (ownership.shards_grads()) {  // GradientRing: the shard and the ring (largest tile + a bucket)
     // ZeRO 2 and 3 keep a tied embedding's gradient in the ring.
     const bool pinned = pins_tied_embedding(model, range.begin, range.end);
     const int64_t ring =
@@ -56,7 +56,7 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
 }  // namespace
 
 RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
-                    const MemoryLayout& layout) {
+                    const Layout& layout) {
   STRATA_CHECK(stages.size() == static_cast<size_t>(layout.pp * layout.virtual_stages), "plan: ", stages.size(),
                " stages for pp ", layout.pp, " x ", layout.virtual_stages, " virtual stages");
   RankBytes b;
@@ -131,7 +131,7 @@ class PlannedCommunicator final : public Communicator {
   int rank_, size_;
 };
 
-// ZeRO 2/3: a layer that streams its gradients (GradientSync) gets its pieces from the ring,
+// ZeRO 2/3: a layer that streams its gradients (GradientRing) gets its pieces from the ring,
 // which RankBytes::grads counts, so here from one meta buffer allocated before the count starts;
 // what the layer allocates to compute them (Linear: dy transposed) is counted as the real run's.
 class PlannedGradientSink final : public layers::GradientSink {
@@ -183,7 +183,7 @@ class ModelChunks final : public ChunkRunner {
 }  // namespace
 
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
-                                 const MemoryLayout& layout) {
+                                 const Layout& layout) {
   const int pp = layout.pp, v = layout.virtual_stages;
   const StageMap map(stages, pp);
   const auto chunk_range = [&](int c) { return map.range(stage, c); };

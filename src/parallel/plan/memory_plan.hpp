@@ -13,6 +13,7 @@
 #include "layers/optimizer.hpp"
 #include "parallel/pipeline/partition.hpp"
 #include "parallel/pipeline/schedule.hpp"
+#include "parallel/plan/layout.hpp"
 
 namespace strata::parallel {
 
@@ -31,18 +32,6 @@ class PlannedTensorParallel final : public layers::TensorParallelGroup {
     STRATA_CHECK(t.device().is_meta(), "a planned tensor-parallel group moves no values, got ", t.str());
   }
   int size_;
-};
-
-struct MemoryLayout {
-  int pp = 1, dp = 1, zero = 0;
-  DType dtype = DType::F32;  // parameters and activations
-  layers::OptimizerConfig optimizer;
-  int64_t bucket_bytes = 25 << 20;
-  int64_t micro = 1;      // samples per micro-batch
-  int micro_batches = 1;  // per replica and step
-  ScheduleKind schedule = ScheduleKind::OneFOneB;
-  int virtual_stages = 1;  // chunks per pipeline rank (interleaved)
-  bool cpu = true;         // CPU kernels: bf16/f16 ops stage their tensors through f32 scratch
 };
 
 struct RankBytes {
@@ -75,11 +64,11 @@ struct ActivationBytes {
   int64_t retained = 0;  // held from one step into the next (0: the executor lets go of everything)
 };
 ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRange>& stages, int stage,
-                                 const MemoryLayout& layout);
+                                 const Layout& layout);
 
 // Parameter, gradient and optimizer bytes of rank (stage, replica) of the layout, whose (virtual) stages cut the model
 // as `stages` does: pp x virtual_stages of them, chunk c of pipeline rank s being virtual stage c·pp + s.
 RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
-                    const MemoryLayout& layout);
+                    const Layout& layout);
 
 }  // namespace strata::parallel

@@ -57,7 +57,7 @@ class MpiRuntime {
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
   // The CPUs of this rank's affinity mask divided among the node's ranks whose masks overlap
-  // it, at least 1 (placement.hpp): mpirun's or Slurm's binding decides, never more.
+  // it, at least 1 (cpu_threads.hpp): mpirun's or Slurm's binding decides, never more.
   int default_threads() const { return default_threads_; }
   // Collective over the node: warns (each node's first rank, one line per group of ranks) when
   // the ranks' `threads` outnumber the cores their masks allow.

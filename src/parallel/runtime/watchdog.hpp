@@ -87,7 +87,7 @@ struct Record {
   DType dtype = DType::F32;
   int peer = -1;  // peer of a message, root of a reduce or broadcast, else -1
   int64_t step = -1;
-  int bucket = -1;     // gradient bucket (GradientSync), -1: none
+  int bucket = -1;     // gradient bucket (BucketReducer, GradientRing), -1: none
   double start_s = 0;  // since the recorder's origin
   bool done = false;
   int tag = -1;          // of a message

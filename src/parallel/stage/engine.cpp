@@ -54,7 +54,7 @@ StageEngine::StageEngine(ProcessGrid& grid, layers::Model& model, std::vector<St
       scaler_(settings.scaler),
       targets_per_sample_(shape_numel(target_shape_of(model.shape(model.size())))),
       loss_(grid.tensor_parallel()) {
-  const MemoryLayout& layout = settings_.layout;
+  const Layout& layout = settings_.layout;
   STRATA_CHECK(map_.chunks() == layout.virtual_stages && layout.pp == grid.pp_size() && layout.dp == grid.dp_size(),
                "StageEngine: the layout's pp ", layout.pp, " x dp ", layout.dp, " with ", layout.virtual_stages,
                " chunks does not match the grid's ", grid.pp_size(), " x ", grid.dp_size(), " with ", map_.chunks());
@@ -63,10 +63,7 @@ StageEngine::StageEngine(ProcessGrid& grid, layers::Model& model, std::vector<St
   std::vector<Shape> input_shapes, output_shapes;
   for (int c = 0; c < layout.virtual_stages; ++c) {
     const StageRange range = map_.range(grid.stage(), c);
-    chunks_.push_back(
-        std::make_unique<DataParallel>(grid.dp(), model, range,
-                                       DataParallelConfig{layout.zero, layout.bucket_bytes, settings.seed, layout.dtype,
-                                                          grid.device(), layout.optimizer}));
+    chunks_.push_back(std::make_unique<DataParallel>(grid.dp(), model, range, layout, settings.seed, grid.device()));
     chunks_.back()->set_before_reduce([this](size_t layer) { tied_->add_head_gradient(layer); });
     chunk_ptrs_.push_back(chunks_.back().get());
     input_shapes.push_back(layers::batch_shape(layout.micro, model.shape(range.begin)));
@@ -82,7 +79,7 @@ StageEngine::StageEngine(ProcessGrid& grid, layers::Model& model, std::vector<St
 
 StepResult StageEngine::step(const Tensor& x, const Tensor& y, int64_t first_sample, int64_t step, float lr,
                              bool stop_requested, bool record_timeline) {
-  const MemoryLayout& layout = settings_.layout;
+  const Layout& layout = settings_.layout;
   const int rank = grid_.world().rank();
   watchdog::set_step(step);
   if (record_timeline) grid_.world().barrier();  // a common origin for every stage's clock

@@ -32,7 +32,7 @@ namespace strata::parallel {
 
 // Everything the engine takes from the configuration, whole.
 struct EngineSettings {
-  MemoryLayout layout;  // pp, dp, ZeRO, dtype, optimizer, buckets, micro-batches, schedule, chunks
+  Layout layout;        // pp, dp, ZeRO, dtype, optimizer, buckets, micro-batches, schedule, chunks
   uint64_t seed = 0;    // parameter initialisation and dropout keys (the device is the grid's)
   float clip_grad = 0;  // global-norm clipping (0: off)
   layers::LossScaler scaler;
@@ -100,7 +100,7 @@ class StageEngine {
   layers::LossScaler& scaler() { return scaler_; }
 
   const StageMap& map() const { return map_; }
-  const MemoryLayout& layout() const { return settings_.layout; }
+  const Layout& layout() const { return settings_.layout; }
   // Targets per sample: 1 label, or a window's T next tokens.
   int64_t targets_per_sample() const { return targets_per_sample_; }
   // Trainable parameters of this rank's chunks (without padding).

@@ -2,6 +2,7 @@
 #include "parallel/stage/state_gather.hpp"
 
 #include "core/ops.hpp"
+#include "layers/parameter_store.hpp"
 
 namespace strata::parallel {
 

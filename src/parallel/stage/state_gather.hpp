@@ -6,13 +6,14 @@
 // is DataParallel's answer (Ownership), never recomputed here. A checkpoint is also written by
 // every rank at once (write_parts: each its own part), and read that way on resume. Tensors are named by their
 // entry's stable name and an optimizer state ("" for the model's own values); the file's
-// schema is io's (io/training_state.hpp).
+// schema is io's (io/checkpoint/run_state.hpp).
 #pragma once
 
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "layers/parameter_store.hpp"
 #include "parallel/data/data_parallel.hpp"
 #include "parallel/pipeline/partition.hpp"
 #include "parallel/runtime/process_grid.hpp"

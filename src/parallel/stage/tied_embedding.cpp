@@ -36,7 +36,7 @@ TiedEmbedding::Pair TiedEmbedding::find(const layers::Model& model, const std::v
     pair.head_stage = head_vs % pipeline_ranks;
     // Another chunk has another DataParallel. On one chunk the head reads the Embedding's views
     // whatever the ZeRO stage: ZeRO 2 and 3's gradient ring keeps the Embedding's gradient bound
-    // for the whole backward (gradient_sync.hpp, pinned), and ZeRO 3 gathers wte into the head's
+    // for the whole backward (gradient_ring.hpp, pinned), and ZeRO 3 gathers wte into the head's
     // window when the head runs (ParameterGather::visits).
     pair.copy = embedding_vs != head_vs;
     STRATA_CHECK(!pair.copy || pair.embedding_stage != pair.head_stage || embedding_vs == head_vs,
