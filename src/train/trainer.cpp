@@ -160,7 +160,7 @@ TrainEnd Trainer::train() {
       }
       monitor_->waited_for_data(std::chrono::duration<double>(clock::now() - wait_start).count());
       const float lr = layers::learning_rate(config_.schedule, step);
-      result = engine_->step(batch->x, batch->y, batch->first_sample, step, lr, stop_requested(),
+      result = engine_->step(batch->x, batch->y, batch->first_sample, step, lr, stop_requested,
                              monitor_->records_timeline(step));
     }
     if (!std::isfinite(result.loss)) {  // agreed: the same on every rank

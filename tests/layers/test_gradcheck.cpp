@@ -592,8 +592,9 @@ void expect_streams_like_whole(Layer& layer, const Tensor& x, int64_t limit) {
   const std::vector<float> streamed = sink.assembled(layout.size), whole = values_of(flat);
   float largest = 0.0f;
   for (float v : whole) largest = std::max(largest, std::fabs(v));
-  for (size_t i = 0; i < whole.size(); ++i)
+  for (size_t i = 0; i < whole.size(); ++i) {
     ASSERT_NEAR(streamed[i], whole[i], 1e-6f * largest) << "element " << i << " of " << whole.size();
+  }
   if (dx_whole.defined()) EXPECT_EQ(values_of(dx_streamed), values_of(dx_whole));
 }
 

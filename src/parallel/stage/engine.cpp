@@ -78,7 +78,7 @@ StageEngine::StageEngine(ProcessGrid& grid, layers::Model& model, std::vector<St
 }
 
 StepResult StageEngine::step(const Tensor& x, const Tensor& y, int64_t first_sample, int64_t step, float lr,
-                             bool stop_requested, bool record_timeline) {
+                             const std::function<bool()>& stop_requested, bool record_timeline) {
   const Layout& layout = settings_.layout;
   const int rank = grid_.world().rank();
   watchdog::set_step(step);
@@ -126,7 +126,7 @@ StepResult StageEngine::step(const Tensor& x, const Tensor& y, int64_t first_sam
   // The loss (non-zero on last stages only, counted once per tensor-parallel group) and the stop
   // request ride on one all-gather, with every rank's collective fingerprints (a mismatch aborts
   // every rank): all ranks agree at the same step boundary without an extra collective.
-  std::vector<double> agreed{grid_.tp_rank() == 0 ? loss_sum : 0.0, stop_requested ? 1.0 : 0.0};
+  std::vector<double> agreed{grid_.tp_rank() == 0 ? loss_sum : 0.0, stop_requested && stop_requested() ? 1.0 : 0.0};
   watchdog::sum_checking_fingerprints(grid_.world(), agreed);
   result.loss = agreed[0] / targets;
   result.stop = agreed[1] > 0;

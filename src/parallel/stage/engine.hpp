@@ -65,12 +65,13 @@ class StageEngine {
 
   // One optimizer step over this replica's slice of the global batch: x and y hold
   // micro_batches x micro samples (x read by the first stage only, y by the last), the first
-  // being global sample `first_sample` (dropout keys). `step` counts from 0. `stop_requested`:
-  // this rank was asked to stop; the result says whether any rank was (agreed with the loss and
-  // the collective fingerprints in one all-gather). `record_timeline` keeps the schedule's
+  // being global sample `first_sample` (dropout keys). `step` counts from 0. `stop_requested`
+  // says whether this rank was asked to stop, read just before the end-of-step agreement (so a
+  // signal that arrives during the step stops after it); the result says whether any rank was
+  // (agreed with the loss and the collective fingerprints in one all-gather). `record_timeline` keeps the schedule's
   // events for timeline().
   StepResult step(const Tensor& x, const Tensor& y, int64_t first_sample, int64_t step, float lr,
-                  bool stop_requested = false, bool record_timeline = false);
+                  const std::function<bool()>& stop_requested = {}, bool record_timeline = false);
 
   // Reads samples [begin, end) into x (first stage only; undefined elsewhere) and y (every
   // stage may ask), host tensors of the right shape.
