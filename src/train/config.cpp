@@ -179,35 +179,36 @@ int line_of(const std::string& path, const std::string& key) {
 }  // namespace
 
 void validate(const Config& c) {
-  require_in("--global-batch", c.global_batch, int64_t{1}, kMaxBatch);
-  require_in("--micro-batch", c.micro_batch, int64_t{0}, c.global_batch);
-  require_in("--epochs", c.epochs, int64_t{0}, kMaxEpochs);
-  require_in("--steps", c.steps, int64_t{0}, kMaxSteps);
-  STRATA_REQUIRE(c.schedule.lr > 0 && std::isfinite(c.schedule.lr), "--lr must be positive and finite, found ",
-                 c.schedule.lr);
-  STRATA_REQUIRE(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "--momentum must be in [0, 1), found ",
-                 c.optimizer.momentum);
-  STRATA_REQUIRE(c.optimizer.weight_decay >= 0 && std::isfinite(c.optimizer.weight_decay),
-                 "--weight-decay must be finite and >= 0, found ", c.optimizer.weight_decay);
-  require_in("--warmup-steps", c.schedule.warmup_steps, int64_t{0}, kMaxSteps);
-  require_in("--lr-step-size", c.schedule.step_size, int64_t{0}, kMaxSteps);
-  STRATA_REQUIRE(c.schedule.gamma > 0 && c.schedule.gamma <= 1, "--lr-gamma must be in (0, 1], found ",
-                 c.schedule.gamma);
-  STRATA_REQUIRE(c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr, "--min-lr must be in [0, --lr ",
-                 c.schedule.lr, "], found ", c.schedule.min_lr);
-  require_in("--bench-stage-ms", c.bench_stage_ms, 0.0, 60000.0);
-  STRATA_REQUIRE(c.clip_grad >= 0 && std::isfinite(c.clip_grad), "--clip-grad must be finite and >= 0 (0: off), found ",
-                 c.clip_grad);
-  require_in("--threads", int64_t{c.threads}, int64_t{0}, max_threads());
-  require_in("--log-every", c.log_every, int64_t{1}, kMaxSteps);
-  require_in("--prefetch", int64_t{c.prefetch}, int64_t{1}, kMaxPrefetch);
-  require_in("--save-every", c.save_every, int64_t{0}, kMaxSteps);
-  require_in("--eval-every", c.eval_every, int64_t{0}, kMaxSteps);
-  require_in("--keep", c.keep, int64_t{0}, kMaxSteps);
-  require_in("--pp", int64_t{c.pp}, int64_t{1}, kMaxRanks);
-  require_in("--tp", int64_t{c.tp}, int64_t{1}, kMaxRanks);
-  require_in("--virtual-stages", int64_t{c.virtual_stages}, int64_t{1}, kMaxRanks);
-  require_in("--world", int64_t{c.world}, int64_t{0}, kMaxRanks);
+  require_in("--global-batch", c.layout.global_batch, int64_t{1}, kMaxBatch);
+  require_in("--micro-batch", c.layout.micro_batch, int64_t{0}, c.layout.global_batch);
+  require_in("--epochs", c.training.epochs, int64_t{0}, kMaxEpochs);
+  require_in("--steps", c.training.steps, int64_t{0}, kMaxSteps);
+  STRATA_REQUIRE(c.training.lr_schedule.lr > 0 && std::isfinite(c.training.lr_schedule.lr),
+                 "--lr must be positive and finite, found ", c.training.lr_schedule.lr);
+  STRATA_REQUIRE(c.training.optimizer.momentum >= 0 && c.training.optimizer.momentum < 1,
+                 "--momentum must be in [0, 1), found ", c.training.optimizer.momentum);
+  STRATA_REQUIRE(c.training.optimizer.weight_decay >= 0 && std::isfinite(c.training.optimizer.weight_decay),
+                 "--weight-decay must be finite and >= 0, found ", c.training.optimizer.weight_decay);
+  require_in("--warmup-steps", c.training.lr_schedule.warmup_steps, int64_t{0}, kMaxSteps);
+  require_in("--lr-step-size", c.training.lr_schedule.step_size, int64_t{0}, kMaxSteps);
+  STRATA_REQUIRE(c.training.lr_schedule.gamma > 0 && c.training.lr_schedule.gamma <= 1,
+                 "--lr-gamma must be in (0, 1], found ", c.training.lr_schedule.gamma);
+  STRATA_REQUIRE(c.training.lr_schedule.min_lr >= 0 && c.training.lr_schedule.min_lr <= c.training.lr_schedule.lr,
+                 "--min-lr must be in [0, --lr ", c.training.lr_schedule.lr, "], found ",
+                 c.training.lr_schedule.min_lr);
+  require_in("--bench-stage-ms", c.debug.stage_ms, 0.0, 60000.0);
+  STRATA_REQUIRE(c.training.clip_grad >= 0 && std::isfinite(c.training.clip_grad),
+                 "--clip-grad must be finite and >= 0 (0: off), found ", c.training.clip_grad);
+  require_in("--threads", int64_t{c.runtime.threads}, int64_t{0}, max_threads());
+  require_in("--log-every", c.monitor.log_every, int64_t{1}, kMaxSteps);
+  require_in("--prefetch", int64_t{c.data.prefetch}, int64_t{1}, kMaxPrefetch);
+  require_in("--save-every", c.checkpoint.save_every, int64_t{0}, kMaxSteps);
+  require_in("--eval-every", c.monitor.eval_every, int64_t{0}, kMaxSteps);
+  require_in("--keep", c.checkpoint.keep, int64_t{0}, kMaxSteps);
+  require_in("--pp", int64_t{c.layout.pp}, int64_t{1}, kMaxRanks);
+  require_in("--tp", int64_t{c.layout.tp}, int64_t{1}, kMaxRanks);
+  require_in("--virtual-stages", int64_t{c.layout.virtual_stages}, int64_t{1}, kMaxRanks);
+  require_in("--world", int64_t{c.plan.world}, int64_t{0}, kMaxRanks);
   require_in("--depth", int64_t{c.model.depth}, int64_t{1}, kMaxModelSize);
   require_in("--width", int64_t{c.model.width}, int64_t{1}, kMaxModelSize);
   require_in("--layers", int64_t{c.model.layers}, int64_t{1}, kMaxModelSize);
@@ -215,61 +216,69 @@ void validate(const Config& c) {
   require_in("--embed", int64_t{c.model.embed}, int64_t{1}, kMaxModelSize);
   require_in("--seq-len", int64_t{c.model.seq_len}, int64_t{0}, kMaxModelSize);
   for (int64_t h : c.model.hidden) require_in("--hidden", h, int64_t{1}, kMaxModelSize);
-  require_in("--debug-fail-step", c.debug_fail_step, int64_t{-1}, kMaxSteps);
-  require_in("--debug-fail-rank", int64_t{c.debug_fail_rank}, int64_t{-1}, kMaxRanks);
-  require_in("--debug-overflow-step", c.debug_overflow_step, int64_t{-1}, kMaxSteps);
-  require_in("--debug-mismatch-step", c.debug_mismatch_step, int64_t{-1}, kMaxSteps);
-  require_in("--timeout", c.timeout, 1.0, 86400.0);
-  require_in("--setup-timeout", c.setup_timeout, 1.0, 86400.0);
-  require_in("--debug-setup-sleep", c.debug_setup_sleep, 0.0, 86400.0);
-  STRATA_REQUIRE(c.optimizer.name == "sgd" || c.optimizer.name == "adamw", "--optimizer must be sgd or adamw, found '",
-                 c.optimizer.name, "'");
-  STRATA_REQUIRE(c.schedule.kind == "constant" || c.schedule.kind == "step" || c.schedule.kind == "cosine",
-                 "--lr-schedule must be constant, step or cosine, found '", c.schedule.kind, "'");
-  STRATA_REQUIRE(c.schedule.kind != "step" || c.schedule.step_size > 0,
-                 "--lr-schedule step needs --lr-step-size > 0, found ", c.schedule.step_size);
-  STRATA_REQUIRE(c.optimizer.beta1 >= 0 && c.optimizer.beta1 < 1 && c.optimizer.beta2 >= 0 && c.optimizer.beta2 < 1,
-                 "--beta1 and --beta2 must be in [0, 1), found ", c.optimizer.beta1, " and ", c.optimizer.beta2);
-  STRATA_REQUIRE(c.optimizer.eps > 0 && c.optimizer.eps <= 1, "--eps must be in (0, 1], found ", c.optimizer.eps);
+  require_in("--debug-fail-step", c.debug.faults.fail_step, int64_t{-1}, kMaxSteps);
+  require_in("--debug-fail-rank", int64_t{c.debug.faults.fail_rank}, int64_t{-1}, kMaxRanks);
+  require_in("--debug-overflow-step", c.debug.faults.overflow_step, int64_t{-1}, kMaxSteps);
+  require_in("--debug-mismatch-step", c.debug.faults.mismatch_step, int64_t{-1}, kMaxSteps);
+  require_in("--timeout", c.runtime.timeout, 1.0, 86400.0);
+  require_in("--setup-timeout", c.runtime.setup_timeout, 1.0, 86400.0);
+  require_in("--debug-setup-sleep", c.debug.setup_sleep, 0.0, 86400.0);
+  STRATA_REQUIRE(c.training.optimizer.name == "sgd" || c.training.optimizer.name == "adamw",
+                 "--optimizer must be sgd or adamw, found '", c.training.optimizer.name, "'");
+  STRATA_REQUIRE(c.training.lr_schedule.kind == "constant" || c.training.lr_schedule.kind == "step" ||
+                     c.training.lr_schedule.kind == "cosine",
+                 "--lr-schedule must be constant, step or cosine, found '", c.training.lr_schedule.kind, "'");
+  STRATA_REQUIRE(c.training.lr_schedule.kind != "step" || c.training.lr_schedule.step_size > 0,
+                 "--lr-schedule step needs --lr-step-size > 0, found ", c.training.lr_schedule.step_size);
+  STRATA_REQUIRE(c.training.optimizer.beta1 >= 0 && c.training.optimizer.beta1 < 1 && c.training.optimizer.beta2 >= 0 &&
+                     c.training.optimizer.beta2 < 1,
+                 "--beta1 and --beta2 must be in [0, 1), found ", c.training.optimizer.beta1, " and ",
+                 c.training.optimizer.beta2);
+  STRATA_REQUIRE(c.training.optimizer.eps > 0 && c.training.optimizer.eps <= 1, "--eps must be in (0, 1], found ",
+                 c.training.optimizer.eps);
   STRATA_REQUIRE(c.model.dropout >= 0 && c.model.dropout < 1, "--dropout must be in [0, 1), found ", c.model.dropout);
   STRATA_REQUIRE(c.model.recompute == "none" || c.model.recompute == "block" || c.model.recompute == "full",
                  "--recompute must be none, block or full, found '", c.model.recompute, "'");
   STRATA_REQUIRE(c.model.recompute == "none" || layers::is_language_model(c.model), "--recompute ", c.model.recompute,
                  " applies to the gpt models' transformer blocks; --model ", c.model.name,
                  " runs with --recompute none");
-  STRATA_REQUIRE(c.resume != "auto" || !c.checkpoint_dir.empty(), "--resume auto needs --checkpoint-dir");
-  STRATA_REQUIRE(c.checkpoint_io == "auto" || c.checkpoint_io == "rank0" || c.checkpoint_io == "parallel",
-                 "--checkpoint-io must be auto, rank0 or parallel, found '", c.checkpoint_io, "'");
-  STRATA_REQUIRE(c.checkpoint_io != "parallel" || io::ParallelCheckpointFile::available(),
+  STRATA_REQUIRE(c.checkpoint.resume != "auto" || !c.checkpoint.dir.empty(), "--resume auto needs --checkpoint-dir");
+  STRATA_REQUIRE(c.checkpoint.io == "auto" || c.checkpoint.io == "rank0" || c.checkpoint.io == "parallel",
+                 "--checkpoint-io must be auto, rank0 or parallel, found '", c.checkpoint.io, "'");
+  STRATA_REQUIRE(c.checkpoint.io != "parallel" || io::ParallelCheckpointFile::available(),
                  "--checkpoint-io parallel needs a parallel HDF5 and this build's is serial (install "
                  "libhdf5-openmpi-dev and rebuild, or use --checkpoint-io rank0)");
-  STRATA_REQUIRE(c.checkpoint_io != "parallel" || !c.async_save,
+  STRATA_REQUIRE(c.checkpoint.io != "parallel" || !c.checkpoint.async,
                  "--async-save writes from rank 0 on a background thread, --checkpoint-io parallel from every rank "
                  "at the save step: choose one (--checkpoint-io auto takes --async-save's way)");
-  STRATA_REQUIRE(c.resume == "none" || c.init_from.empty(), "give --resume or --init-from, not both");
-  STRATA_REQUIRE(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.zero);
-  STRATA_REQUIRE(c.bucket_mb > 0 && c.bucket_mb <= kMaxBucketMb, "--bucket-mb must be in (0, ", kMaxBucketMb,
-                 "], found ", c.bucket_mb);
-  STRATA_REQUIRE(c.world == 0 || c.dry_run, "--world ", c.world,
+  STRATA_REQUIRE(c.checkpoint.resume == "none" || c.checkpoint.init_from.empty(),
+                 "give --resume or --init-from, not both");
+  STRATA_REQUIRE(c.layout.zero >= 0 && c.layout.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.layout.zero);
+  STRATA_REQUIRE(c.layout.bucket_mb > 0 && c.layout.bucket_mb <= kMaxBucketMb, "--bucket-mb must be in (0, ",
+                 kMaxBucketMb, "], found ", c.layout.bucket_mb);
+  STRATA_REQUIRE(c.plan.world == 0 || c.plan.dry_run, "--world ", c.plan.world,
                  " plans a layout without launching it: it needs --dry-run");
-  STRATA_REQUIRE(!c.plan || c.dry_run, "--plan searches layouts without launching them: it needs --dry-run");
-  require_in("--plan-tflops", c.plan_tflops, 0.0, 1e6);  // 0: measure
-  require_in("--plan-gbps", c.plan_gbps, 1e-3, 1e6);
+  STRATA_REQUIRE(!c.plan.search || c.plan.dry_run,
+                 "--plan searches layouts without launching them: it needs --dry-run");
+  require_in("--plan-tflops", c.plan.tflops, 0.0, 1e6);  // 0: measure
+  require_in("--plan-gbps", c.plan.gbps, 1e-3, 1e6);
   require_in("--vocab", int64_t{c.model.vocab}, int64_t{0}, int64_t{std::numeric_limits<int32_t>::max()});
   // parallel::select_device checks this too; here it is found before any communicator exists.
-  STRATA_REQUIRE(c.device == DeviceKind::CUDA || c.comm == parallel::Transport::Mpi,
+  STRATA_REQUIRE(c.runtime.device == DeviceKind::CUDA || c.runtime.comm == parallel::Transport::Mpi,
                  "--comm nccl needs --device cuda (NCCL moves GPU memory); use --comm mpi or auto with --device cpu");
-  STRATA_REQUIRE(std::isfinite(c.loss_scale_init) && c.loss_scale_init > 0,
-                 "--loss-scale-init must be finite and > 0, found ", c.loss_scale_init);
-  require_in("--loss-scale-window", c.loss_scale_window, int64_t{1}, kMaxSteps);
+  STRATA_REQUIRE(std::isfinite(c.training.loss_scale_init) && c.training.loss_scale_init > 0,
+                 "--loss-scale-init must be finite and > 0, found ", c.training.loss_scale_init);
+  require_in("--loss-scale-window", c.training.loss_scale_window, int64_t{1}, kMaxSteps);
   // --loss-scale, --loss-scale-init and --loss-scale-window, as the trainer's scaler reads them.
-  layers::LossScaler::from_flags(c.loss_scale, precision_name(c.precision), c.loss_scale_init, c.loss_scale_window);
+  layers::LossScaler::from_flags(c.training.loss_scale, precision_name(c.layout.precision), c.training.loss_scale_init,
+                                 c.training.loss_scale_window);
   if (c.eval_only) {
-    STRATA_REQUIRE(!c.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
-    STRATA_REQUIRE(!c.val_data.empty() || !c.data.empty(), "--eval-only needs --val-data (or --data)");
-  } else if (!c.dry_run) {  // --dry-run plans from shapes: a GPT's may come from --vocab and --seq-len
-    STRATA_REQUIRE(!c.data.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
-    STRATA_REQUIRE(c.epochs > 0 || c.steps > 0 || c.dry_run, "give --epochs or --steps (how long to train)");
+    STRATA_REQUIRE(!c.checkpoint.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
+    STRATA_REQUIRE(!c.data.val.empty() || !c.data.train.empty(), "--eval-only needs --val-data (or --data)");
+  } else if (!c.plan.dry_run) {  // --dry-run plans from shapes: a GPT's may come from --vocab and --seq-len
+    STRATA_REQUIRE(!c.data.train.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
+    STRATA_REQUIRE(c.training.epochs > 0 || c.training.steps > 0 || c.plan.dry_run,
+                   "give --epochs or --steps (how long to train)");
   }
 }
 
@@ -301,76 +310,76 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("vocab", po::value(&c.model.vocab)->default_value(0), "gpt: logits per position, at least the data's vocabulary (0: the data's; a preset: 50257), e.g. 50304 to pad to a multiple of 64; --dry-run without --data plans with it")
     ("attention", po::value(&c.model.attention)->default_value("flash"), "gpt: flash (memory-efficient, O(T) memory per head) | plain (materialised probabilities)")
     ("recompute", po::value(&c.model.recompute)->default_value("none"), "gpt: activation recomputation: none | block (each transformer block keeps only its input and re-runs its forward in backward) | full (also the attention and the MLP inside it); bit-identical results")
-    ("data", po::value(&c.data), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
-    ("val-data", po::value(&c.val_data), "evaluation data, same forms as --data")
-    ("epochs", po::value(&c.epochs)->default_value(0), "epochs to train from the start (0: use --steps; both: whichever ends first)")
-    ("steps", po::value(&c.steps)->default_value(0), "optimizer steps from the start (0: use --epochs)")
-    ("global-batch", po::value(&c.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
-    ("micro-batch", po::value(&c.micro_batch)->default_value(0), "samples per forward/backward (0: global batch / replicas, no accumulation); gradients accumulate over global / (micro x replicas) micro-batches")
-    ("optimizer", po::value(&c.optimizer.name)->default_value("sgd"), "sgd | adamw")
-    ("lr", po::value(&c.schedule.lr)->default_value(0.05f, "0.05"), "peak learning rate")
-    ("momentum", po::value(&c.optimizer.momentum)->default_value(0.9f, "0.9"), "sgd momentum")
-    ("nesterov", po::value(&c.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
-    ("weight-decay", po::value(&c.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
-    ("beta1", po::value(&c.optimizer.beta1)->default_value(0.9, "0.9"), "adamw beta1")
-    ("beta2", po::value(&c.optimizer.beta2)->default_value(0.999, "0.999"), "adamw beta2")
-    ("eps", po::value(&c.optimizer.eps)->default_value(1e-8f, "1e-08"), "adamw epsilon")
-    ("lr-schedule", po::value(&c.schedule.kind)->default_value("constant"), "constant | step | cosine")
-    ("warmup-steps", po::value(&c.schedule.warmup_steps)->default_value(0), "linear warm-up steps")
-    ("lr-step-size", po::value(&c.schedule.step_size)->default_value(0), "step schedule: steps between decays")
-    ("lr-gamma", po::value(&c.schedule.gamma)->default_value(0.1f, "0.1"), "step schedule: decay factor")
-    ("min-lr", po::value(&c.schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
-    ("clip-grad", po::value(&c.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
+    ("data", po::value(&c.data.train), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
+    ("val-data", po::value(&c.data.val), "evaluation data, same forms as --data")
+    ("epochs", po::value(&c.training.epochs)->default_value(0), "epochs to train from the start (0: use --steps; both: whichever ends first)")
+    ("steps", po::value(&c.training.steps)->default_value(0), "optimizer steps from the start (0: use --epochs)")
+    ("global-batch", po::value(&c.layout.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
+    ("micro-batch", po::value(&c.layout.micro_batch)->default_value(0), "samples per forward/backward (0: global batch / replicas, no accumulation); gradients accumulate over global / (micro x replicas) micro-batches")
+    ("optimizer", po::value(&c.training.optimizer.name)->default_value("sgd"), "sgd | adamw")
+    ("lr", po::value(&c.training.lr_schedule.lr)->default_value(0.05f, "0.05"), "peak learning rate")
+    ("momentum", po::value(&c.training.optimizer.momentum)->default_value(0.9f, "0.9"), "sgd momentum")
+    ("nesterov", po::value(&c.training.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
+    ("weight-decay", po::value(&c.training.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
+    ("beta1", po::value(&c.training.optimizer.beta1)->default_value(0.9, "0.9"), "adamw beta1")
+    ("beta2", po::value(&c.training.optimizer.beta2)->default_value(0.999, "0.999"), "adamw beta2")
+    ("eps", po::value(&c.training.optimizer.eps)->default_value(1e-8f, "1e-08"), "adamw epsilon")
+    ("lr-schedule", po::value(&c.training.lr_schedule.kind)->default_value("constant"), "constant | step | cosine")
+    ("warmup-steps", po::value(&c.training.lr_schedule.warmup_steps)->default_value(0), "linear warm-up steps")
+    ("lr-step-size", po::value(&c.training.lr_schedule.step_size)->default_value(0), "step schedule: steps between decays")
+    ("lr-gamma", po::value(&c.training.lr_schedule.gamma)->default_value(0.1f, "0.1"), "step schedule: decay factor")
+    ("min-lr", po::value(&c.training.lr_schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
+    ("clip-grad", po::value(&c.training.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
     ("seed", po::value(&seed)->default_value(0), "seed of initialisation, shuffling and dropout")
-    ("shuffle", po::value(&c.shuffle)->default_value(true), "shuffle the training data every epoch")
-    ("threads", po::value(&c.threads)->default_value(0), "threads per rank (0: the cores of the rank's affinity mask, shared among the node's ranks whose masks overlap it)")
-    ("checkpoint-dir", po::value(&c.checkpoint_dir), "write HDF5 checkpoints here")
-    ("save-every", po::value(&c.save_every)->default_value(0), "checkpoint every N steps (0: only at the end)")
-    ("eval-every", po::value(&c.eval_every)->default_value(0), "evaluate on --val-data every N steps (0: only at the end)")
-    ("log-every", po::value(&c.log_every)->default_value(100), "progress line every N steps")
-    ("metrics", po::value(&c.metrics), "append one JSON object per logged step to this file")
-    ("init-from", po::value(&c.init_from), "initialise the model from this checkpoint")
-    ("resume", po::value(&c.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
-    ("keep", po::value(&c.keep)->default_value(0), "keep only the newest K checkpoints this job wrote in --checkpoint-dir (0: all)")
-    ("checkpoint-io", po::value(&c.checkpoint_io)->default_value("auto"), "who writes a checkpoint: rank0 (rank 0 gathers every tensor and writes it), parallel (every rank writes its own part of the same file: parallel HDF5 over MPI-IO) or auto (parallel when this build's HDF5 is parallel, unless --async-save)")
-    ("async-save", po::value(&c.async_save)->default_value(false)->implicit_value(true), "write checkpoints on a background thread while training goes on (rank 0 holds a host copy of the state until written; the next save, a stop signal and the end wait for it)")
+    ("shuffle", po::value(&c.data.shuffle)->default_value(true), "shuffle the training data every epoch")
+    ("threads", po::value(&c.runtime.threads)->default_value(0), "threads per rank (0: the cores of the rank's affinity mask, shared among the node's ranks whose masks overlap it)")
+    ("checkpoint-dir", po::value(&c.checkpoint.dir), "write HDF5 checkpoints here")
+    ("save-every", po::value(&c.checkpoint.save_every)->default_value(0), "checkpoint every N steps (0: only at the end)")
+    ("eval-every", po::value(&c.monitor.eval_every)->default_value(0), "evaluate on --val-data every N steps (0: only at the end)")
+    ("log-every", po::value(&c.monitor.log_every)->default_value(100), "progress line every N steps")
+    ("metrics", po::value(&c.monitor.metrics), "append one JSON object per logged step to this file")
+    ("init-from", po::value(&c.checkpoint.init_from), "initialise the model from this checkpoint")
+    ("resume", po::value(&c.checkpoint.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
+    ("keep", po::value(&c.checkpoint.keep)->default_value(0), "keep only the newest K checkpoints this job wrote in --checkpoint-dir (0: all)")
+    ("checkpoint-io", po::value(&c.checkpoint.io)->default_value("auto"), "who writes a checkpoint: rank0 (rank 0 gathers every tensor and writes it), parallel (every rank writes its own part of the same file: parallel HDF5 over MPI-IO) or auto (parallel when this build's HDF5 is parallel, unless --async-save)")
+    ("async-save", po::value(&c.checkpoint.async)->default_value(false)->implicit_value(true), "write checkpoints on a background thread while training goes on (rank 0 holds a host copy of the state until written; the next save, a stop signal and the end wait for it)")
     ("eval-only", po::value(&c.eval_only)->default_value(false)->implicit_value(true), "evaluate --init-from on --val-data (or --data) and exit")
-    ("prefetch", po::value(&c.prefetch)->default_value(2), "batches the loader prepares ahead")
-    ("log-all-ranks", po::value(&c.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
-    ("pp", po::value(&c.pp)->default_value(1), "pipeline stages; the world is pp x dp x tp (dp = ranks / (pp x tp))")
-    ("tp", po::value(&c.tp)->default_value(1), "tensor parallelism: each layer of a gpt model split over this many consecutive ranks (whole heads, vocabulary slices; Megatron-style)")
-    ("partition", po::value(&c.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
+    ("prefetch", po::value(&c.data.prefetch)->default_value(2), "batches the loader prepares ahead")
+    ("log-all-ranks", po::value(&c.monitor.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
+    ("pp", po::value(&c.layout.pp)->default_value(1), "pipeline stages; the world is pp x dp x tp (dp = ranks / (pp x tp))")
+    ("tp", po::value(&c.layout.tp)->default_value(1), "tensor parallelism: each layer of a gpt model split over this many consecutive ranks (whole heads, vocabulary slices; Megatron-style)")
+    ("partition", po::value(&c.layout.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
     ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b | interleaved (1F1B over --virtual-stages chunks per rank; Megatron's)")
-    ("virtual-stages", po::value(&c.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
-    ("timeline", po::value(&c.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
-    ("trace", po::value(&c.trace), "write a Chrome trace-event JSON file of every rank (open it in ui.perfetto.dev or chrome://tracing): compute per layer and micro-batch, collectives and messages in flight, waits, optimizer, data loading, checkpoints, evaluation")
+    ("virtual-stages", po::value(&c.layout.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
+    ("timeline", po::value(&c.monitor.timeline), "write an SVG timeline of the last step's pipeline (and print it as text)")
+    ("trace", po::value(&c.monitor.trace), "write a Chrome trace-event JSON file of every rank (open it in ui.perfetto.dev or chrome://tracing): compute per layer and micro-batch, collectives and messages in flight, waits, optimizer, data loading, checkpoints, evaluation")
     ("trace-steps", po::value(&trace_steps)->default_value("1:10"), "--trace: the steps recorded, FIRST:LAST (1-based, inclusive)")
-    ("zero", po::value(&c.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
+    ("zero", po::value(&c.layout.zero)->default_value(0), "ZeRO stage: 0 (replicated) | 1 (optimizer state sharded over each data-parallel group) | 2 (gradients sharded too) | 3 (parameters sharded too)")
     ("device-memory", po::value(&device_memory)->default_value("0"), "the memory each rank may use (80GiB, 512MiB, ...; 0: no limit): a layout whose plan needs more is refused before anything is allocated, naming what does not fit; on the CPU device the allocator also holds every rank to it")
-    ("dry-run", po::value(&c.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
-    ("world", po::value(&c.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
-    ("plan", po::value(&c.plan)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
-    ("plan-tflops", po::value(&c.plan_tflops)->default_value(0), "compute rate per rank in TFLOP/s: --plan's step-time model and the progress lines' MFU (0: a GEMM measured at start on the CPU device; with cuda 300 for --plan and no MFU)")
-    ("plan-gbps", po::value(&c.plan_gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
-    ("bucket-mb", po::value(&c.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
+    ("dry-run", po::value(&c.plan.dry_run)->default_value(false)->implicit_value(true), "print the plan (stages, and each rank's bytes of parameters, gradients, optimizer state and activations, computed from shapes: nothing is allocated) and exit")
+    ("world", po::value(&c.plan.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
+    ("plan", po::value(&c.plan.search)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
+    ("plan-tflops", po::value(&c.plan.tflops)->default_value(0), "compute rate per rank in TFLOP/s: --plan's step-time model and the progress lines' MFU (0: a GEMM measured at start on the CPU device; with cuda 300 for --plan and no MFU)")
+    ("plan-gbps", po::value(&c.plan.gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
+    ("bucket-mb", po::value(&c.layout.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")
-    ("shared-memory", po::value(&c.shared_memory)->default_value(true), "on one node, all-reduce, ZeRO's reduce and all-gather and the pipeline's messages go through shared memory; false: everything through MPI")
+    ("shared-memory", po::value(&c.runtime.shared_memory)->default_value(true), "on one node, all-reduce, ZeRO's reduce and all-gather and the pipeline's messages go through shared memory; false: everything through MPI")
     ("precision", po::value(&precision)->default_value("fp32"), "fp32 | bf16 | fp16: parameters and activations (fp32 master weights, gradients and optimizer state)")
-    ("loss-scale", po::value(&c.loss_scale)->default_value("auto"), "auto (dynamic for fp16, none otherwise) | dynamic | none | a fixed number")
-    ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
-    ("loss-scale-window", po::value(&c.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
-    ("tf32", po::value(&c.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
-    ("debug-overflow-step", po::value(&c.debug_overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step (1 = the first)")
-    ("debug-fail-step", po::value(&c.debug_fail_step)->default_value(-1), "testing aid: fail on purpose at this step (1 = the first) ...")
-    ("debug-fail-rank", po::value(&c.debug_fail_rank)->default_value(-1), "... on this rank")
-    ("debug-mismatch-step", po::value(&c.debug_mismatch_step)->default_value(-1), "testing aid: at this step every rank issues one extra all-reduce, --debug-fail-rank an average where the others sum (the collective fingerprints differ)")
-    ("timeout", po::value(&c.timeout)->default_value(300.0), "seconds a rank waits for a communication operation during training before it names what it waits for and aborts the job (exit 5)")
+    ("loss-scale", po::value(&c.training.loss_scale)->default_value("auto"), "auto (dynamic for fp16, none otherwise) | dynamic | none | a fixed number")
+    ("loss-scale-init", po::value(&c.training.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
+    ("loss-scale-window", po::value(&c.training.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
+    ("tf32", po::value(&c.runtime.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
+    ("debug-overflow-step", po::value(&c.debug.faults.overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step (1 = the first)")
+    ("debug-fail-step", po::value(&c.debug.faults.fail_step)->default_value(-1), "testing aid: fail on purpose at this step (1 = the first) ...")
+    ("debug-fail-rank", po::value(&c.debug.faults.fail_rank)->default_value(-1), "... on this rank")
+    ("debug-mismatch-step", po::value(&c.debug.faults.mismatch_step)->default_value(-1), "testing aid: at this step every rank issues one extra all-reduce, --debug-fail-rank an average where the others sum (the collective fingerprints differ)")
+    ("timeout", po::value(&c.runtime.timeout)->default_value(300.0), "seconds a rank waits for a communication operation during training before it names what it waits for and aborts the job (exit 5)")
     ("run-dir", po::value(&c.run_dir), "this run's directory: its checkpoints (unless --checkpoint-dir), metrics.jsonl (unless --metrics), train.log (unless --log-file) and config.ini, every option's value (train --config DIR/config.ini repeats the run); {time} in it becomes the start time, YYYYMMDD-HHMMSS, so each run gets its own")
-    ("log-file", po::value(&c.log_file)->default_value(""), "rank 0 also appends every line it logs to this file (a job's run directory: the lines of a final save reach it even when mpirun stops forwarding output at a cancel)")
-    ("setup-timeout", po::value(&c.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
-    ("debug-setup-sleep", po::value(&c.debug_setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
-    ("bench-stage-ms", po::value(&c.bench_stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");
+    ("log-file", po::value(&c.monitor.log_file)->default_value(""), "rank 0 also appends every line it logs to this file (a job's run directory: the lines of a final save reach it even when mpirun stops forwarding output at a cancel)")
+    ("setup-timeout", po::value(&c.runtime.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
+    ("debug-setup-sleep", po::value(&c.debug.setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
+    ("bench-stage-ms", po::value(&c.debug.stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");
   // clang-format on
 
   po::variables_map vm;
@@ -434,7 +443,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
       std::istringstream ini(ds.ini);
       po::store(po::parse_config_file(ini, desc), vm);
       c.deepspeed_unsupported = ds.unsupported;
-      c.gradient_accumulation = ds.gradient_accumulation;
+      c.layout.gradient_accumulation = ds.gradient_accumulation;
     }
     po::notify(vm);
   } catch (const po::unknown_option& e) {
@@ -445,22 +454,23 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   c.model.hidden = parse_int_list(hidden, "--hidden");
   STRATA_REQUIRE(seed >= 0, "--seed must be in [0, 2^63 - 1], found ", seed);
-  c.seed = static_cast<uint64_t>(seed);
+  c.training.seed = static_cast<uint64_t>(seed);
+  c.checkpoint.read_only = c.eval_only;
   // The lower layers' parsers: one-line Input errors naming the flag and the accepted values.
-  c.device = parallel::parse_device_kind(device);
-  c.comm = parallel::parse_transport(comm, c.device);
-  c.schedule_kind = parallel::parse_schedule_kind(schedule);
-  STRATA_REQUIRE(c.virtual_stages >= 1, "--virtual-stages must be at least 1, found ", c.virtual_stages);
-  STRATA_REQUIRE(c.virtual_stages == 1 || c.schedule_kind == parallel::ScheduleKind::Interleaved, "--virtual-stages ",
-                 c.virtual_stages, " needs --schedule interleaved, found --schedule ",
-                 parallel::to_string(c.schedule_kind));
+  c.runtime.device = parallel::parse_device_kind(device);
+  c.runtime.comm = parallel::parse_transport(comm, c.runtime.device);
+  c.layout.schedule = parallel::parse_schedule_kind(schedule);
+  STRATA_REQUIRE(c.layout.virtual_stages >= 1, "--virtual-stages must be at least 1, found ", c.layout.virtual_stages);
+  STRATA_REQUIRE(c.layout.virtual_stages == 1 || c.layout.schedule == parallel::ScheduleKind::Interleaved,
+                 "--virtual-stages ", c.layout.virtual_stages, " needs --schedule interleaved, found --schedule ",
+                 parallel::to_string(c.layout.schedule));
   // One pipeline rank has no bubble for chunks to fill, and a tied head would share its rank with the embedding's
   // chunk.
-  STRATA_REQUIRE(c.virtual_stages == 1 || c.pp >= 2, "--virtual-stages ", c.virtual_stages,
-                 " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.pp);
-  c.precision = parse_precision(precision);
-  c.device_memory = parse_bytes(device_memory, "--device-memory");
-  parse_step_range(trace_steps, c.trace_first, c.trace_last);
+  STRATA_REQUIRE(c.layout.virtual_stages == 1 || c.layout.pp >= 2, "--virtual-stages ", c.layout.virtual_stages,
+                 " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.layout.pp);
+  c.layout.precision = parse_precision(precision);
+  c.plan.device_memory = parse_bytes(device_memory, "--device-memory");
+  parse_step_range(trace_steps, c.monitor.trace_first, c.monitor.trace_last);
   validate(c);
 
   for (const auto& [name, value] : vm)
@@ -500,13 +510,13 @@ void apply_run_dir(Config& c, std::time_t start) {
     value = path;
     set_effective(c, key, path);
   };
-  place("checkpoint-dir", c.checkpoint_dir, dir.string());
-  place("metrics", c.metrics, (dir / "metrics.jsonl").string());
-  place("log-file", c.log_file, (dir / "train.log").string());
+  place("checkpoint-dir", c.checkpoint.dir, dir.string());
+  place("metrics", c.monitor.metrics, (dir / "metrics.jsonl").string());
+  place("log-file", c.monitor.log_file, (dir / "train.log").string());
   // checkpoint-dir and metrics have no default: add them to the effective list if absent.
   for (const char* key : {"checkpoint-dir", "metrics"})
     if (std::none_of(c.effective.begin(), c.effective.end(), [&](const auto& kv) { return kv.first == key; }))
-      c.effective.emplace_back(key, key == std::string("metrics") ? c.metrics : c.checkpoint_dir);
+      c.effective.emplace_back(key, key == std::string("metrics") ? c.monitor.metrics : c.checkpoint.dir);
 }
 
 std::string run_config_text(const Config& c, const std::string& run_dir_as_given) {
@@ -534,39 +544,34 @@ std::string given_options(const Config& c) {
 }
 
 parallel::Layout layout_of(const Config& config, int dp) {
-  const parallel::BatchSplit batch = parallel::split_batch(config.global_batch, config.micro_batch, dp);
+  const parallel::BatchSplit batch = parallel::split_batch(config.layout.global_batch, config.layout.micro_batch, dp);
   parallel::Layout layout;
-  layout.pp = config.pp;
+  layout.pp = config.layout.pp;
   layout.dp = dp;
-  layout.tp = config.tp;
-  layout.zero = config.zero;
-  layout.dtype = config.precision;
-  layout.optimizer = config.optimizer;
-  layout.bucket_bytes = static_cast<int64_t>(config.bucket_mb * (1 << 20));
+  layout.tp = config.layout.tp;
+  layout.zero = config.layout.zero;
+  layout.dtype = config.layout.precision;
+  layout.optimizer = config.training.optimizer;
+  layout.bucket_bytes = static_cast<int64_t>(config.layout.bucket_mb * (1 << 20));
   layout.micro = batch.micro;
   layout.micro_batches = static_cast<int>(batch.count);
-  layout.schedule = config.schedule_kind;
-  layout.virtual_stages = config.virtual_stages;
-  layout.cpu = config.device == DeviceKind::CPU;
+  layout.schedule = config.layout.schedule;
+  layout.virtual_stages = config.layout.virtual_stages;
+  layout.cpu = config.runtime.device == DeviceKind::CPU;
   return layout;
 }
 
 parallel::EngineSettings engine_settings(const Config& config, int dp) {
   parallel::EngineSettings settings;
   settings.layout = layout_of(config, dp);
-  settings.seed = config.seed;
-  settings.clip_grad = config.clip_grad;
-  settings.scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
-                                                   config.loss_scale_init, config.loss_scale_window);
-  settings.stand_in_ms = config.bench_stage_ms;
-  settings.faults = {config.debug_fail_step, config.debug_fail_rank, config.debug_overflow_step,
-                     config.debug_mismatch_step};
+  settings.seed = config.training.seed;
+  settings.clip_grad = config.training.clip_grad;
+  settings.scaler = layers::LossScaler::from_flags(config.training.loss_scale, precision_name(config.layout.precision),
+                                                   config.training.loss_scale_init, config.training.loss_scale_window);
+  settings.stand_in_ms = config.debug.stage_ms;
+  settings.faults = {config.debug.faults.fail_step, config.debug.faults.fail_rank, config.debug.faults.overflow_step,
+                     config.debug.faults.mismatch_step};
   return settings;
-}
-
-io::CheckpointSettings checkpoint_settings(const Config& config) {
-  return {config.checkpoint_dir, config.save_every, config.keep,   config.async_save,
-          config.checkpoint_io,  config.init_from,  config.resume, config.eval_only};
 }
 
 }  // namespace strata::train

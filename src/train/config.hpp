@@ -19,86 +19,111 @@
 #include "parallel/plan/memory_plan.hpp"
 #include "parallel/runtime/device.hpp"
 #include "parallel/stage/engine.hpp"
+#include "parallel/stage/fault_injection.hpp"
 
 namespace strata::train {
 
-struct Config {
-  layers::ModelSpec model;
-  std::string data, val_data;
-  int64_t epochs = 0;  // 0: not set
-  int64_t steps = 0;   // 0: not set
+// The sections each owner takes whole.
+
+// The data and how the loader reads it.
+struct DataSettings {
+  std::string train;  // --data: an HDF5 file, a directory of shards or a glob
+  std::string val;    // --val-data
+  bool shuffle = true;
+  int prefetch = 2;  // batches prepared ahead
+};
+
+// How the world splits the work (train::layout_of makes the parallel::Layout of it).
+struct LayoutSettings {
   int64_t global_batch = 64;
   int64_t micro_batch = 0;  // 0: global batch / data-parallel ranks
+  int pp = 1;               // pipeline stages; dp = world size / (tp * pp)
+  int tp = 1;               // tensor-parallel ranks per layer (Megatron-style; gpt models)
+  int virtual_stages = 1;   // --virtual-stages: chunks per pipeline rank (interleaved)
+  parallel::ScheduleKind schedule = parallel::ScheduleKind::OneFOneB;  // --schedule
+  std::string partition = "balanced";                                  // or cut points "3,7"
+  int zero = 0;                  // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+  float bucket_mb = 25;          // gradient all-reduce bucket size
+  DType precision = DType::F32;  // --precision fp32 | bf16 | fp16: parameters and activations
+  int64_t gradient_accumulation = 0;  // a --deepspeed-config's gradient_accumulation_steps (0: not given)
+};
+
+// How long and how the model is optimised.
+struct TrainingSettings {
+  int64_t epochs = 0;  // 0: not set
+  int64_t steps = 0;   // 0: not set
   layers::OptimizerConfig optimizer;
-  layers::LrScheduleConfig schedule;
+  layers::LrScheduleConfig lr_schedule;
   float clip_grad = 0.0f;  // 0: off
   uint64_t seed = 0;
-  bool shuffle = true;
-  int threads = 0;  // 0: cores / ranks on the node
-  std::string checkpoint_dir;
-  int64_t save_every = 0, eval_every = 0, log_every = 100;
-  std::string metrics;
-  std::string init_from;
-  std::string resume = "none";                     // none | auto (newest complete checkpoint in checkpoint_dir) | PATH
-  int64_t keep = 0;                                // step-*.h5 files kept in checkpoint_dir (0: all)
-  bool async_save = false;                         // rank 0 writes checkpoints on a background thread
-  std::string deepspeed_config;                    // --deepspeed-config FILE (mapped into the options above)
-  bool strict_config = false;                      // its unmapped keys are an error, not warnings
-  std::vector<std::string> deepspeed_unsupported;  // its keys not mapped (one warning each)
-  int64_t gradient_accumulation = 0;               // its gradient_accumulation_steps (0: not given)
-  std::string checkpoint_io = "auto";  // rank0 | parallel | auto (parallel where HDF5 is, unless async_save)
-  bool eval_only = false;
-  int prefetch = 2;
-  bool log_all_ranks = false;
-  float bucket_mb = 25;                // gradient all-reduce bucket size
-  int pp = 1;                          // pipeline stages; dp = world size / (tp * pp)
-  int tp = 1;                          // tensor-parallel ranks per layer (Megatron-style; gpt models)
-  std::string partition = "balanced";  // or cut points "3,7"
-  // --schedule gpipe | 1f1b
-  parallel::ScheduleKind schedule_kind = parallel::ScheduleKind::OneFOneB;
-  int virtual_stages = 1;  // --virtual-stages: chunks per pipeline rank (interleaved)
-  std::string timeline;    // SVG of the last step's pipeline timeline
-  std::string trace;       // --trace FILE: Chrome trace-event JSON of every rank (parallel/runtime/trace_collect.hpp)
-  int64_t trace_first = 1, trace_last = 10;  // --trace-steps first:last (1-based, inclusive)
-  int zero = 0;               // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
-  bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
-  int world = 0;              // --dry-run: plan for this many ranks (0: the ranks launched)
-  bool plan = false;          // --dry-run --plan: search the layouts that fit --device-memory
-  double plan_tflops = 0;     // --plan: compute rate per rank (0: measured on the CPU; cuda: 300)
-  double plan_gbps = 25;      // --plan: communication bandwidth per rank, GB/s
-  int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)
+  std::string loss_scale = "auto";   // auto (dynamic for fp16) | dynamic | none | a number
+  double loss_scale_init = 65536.0;  // dynamic loss scaling starts here
+  int64_t loss_scale_window = 2000;  // good steps before the scale doubles
+};
+
+// Devices, transports, threads and deadlines.
+struct RuntimeSettings {
   DeviceKind device = DeviceKind::CPU;                  // --device cpu | cuda
   parallel::Transport comm = parallel::Transport::Mpi;  // --comm nccl | mpi | auto (resolved: nccl on cuda)
   bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory
-  DType precision = DType::F32;                         // --precision fp32 | bf16 | fp16: parameters and activations
-  std::string loss_scale = "auto";                      // auto (dynamic for fp16) | dynamic | none | a number
-  double loss_scale_init = 65536.0;                     // dynamic loss scaling starts here
-  int64_t loss_scale_window = 2000;                     // good steps before the scale doubles
+  int threads = 0;                                      // 0: cores / ranks on the node
   bool tf32 = false;                                    // allow TF32 tensor cores for f32 GPU matrix products
-  // Testing aids, steps numbered as logged (1 = the first): rank debug_fail_rank throws during
-  // step debug_fail_step.
-  int64_t debug_fail_step = -1;
-  int debug_fail_rank = -1;
-  // Testing aid: at this step every rank issues one extra all-reduce, rank debug_fail_rank an
-  // average where the others sum (MPI runs it; the collective fingerprints differ).
-  int64_t debug_mismatch_step = -1;
-  // Testing aid: rank debug_fail_rank sleeps this many seconds in setup (a slow or stopped rank).
-  double debug_setup_sleep = 0;
   // Seconds a rank waits for a communication operation during training before it reports and
   // aborts the job (watchdog.hpp).
-  std::string log_file;  // rank 0 also appends its log lines here
-  // --run-dir: this run's directory (checkpoints, metrics.jsonl, train.log, config.ini); `{time}`
-  // in it becomes the start time (apply_run_dir).
-  std::string run_dir;
   double timeout = 300;
   // Seconds from option parsing to the first step before a rank still in setup reports and
   // exits (setup_deadline.hpp): loading data and checking a checkpoint whole may take long.
   double setup_timeout = 1800;
-  // Testing aid: rank 0's gradients get an inf at this step (a forced fp16 overflow).
-  int64_t debug_overflow_step = -1;
-  // Benchmark aid: every stage also sleeps this long per micro-batch forward (twice per
-  // backward): compute that takes no core, to measure the bubble with more stages than cores.
-  double bench_stage_ms = 0;
+};
+
+// What the run reports, and where.
+struct MonitorSettings {
+  int64_t log_every = 100, eval_every = 0;
+  std::string metrics;   // --metrics FILE: one JSON object per progress line
+  std::string log_file;  // rank 0 also appends its log lines here
+  bool log_all_ranks = false;
+  std::string timeline;                      // SVG of the last step's pipeline timeline
+  std::string trace;                         // --trace FILE: Chrome trace-event JSON of every rank
+  int64_t trace_first = 1, trace_last = 10;  // --trace-steps first:last (1-based, inclusive)
+};
+
+// --dry-run and --plan, and the memory every rank may use.
+struct PlanSettings {
+  bool dry_run = false;       // print the plan (per-rank bytes from shapes) and exit, allocating nothing
+  int world = 0;              // plan for this many ranks (0: the ranks launched)
+  bool search = false;        // --plan: search the layouts that fit --device-memory
+  double tflops = 0;          // --plan-tflops: compute rate per rank (0: measured on the CPU; cuda: 300)
+  double gbps = 25;           // --plan-gbps: communication bandwidth per rank, GB/s
+  int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)
+};
+
+// Testing and benchmark aids (--debug-*, --bench-stage-ms).
+struct DebugSettings {
+  parallel::FaultInjection faults;  // in the training step
+  double setup_sleep = 0;           // rank faults.fail_rank sleeps this many seconds in setup
+  // Every stage also sleeps this long per micro-batch forward (twice per backward): compute that
+  // takes no core, to measure the bubble with more stages than cores.
+  double stage_ms = 0;
+};
+
+struct Config {
+  layers::ModelSpec model;
+  DataSettings data;
+  LayoutSettings layout;
+  TrainingSettings training;
+  RuntimeSettings runtime;
+  io::CheckpointSettings checkpoint;  // read_only: --eval-only
+  MonitorSettings monitor;
+  PlanSettings plan;
+  DebugSettings debug;
+
+  bool eval_only = false;
+  // --run-dir: this run's directory (checkpoints, metrics.jsonl, train.log, config.ini); `{time}`
+  // in it becomes the start time (apply_run_dir).
+  std::string run_dir;
+  std::string deepspeed_config;                    // --deepspeed-config FILE (mapped into the options above)
+  bool strict_config = false;                      // its unmapped keys are an error, not warnings
+  std::vector<std::string> deepspeed_unsupported;  // its keys not mapped (one warning each)
 
   // "key = value" lines of every option, for the start-of-run printout.
   std::vector<std::pair<std::string, std::string>> effective;
@@ -129,12 +154,10 @@ std::string given_options(const Config& config);
 // checked by the trainer.
 void validate(const Config& c);
 
-// The sections of the configuration each owner takes whole: the layout of a world with `dp`
-// data-parallel replicas (what the planner and the stage engine take), the stage engine's
-// settings, and the checkpoint manager's.
+// What the planner and the stage engine take: the layout of a world with `dp` data-parallel
+// replicas, and the engine's settings.
 parallel::Layout layout_of(const Config& config, int dp);
 parallel::EngineSettings engine_settings(const Config& config, int dp);
-io::CheckpointSettings checkpoint_settings(const Config& config);
 
 // Parses "1024,1024" into sizes; throws an Input error naming the flag otherwise.
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& flag);

@@ -47,7 +47,7 @@ std::optional<train::Config> with_model_of_checkpoint(const train::Config& confi
   std::string recorded;
   parallel::agree(MPI_COMM_WORLD, [&] {
     if (rank != 0) return;
-    const io::CheckpointReader reader(config.init_from);
+    const io::CheckpointReader reader(config.checkpoint.init_from);
     if (reader.has_attr("config")) recorded = reader.attr_string("config");
   });
   int64_t size = static_cast<int64_t>(recorded.size());
@@ -62,12 +62,13 @@ std::optional<train::Config> with_model_of_checkpoint(const train::Config& confi
     const std::string key = line.substr(0, eq), value = line.substr(eq + 3);
     if (std::find(std::begin(kModelOptions), std::end(kModelOptions), key) == std::end(kModelOptions)) continue;
     if (key == "model" && given("model") && value != config.model.name)
-      STRATA_THROW_INPUT("--init-from ", config.init_from, " holds a --model ", value, " but this run has --model ",
-                         config.model.name, " (leave --model and its shape out to take the checkpoint's)");
+      STRATA_THROW_INPUT("--init-from ", config.checkpoint.init_from, " holds a --model ", value,
+                         " but this run has --model ", config.model.name,
+                         " (leave --model and its shape out to take the checkpoint's)");
     if (!given("model") && !given(key)) extra.insert(extra.end(), {"--" + key, value});  // a flag given wins
   }
   if (extra.empty()) return config;
-  log::info("--init-from: the model of ", config.init_from, ":", [&] {
+  log::info("--init-from: the model of ", config.checkpoint.init_from, ":", [&] {
     std::string flags;
     for (const std::string& e : extra) flags += " " + e;
     return flags;
@@ -88,13 +89,13 @@ int main(int argc, char** argv) {
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
-    if (!config->init_from.empty()) config = with_model_of_checkpoint(*config, argc, argv, mpi.rank());
-    setup_deadline.emplace(mpi.rank(), config->setup_timeout);
-    if (mpi.rank() == config->debug_fail_rank && config->debug_setup_sleep > 0)
-      std::this_thread::sleep_for(std::chrono::duration<double>(config->debug_setup_sleep));
+    if (!config->checkpoint.init_from.empty()) config = with_model_of_checkpoint(*config, argc, argv, mpi.rank());
+    setup_deadline.emplace(mpi.rank(), config->runtime.setup_timeout);
+    if (mpi.rank() == config->debug.faults.fail_rank && config->debug.setup_sleep > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(config->debug.setup_sleep));
     // From here: a signal while loading data or a checkpoint stops after the first step (saved).
-    if (!config->eval_only && !config->dry_run) train::install_preemption_handlers();
-    log::set_all_ranks(config->log_all_ranks);
+    if (!config->eval_only && !config->plan.dry_run) train::install_preemption_handlers();
+    log::set_all_ranks(config->monitor.log_all_ranks);
     for (const std::string& key : config->deepspeed_unsupported)
       if (mpi.rank() == 0)
         log::warn("--deepspeed-config ", config->deepspeed_config, ": '", key, "' is not supported; ignored");
@@ -114,9 +115,9 @@ int main(int argc, char** argv) {
                      error ? " (" + error.message() + ")" : "");
     });
     parallel::agree(MPI_COMM_WORLD, [&] {
-      if (mpi.rank() == 0 && !config->log_file.empty()) log::tee_to(config->log_file);
+      if (mpi.rank() == 0 && !config->monitor.log_file.empty()) log::tee_to(config->monitor.log_file);
     });
-    const int threads = config->threads > 0 ? config->threads : mpi.default_threads();
+    const int threads = config->runtime.threads > 0 ? config->runtime.threads : mpi.default_threads();
     ops::set_num_threads(threads);
     mpi.warn_if_oversubscribed(threads);
     // A short summary: what was given; every option's value is in the run directory's config.ini.
@@ -124,14 +125,14 @@ int main(int argc, char** argv) {
               threads, " thread(s) per rank)");
     if (!config->run_dir.empty())
       log::info("run directory: ", config->run_dir, " (every option's value in its config.ini)");
-    if (config->dry_run)
+    if (config->plan.dry_run)
       train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
     else
       trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });
   setup_deadline.reset();
   if (setup != parallel::kExitOk || !config) return setup;
-  if (config->dry_run) return parallel::kExitOk;  // the plan is printed
+  if (config->plan.dry_run) return parallel::kExitOk;  // the plan is printed
   // Only where training runs: a run rejected above says one line, the error.
   if (const std::string slow = ops::blas_kernel_warning(); !slow.empty()) log::warn(slow);
 
@@ -146,7 +147,7 @@ int main(int argc, char** argv) {
       const train::EvalResult r = trainer->evaluate(*data);
       // Without --val-data the data evaluated is the training data: the line says so.
       const char* what = config->eval_only          ? "evaluation"
-                         : config->val_data.empty() ? "final evaluation of the training data (no --val-data)"
+                         : config->data.val.empty() ? "final evaluation of the training data (no --val-data)"
                                                     : "final test";
       char line[240];
       if (r.tokens)  // a language model: per-token loss, its perplexity and next-token accuracy
@@ -157,7 +158,7 @@ int main(int argc, char** argv) {
                       100.0 * r.accuracy, static_cast<long long>(r.samples));
       log::info(line);
       trainer->record_evaluation(config->eval_only          ? "eval-only"
-                                 : config->val_data.empty() ? "final-train"
+                                 : config->data.val.empty() ? "final-train"
                                                             : "final",
                                  r);
     }

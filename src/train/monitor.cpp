@@ -11,30 +11,29 @@
 #include "parallel/runtime/device.hpp"
 #include "parallel/runtime/host_values.hpp"
 #include "parallel/runtime/mpi.hpp"
-#include "train/plan.hpp"
 
 namespace strata::train {
 
-Monitor::Monitor(const Config& config, parallel::ProcessGrid& grid) : config_(config), grid_(grid) {
-  if (grid.device().is_cpu() || config.plan_tflops > 0) peak_flops_ = compute_rate(config);
+Monitor::Monitor(const MonitorSettings& settings, parallel::ProcessGrid& grid, double peak_flops)
+    : settings_(settings), grid_(grid), peak_flops_(peak_flops) {
   // The GEMM's buffers go back, and out of the high-water mark, at once.
   host_allocator().release_cached();
   host_allocator().reset_peak();
 }
 
-void Monitor::open_outputs(int64_t start_step) {
+void Monitor::open_outputs(bool evaluation_only, bool resuming, int64_t start_step) {
   const int rank = grid_.world().rank();
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(grid_.mpi_world().comm(), [&] {
-    if (rank != 0 || config_.eval_only) return;
+    if (rank != 0 || evaluation_only) return;
     for (const auto& [flag, path] :
-         {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}, {"--trace", config_.trace}})
+         {std::pair{"--metrics", settings_.metrics}, {"--timeline", settings_.timeline}, {"--trace", settings_.trace}})
       if (!path.empty()) io::require_writable_file(path, flag);
   });
-  if (rank == 0) metrics_ = io::MetricsWriter(config_.metrics);
+  if (rank == 0) metrics_ = io::MetricsWriter(settings_.metrics);
   parallel::agree(grid_.mpi_world().comm(), [&] {
     // Also when --resume auto found nothing: the run starts again from step 0.
-    if (config_.resume != "none") metrics_.drop_after(start_step);
+    if (resuming) metrics_.drop_after(start_step);
   });
 }
 
@@ -47,7 +46,7 @@ void Monitor::start(parallel::StageEngine& engine, const layers::Model& model,
   window_loss_ = window_loss;
   window_steps_ = window_steps;
   const int rank = grid_.world().rank();
-  report_plan(model, planned);
+  check_plan(planned);
   // MFU's numerator: the model's FLOPs, 2 per multiply-add, forward and twice that backward,
   // each layer counted once (replica 0's ranks: every stage, every tensor-parallel shard);
   // recomputation is not counted (model FLOPs, as PaLM defines MFU).
@@ -60,9 +59,9 @@ void Monitor::start(parallel::StageEngine& engine, const layers::Model& model,
     }
   for (const int64_t flops : parallel::all_gather_values(grid_.mpi_world(), {mine}))
     flops_per_sample_ += static_cast<double>(flops);
-  if (!config_.trace.empty())
+  if (!settings_.trace.empty())
     trace_ = std::make_unique<parallel::TraceSession>(
-        grid_.mpi_world(), config_.trace, config_.trace_first, config_.trace_last,
+        grid_.mpi_world(), settings_.trace, settings_.trace_first, settings_.trace_last,
         detail::cat("rank ", rank, ": stage ", grid_.stage(), ", replica ", grid_.replica(), ", tp ", grid_.tp_rank()));
   const parallel::StageEngine::Blocked blocked = parallel::StageEngine::blocked_seconds();
   pipeline_wait_before_ = blocked.pipeline;
@@ -70,8 +69,7 @@ void Monitor::start(parallel::StageEngine& engine, const layers::Model& model,
   window_start_ = run_start_ = Clock::now();
 }
 
-void Monitor::report_plan(const layers::Model& model, const std::vector<parallel::RankBytes>& planned) {
-  log::info(plan_report(config_, model, engine_->map().stages(), planned));
+void Monitor::check_plan(const std::vector<parallel::RankBytes>& planned) {
   // The plan is computed from shapes (what --dry-run prints); rank 0 checks it against what
   // every rank allocated, so a plan that drifts from the allocations is seen, not trusted.
   const std::vector<int64_t> real = parallel::all_gather_values(grid_.mpi_world(), engine_->allocated_bytes());
@@ -105,28 +103,28 @@ Monitor::TracedStep::~TracedStep() {
   trace::set_step(-1);
 }
 
-bool Monitor::records_timeline(int64_t step) const { return !config_.timeline.empty() && step + 1 == total_steps_; }
+bool Monitor::records_timeline(int64_t step) const { return !settings_.timeline.empty() && step + 1 == total_steps_; }
 
-void Monitor::end_step(int64_t done, int64_t epoch, const parallel::StepResult& result) {
+void Monitor::end_step(int64_t done, int64_t epoch, float lr, const parallel::StepResult& result) {
   if (records_timeline(done - 1)) write_timeline();
   last_dp_bytes_ = result.dp_bytes;
   last_tp_bytes_ = result.tp_bytes;
   window_loss_ += result.loss;
   ++window_steps_;
   ++timed_steps_;
-  if (done % config_.log_every != 0 && done != total_steps_) return;
+  if (done % settings_.log_every != 0 && done != total_steps_) return;
   const auto now = Clock::now();
   const double seconds = std::chrono::duration<double>(now - window_start_).count();
   const double elapsed = std::chrono::duration<double>(now - run_start_).count();
   const double eta = elapsed / static_cast<double>(done - start_step_) * static_cast<double>(total_steps_ - done);
-  log_progress(done, epoch, seconds, eta);
+  log_progress(done, epoch, lr, seconds, eta);
   window_loss_ = 0;
   window_steps_ = 0;
   timed_steps_ = 0;
   window_start_ = Clock::now();
 }
 
-void Monitor::log_progress(int64_t step, int64_t epoch, double seconds, double eta_s) {
+void Monitor::log_progress(int64_t step, int64_t epoch, float lr, double seconds, double eta_s) {
   const parallel::StageEngine::Blocked blocked = parallel::StageEngine::blocked_seconds();
   const double pipeline_now = blocked.pipeline, comm_now = blocked.collectives;
   // Every rank's window: its own waits, and its memory high-water mark.
@@ -151,9 +149,9 @@ void Monitor::log_progress(int64_t step, int64_t epoch, double seconds, double e
   record.step = step;
   record.epoch = epoch;
   record.loss = window_loss_ / static_cast<double>(window_steps_);
-  record.lr = layers::learning_rate(config_.schedule, step - 1);
+  record.lr = lr;
   record.step_time_s = seconds / static_cast<double>(std::max<int64_t>(timed_steps_, 1));
-  record.samples_per_s = static_cast<double>(config_.global_batch) / std::max(record.step_time_s, 1e-9);
+  record.samples_per_s = static_cast<double>(engine_->layout().global_batch()) / std::max(record.step_time_s, 1e-9);
   const int64_t targets = engine_->targets_per_sample();
   if (targets > 1) record.tokens_per_s = record.samples_per_s * static_cast<double>(targets);
   // NCCL's waits order streams and return at once: the host's wait measures nothing there.
@@ -187,8 +185,8 @@ void Monitor::finish() {
   parallel::all_reduce_sum(grid_.world(), peaks);
   std::ostringstream os;
   for (double p : peaks) os << " " << p;
-  log::info("peak micro-batches in flight per stage:", os.str(), " (", parallel::to_string(config_.schedule_kind), ", ",
-            engine_->layout().micro_batches, " micro-batches)");
+  log::info("peak micro-batches in flight per stage:", os.str(), " (", parallel::to_string(engine_->layout().schedule),
+            ", ", engine_->layout().micro_batches, " micro-batches)");
   // The Megatron collectives, the cross-entropy's and the pipeline's all-gathers, as the tp
   // communicator counts them (parallel::Communicator::bytes_sent): the formula's check.
   if (grid_.has(parallel::Axis::Tensor))
@@ -211,8 +209,8 @@ void Monitor::write_trace() {
 void Monitor::write_timeline() {
   const std::vector<parallel::TimelineEvent> all = engine_->gather_timeline();
   if (grid_.replica() != 0 || grid_.tp_rank() != 0 || grid_.stage() != 0) return;
-  log::info(io::write_timeline(config_.timeline, all, grid_.pp_size(), engine_->layout().micro_batches,
-                               parallel::to_string(config_.schedule_kind)));
+  log::info(io::write_timeline(settings_.timeline, all, grid_.pp_size(), engine_->layout().micro_batches,
+                               parallel::to_string(engine_->layout().schedule)));
 }
 
 }  // namespace strata::train

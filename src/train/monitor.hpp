@@ -32,14 +32,15 @@ struct EvalResult {
 
 class Monitor {
  public:
-  // Measures MFU's denominator (a GEMM on the CPU) before anything of the run is allocated,
-  // and starts the memory high-water mark after it.
-  Monitor(const Config& config, parallel::ProcessGrid& grid);
+  // `peak_flops`: a rank's compute rate, MFU's denominator (0: unknown, no MFU). The memory
+  // high-water mark starts here: construct it after measuring that rate (compute_rate's GEMM)
+  // and before anything of the run is allocated.
+  Monitor(const MonitorSettings& settings, parallel::ProcessGrid& grid, double peak_flops);
 
-  // Collective: checks the files rank 0 writes during training and opens --metrics (dropping its
-  // lines past `start_step` when resuming).
-  void open_outputs(int64_t start_step);
-  // Collective, once the engine holds the model: prints the plan (`planned`, every rank's)
+  // Collective: checks the files rank 0 writes during training (none when `evaluation_only`) and
+  // opens --metrics (dropping its lines past `start_step` when `resuming`).
+  void open_outputs(bool evaluation_only, bool resuming, int64_t start_step);
+  // Collective, once the engine holds the model: checks the plan (`planned`, every rank's)
   // against what every rank allocated, counts the model's FLOPs, opens --trace. `window_*`: a
   // resumed run's progress window.
   void start(parallel::StageEngine& engine, const layers::Model& model, const std::vector<parallel::RankBytes>& planned,
@@ -62,7 +63,7 @@ class Monitor {
   bool records_timeline(int64_t step) const;
   // Collective after each step (`done` counts from 1): the progress line when due, the timeline
   // after its step.
-  void end_step(int64_t done, int64_t epoch, const parallel::StepResult& result);
+  void end_step(int64_t done, int64_t epoch, float lr, const parallel::StepResult& result);
   // An evaluation's line (`done`: at that step) and its --metrics record (rank 0).
   void evaluation(int64_t done, const EvalResult& r);
   void record_evaluation(int64_t step, const std::string& what, const EvalResult& r);
@@ -76,17 +77,17 @@ class Monitor {
   int64_t window_steps() const { return window_steps_; }
 
  private:
-  // Rank 0 prints the plan and warns where a rank's real allocations differ from it.
-  void report_plan(const layers::Model& model, const std::vector<parallel::RankBytes>& planned);
+  // Rank 0 warns where a rank's real allocations differ from the plan.
+  void check_plan(const std::vector<parallel::RankBytes>& planned);
   // Collective: rank 0 prints the progress line and appends it to --metrics, with the step-time
   // split averaged over the ranks and the largest memory high-water mark.
-  void log_progress(int64_t step, int64_t epoch, double seconds, double eta_s);
+  void log_progress(int64_t step, int64_t epoch, float lr, double seconds, double eta_s);
   void write_timeline();
   // This rank's memory high-water mark so far: its allocator's and its shared-memory buffers.
   int64_t peak_bytes() const;
 
   using Clock = std::chrono::steady_clock;
-  const Config& config_;
+  const MonitorSettings settings_;
   parallel::ProcessGrid& grid_;
   parallel::StageEngine* engine_ = nullptr;
   io::MetricsWriter metrics_{""};

@@ -71,12 +71,12 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
 std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
   parallel::SearchSpace space;
   space.world = world_size;
-  space.global_batch = config.global_batch;
-  space.device_bytes = config.device_memory;
+  space.global_batch = config.layout.global_batch;
+  space.device_bytes = config.plan.device_memory;
   space.base = layout_of(config, 1);
-  space.partition = config.partition;
+  space.partition = config.layout.partition;
   space.can_recompute = layers::is_language_model(config.model);
-  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
+  const parallel::Rates rates{compute_rate(config.plan, config.runtime.device), config.plan.gbps * 1e9};
   const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
     layers::ModelSpec spec = config.model;
     spec.recompute = recompute_flag(recompute);
@@ -86,9 +86,9 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
      << "recompute; 1F1B), " << r.fitting.size() << " fit "
-     << (config.device_memory > 0 ? log::format_bytes(config.device_memory) + " per rank"
-                                  : std::string("(no --device-memory)"))
-     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan_gbps
+     << (config.plan.device_memory > 0 ? log::format_bytes(config.plan.device_memory) + " per rank"
+                                       : std::string("(no --device-memory)"))
+     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan.gbps
      << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
   for (const std::string& why : r.skipped) os << "\n  skipped " << why;
   if (r.fitting.empty()) {
@@ -117,26 +117,26 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
 // --dry-run: the planner's step-time model for the layout given, the number --plan ranks it by.
 std::string step_time_line(const Config& config, const layers::Model& model,
                            const std::vector<parallel::StageRange>& stages, int world_size) {
-  if (config.schedule_kind != parallel::ScheduleKind::OneFOneB || config.virtual_stages > 1)
+  if (config.layout.schedule != parallel::ScheduleKind::OneFOneB || config.layout.virtual_stages > 1)
     return "  step-time model: 1F1B only (the schedule --plan assumes)";
   parallel::LayoutChoice choice;
-  choice.layout = layout_of(config, world_size / (config.pp * config.tp));
+  choice.layout = layout_of(config, world_size / (config.layout.pp * config.layout.tp));
   choice.recompute = layers::parse_recompute(config.model.recompute);
-  const parallel::Rates rates{compute_rate(config), config.plan_gbps * 1e9};
-  const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.global_batch, rates);
+  const parallel::Rates rates{compute_rate(config.plan, config.runtime.device), config.plan.gbps * 1e9};
+  const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.layout.global_batch, rates);
   char line[300];
   std::snprintf(line, sizeof line,
                 "  step-time model: %.3g s per step (compute / bubble / dp / tp / pp: %.3g / %.3g / %.3g / %.3g / "
                 "%.3g) at %.3g TFLOP/s and %g GB/s per rank, communication not overlapped",
-                t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12, config.plan_gbps);
+                t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12, config.plan.gbps);
   return line;
 }
 
 }  // namespace
 
-double compute_rate(const Config& config) {
-  if (config.plan_tflops > 0) return config.plan_tflops * 1e12;
-  if (config.device != DeviceKind::CPU) return 300e12;
+double compute_rate(const PlanSettings& plan, DeviceKind device) {
+  if (plan.tflops > 0) return plan.tflops * 1e12;
+  if (device != DeviceKind::CPU) return 300e12;
   constexpr int64_t n = 512;
   const Tensor a = Tensor::zeros({n, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({n, n});
   double best = 1e30;
@@ -149,7 +149,7 @@ double compute_rate(const Config& config) {
 }
 
 parallel::GridLayout grid_layout(const Config& config, int world_size) {
-  return parallel::GridLayout::train(config.pp, config.tp, world_size);
+  return parallel::GridLayout::train(config.layout.pp, config.layout.tp, world_size);
 }
 
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
@@ -158,10 +158,11 @@ std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::
   const parallel::Layout layout = layout_of(config, g.size(parallel::Axis::Data));
   // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
   // run the same shapes), on a model built for it.
-  parallel::PlannedTensorParallel tp(config.tp);
-  layers::Model planning = layers::build_model(config.model, model.shape(0), classes, config.tp > 1 ? &tp : nullptr);
+  parallel::PlannedTensorParallel tp(config.layout.tp);
+  layers::Model planning =
+      layers::build_model(config.model, model.shape(0), classes, config.layout.tp > 1 ? &tp : nullptr);
   std::vector<int64_t> activations;
-  for (int s = 0; s < config.pp; ++s)
+  for (int s = 0; s < config.layout.pp; ++s)
     activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
   std::vector<parallel::RankBytes> ranks;
   for (int k = 0; k < world_size; ++k) {
@@ -177,18 +178,20 @@ std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::RankBytes>& ranks) {
   const int world_size = static_cast<int>(ranks.size());
   const parallel::GridLayout g = grid_layout(config, world_size);
-  const int pp = config.pp, dp = g.size(parallel::Axis::Data), tp = config.tp;
+  const int pp = config.layout.pp, dp = g.size(parallel::Axis::Data), tp = config.layout.tp;
   const parallel::Layout layout = layout_of(config, dp);
-  const layers::LossScaler scaler = layers::LossScaler::from_flags(config.loss_scale, precision_name(config.precision),
-                                                                   config.loss_scale_init, config.loss_scale_window);
+  const layers::LossScaler scaler =
+      layers::LossScaler::from_flags(config.training.loss_scale, precision_name(config.layout.precision),
+                                     config.training.loss_scale_init, config.training.loss_scale_window);
   std::ostringstream os;
   os << "plan: " << pp << " stage(s) x " << dp << " replica(s)"
      << (tp > 1 ? detail::cat(" x ", tp, " tensor-parallel ranks") : std::string()) << ", schedule "
-     << parallel::to_string(config.schedule_kind)
-     << (config.virtual_stages > 1 ? detail::cat(" (", config.virtual_stages, " chunks per rank)") : std::string())
-     << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.zero
-     << ", optimizer " << config.optimizer.name << ", " << parallel::device_kind_name(config.device) << " "
-     << precision_name(config.precision) << " (loss scale " << scaler.describe() << "):\n"
+     << parallel::to_string(config.layout.schedule)
+     << (config.layout.virtual_stages > 1 ? detail::cat(" (", config.layout.virtual_stages, " chunks per rank)")
+                                          : std::string())
+     << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.layout.zero
+     << ", optimizer " << config.training.optimizer.name << ", " << parallel::device_kind_name(config.runtime.device)
+     << " " << precision_name(config.layout.precision) << " (loss scale " << scaler.describe() << "):\n"
      << g.describe();
   for (size_t vs = 0; vs < stages.size(); ++vs) {
     const parallel::StageRange r = stages[vs];
@@ -196,13 +199,13 @@ std::string plan_report(const Config& config, const layers::Model& model,
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))
       if (e.trainable) trainable += shape_numel(e.shape);
     os << "\n  stage " << vs % static_cast<size_t>(pp)
-       << (config.virtual_stages > 1 ? detail::cat(" chunk ", vs / static_cast<size_t>(pp)) : std::string())
+       << (config.layout.virtual_stages > 1 ? detail::cat(" chunk ", vs / static_cast<size_t>(pp)) : std::string())
        << ": layers " << r.begin << "-" << r.end - 1 << " (" << model.layer(r.begin).name() << " .. "
        << model.layer(r.end - 1).name() << "), " << trainable << " parameters"
        << (tp > 1 ? " per tensor-parallel rank" : "");
   }
 
-  if (config.async_save) {
+  if (config.checkpoint.async) {
     // StateGather's full f32 tensors: every parameter and buffer, and per trainable element each
     // optimizer state plus, below f32, the master weights.
     int64_t elements = 0, trainable = 0;
@@ -210,7 +213,8 @@ std::string plan_report(const Config& config, const layers::Model& model,
       elements += shape_numel(e.full_shape());
       if (e.trainable) trainable += shape_numel(e.full_shape());
     }
-    const int states = layers::Optimizer::state_tensors(config.optimizer) + (config.precision == DType::F32 ? 0 : 1);
+    const int states =
+        layers::Optimizer::state_tensors(config.training.optimizer) + (config.layout.precision == DType::F32 ? 0 : 1);
     const int64_t bytes = (elements + trainable * states) * static_cast<int64_t>(sizeof(float));
     os << "\n  --async-save: rank 0 holds the checkpoint's tensors in host memory until they are written: " << bytes
        << " bytes (" << log::format_bytes(bytes) << ")";
@@ -233,12 +237,12 @@ std::string plan_report(const Config& config, const layers::Model& model,
 }
 
 void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ranks) {
-  if (config.device_memory <= 0) return;
+  if (config.plan.device_memory <= 0) return;
   const int world_size = static_cast<int>(ranks.size());
   const parallel::GridLayout g = grid_layout(config, world_size);
   const int fullest = fullest_rank(ranks);
   const parallel::RankBytes& worst = ranks[static_cast<size_t>(fullest)];
-  if (worst.total() <= config.device_memory) return;
+  if (worst.total() <= config.plan.device_memory) return;
   // The part that pushes the rank over: the largest.
   const std::pair<const char*, int64_t> parts[] = {{"parameters", worst.params},
                                                    {"gradients", worst.grads},
@@ -247,27 +251,29 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
   const auto largest = *std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& a, const auto& b) { return a.second < b.second; });
   STRATA_THROW_INPUT(
-      "--device-memory ", log::format_bytes(config.device_memory), " is too small: ", ranks_str(fullest, fullest, g),
-      " needs ", log::format_bytes(worst.total()), " by the plan (parameters ", log::format_bytes(worst.params),
-      ", gradients ", log::format_bytes(worst.grads), ", optimizer state ", log::format_bytes(worst.optimizer),
-      ", activations of stage ", g.stage(fullest), " ", log::format_bytes(worst.activations), " with ", worst.in_flight,
-      " micro-batches in flight); the largest part, ", largest.first, " (", log::format_bytes(largest.second),
+      "--device-memory ", log::format_bytes(config.plan.device_memory),
+      " is too small: ", ranks_str(fullest, fullest, g), " needs ", log::format_bytes(worst.total()),
+      " by the plan (parameters ", log::format_bytes(worst.params), ", gradients ", log::format_bytes(worst.grads),
+      ", optimizer state ", log::format_bytes(worst.optimizer), ", activations of stage ", g.stage(fullest), " ",
+      log::format_bytes(worst.activations), " with ", worst.in_flight, " micro-batches in flight); the largest part, ",
+      largest.first, " (", log::format_bytes(largest.second),
       "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
 }
 
 void dry_run(const Config& config, MPI_Comm world) {
   int world_size = 0;
   MPI_Comm_size(world, &world_size);
-  if (config.world > 0) world_size = config.world;
+  if (config.plan.world > 0) world_size = config.plan.world;
   // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
   const layers::ModelSpec spec = layers::resolve_preset(config.model);
   const bool language_model = layers::is_language_model(config.model);
   const int64_t seq_len = language_model ? (config.model.seq_len > 0 ? config.model.seq_len : spec.seq_len) : 0;
   Shape input;
   int64_t classes = 0;
-  if (!config.data.empty() || !config.val_data.empty()) {
-    const bool train = !config.data.empty();
-    const auto data = io::open_samples(train ? config.data : config.val_data, train ? "--data" : "--val-data", seq_len);
+  if (!config.data.train.empty() || !config.data.val.empty()) {
+    const bool train = !config.data.train.empty();
+    const auto data =
+        io::open_samples(train ? config.data.train : config.data.val, train ? "--data" : "--val-data", seq_len);
     input = data->input_shape();
     classes = data->num_classes();
   } else {
@@ -278,18 +284,18 @@ void dry_run(const Config& config, MPI_Comm world) {
     classes = spec.vocab;
   }
   STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
-  if (config.plan) {
+  if (config.plan.search) {
     log::info(plan_layouts(config, input, static_cast<int>(classes), world_size),
               "\n--dry-run: not training (planned from shapes, nothing allocated)");
     return;
   }
   // The grid's checks first (the sizes fit the world), then the model's (heads and vocabulary divide by --tp).
   grid_layout(config, world_size);
-  parallel::PlannedTensorParallel tp(config.tp);
+  parallel::PlannedTensorParallel tp(config.layout.tp);
   const layers::Model model =
-      layers::build_model(config.model, input, static_cast<int>(classes), config.tp > 1 ? &tp : nullptr);
+      layers::build_model(config.model, input, static_cast<int>(classes), config.layout.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =
-      parallel::partition_layers(model, config.pp, config.partition, config.virtual_stages);
+      parallel::partition_layers(model, config.layout.pp, config.layout.partition, config.layout.virtual_stages);
   const std::vector<parallel::RankBytes> ranks =
       plan_ranks(config, model, static_cast<int>(classes), stages, world_size);
   const std::string report = plan_report(config, model, stages, ranks);

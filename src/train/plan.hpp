@@ -35,7 +35,7 @@ std::string plan_report(const Config& config, const layers::Model& model,
 
 // A rank's compute rate in FLOP/s (--plan's step-time model, MFU's denominator): --plan-tflops,
 // or on the CPU a 512^3 f32 GEMM timed here (best of 5); 300 TFLOP/s on a GPU.
-double compute_rate(const Config& config);
+double compute_rate(const PlanSettings& plan, DeviceKind device);
 
 // --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
 // (plan_ranks) needs more, naming the fullest rank, its parts and the largest.

@@ -17,24 +17,26 @@ namespace strata::train {
 Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
   // The device first (collective: ranks of a node agree on their GPUs), then the grid's
   // communicators over it: NCCL ids are broadcast over MPI.
-  const Device device = parallel::select_device(world, config_.device, config_.comm);
+  const Device device = parallel::select_device(world, config_.runtime.device, config_.runtime.comm);
   int world_size = 1;
   MPI_Comm_size(world, &world_size);
-  grid_ = std::make_unique<parallel::ProcessGrid>(world, grid_layout(config_, world_size).axes(), config_.comm, device,
-                                                  config_.shared_memory);
-  ops::set_allow_tf32(config_.tf32);
-  monitor_ = std::make_unique<Monitor>(config_, *grid_);  // measures the GEMM rate before anything is allocated
-  checkpoints_ = std::make_unique<io::CheckpointManager>(checkpoint_settings(config_), *grid_);
+  grid_ = std::make_unique<parallel::ProcessGrid>(world, grid_layout(config_, world_size).axes(), config_.runtime.comm,
+                                                  device, config_.runtime.shared_memory);
+  ops::set_allow_tf32(config_.runtime.tf32);
+  const bool rate_known = device.is_cpu() || config_.plan.tflops > 0;  // else no MFU
+  monitor_ = std::make_unique<Monitor>(config_.monitor, *grid_,
+                                       rate_known ? compute_rate(config_.plan, config_.runtime.device) : 0.0);
+  checkpoints_ = std::make_unique<io::CheckpointManager>(config_.checkpoint, *grid_);
   const int rank = grid_->world().rank();
-  for (const auto& [flag, spec] : {std::pair{"--data", config_.data}, {"--val-data", config_.val_data}})
+  for (const auto& [flag, spec] : {std::pair{"--data", config_.data.train}, {"--val-data", config_.data.val}})
     if (!spec.empty()) io::require_same_files(world, spec, flag);
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0
                           : config_.model.seq_len > 0               ? config_.model.seq_len
                                                                     : layers::resolve_preset(config_.model).seq_len;
-  if (!config_.data.empty()) train_data_ = io::open_samples(config_.data, "--data", seq_len);
-  if (!config_.val_data.empty()) val_data_ = io::open_samples(config_.val_data, "--val-data", seq_len);
+  if (!config_.data.train.empty()) train_data_ = io::open_samples(config_.data.train, "--data", seq_len);
+  if (!config_.data.val.empty()) val_data_ = io::open_samples(config_.data.val, "--val-data", seq_len);
   const io::DataSource& shape_source = train_data_ ? *train_data_ : *val_data_;
   if (train_data_ && val_data_)
     if (const std::string warning = io::check_evaluation_data(*train_data_, *val_data_); !warning.empty() && rank == 0)
@@ -47,36 +49,39 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
   model_ = std::make_unique<layers::Model>(
       layers::build_model(config_.model, shape_source.input_shape(), classes, grid_->tensor_parallel()));
   const std::vector<parallel::StageRange> stages =
-      parallel::partition_layers(*model_, grid_->pp_size(), config_.partition, config_.virtual_stages);
+      parallel::partition_layers(*model_, grid_->pp_size(), config_.layout.partition, config_.layout.virtual_stages);
   // A layout that cannot fit is refused before anything is allocated; on the CPU the allocator
   // then holds each rank to the cap (device memory is the GPU's to refuse).
   const std::vector<parallel::RankBytes> planned = plan_ranks(config_, *model_, classes, stages, grid_->world().size());
   check_fits(config_, planned);
-  parallel::cap_host_memory(device, config_.device_memory);
+  parallel::cap_host_memory(device, config_.plan.device_memory);
   const parallel::EngineSettings settings = engine_settings(config_, grid_->dp_size());
   const parallel::Layout& layout = settings.layout;
-  STRATA_REQUIRE(config_.gradient_accumulation == 0 || config_.gradient_accumulation == layout.micro_batches,
-                 "--deepspeed-config: train_batch_size ", config_.global_batch, " = train_micro_batch_size_per_gpu ",
-                 layout.micro, " x gradient_accumulation_steps x ", layout.dp, " data-parallel replicas gives ",
-                 layout.micro_batches, " accumulation steps, but gradient_accumulation_steps is ",
-                 config_.gradient_accumulation);
+  STRATA_REQUIRE(
+      config_.layout.gradient_accumulation == 0 || config_.layout.gradient_accumulation == layout.micro_batches,
+      "--deepspeed-config: train_batch_size ", config_.layout.global_batch, " = train_micro_batch_size_per_gpu ",
+      layout.micro, " x gradient_accumulation_steps x ", layout.dp, " data-parallel replicas gives ",
+      layout.micro_batches, " accumulation steps, but gradient_accumulation_steps is ",
+      config_.layout.gradient_accumulation);
   engine_ = std::make_unique<parallel::StageEngine>(*grid_, *model_, stages, settings);
 
-  io::ResumeExpectations expected{config_.optimizer.name, config_.global_batch, 0, -1};
+  io::ResumeExpectations expected{config_.training.optimizer.name, config_.layout.global_batch, 0, -1};
   if (train_data_) {
-    STRATA_REQUIRE(train_data_->size() >= config_.global_batch, "--data has ", train_data_->size(),
-                   " samples, fewer than one --global-batch of ", config_.global_batch);
-    sampler_ =
-        std::make_unique<io::BatchOrder>(train_data_->size(), config_.global_batch, config_.seed, config_.shuffle);
+    STRATA_REQUIRE(train_data_->size() >= config_.layout.global_batch, "--data has ", train_data_->size(),
+                   " samples, fewer than one --global-batch of ", config_.layout.global_batch);
+    sampler_ = std::make_unique<io::BatchOrder>(train_data_->size(), config_.layout.global_batch, config_.training.seed,
+                                                config_.data.shuffle);
     const int64_t per_epoch = sampler_->steps_per_epoch();
     // Sample positions (epoch x samples) stay within int64 for any run: a multi-exabyte token
     // file read for 2^20 epochs would not.
-    STRATA_REQUIRE(checked_mul(config_.epochs + 1, train_data_->size() + config_.global_batch), "--epochs ",
-                   config_.epochs, " over ", train_data_->size(), " samples overflows 64-bit sample positions");
+    STRATA_REQUIRE(checked_mul(config_.training.epochs + 1, train_data_->size() + config_.layout.global_batch),
+                   "--epochs ", config_.training.epochs, " over ", train_data_->size(),
+                   " samples overflows 64-bit sample positions");
     int64_t& total = position_.total_steps;
-    total = config_.steps > 0 ? config_.steps : config_.epochs * per_epoch;
-    if (config_.steps > 0 && config_.epochs > 0) total = std::min(config_.steps, config_.epochs * per_epoch);
-    config_.schedule.total_steps = total;  // cosine decays over the whole run
+    total = config_.training.steps > 0 ? config_.training.steps : config_.training.epochs * per_epoch;
+    if (config_.training.steps > 0 && config_.training.epochs > 0)
+      total = std::min(config_.training.steps, config_.training.epochs * per_epoch);
+    config_.training.lr_schedule.total_steps = total;  // cosine decays over the whole run
     expected.samples = train_data_->size();
     expected.total_steps = total;
   }
@@ -90,15 +95,16 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
     window_steps = saved->log_window_steps;
   }
   // The shared-memory buffers the engine made (one-node CPU groups) count against the cap too.
-  parallel::cap_host_memory(device, config_.device_memory);
+  parallel::cap_host_memory(device, config_.plan.device_memory);
   engine_->synchronise_replicas();
-  monitor_->open_outputs(position_.start_step);
+  monitor_->open_outputs(config_.eval_only, config_.checkpoint.resume != "none", position_.start_step);
   log::info("model ", config_.model.name, ", input ", shape_str(shape_source.input_shape()), ", ", classes,
             " classes\n", model_->summary());
+  log::info(plan_report(config_, *model_, engine_->map().stages(), planned));
   monitor_->start(*engine_, *model_, planned, position_.total_steps, position_.start_step, window_loss, window_steps);
   if (train_data_)
     log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
-              config_.global_batch, " (", layout.micro_batches, " micro-batch(es) of ", layout.micro,
+              config_.layout.global_batch, " (", layout.micro_batches, " micro-batch(es) of ", layout.micro,
               " per replica); training ", position_.total_steps, " steps");
 }
 
@@ -120,11 +126,11 @@ io::RunState Trainer::run_state(int64_t step) const {
   state.optimizer_step = engine_->optimizer_steps();
   state.epoch = position_.epoch + position_.in_epoch / per_epoch;
   state.step_in_epoch = position_.in_epoch % per_epoch;
-  state.seed = config_.seed;
-  state.global_batch = config_.global_batch;
+  state.seed = config_.training.seed;
+  state.global_batch = config_.layout.global_batch;
   state.model = config_.model.name;
-  state.optimizer = config_.optimizer.name;
-  state.precision = precision_name(config_.precision);
+  state.optimizer = config_.training.optimizer.name;
+  state.precision = precision_name(config_.layout.precision);
   state.num_classes = classes_;
   state.loss_scale = engine_->scaler().scale();
   state.loss_scale_good_steps = engine_->scaler().good_steps();
@@ -141,16 +147,18 @@ TrainEnd Trainer::train() {
   // Only the first stage reads inputs and only the last reads labels; middle stages read
   // nothing but still follow the sampler (the loader of labels is cheap).
   const int64_t local = layout.micro * layout.micro_batches;
-  io::Loader loader(*train_data_, *sampler_, grid_->replica() * local, local, config_.prefetch, grid_->stage() == 0);
+  io::Loader loader(*train_data_, *sampler_, grid_->replica() * local, local, config_.data.prefetch,
+                    grid_->stage() == 0);
   // A resumed run continues mid-epoch exactly where the checkpoint's batches stopped.
   position_.epoch += position_.in_epoch / per_epoch;
   position_.in_epoch %= per_epoch;
   loader.start(position_.epoch, position_.in_epoch);
 
-  engine_->set_wait_deadline(config_.timeout);
+  engine_->set_wait_deadline(config_.runtime.timeout);
   for (int64_t step = position_.start_step; step < total; ++step) {
     parallel::StepResult result;
     const io::Batch* batch = nullptr;
+    const float lr = layers::learning_rate(config_.training.lr_schedule, step);
     {
       const Monitor::TracedStep traced(*monitor_, step);
       const auto wait_start = clock::now();
@@ -159,7 +167,6 @@ TrainEnd Trainer::train() {
         batch = &loader.next();
       }
       monitor_->waited_for_data(std::chrono::duration<double>(clock::now() - wait_start).count());
-      const float lr = layers::learning_rate(config_.schedule, step);
       result = engine_->step(batch->x, batch->y, batch->first_sample, step, lr, stop_requested,
                              monitor_->records_timeline(step));
     }
@@ -172,8 +179,8 @@ TrainEnd Trainer::train() {
     position_.epoch = batch->epoch + (batch->step_in_epoch + 1) / per_epoch;
     position_.in_epoch = (batch->step_in_epoch + 1) % per_epoch;
     const int64_t done = step + 1;
-    monitor_->end_step(done, batch->epoch, result);
-    if (config_.eval_every > 0 && done % config_.eval_every == 0 && done != total && val_data_)
+    monitor_->end_step(done, batch->epoch, lr, result);
+    if (config_.monitor.eval_every > 0 && done % config_.monitor.eval_every == 0 && done != total && val_data_)
       monitor_->evaluation(done, evaluate(*val_data_));
     if (result.stop && done != total) {
       save_at_stop(done);
@@ -189,7 +196,7 @@ TrainEnd Trainer::train() {
 
 void Trainer::save_at_stop(int64_t done) {
   log::info("preemption signal received: stopping after step ", done,
-            config_.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
+            config_.checkpoint.dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
   if (checkpoints_->writes()) checkpoints_->save(run_state(done), engine_->state(), /*wait=*/true, /*at_stop=*/true);
   grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
 }
@@ -198,7 +205,7 @@ EvalResult Trainer::evaluate(const io::DataSource& data) {
   const parallel::EvalSums sums = engine_->evaluate(
       data.size(), data.input_dtype(),
       [&](int64_t begin, int64_t end, const Tensor& x, const Tensor& y) { io::read_range(data, begin, end, x, y); },
-      /*capped=*/config_.device_memory > 0);
+      /*capped=*/config_.plan.device_memory > 0);
   const auto targets = static_cast<double>(data.size() * engine_->targets_per_sample());
   return {sums.loss / targets, sums.correct / targets, data.size(), engine_->targets_per_sample() > 1};
 }

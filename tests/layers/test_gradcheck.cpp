@@ -595,7 +595,9 @@ void expect_streams_like_whole(Layer& layer, const Tensor& x, int64_t limit) {
   for (size_t i = 0; i < whole.size(); ++i) {
     ASSERT_NEAR(streamed[i], whole[i], 1e-6f * largest) << "element " << i << " of " << whole.size();
   }
-  if (dx_whole.defined()) EXPECT_EQ(values_of(dx_streamed), values_of(dx_whole));
+  if (dx_whole.defined()) {
+    EXPECT_EQ(values_of(dx_streamed), values_of(dx_whole));
+  }
 }
 
 TEST_F(GradCheck, StreamedGradientsEqualTheWholeLinear) {

@@ -91,7 +91,7 @@ TEST(Config, DeviceMemorySizes) {
   EXPECT_EQ(parse_bytes("80GiB", "--device-memory"), int64_t{80} << 30);
   EXPECT_EQ(parse_bytes("1.5GB", "--device-memory"), 1500000000);
   EXPECT_EQ(parse_bytes("0", "--device-memory"), 0);
-  EXPECT_EQ(parse({"--data", "x.h5", "--steps", "1", "--device-memory", "2KiB"})->device_memory, 2048);
+  EXPECT_EQ(parse({"--data", "x.h5", "--steps", "1", "--device-memory", "2KiB"})->plan.device_memory, 2048);
   for (const char* bad : {"", "GiB", "12 GiB", "12XB", "-1GiB", "nan", "1e30TiB"})
     EXPECT_THROW(
         {
@@ -111,38 +111,38 @@ TEST(Config, HelpReturnsNothing) { EXPECT_FALSE(parse({"--help"}).has_value()); 
 
 TEST(Config, Defaults) {
   const Config c = parse_valid();
-  EXPECT_EQ(c.data, "train.h5");
-  EXPECT_EQ(c.steps, 1);
-  EXPECT_EQ(c.epochs, 0);
+  EXPECT_EQ(c.data.train, "train.h5");
+  EXPECT_EQ(c.training.steps, 1);
+  EXPECT_EQ(c.training.epochs, 0);
   EXPECT_EQ(c.model.name, "cnn");
   EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{1024, 1024}));
   EXPECT_EQ(c.model.depth, 20);
   EXPECT_EQ(c.model.width, 16);
-  EXPECT_EQ(c.global_batch, 64);
-  EXPECT_EQ(c.micro_batch, 0);
-  EXPECT_EQ(c.optimizer.name, "sgd");
-  EXPECT_FLOAT_EQ(c.optimizer.momentum, 0.9f);
-  EXPECT_EQ(c.schedule.kind, "constant");
-  EXPECT_FLOAT_EQ(c.schedule.lr, 0.05f);
-  EXPECT_EQ(c.resume, "none");
-  EXPECT_EQ(c.log_every, 100);
-  EXPECT_EQ(c.prefetch, 2);
-  EXPECT_EQ(c.pp, 1);
-  EXPECT_EQ(c.partition, "balanced");
-  EXPECT_EQ(c.zero, 0);
-  EXPECT_FLOAT_EQ(c.bucket_mb, 25.0f);
-  EXPECT_TRUE(c.shuffle);
-  EXPECT_TRUE(c.shared_memory);
-  EXPECT_FALSE(c.dry_run);
+  EXPECT_EQ(c.layout.global_batch, 64);
+  EXPECT_EQ(c.layout.micro_batch, 0);
+  EXPECT_EQ(c.training.optimizer.name, "sgd");
+  EXPECT_FLOAT_EQ(c.training.optimizer.momentum, 0.9f);
+  EXPECT_EQ(c.training.lr_schedule.kind, "constant");
+  EXPECT_FLOAT_EQ(c.training.lr_schedule.lr, 0.05f);
+  EXPECT_EQ(c.checkpoint.resume, "none");
+  EXPECT_EQ(c.monitor.log_every, 100);
+  EXPECT_EQ(c.data.prefetch, 2);
+  EXPECT_EQ(c.layout.pp, 1);
+  EXPECT_EQ(c.layout.partition, "balanced");
+  EXPECT_EQ(c.layout.zero, 0);
+  EXPECT_FLOAT_EQ(c.layout.bucket_mb, 25.0f);
+  EXPECT_TRUE(c.data.shuffle);
+  EXPECT_TRUE(c.runtime.shared_memory);
+  EXPECT_FALSE(c.plan.dry_run);
   EXPECT_FALSE(c.eval_only);
-  EXPECT_EQ(c.loss_scale, "auto");
-  EXPECT_DOUBLE_EQ(c.loss_scale_init, 65536.0);
-  EXPECT_EQ(c.loss_scale_window, 2000);
+  EXPECT_EQ(c.training.loss_scale, "auto");
+  EXPECT_DOUBLE_EQ(c.training.loss_scale_init, 65536.0);
+  EXPECT_EQ(c.training.loss_scale_window, 2000);
   // The enumerated options, typed.
-  EXPECT_EQ(c.schedule_kind, ScheduleKind::OneFOneB);
-  EXPECT_EQ(c.device, DeviceKind::CPU);
-  EXPECT_EQ(c.comm, Transport::Mpi);  // auto on the CPU
-  EXPECT_EQ(c.precision, DType::F32);
+  EXPECT_EQ(c.layout.schedule, ScheduleKind::OneFOneB);
+  EXPECT_EQ(c.runtime.device, DeviceKind::CPU);
+  EXPECT_EQ(c.runtime.comm, Transport::Mpi);  // auto on the CPU
+  EXPECT_EQ(c.layout.precision, DType::F32);
   // The start-of-run printout keeps the spellings given.
   EXPECT_EQ(effective(c, "schedule"), "1f1b");
   EXPECT_EQ(effective(c, "device"), "cpu");
@@ -155,19 +155,19 @@ TEST(Config, Defaults) {
 TEST(Config, EnumeratedOptionsParsed) {
   const Config a = parse_valid({"--schedule", "gpipe", "--precision", "bf16", "--optimizer", "adamw", "--lr-schedule",
                                 "cosine", "--device", "cuda"});
-  EXPECT_EQ(a.schedule_kind, ScheduleKind::GPipe);
-  EXPECT_EQ(a.precision, DType::BF16);
-  EXPECT_EQ(a.optimizer.name, "adamw");
-  EXPECT_EQ(a.schedule.kind, "cosine");
-  EXPECT_EQ(a.device, DeviceKind::CUDA);
-  EXPECT_EQ(a.comm, Transport::Nccl);  // auto with cuda
+  EXPECT_EQ(a.layout.schedule, ScheduleKind::GPipe);
+  EXPECT_EQ(a.layout.precision, DType::BF16);
+  EXPECT_EQ(a.training.optimizer.name, "adamw");
+  EXPECT_EQ(a.training.lr_schedule.kind, "cosine");
+  EXPECT_EQ(a.runtime.device, DeviceKind::CUDA);
+  EXPECT_EQ(a.runtime.comm, Transport::Nccl);  // auto with cuda
   EXPECT_EQ(effective(a, "comm"), "auto");
 
   const Config b = parse_valid({"--device", "cuda", "--comm", "mpi", "--precision", "fp16"});
-  EXPECT_EQ(b.comm, Transport::Mpi);
-  EXPECT_EQ(b.precision, DType::F16);
-  EXPECT_EQ(parse_valid({"--comm", "mpi"}).comm, Transport::Mpi);
-  EXPECT_EQ(parse_valid({"--lr-schedule", "step", "--lr-step-size", "10"}).schedule.kind, "step");
+  EXPECT_EQ(b.runtime.comm, Transport::Mpi);
+  EXPECT_EQ(b.layout.precision, DType::F16);
+  EXPECT_EQ(parse_valid({"--comm", "mpi"}).runtime.comm, Transport::Mpi);
+  EXPECT_EQ(parse_valid({"--lr-schedule", "step", "--lr-step-size", "10"}).training.lr_schedule.kind, "step");
 }
 
 TEST(Config, EnumNamesRoundTrip) {
@@ -278,8 +278,8 @@ TEST(Config, NumericRanges) {
   // The bounds themselves are accepted.
   const Config c = parse_valid({"--prefetch", "64", "--seed", "9223372036854775807", "--eps", "1", "--global-batch",
                                 "16777216", "--threads", "0"});
-  EXPECT_EQ(c.seed, uint64_t{9223372036854775807u});
-  EXPECT_EQ(c.prefetch, 64);
+  EXPECT_EQ(c.training.seed, uint64_t{9223372036854775807u});
+  EXPECT_EQ(c.data.prefetch, 64);
 }
 
 TEST(Config, RequiredOptions) {
@@ -294,17 +294,17 @@ TEST(Config, RequiredOptions) {
 
 TEST(Config, ValidateAConfigBuiltInCode) {
   Config c;
-  c.data = "train.h5";
-  c.steps = 1;
+  c.data.train = "train.h5";
+  c.training.steps = 1;
   EXPECT_NO_THROW(validate(c));
-  c.bucket_mb = 0;
+  c.layout.bucket_mb = 0;
   EXPECT_THROW(validate(c), Error);
-  c.bucket_mb = 1;
-  c.zero = 3;
+  c.layout.bucket_mb = 1;
+  c.layout.zero = 3;
   EXPECT_NO_THROW(validate(c));
-  c.comm = Transport::Nccl;
+  c.runtime.comm = Transport::Nccl;
   EXPECT_THROW(validate(c), Error);
-  c.device = DeviceKind::CUDA;
+  c.runtime.device = DeviceKind::CUDA;
   EXPECT_NO_THROW(validate(c));
 }
 
@@ -313,28 +313,28 @@ TEST(Config, CommandLineOverridesTheConfigFile) {
       "data = file.h5\nsteps = 7\nglobal-batch = 32\nprecision = bf16\nschedule = gpipe\noptimizer = adamw\n");
   const std::optional<Config> from_file = parse({"--config", ini.path()});
   ASSERT_TRUE(from_file.has_value());
-  EXPECT_EQ(from_file->data, "file.h5");
-  EXPECT_EQ(from_file->steps, 7);
-  EXPECT_EQ(from_file->global_batch, 32);
-  EXPECT_EQ(from_file->precision, DType::BF16);
-  EXPECT_EQ(from_file->schedule_kind, ScheduleKind::GPipe);
-  EXPECT_EQ(from_file->optimizer.name, "adamw");
+  EXPECT_EQ(from_file->data.train, "file.h5");
+  EXPECT_EQ(from_file->training.steps, 7);
+  EXPECT_EQ(from_file->layout.global_batch, 32);
+  EXPECT_EQ(from_file->layout.precision, DType::BF16);
+  EXPECT_EQ(from_file->layout.schedule, ScheduleKind::GPipe);
+  EXPECT_EQ(from_file->training.optimizer.name, "adamw");
   EXPECT_EQ(effective(*from_file, "precision"), "bf16");
 
   const std::optional<Config> c =
       parse({"--config", ini.path(), "--global-batch", "16", "--precision", "fp16", "--schedule", "1f1b"});
   ASSERT_TRUE(c.has_value());
-  EXPECT_EQ(c->global_batch, 16);
-  EXPECT_EQ(c->precision, DType::F16);
-  EXPECT_EQ(c->schedule_kind, ScheduleKind::OneFOneB);
-  EXPECT_EQ(c->data, "file.h5");  // not given on the command line: the file's
-  EXPECT_EQ(c->steps, 7);
+  EXPECT_EQ(c->layout.global_batch, 16);
+  EXPECT_EQ(c->layout.precision, DType::F16);
+  EXPECT_EQ(c->layout.schedule, ScheduleKind::OneFOneB);
+  EXPECT_EQ(c->data.train, "file.h5");  // not given on the command line: the file's
+  EXPECT_EQ(c->training.steps, 7);
   EXPECT_EQ(effective(*c, "precision"), "fp16");
 
   // A bad value in the file is the same error as on the command line; the command line wins.
   const TempFile bad("data = file.h5\nsteps = 1\nprecision = fp8\n");
   expect_rejected({"--config", bad.path()}, "--precision must be fp32, bf16 or fp16, found 'fp8'");
-  EXPECT_EQ(parse({"--config", bad.path(), "--precision", "bf16"})->precision, DType::BF16);
+  EXPECT_EQ(parse({"--config", bad.path(), "--precision", "bf16"})->layout.precision, DType::BF16);
 }
 
 // --run-dir: {time} becomes the start time, the paths not given go into the directory, and the
@@ -352,9 +352,9 @@ TEST(Config, RunDirectoryHoldsTheRunAndItsConfiguration) {
   t.tm_isdst = -1;
   apply_run_dir(c, std::mktime(&t));
   EXPECT_EQ(c.run_dir, "runs/x-20261204-211507");
-  EXPECT_EQ(c.checkpoint_dir, "runs/x-20261204-211507");
-  EXPECT_EQ(c.log_file, "runs/x-20261204-211507/train.log");
-  EXPECT_EQ(c.metrics, "m.jsonl");                                      // given: kept
+  EXPECT_EQ(c.checkpoint.dir, "runs/x-20261204-211507");
+  EXPECT_EQ(c.monitor.log_file, "runs/x-20261204-211507/train.log");
+  EXPECT_EQ(c.monitor.metrics, "m.jsonl");                              // given: kept
   EXPECT_EQ(effective(c, "checkpoint-dir"), "runs/x-20261204-211507");  // what checkpoints record
   EXPECT_EQ(given_options(c), "--data train.h5 --lr 0.2 --metrics m.jsonl --run-dir runs/x-{time} --steps 1");
 
@@ -366,11 +366,11 @@ TEST(Config, RunDirectoryHoldsTheRunAndItsConfiguration) {
   const std::optional<Config> again = parse({"--config", ini.path()});
   ASSERT_TRUE(again.has_value());
   EXPECT_EQ(again->run_dir, "runs/x-{time}");
-  EXPECT_EQ(again->metrics, "m.jsonl");
-  EXPECT_EQ(again->schedule.lr, 0.2f);
-  EXPECT_EQ(again->steps, 1);
-  EXPECT_EQ(again->data, "train.h5");
-  EXPECT_TRUE(again->checkpoint_dir.empty());  // --run-dir places it again
+  EXPECT_EQ(again->monitor.metrics, "m.jsonl");
+  EXPECT_EQ(again->training.lr_schedule.lr, 0.2f);
+  EXPECT_EQ(again->training.steps, 1);
+  EXPECT_EQ(again->data.train, "train.h5");
+  EXPECT_TRUE(again->checkpoint.dir.empty());  // --run-dir places it again
   for (const auto& [key, value] : c.effective) {
     if (key != "config" && key != "run-dir" && key != "checkpoint-dir" && key != "log-file") {
       EXPECT_EQ(effective(*again, key), value) << key;
@@ -379,8 +379,8 @@ TEST(Config, RunDirectoryHoldsTheRunAndItsConfiguration) {
 
   Config plain = parse_valid();
   apply_run_dir(plain, 0);
-  EXPECT_TRUE(plain.checkpoint_dir.empty());
-  EXPECT_TRUE(plain.log_file.empty());
+  EXPECT_TRUE(plain.checkpoint.dir.empty());
+  EXPECT_TRUE(plain.monitor.log_file.empty());
 }
 
 TEST(Config, ConfigFileErrors) {
@@ -496,12 +496,12 @@ TEST(Config, DeepSpeedKeysEqualTheirFlags) {
                                          "2"});
   EXPECT_EQ(options_of(from_json), options_of(from_flags));
   EXPECT_TRUE(from_json.deepspeed_unsupported.empty());
-  EXPECT_EQ(from_json.gradient_accumulation, 4);
-  EXPECT_EQ(from_json.steps, 1);  // --steps on the command line wins over total_num_steps
+  EXPECT_EQ(from_json.layout.gradient_accumulation, 4);
+  EXPECT_EQ(from_json.training.steps, 1);  // --steps on the command line wins over total_num_steps
   // Flags and --config win over the JSON.
-  EXPECT_FLOAT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--lr", "0.01"}).schedule.lr, 0.01f);
+  EXPECT_FLOAT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--lr", "0.01"}).training.lr_schedule.lr, 0.01f);
   const TempFile ini("zero = 1\n");
-  EXPECT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--config", ini.path()}).zero, 1);
+  EXPECT_EQ(parse_valid({"--deepspeed-config", ds.path(), "--config", ini.path()}).layout.zero, 1);
 }
 
 TEST(Config, DeepSpeedUnmappedKeysAreListed) {
@@ -524,11 +524,11 @@ TEST(Config, DeepSpeedUnmappedKeysAreListed) {
                 "fp16.fp16_master_weights_and_grads", "fp16.hysteresis", "fp16.min_loss_scale", "prescale_gradients",
                 "scheduler.params.warmup_type (log, the default; Strata warms up linearly)", "wall_clock_breakdown",
                 "zero_optimization.allgather_bucket_size", "zero_optimization.cpu_offload"}));
-  EXPECT_EQ(c.optimizer.name, "adamw");
-  EXPECT_EQ(c.precision, DType::F16);
-  EXPECT_EQ(c.global_batch, 16);
-  EXPECT_EQ(c.schedule.warmup_steps, 1000);
-  EXPECT_FLOAT_EQ(c.optimizer.beta1, 0.8f);
+  EXPECT_EQ(c.training.optimizer.name, "adamw");
+  EXPECT_EQ(c.layout.precision, DType::F16);
+  EXPECT_EQ(c.layout.global_batch, 16);
+  EXPECT_EQ(c.training.lr_schedule.warmup_steps, 1000);
+  EXPECT_FLOAT_EQ(c.training.optimizer.beta1, 0.8f);
   expect_rejected_with_data({"--deepspeed-config", ds.path(), "--strict-config"},
                             "not supported: fp16.fp16_master_weights_and_grads, fp16.hysteresis");
 }

@@ -24,6 +24,8 @@ struct Layout {
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   int virtual_stages = 1;  // chunks per pipeline rank (interleaved)
   bool cpu = true;         // CPU kernels: bf16/f16 ops stage their tensors through f32 scratch
+
+  int64_t global_batch() const { return micro * micro_batches * dp; }
 };
 
 }  // namespace strata::parallel
