@@ -97,7 +97,9 @@ void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> gra
   dwpe_ = grads[1];
 }
 
-int64_t Embedding::flops(const Shape& input) const { return shape_numel(input) * embed_; }
+// The position add, once per element of the output; with tp each shard counts its share, so the
+// group's sum (MFU's numerator) counts it once.
+int64_t Embedding::flops(const Shape& input) const { return shape_numel(input) * embed_ / (tp_ ? tp_->size() : 1); }
 
 Tensor Embedding::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   STRATA_REQUIRE(x.dtype() == DType::I32 && x.ndim() == 2, "layer ", name(), " expects i32 tokens (B, T), found ",

@@ -306,6 +306,13 @@ TEST(TensorParallelGpt, MatchesTheWholeModel) {
         // Per block: c_attn weight and bias, attn c_proj weight, c_fc weight and bias, mlp
         // c_proj weight; wte; lm_head when untied.
         EXPECT_EQ(split_entries, 6 * spec.layers + 1 + (tied ? 0 : 1));
+        // MFU's numerator and the partition's costs: the shards' FLOPs add up to the whole
+        // model's, layer by layer.
+        for (size_t i = 0; i < whole.size(); ++i) {
+          int64_t shards = split.layer(i).flops(split.shape(i));
+          MPI_Allreduce(MPI_IN_PLACE, &shards, 1, MPI_INT64_T, MPI_SUM, world.comm->comm());
+          EXPECT_EQ(shards, whole.layer(i).flops(whole.shape(i))) << whole.layer(i).name();
+        }
 
         const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
         const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);

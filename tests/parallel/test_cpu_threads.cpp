@@ -7,7 +7,7 @@
 namespace strata::parallel {
 namespace {
 
-TEST(Placement, DefaultThreadsFollowTheMask) {
+TEST(CpuThreads, DefaultThreadsFollowTheMask) {
   // mpirun -np 2 on 2 cores binds each rank to a core: 1 thread each.
   EXPECT_EQ(default_threads({{0}, {1}}, 0), 1);
   EXPECT_EQ(default_threads({{0}, {1}}, 1), 1);
@@ -22,13 +22,13 @@ TEST(Placement, DefaultThreadsFollowTheMask) {
   EXPECT_EQ(default_threads({{0, 1}, {0, 1}}, 0), 1);
 }
 
-TEST(Placement, CpuLists) {
+TEST(CpuThreads, CpuLists) {
   EXPECT_EQ(cpu_list({0, 1, 2, 3, 8}), "0-3,8");
   EXPECT_EQ(cpu_list({5}), "5");
   EXPECT_EQ(cpu_list({0, 2, 4, 5}), "0,2,4-5");
 }
 
-TEST(Placement, OversubscribedGroupsAreNamed) {
+TEST(CpuThreads, OversubscribedGroupsAreNamed) {
   // Each rank its own core, one thread each: nothing to say.
   EXPECT_EQ(oversubscription({0, 1}, {{0}, {1}}, {1, 1}), "");
   // 4 ranks of one thread on 2 cores: the rank count was asked for (--oversubscribe), not threads.
