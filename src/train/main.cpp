@@ -86,15 +86,12 @@ int main(int argc, char** argv) {
   std::unique_ptr<train::Trainer> trainer;
   std::optional<parallel::SetupDeadline> setup_deadline;  // from the options to the agreement on setup's end
 
+  train::install_preemption_handlers();  // a stop signal during setup exits at once
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
     if (!config->checkpoint.init_from.empty()) config = with_model_of_checkpoint(*config, argc, argv, mpi.rank());
     setup_deadline.emplace(mpi.rank(), config->runtime.setup_timeout);
-    if (mpi.rank() == config->debug.faults.fail_rank && config->debug.setup_sleep > 0)
-      std::this_thread::sleep_for(std::chrono::duration<double>(config->debug.setup_sleep));
-    // From here: a signal while loading data or a checkpoint stops after the first step (saved).
-    if (!config->eval_only && !config->plan.dry_run) train::install_preemption_handlers();
     log::set_all_ranks(config->monitor.log_all_ranks);
     for (const std::string& key : config->deepspeed_unsupported)
       if (mpi.rank() == 0)
@@ -125,6 +122,8 @@ int main(int argc, char** argv) {
               threads, " thread(s) per rank)");
     if (!config->run_dir.empty())
       log::info("run directory: ", config->run_dir, " (every option's value in its config.ini)");
+    if (mpi.rank() == config->debug.faults.fail_rank && config->debug.setup_sleep > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(config->debug.setup_sleep));
     if (config->plan.dry_run)
       train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
     else
@@ -138,6 +137,7 @@ int main(int argc, char** argv) {
 
   try {
     if (!config->eval_only) {
+      train::begin_training();
       const train::TrainEnd end = trainer->train();
       if (end != train::TrainEnd::Finished) trainer->write_trace();            // what was recorded up to the stop
       if (end == train::TrainEnd::Preempted) return parallel::kExitPreempted;  // saved; the batch script requeues

@@ -13,6 +13,7 @@ import time
 import h5py
 import numpy as np
 
+from cases_checkpoint import train_processes
 from harness import MPI_ENV, expect_bad_input, run, write_dataset
 
 MLP = ["--model", "mlp", "--hidden", "16", "--steps", "2", "--global-batch", "8", "--threads", "1"]
@@ -200,6 +201,39 @@ def case_second_signal(args):
     assert elapsed < 0.5, f"exited {elapsed:.2f} s after the second signal"
     assert not os.path.exists(os.path.join(ck, "latest")), os.listdir(ck)
     print(f"second SIGTERM: exit 4 after {elapsed * 1000:.0f} ms, nothing saved")
+
+
+def case_signal_during_setup(args):
+    """A stop signal during setup (here: a rank sleeping there, as a slow data or checkpoint load
+    would) exits at once with code 3 and one line, saving nothing; on 2 ranks under mpirun too,
+    with eval-only runs and --dry-run alike."""
+    w = args.workdir
+    data = write_dataset(os.path.join(w, "setup-signal.h5"), n=64)
+    ck = os.path.join(w, "ck-setup-signal")
+    shutil.rmtree(ck, ignore_errors=True)
+    base = [args.train, "--model", "mlp", "--hidden", "16", "--threads", "1", "--data", data, "--steps", "10",
+            "--global-batch", "8", "--checkpoint-dir", ck, "--debug-fail-rank", "0", "--debug-setup-sleep", "60"]
+    line = "error: a stop signal during setup: exiting at once, nothing to save (exit code 3)"
+    for what, cmd in [("1 rank", base), ("2 ranks", [args.mpirun, "-np", "2", "--oversubscribe"] + base)]:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **MPI_ENV))
+        for out_line in p.stdout:  # setup has begun once the options are printed
+            if out_line.startswith("options:"):
+                break
+        time.sleep(0.3)
+        start = time.monotonic()
+        if what == "1 rank":
+            p.send_signal(signal.SIGTERM)
+        else:  # as Slurm does: every rank gets it
+            for r in train_processes(p.pid, args.train):
+                os.kill(r, signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+        assert p.returncode == 3, f"{what}: exit code {p.returncode}\n{out}\n{err}"
+        assert line in err.splitlines(), f"{what}: {err}"
+        assert elapsed < 5, f"{what}: exited {elapsed:.2f} s after the signal"
+        assert not os.path.exists(os.path.join(ck, "latest")), os.listdir(ck)
+        print(f"SIGTERM during setup ({what}): exit 3 after {elapsed * 1000:.0f} ms, nothing saved")
 
 
 def case_second_signal_during_save(args):
