@@ -8,6 +8,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libhdf5-dev libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev
+  nlohmann-json3-dev
   libopenblas-dev
   libgtest-dev
   zlib1g-dev

@@ -17,7 +17,7 @@ struct DeepSpeedOptions {
   int64_t gradient_accumulation = 0;     // gradient_accumulation_steps (0: not given), checked against the plan
 };
 
-// Reads and maps `path` (Boost.PropertyTree's JSON parser). Input errors name the file.
+// Reads and maps `path` (nlohmann::json, nesting limited). Input errors name the file.
 DeepSpeedOptions read_deepspeed_config(const std::string& path);
 
 }  // namespace strata::train

@@ -546,5 +546,48 @@ TEST(Config, DeepSpeedValuesStrataCannotReproduceAreOneLine) {
   expect_rejected_with_data({"--deepspeed-config", word.path()}, "'train_batch_size' must be a number, found 'many'");
 }
 
+TEST(Config, DeepSpeedValuesOfTheWrongTypeAreOneLine) {
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {R"({"optimizer": "AdamW"})", "'optimizer' must be an object (of its keys such as 'type'), found string AdamW"},
+      {R"({"zero_optimization": 3})",
+       "'zero_optimization' must be an object (of its keys such as 'stage'), found number 3"},
+      {R"([{"train_batch_size": 8}])", "expected a JSON object of DeepSpeed keys, found array"},
+      {"7", "expected a JSON object of DeepSpeed keys, found number"},
+      {R"({"train_batch_size": 8.5})", "'train_batch_size' must be an integer (of at most 2^53), found 8.5"},
+      {R"({"train_batch_size": 1e23})", "'train_batch_size' must be an integer (of at most 2^53), found 1e+23"},
+      {R"({"fp16": {"enabled": "yes"}})", "'fp16.enabled' must be true or false, found yes"},
+      {R"({"optimizer": {"type": 1}})", "'optimizer.type' must be a string, found 1"},
+      {R"({"optimizer": {"type": "SGD", "params": {"betas": 0.9}}})", "'optimizer.params.betas' must hold two numbers"},
+  };
+  for (const auto& [json, message] : cases) {
+    const TempFile file(json);
+    expect_rejected_with_data({"--deepspeed-config", file.path()}, message);
+  }
+  // Hugging Face Trainer's "auto" leaves the flag (or its default) in charge.
+  const TempFile automatic(R"({"train_batch_size": "auto", "gradient_clipping": "auto", "optimizer": {"type": "AdamW",
+                               "params": {"lr": "auto"}}})");
+  const Config c = parse_valid({"--deepspeed-config", automatic.path(), "--lr", "0.001"});
+  EXPECT_EQ(c.layout.global_batch, 64);
+  EXPECT_EQ(c.training.optimizer.name, "adamw");
+  EXPECT_FLOAT_EQ(c.training.lr_schedule.lr, 0.001f);
+  EXPECT_TRUE(c.deepspeed_unsupported.empty());
+}
+
+TEST(Config, DeepSpeedDeepNestingIsOneLine) {
+  // A recursive parser would overflow the stack (a crash, no message); nesting is refused early.
+  for (const auto& [open, close] : {std::pair{"[", "]"}, std::pair{"{\"a\": ", "}"}}) {
+    std::string json;
+    for (int i = 0; i < 100000; ++i) json += open;
+    json += "1";
+    for (int i = 0; i < 100000; ++i) json += close;
+    const TempFile deep(json);
+    expect_rejected_with_data({"--deepspeed-config", deep.path()}, "nested deeper than 32 levels");
+    const TempFile ini("deepspeed-config = " + deep.path() + "\n");
+    expect_rejected_with_data({"--config", ini.path()}, "nested deeper than 32 levels");
+  }
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  expect_rejected_with_data({"--deepspeed-config", dir}, "--deepspeed-config: cannot read '" + dir);
+}
+
 }  // namespace
 }  // namespace strata::train
