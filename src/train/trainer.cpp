@@ -6,6 +6,7 @@
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
+#include "io/shard_files.hpp"
 #include "io/shared_files.hpp"
 #include "layers/zoo.hpp"
 #include "parallel/runtime/mpi.hpp"
@@ -29,7 +30,10 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
   checkpoints_ = std::make_unique<io::CheckpointManager>(config_.checkpoint, *grid_);
   const int rank = grid_->world().rank();
   for (const auto& [flag, spec] : {std::pair{"--data", config_.data.train}, {"--val-data", config_.data.val}})
-    if (!spec.empty()) io::require_same_files(world, spec, flag);
+    if (!spec.empty()) {
+      io::require_same_files(world, spec, flag);
+      if (const std::string note = io::left_out_note(spec, flag); !note.empty()) log::info(note);
+    }
 
   // Token data: windows of --seq-len tokens, else the preset's context length.
   const int64_t seq_len = !layers::is_language_model(config_.model) ? 0

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "io/dataset.hpp"
+#include "io/shard_files.hpp"
 #include "io_test_util.hpp"
 
 namespace strata::io {
@@ -146,6 +147,41 @@ TEST(Dataset, GlobAndDirectoryAreSortedByName) {
     EXPECT_EQ(ds.info().files[0], dir / "a.h5");
     expect_batch(ds, {0, 1, 2, 3, 4}, 1.0f / 255.0f, {0.0f}, {1.0f});
   }
+}
+
+TEST(Dataset, ADirectoryOfTrainingAndValidationSplitsKeepsThemApart) {
+  // What `strata-data tokenize --out dir/gpl` writes: training shards and a validation file.
+  TempDir dir;
+  for (const char* name : {"gpl-train-00000-of-00002.h5", "gpl-train-00001-of-00002.h5", "gpl-val.h5"})
+    std::ofstream(dir / name) << "x";
+  const std::string spec = dir.path().string();
+  EXPECT_EQ(list_shards(spec, "--data"),
+            (std::vector<std::string>{dir / "gpl-train-00000-of-00002.h5", dir / "gpl-train-00001-of-00002.h5"}));
+  EXPECT_EQ(list_shards(spec, "--val-data"), std::vector<std::string>{dir / "gpl-val.h5"});
+  EXPECT_EQ(left_out_note(spec, "--data"),
+            "--data " + spec +
+                ": left out gpl-val.h5 (named as evaluation splits: give them to --val-data); a glob "
+                "such as '" +
+                (dir / "*.h5") + "' takes every file");
+  EXPECT_NE(left_out_note(spec, "--val-data").find("left out gpl-train-00000-of-00002.h5, gpl-train-00001"),
+            std::string::npos);
+  EXPECT_EQ(list_shards(dir / "*.h5", "--data").size(), 3u);  // a glob takes what it names
+  EXPECT_EQ(list_shards(dir / "gpl-val.h5", "--data").size(), 1u);
+  EXPECT_EQ(left_out_note(dir / "gpl-val.h5", "--data"), "");
+  // A directory of one kind is taken whole, whatever its names.
+  TempDir only_val;
+  std::ofstream(only_val / "a-val.h5") << "x";
+  EXPECT_EQ(list_shards(only_val.path().string(), "--data").size(), 1u);
+  EXPECT_EQ(left_out_note(only_val.path().string(), "--data"), "");
+}
+
+TEST(Dataset, EvaluationSplitNames) {
+  for (const char* name : {"x-val.h5", "x_val.h5", "x.valid.h5", "a/b-validation-00001-of-00004.h5", "x-TEST.h5",
+                           "x_eval.h5", "val.h5", "test-00000-of-00002.h5"})
+    EXPECT_TRUE(named_as_evaluation_split(name)) << name;
+  for (const char* name :
+       {"x-train.h5", "train.h5", "interval.h5", "x-values.h5", "contest.h5", "x-train-00000-of-00002.h5"})
+    EXPECT_FALSE(named_as_evaluation_split(name)) << name;
 }
 
 // ---- bad input ---------------------------------------------------------------------------
