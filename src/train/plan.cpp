@@ -61,6 +61,9 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   os << "mpirun -np " << world << " ./build/train";
   for (const auto& [name, value] : config.given)
     if (!replaced.count(name)) os << " --" << name << " " << value;
+  // What training needs but a plan from shapes did not: visible placeholders, not a line that fails.
+  if (config.data.train.empty()) os << " --data DATA";
+  if (config.training.steps == 0 && config.training.epochs == 0) os << " --steps STEPS";
   const parallel::Layout& l = c.layout;
   os << " --tp " << l.tp << " --pp " << l.pp << " --zero " << l.zero << " --micro-batch " << l.micro << " --recompute "
      << recompute_flag(c.recompute);
@@ -149,7 +152,15 @@ double compute_rate(const PlanSettings& plan, DeviceKind device) {
 }
 
 parallel::GridLayout grid_layout(const Config& config, int world_size) {
-  return parallel::GridLayout::train(config.layout.pp, config.layout.tp, world_size);
+  try {
+    return parallel::GridLayout::train(config.layout.pp, config.layout.tp, world_size);
+  } catch (const Error& e) {
+    // --dry-run plans for the ranks launched unless told: say how to plan for another world.
+    if (!config.plan.dry_run || config.plan.world > 0) throw;
+    const int64_t needed = int64_t{config.layout.pp} * config.layout.tp;
+    STRATA_THROW_INPUT(e.message(), "; --dry-run plans for the ", world_size,
+                       " rank(s) launched: add --world N to plan for N ranks (e.g. --world ", needed, ")");
+  }
 }
 
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,

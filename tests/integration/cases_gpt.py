@@ -273,7 +273,18 @@ def case_gpt_dry_run(args):
     out = train_ranks(args, 2, ["--model", "gpt2-124m", "--dry-run", "--global-batch", "8"])
     assert "process grid: pp 1 x dp 2 = 2 ranks" in out and "ranks 0-1 (stage 0, replicas 0-1)" in out, out
     bad = lambda flags, pattern: expect_bad_input(args, flags, pattern)
-    bad(["--model", "gpt2-124m", "--dry-run", "--world", "3", "--pp", "2"], r"--pp 2 does not divide the 3 ranks")
+    bad(["--model", "gpt2-124m", "--dry-run", "--world", "3", "--pp", "2"],
+        r"--pp 2 does not divide the 3 ranks of the world: launch a multiple of 2 ranks \(2, 4, 6, ...\), or give "
+        r"sizes whose product divides 3 \(1, 3\)$")
+    # A plan from shapes alone prints commands with visible placeholders for what it did not have.
+    out = train_ranks(args, 1, ["--model", "gpt2-124m", "--dry-run", "--plan", "--world", "8", "--device-memory",
+                                "80GiB", "--plan-tflops", "100", "--global-batch", "64"])
+    commands = re.findall(r"^\s+mpirun -np 8 \./build/train .*$", out, re.M)
+    assert commands and all(" --data DATA --steps STEPS " in c for c in commands), out
+    # Without --world, --dry-run plans for the ranks launched: the line says how to plan for more.
+    bad(["--model", "gpt2-124m", "--dry-run", "--pp", "4"],
+        r"--pp 4 does not divide the 1 ranks of the world: .*; --dry-run plans for the 1 rank\(s\) launched: "
+        r"add --world N to plan for N ranks \(e.g. --world 4\)")
     bad(["--model", "gpt", "--dry-run"], r"--dry-run without --data needs a GPT with --vocab and --seq-len")
     bad(["--model", "gpt2-124m", "--world", "4", "--steps", "1", "--data", "x.h5"], r"--world 4 .* needs --dry-run")
 

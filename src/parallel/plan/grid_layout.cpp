@@ -60,9 +60,20 @@ void resolve(std::vector<AxisSize>& axes, int world_size) {
     if (!divides) {
       // Name the axes that can be at fault: those of size above 1.
       std::vector<const AxisSize*> fixed;
+      int64_t product = 1;
       for (const AxisSize& axis : axes)
-        if (axis.size && *axis.size > 1) fixed.push_back(&axis);
-      STRATA_THROW_INPUT(flags_str(fixed), " does not divide the ", world_size, " ranks of the world");
+        if (axis.size && *axis.size > 1) {
+          fixed.push_back(&axis);
+          product *= *axis.size;
+        }
+      // What would work: a world of a multiple of the product, or sizes dividing this world.
+      std::string divisors;
+      for (int d = 1; d <= world_size && divisors.size() < 60; ++d)
+        if (world_size % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
+      STRATA_THROW_INPUT(flags_str(fixed), " does not divide the ", world_size,
+                         " ranks of the world: launch a multiple of ", product, " ranks (", product, ", ", 2 * product,
+                         ", ", 3 * product, ", ...), or give sizes ", "whose product divides ", world_size, " (",
+                         divisors, ")");
     }
     open->size = rest;
   } else if (!divides || rest != 1) {
