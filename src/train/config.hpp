@@ -38,6 +38,7 @@ struct Config {
   std::string checkpoint_dir;
   int64_t save_every = 0, eval_every = 0, log_every = 100;
   std::string metrics;
+  std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard event files (rank 0)
   std::string init_from;
   std::string resume = "none";                     // none | auto (newest complete checkpoint in checkpoint_dir) | PATH
   int64_t keep = 0;                                // step-*.h5 files kept in checkpoint_dir (0: all)

@@ -26,12 +26,15 @@ void Monitor::open_outputs(int64_t start_step) {
   const int rank = grid_.world().rank();
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(grid_.mpi_world().comm(), [&] {
-    if (rank != 0 || config_.eval_only) return;
-    for (const auto& [flag, path] :
-         {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}, {"--trace", config_.trace}})
-      if (!path.empty()) io::require_writable_file(path, flag);
+    if (rank != 0) return;
+    if (!config_.eval_only)
+      for (const auto& [flag, path] :
+           {std::pair{"--metrics", config_.metrics}, {"--timeline", config_.timeline}, {"--trace", config_.trace}})
+        if (!path.empty()) io::require_writable_file(path, flag);
+    // Also creates --tensorboard's file, which marks the step a training run starts from.
+    metrics_ = io::MetricsWriter(config_.metrics, config_.tensorboard,
+                                 config_.eval_only ? std::nullopt : std::optional<int64_t>(start_step));
   });
-  if (rank == 0) metrics_ = io::MetricsWriter(config_.metrics);
   parallel::agree(grid_.mpi_world().comm(), [&] {
     // Also when --resume auto found nothing: the run starts again from step 0.
     if (config_.resume != "none") metrics_.drop_after(start_step);
