@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,8 +23,14 @@ void require_writable_file(const std::string& path, const std::string& flag) {
   if (!existed) fs::remove(path);  // --timeline writes it later; --metrics appends to it
 }
 
+MetricsWriter::MetricsWriter(std::string path, const std::string& tensorboard_dir,
+                             std::optional<int64_t> continues_from)
+    : path_(std::move(path)) {
+  if (!tensorboard_dir.empty()) tensorboard_.emplace(tensorboard_dir, continues_from);
+}
+
 void MetricsWriter::append(const ProgressRecord& r) {
-  if (path_.empty()) return;
+  if (path_.empty() && !tensorboard_) return;
   char split[160] = "null", mfu[32] = "null", tokens[48] = "";
   if (r.split)
     std::snprintf(split, sizeof split, "{\"compute\": %.4f, \"comm\": %.4f, \"pipeline\": %.4f, \"data\": %.4f}",
@@ -42,7 +49,7 @@ void MetricsWriter::append(const ProgressRecord& r) {
 }
 
 void MetricsWriter::append(const EvalRecord& r) {
-  if (path_.empty()) return;
+  if (path_.empty() && !tensorboard_) return;
   char perplexity[64] = "";
   if (r.tokens) std::snprintf(perplexity, sizeof perplexity, ", \"eval_perplexity\": %.4f", std::exp(r.loss));
   char json[1024];
@@ -55,6 +62,8 @@ void MetricsWriter::append(const EvalRecord& r) {
 }
 
 void MetricsWriter::write(const char* json) {
+  if (tensorboard_) tensorboard_->write(tensorboard_event(json));
+  if (path_.empty()) return;
   std::ofstream out(path_, std::ios::app);
   out << json;
   out.flush();
@@ -90,6 +99,62 @@ void MetricsWriter::drop_after(int64_t step) const {
 
 namespace {
 
+// Reads the JSON MetricsWriter writes (objects of numbers, null, text without escapes, objects;
+// not JSON in general) into scalars.
+class LineReader {
+ public:
+  explicit LineReader(const std::string& line) : line_(line), p_(line.c_str()) {}
+
+  void object(const std::string& prefix) {
+    expect('{');
+    for (space(); *p_ == '"'; space()) {
+      const std::string key = prefix + text();
+      space();
+      expect(':');
+      space();
+      if (*p_ == '{') {
+        object(key + "/");
+      } else if (*p_ == '"') {
+        label = text();
+      } else if (std::strncmp(p_, "null", 4) == 0) {
+        p_ += 4;
+      } else {
+        char* end = nullptr;
+        const double v = std::strtod(p_, &end);  // also "nan" and "inf", which %f writes
+        STRATA_CHECK(end != p_, "a metrics line with a value that is not a number: ", line_);
+        p_ = end;
+        numbers.emplace_back(key, v);
+      }
+      space();
+      if (*p_ == ',') ++p_;
+    }
+    expect('}');
+  }
+
+  std::vector<std::pair<std::string, double>> numbers;
+  std::string label;  // the line's text field
+
+ private:
+  void space() {
+    while (*p_ == ' ' || *p_ == '\n') ++p_;
+  }
+  void expect(char c) {
+    STRATA_CHECK(*p_ == c, "a metrics line without '", c, "' where expected: ", line_);
+    ++p_;
+  }
+  std::string text() {
+    expect('"');
+    const char* end = std::strchr(p_, '"');
+    STRATA_CHECK(end, "a metrics line with an unterminated string: ", line_);
+    std::string s(p_, end);
+    p_ = end + 1;
+    return s;
+  }
+
+  const std::string& line_;
+  const char* p_;
+};
+
 std::string format_duration(double seconds) {
   const int64_t s = static_cast<int64_t>(std::max(0.0, seconds));
   char buf[32];
@@ -102,6 +167,19 @@ std::string format_duration(double seconds) {
 }
 
 }  // namespace
+
+TensorBoardEvent tensorboard_event(const std::string& json_line) {
+  LineReader line(json_line);
+  line.object("");
+  TensorBoardEvent event;
+  for (const auto& [key, value] : line.numbers) {
+    if (key == "step")
+      event.step = static_cast<int64_t>(value);
+    else  // TensorBoard's scalars are float32: the nearest to the number the JSON line holds
+      event.scalars.push_back({line.label.empty() ? key : line.label + "/" + key, static_cast<float>(value)});
+  }
+  return event;
+}
 
 StepSplit average_split(const std::vector<RankWindow>& ranks) {
   StepSplit split;

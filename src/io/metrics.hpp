@@ -1,11 +1,15 @@
 // --metrics: one JSON object per logged step, appended to a file (JSON lines; fields in
-// docs/formats.md). Losing a line must not stop training: a failed write is warned about once.
+// docs/formats.md), and --tensorboard: the same lines' numbers as TensorBoard scalars (the JSON
+// line is the one record both sinks get, so they cannot drift apart). Losing a line must not
+// stop training: a failed write is warned about once.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "io/tensorboard.hpp"
 
 namespace strata::io {
 
@@ -57,10 +61,18 @@ StepSplit average_split(const std::vector<RankWindow>& ranks);
 // (tokens/s for a language model; "split n/a under NCCL" without a split; no MFU unknown).
 std::string progress_line(const ProgressRecord& record, int64_t total_steps);
 
+// The TensorBoard scalars of one of MetricsWriter's JSON lines, at its "step": every number under
+// its key ("loss"; a nested object's as "split/compute"), prefixed by the line's text field (an
+// evaluation's "eval": "val/eval_loss"); null and text fields are not scalars.
+TensorBoardEvent tensorboard_event(const std::string& json_line);
+
 class MetricsWriter {
  public:
-  // An empty path writes nothing.
-  explicit MetricsWriter(std::string path) : path_(std::move(path)) {}
+  // An empty path writes no JSON lines; an empty `tensorboard_dir` no event file (else one is
+  // created in it now, for a training run that continues from step `continues_from`: see
+  // TensorBoardWriter).
+  explicit MetricsWriter(std::string path, const std::string& tensorboard_dir = "",
+                         std::optional<int64_t> continues_from = std::nullopt);
 
   void append(const ProgressRecord& record);
   void append(const EvalRecord& record);
@@ -69,10 +81,11 @@ class MetricsWriter {
   void drop_after(int64_t step) const;
 
  private:
-  // Appends one line; a failed write is warned about once.
+  // Appends one line, and its event; a failed write is warned about once.
   void write(const char* json);
 
   std::string path_;
+  std::optional<TensorBoardWriter> tensorboard_;
   bool lost_ = false;  // a write failed (warned once)
 };
 

@@ -338,6 +338,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("eval-every", po::value(&c.monitor.eval_every)->default_value(0), "evaluate on --val-data every N steps (0: only at the end)")
     ("log-every", po::value(&c.monitor.log_every)->default_value(100), "progress line every N steps")
     ("metrics", po::value(&c.monitor.metrics), "append one JSON object per logged step to this file")
+    ("tensorboard", po::value(&c.monitor.tensorboard), "write what --metrics holds as TensorBoard event files in this directory (events.out.tfevents.*; rank 0, flushed at every line)")
     ("init-from", po::value(&c.checkpoint.init_from), "initialise the model from this checkpoint")
     ("resume", po::value(&c.checkpoint.resume)->default_value("none"), "continue training from a checkpoint: none | auto (the newest complete one in --checkpoint-dir) | PATH; --steps/--epochs count from the very start")
     ("keep", po::value(&c.checkpoint.keep)->default_value(0), "keep only the newest K checkpoints this job wrote in --checkpoint-dir (0: all)")

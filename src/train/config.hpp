@@ -80,6 +80,7 @@ struct RuntimeSettings {
 struct MonitorSettings {
   int64_t log_every = 100, eval_every = 0;
   std::string metrics;   // --metrics FILE: one JSON object per progress line
+  std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard event files (rank 0)
   std::string log_file;  // rank 0 also appends its log lines here
   bool log_all_ranks = false;
   std::string timeline;                      // SVG of the last step's pipeline timeline

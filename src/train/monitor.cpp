@@ -25,12 +25,15 @@ void Monitor::open_outputs(bool evaluation_only, bool resuming, int64_t start_st
   const int rank = grid_.world().rank();
   // What rank 0 writes during training, checked now rather than after hours of it.
   parallel::agree(grid_.mpi_world().comm(), [&] {
-    if (rank != 0 || evaluation_only) return;
-    for (const auto& [flag, path] :
-         {std::pair{"--metrics", settings_.metrics}, {"--timeline", settings_.timeline}, {"--trace", settings_.trace}})
-      if (!path.empty()) io::require_writable_file(path, flag);
+    if (rank != 0) return;
+    if (!evaluation_only)
+      for (const auto& [flag, path] :
+           {std::pair{"--metrics", settings_.metrics}, {"--timeline", settings_.timeline}, {"--trace", settings_.trace}})
+        if (!path.empty()) io::require_writable_file(path, flag);
+    // Also creates --tensorboard's file, which marks the step a training run starts from.
+    metrics_ = io::MetricsWriter(settings_.metrics, settings_.tensorboard,
+                                 evaluation_only ? std::nullopt : std::optional<int64_t>(start_step));
   });
-  if (rank == 0) metrics_ = io::MetricsWriter(settings_.metrics);
   parallel::agree(grid_.mpi_world().comm(), [&] {
     // Also when --resume auto found nothing: the run starts again from step 0.
     if (resuming) metrics_.drop_after(start_step);

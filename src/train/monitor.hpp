@@ -1,9 +1,9 @@
 // The monitor: everything a run reports while it trains. The plan printed at the start and
 // checked against every rank's allocations; the progress line every --log-every steps (loss,
-// learning rate, throughput, where the step time went, MFU, memory; --metrics gets it as JSON);
-// evaluation lines; the --trace session and the --timeline of the last step; the end-of-run
-// report (micro-batches in flight, tensor-parallel bytes, memory high-water marks). The trainer
-// tells it what happened; it owns the cadence, the clocks and the text.
+// learning rate, throughput, where the step time went, MFU, memory; --metrics gets it as JSON,
+// --tensorboard as scalars); evaluation lines; the --trace session and the --timeline of the last
+// step; the end-of-run report (micro-batches in flight, tensor-parallel bytes, memory high-water
+// marks). The trainer tells it what happened; it owns the cadence, the clocks and the text.
 #pragma once
 
 #include <chrono>
@@ -38,7 +38,7 @@ class Monitor {
   Monitor(const MonitorSettings& settings, parallel::ProcessGrid& grid, double peak_flops);
 
   // Collective: checks the files rank 0 writes during training (none when `evaluation_only`) and
-  // opens --metrics (dropping its lines past `start_step` when `resuming`).
+  // opens --metrics and --tensorboard (dropping their records past `start_step` when `resuming`).
   void open_outputs(bool evaluation_only, bool resuming, int64_t start_step);
   // Collective, once the engine holds the model: checks the plan (`planned`, every rank's)
   // against what every rank allocated, counts the model's FLOPs, opens --trace. `window_*`: a
