@@ -37,6 +37,10 @@ void leaves(const json& tree, const std::string& prefix, std::vector<std::string
 // A JSON value for a message: a string's text, else the JSON (cut short).
 std::string shown(const json& v) {
   std::string text = v.is_string() ? v.get<std::string>() : v.dump();
+  if (v.is_number_float()) {  // the shortest text that reads back (dump() prints 17 digits)
+    char buf[32];
+    text.assign(buf, std::to_chars(buf, buf + sizeof buf, v.get<double>()).ptr);
+  }
   if (text.size() > 40) text = text.substr(0, 37) + "...";
   return text;
 }
