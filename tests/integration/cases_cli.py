@@ -39,6 +39,17 @@ def case_bad_inputs(args):
     with open(text, "w") as f:
         f.write("hello\n")
     expect_bad_input(args, base + ["--data", text], r"not-hdf5\.h5")
+    # A run refused during setup leaves no --checkpoint-dir it created (nor its .lock) behind;
+    # one that existed stays, as it was.
+    for refused in (["--data", text], ["--data", good, "--metrics", "/nonexistent/m.jsonl"],
+                    ["--data", good, "--trace", "/nonexistent/t.json"]):
+        ck = os.path.join(w, "ck-refused")
+        shutil.rmtree(ck, ignore_errors=True)
+        expect_bad_input(args, base + refused + ["--checkpoint-dir", ck], r".", ranks=2)
+        assert not os.path.exists(ck), (refused, os.listdir(ck))
+        os.makedirs(ck)
+        expect_bad_input(args, base + refused + ["--checkpoint-dir", ck], r".")
+        assert os.path.isdir(ck), refused
 
     no_labels = os.path.join(w, "no-labels.h5")
     with h5py.File(no_labels, "w") as f:

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -18,8 +19,9 @@ namespace strata::io {
 
 namespace fs = std::filesystem;
 
-DirectoryLock::DirectoryLock(const std::string& dir) {
+DirectoryLock::DirectoryLock(const std::string& dir) : dir_(dir) {
   std::error_code ec;
+  created_ = !fs::exists(dir, ec);
   fs::create_directories(dir, ec);
   STRATA_REQUIRE(!ec, "--checkpoint-dir: cannot create '", dir, "': ", ec.message());
   const std::string path = (fs::path(dir) / ".lock").string();
@@ -54,7 +56,16 @@ DirectoryLock::DirectoryLock(const std::string& dir) {
 }
 
 DirectoryLock::~DirectoryLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the flock; the file stays (removing it would race a new holder)
+  if (fd_ < 0) return;
+  // Ours alone and still empty: removed while the flock is held, so no other job can hold it in
+  // between. Otherwise the file stays (removing it after the release would race a new holder).
+  if (created_) {
+    std::error_code ec;
+    const fs::directory_iterator entries(dir_, ec);
+    const bool only_lock = !ec && std::distance(entries, fs::directory_iterator{}) == 1;
+    if (only_lock && fs::remove(fs::path(dir_) / ".lock", ec)) fs::remove(dir_, ec);
+  }
+  ::close(fd_);  // releases the flock
 }
 
 }  // namespace strata::io
