@@ -9,7 +9,8 @@
   exports back to bit-identical BF16 shards.
 - bad_inputs: each bad model directory or file is one line on stderr, exit 2.
 - live (label interop; needs transformers: run by STRATA_INTEROP_PYTHON, SKIP 77 without it): a
-  random GPT-2 made now -> import -> eval loss equals transformers'; Strata-trained models
+  random GPT-2 made now -> import -> eval loss equals transformers'; it trains on (tp 2 x pp 2,
+  4 ranks) and exports to logits transformers reproduces; Strata-trained models
   (tanh GELU tied; exact GELU untied) -> export-hf -> from_pretrained logits equal Strata's within
   1e-5, the exact one's config says "gelu"; import -> export is bit-identical (safetensors' own
   reader).
@@ -338,7 +339,27 @@ def case_live(a):
     for k in orig:
         assert orig[k].dtype == again[k].dtype and orig[k].tobytes() == again[k].tobytes(), k
 
-    # 3. Strata-trained models -> export -> from_pretrained logits equal Strata's.
+    # 3. Continued pretraining of the imported model on 4 ranks (tp 2 x pp 2), no --model given.
+    run_dir = os.path.join(w, "ck-continued")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ok([a.mpirun, "-np", "4", "--oversubscribe", "--bind-to", "none", a.train, "--init-from", ck, "--data", data,
+        "--tp", "2", "--pp", "2", "--steps", "4", "--global-batch", "4", "--micro-batch", "2", "--optimizer", "adamw",
+        "--lr", "0.01", "--checkpoint-dir", run_dir])
+    continued = os.path.join(run_dir, "step-00000004.h5")
+    _, attrs = read_checkpoint(continued)
+    assert "activation = gelu_tanh" in attrs["config"], attrs["config"]
+    out = os.path.join(w, "hf-continued")
+    shutil.rmtree(out, ignore_errors=True)
+    ok([a.convert, "export-hf", "--checkpoint", continued, "--out", out])
+    hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.tensor([ids[:t]])).logits[0].numpy()
+    mine = strata_logits(a, continued, ids[:t], vocab)
+    print(f"continued (tp 2 x pp 2): max |Strata - transformers| logits {np.abs(mine - theirs).max():.3g}")
+    assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(read_checkpoint(continued)[0]["wte/weight"], read_checkpoint(ck)[0]["wte/weight"])
+
+    # 4. Strata-trained models -> export -> from_pretrained logits equal Strata's.
     for activation, tie in (("gelu_tanh", "true"), ("gelu", "false")):
         run_dir = os.path.join(w, f"ck-{activation}")
         shutil.rmtree(run_dir, ignore_errors=True)
