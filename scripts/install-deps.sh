@@ -12,6 +12,7 @@ packages=(
   libopenblas-dev
   libgtest-dev
   zlib1g-dev
+  nlohmann-json3-dev  # safetensors headers and config.json (strata-convert)
   clang-format
   python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin  # strata-plot --out FILE.png

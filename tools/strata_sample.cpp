@@ -145,6 +145,8 @@ int run(const Options& o) {
   spec.vocab = vocab;
   if (const auto it = config.find("tie-embeddings"); it != config.end()) spec.tie_embeddings = it->second == "true";
   if (const auto it = config.find("attention"); it != config.end()) spec.attention = it->second;
+  if (const auto it = config.find("activation"); it != config.end()) spec.activation = it->second;
+  if (const auto it = config.find("norm-eps"); it != config.end()) spec.norm_eps = std::stof(it->second);
   const int64_t classes = reader.has_attr("num_classes") ? reader.attr_int("num_classes") : vocab;
   const layers::Model model = layers::build_model(spec, {positions}, static_cast<int>(classes));
   const layers::ParameterStore store(model, 0);

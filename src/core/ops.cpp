@@ -156,6 +156,25 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   STRATA_CUDA_OP(d, gelu_backward, x, dy, dx);
 }
 
+void gelu_tanh_forward(const Tensor& x, const Tensor& y) {
+  check_float(x, "x");
+  check_like(y, x, "y");
+  const Device d = common_device({&x, &y});
+  if (d.is_meta()) return meta_op({&x, &y}, true);
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_tanh_forward(s.in(x), s.out(y)); });
+  STRATA_CUDA_OP(d, gelu_tanh_forward, x, y);
+}
+
+void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  check_float(x, "x");
+  check_like(dy, x, "dy");
+  check_like(dx, x, "dx");
+  const Device d = common_device({&x, &dy, &dx});
+  if (d.is_meta()) return meta_op({&x, &dy, &dx}, true);
+  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_tanh_backward(s.in(x), s.in(dy), s.out(dx)); });
+  STRATA_CUDA_OP(d, gelu_tanh_backward, x, dy, dx);
+}
+
 namespace {
 void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   check_float(x, "x");

@@ -58,6 +58,10 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx);
 // Exact GELU, x * Phi(x) (PyTorch's default, approximate='none').
 void gelu_forward(const Tensor& x, const Tensor& y);
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
+// GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2's "gelu_new",
+// PyTorch's approximate='tanh').
+void gelu_tanh_forward(const Tensor& x, const Tensor& y);
+void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
 
 // Inverted dropout: y = x * keep / (1 - p). The keep decision for element j of sample s is
 // uniform(key, stream, (first_sample + s) * sample_numel + j) >= p, so it depends only on

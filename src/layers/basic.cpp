@@ -334,7 +334,10 @@ Tensor ActivationLayer::forward(const Tensor& x, Context& ctx, const StepInfo& i
     ops::relu_forward(x, y);
     if (info.mode == Mode::Train) ctx.saved = {y};  // relu's backward needs only the output
   } else {
-    ops::gelu_forward(x, y);
+    if (kind_ == Activation::GELU)
+      ops::gelu_forward(x, y);
+    else
+      ops::gelu_tanh_forward(x, y);
     if (info.mode == Mode::Train) ctx.saved = {x};
   }
   return y;
@@ -345,8 +348,10 @@ Tensor ActivationLayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
   if (kind_ == Activation::ReLU)
     ops::relu_backward(saved, dy, dx);
-  else
+  else if (kind_ == Activation::GELU)
     ops::gelu_backward(saved, dy, dx);
+  else
+    ops::gelu_tanh_backward(saved, dy, dx);
   ctx.clear();
   return dx;
 }

@@ -109,12 +109,15 @@ class GlobalAvgPool final : public Layer {
   Tensor backward(const Tensor& dy, Context& ctx) override;
 };
 
-enum class Activation { ReLU, GELU };
+// GELU: exact, x Phi(x); GELUTanh: its tanh approximation (GPT-2's "gelu_new").
+enum class Activation { ReLU, GELU, GELUTanh };
 
 class ActivationLayer final : public Layer {
  public:
   ActivationLayer(std::string name, Activation kind) : Layer(std::move(name)), kind_(kind) {}
-  std::string describe() const override { return kind_ == Activation::ReLU ? "relu" : "gelu"; }
+  std::string describe() const override {
+    return kind_ == Activation::ReLU ? "relu" : kind_ == Activation::GELU ? "gelu" : "gelu_tanh";
+  }
   Shape output_shape(const Shape& input) const override { return input; }
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;

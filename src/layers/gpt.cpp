@@ -36,10 +36,11 @@ std::unique_ptr<Linear> gpt_linear(std::string name, int64_t in, int64_t out, do
 
 // c_fc column-parallel, GELU on the local slice, c_proj row-parallel (Megatron's MLP: one
 // all-reduce, after c_proj); the dropout after it sees replicated values.
-std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std, TensorParallelGroup* tp) {
+std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std, TensorParallelGroup* tp,
+                                 Activation activation) {
   std::vector<LayerPtr> layers;
   layers.push_back(gpt_linear("c_fc", embed, 4 * embed, kGptInitStd, TensorParallelMode::Column, tp));
-  layers.push_back(std::make_unique<ActivationLayer>("gelu", Activation::GELU));
+  layers.push_back(std::make_unique<ActivationLayer>("gelu", activation));
   layers.push_back(gpt_linear("c_proj", 4 * embed, embed, proj_std, TensorParallelMode::Row, tp));
   if (dropout > 0) layers.push_back(std::make_unique<Dropout>("dropout", dropout));
   return layers;
@@ -324,13 +325,15 @@ Tensor backward_recomputing(Layer& layer, const Tensor& dy, Context& ctx) {
 }  // namespace
 
 TransformerBlock::TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout, AttentionKind kind,
-                                   double proj_std, TensorParallelGroup* tp, Recompute recompute)
+                                   double proj_std, TensorParallelGroup* tp, Recompute recompute, Activation activation,
+                                   float norm_eps)
     : Layer(std::move(name)),
       recompute_(recompute),
-      ln_1_("ln_1", embed),
+      activation_(activation),
+      ln_1_("ln_1", embed, norm_eps),
       attn_("attn", embed, heads, dropout, kind, proj_std, tp),
-      ln_2_("ln_2", embed),
-      mlp_("mlp", mlp_layers(embed, dropout, proj_std, splitting(tp))) {
+      ln_2_("ln_2", embed, norm_eps),
+      mlp_("mlp", mlp_layers(embed, dropout, proj_std, splitting(tp), activation)) {
   ln_1_.set_no_weight_decay();
   ln_2_.set_no_weight_decay();
   for (Layer* child : std::initializer_list<Layer*>{&ln_1_, &attn_, &ln_2_, &mlp_}) gradients_.add(*child);

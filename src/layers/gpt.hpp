@@ -123,7 +123,8 @@ enum class Recompute { None, Block, Full };
 Recompute parse_recompute(const std::string& name);
 
 // Pre-LayerNorm block: h = x + attn(ln_1(x)), y = h + mlp(ln_2(h)), the MLP being c_fc
-// (D -> 4D), exact GELU, c_proj (4D -> D), dropout. Children "ln_1", "attn", "ln_2", "mlp", so
+// (D -> 4D), GELU (exact, or its tanh approximation: `activation`), c_proj (4D -> D), dropout;
+// both LayerNorms with epsilon `norm_eps`. Children "ln_1", "attn", "ln_2", "mlp", so
 // parameters are "<block>/attn/c_attn/weight", "<block>/mlp/c_fc/bias", ... proj_std is the
 // init std of the two residual projections (attn/c_proj, mlp/c_proj). With tp: the attention
 // as above, c_fc column-parallel and c_proj row-parallel; LayerNorms and dropouts replicated.
@@ -133,7 +134,8 @@ class TransformerBlock final : public Layer {
  public:
   TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
                    AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
-                   TensorParallelGroup* tp = nullptr, Recompute recompute = Recompute::None);
+                   TensorParallelGroup* tp = nullptr, Recompute recompute = Recompute::None,
+                   Activation activation = Activation::GELU, float norm_eps = 1e-5f);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -145,7 +147,8 @@ class TransformerBlock final : public Layer {
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   bool is_tensor_parallel_block() const override { return true; }
   int64_t heads() const { return attn_.heads(); }
-  float ln_eps() const { return ln_1_.eps(); }  // both LayerNorms'
+  float ln_eps() const { return ln_1_.eps(); }           // both LayerNorms'
+  Activation activation() const { return activation_; }  // the MLP's
   Recompute recompute() const { return recompute_; }
 
  private:
@@ -153,6 +156,7 @@ class TransformerBlock final : public Layer {
   // children's contexts but not y (returns an undefined tensor).
   Tensor run(const Tensor& x, Context& ctx, const StepInfo& info, bool rebuild);
   Recompute recompute_;
+  Activation activation_;
   LayerNorm ln_1_;
   CausalSelfAttention attn_;
   LayerNorm ln_2_;

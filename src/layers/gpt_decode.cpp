@@ -75,6 +75,7 @@ GptDecoder::GptDecoder(const Model& model, const ParameterStore& store) {
       STRATA_CHECK(heads_ == 0 || heads_ == block->heads(), "blocks with different head counts");
       heads_ = block->heads();
       eps_ = block->ln_eps();
+      tanh_gelu_ = block->activation() == Activation::GELUTanh;
       blocks_.push_back(Block{param(p + "ln_1/weight"), param(p + "ln_1/bias"), param(p + "attn/c_attn/weight"),
                               param(p + "attn/c_attn/bias"), param(p + "attn/c_proj/weight"),
                               param(p + "attn/c_proj/bias"), param(p + "ln_2/weight"), param(p + "ln_2/bias"),
@@ -144,7 +145,10 @@ const Tensor& GptDecoder::prefill(std::span<const int32_t> tokens) {
     ops::axpy(1.0f, proj, x);  // the residual
     ops::layer_norm_forward(x, b.ln_2_w, b.ln_2_b, h, mean, rstd, eps_);
     linear(h, b.c_fc_w, b.c_fc_b, fc);
-    ops::gelu_forward(fc, act);
+    if (tanh_gelu_)
+      ops::gelu_tanh_forward(fc, act);
+    else
+      ops::gelu_forward(fc, act);
     linear(act, b.mlp_proj_w, b.mlp_proj_b, proj);
     ops::axpy(1.0f, proj, x);
   }

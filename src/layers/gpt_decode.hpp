@@ -59,6 +59,7 @@ class GptDecoder {
   };
   int64_t layers_ = 0, heads_ = 0, embed_ = 0, vocab_ = 0, max_positions_ = 0, position_ = 0;
   float eps_ = 1e-5f;
+  bool tanh_gelu_ = false;  // the blocks' MLP activation: GELU's tanh approximation, else exact
   Tensor wte_, wpe_, ln_f_w_, ln_f_b_, head_w_;
   std::vector<Block> blocks_;
   Tensor k_cache_, v_cache_;  // (layers, heads, max_positions, head dim)

@@ -104,6 +104,11 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   STRATA_REQUIRE(spec.dropout >= 0.0f && spec.dropout < 1.0f, "--dropout must be in [0, 1), found ", spec.dropout);
   STRATA_REQUIRE(spec.attention == "flash" || spec.attention == "plain", "--attention must be flash or plain, found '",
                  spec.attention, "'");
+  STRATA_REQUIRE(spec.activation == "gelu" || spec.activation == "gelu_tanh",
+                 "--activation must be gelu or gelu_tanh, found '", spec.activation, "'");
+  STRATA_REQUIRE(spec.norm_eps > 0.0f && std::isfinite(spec.norm_eps), "--norm-eps must be positive, found ",
+                 spec.norm_eps);
+  const Activation activation = spec.activation == "gelu" ? Activation::GELU : Activation::GELUTanh;
   const int64_t t = input[0];
   const int64_t positions = spec.seq_len > 0 ? spec.seq_len : t;
   STRATA_REQUIRE(t <= positions, "the data's sequences have ", t, " tokens but --seq-len is ", positions);
@@ -132,8 +137,8 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
   for (int i = 0; i < spec.layers; ++i)
     b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind, proj_std,
-                            tp, recompute);
-  auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed);
+                            tp, recompute, activation, spec.norm_eps);
+  auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed, spec.norm_eps);
   ln_f->set_no_weight_decay();
   b.add(std::move(ln_f));
   b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
@@ -190,6 +195,8 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
   STRATA_REQUIRE(!split || !classic, "--tp applies to the gpt models; --model ", spec.name, " runs with --tp 1");
   STRATA_REQUIRE(!classic || spec.recompute == "none", "--recompute ", spec.recompute,
                  " applies to the gpt models' transformer blocks; --model ", spec.name, " runs with --recompute none");
+  STRATA_REQUIRE(!classic || (spec.activation == "gelu" && spec.norm_eps == 1e-5f), "--activation and --norm-eps",
+                 " apply to the gpt models; --model ", spec.name, " takes neither");
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);

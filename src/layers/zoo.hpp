@@ -30,6 +30,10 @@ struct ModelSpec {
   // Activation recomputation of the transformer blocks: none | block | full (gpt.hpp:
   // Recompute); only the gpt models have it (other models: an Input error unless "none").
   std::string recompute = "none";
+  // gpt: the MLP's activation, gelu (exact, x Phi(x)) | gelu_tanh (GPT-2's tanh approximation,
+  // Hugging Face's "gelu_new"), and the LayerNorms' epsilon.
+  std::string activation = "gelu";
+  float norm_eps = 1e-5f;
 };
 
 // The GPT presets' names and, for one of them, the spec with its shape fields set (layers,

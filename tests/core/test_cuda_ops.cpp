@@ -160,6 +160,12 @@ TEST_P(CudaOpsT, ElementwiseMatchesCpu) {
   ops::gelu_backward(a, dy, y);
   ops::gelu_backward(da, ddy, dev_y);
   expect_close(dev_y, y, rtol(t), 1.0, "gelu_backward");
+  ops::gelu_tanh_forward(a, y);
+  ops::gelu_tanh_forward(da, dev_y);
+  expect_close(dev_y, y, rtol(t), 1.0, "gelu_tanh_forward");
+  ops::gelu_tanh_backward(a, dy, y);
+  ops::gelu_tanh_backward(da, ddy, dev_y);
+  expect_close(dev_y, y, rtol(t), 1.0, "gelu_tanh_backward");
 
   ops::scale(b, -0.375f);
   ops::scale(db, -0.375f);

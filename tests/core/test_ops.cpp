@@ -82,6 +82,24 @@ TEST(Ops, ReluAndGelu) {
   expect_close(dx, want_dx);
 }
 
+// GELU's tanh approximation against the formula in double (GPT-2's gelu_new).
+TEST(Ops, GeluTanh) {
+  Tensor x = rand_tensor({3, 257}, 5, -6.0f, 6.0f), dy = rand_tensor({3, 257}, 6);
+  Tensor y = Tensor::empty(x.shape()), dx = Tensor::empty(x.shape());
+  const auto vx = values(x), vdy = values(dy);
+  std::vector<double> want(vx.size()), want_dx(vx.size());
+  ops::gelu_tanh_forward(x, y);
+  ops::gelu_tanh_backward(x, dy, dx);
+  const double k = std::sqrt(2.0 / M_PI);
+  for (size_t i = 0; i < vx.size(); ++i) {
+    const double v = vx[i], t = std::tanh(k * (v + 0.044715 * v * v * v));
+    want[i] = 0.5 * v * (1.0 + t);
+    want_dx[i] = vdy[i] * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * v * v));
+  }
+  expect_close(y, want);
+  expect_close(dx, want_dx);
+}
+
 // The CPU's GELU computes erf and exp with its own polynomials (ops/cpu/gelu_math.hpp): within
 // float precision of the exact function everywhere, tails, zeros and non-finite values included.
 TEST(Ops, GeluIsWithinFloatPrecisionOfTheExactFunction) {

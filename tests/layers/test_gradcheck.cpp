@@ -344,6 +344,11 @@ TEST_F(GradCheck, GELU) {
   run(gelu, randn({3, 4, 5}, 2.0f));
 }
 
+TEST_F(GradCheck, GELUTanh) {
+  ActivationLayer gelu("gelu", Activation::GELUTanh);
+  run(gelu, randn({3, 4, 5}, 2.0f));
+}
+
 TEST_F(GradCheck, DropoutTrainModeMaskFixedByKey) {
   Dropout drop("dropout", 0.4f);
   drop.set_index(3);

@@ -135,6 +135,35 @@ struct GeluBackward {  // d/dx x*Phi(x) = Phi(x) + x * phi(x)
   }
 };
 
+// GELU's tanh approximation (Hendrycks & Gimpel; GPT-2's and Hugging Face's "gelu_new"):
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in float like torch's. One functor for the
+// CPU loop and the CUDA launcher.
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluTanhCubic = 0.044715f;
+
+template <class T>
+struct GeluTanhForward {
+  const T* x;
+  T* y;
+  STRATA_HD void operator()(int64_t i) const {
+    const float v = to_f32(x[i]);
+    y[i] = from_f32<T>(0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluTanhCubic * v * v * v))));
+  }
+};
+
+template <class T>
+struct GeluTanhBackward {  // d/dx = (1 + t) / 2 + x (1 - t^2) / 2 * sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+  const T* x;
+  const T* dy;
+  T* dx;
+  STRATA_HD void operator()(int64_t i) const {
+    const float v = to_f32(x[i]);
+    const float t = tanhf(kSqrt2OverPi * (v + kGeluTanhCubic * v * v * v));
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCubic * v * v);
+    dx[i] = from_f32<T>(to_f32(dy[i]) * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
+  }
+};
+
 // Inverted dropout; the mask is recomputed from (key, stream, global element index), so
 // backward needs no stored mask, and host and device draw the same mask. Used for forward
 // (x -> y) and backward (dy -> dx) alike.

@@ -72,6 +72,8 @@ void relu_forward(const Tensor& x, const Tensor& y);
 void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx);
 void gelu_forward(const Tensor& x, const Tensor& y);
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
+void gelu_tanh_forward(const Tensor& x, const Tensor& y);
+void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx);
 void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey& key);
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key);
 

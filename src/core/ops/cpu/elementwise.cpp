@@ -54,6 +54,14 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   }
 }
 
+void gelu_tanh_forward(const Tensor& x, const Tensor& y) {
+  parallel_for(x.numel(), fn::GeluTanhForward<float>{x.data<float>(), y.data<float>()});
+}
+
+void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  parallel_for(x.numel(), fn::GeluTanhBackward<float>{x.data<float>(), dy.data<float>(), dx.data<float>()});
+}
+
 namespace {
 fn::Dropout<float> dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   return fn::make_dropout(x.data<float>(), y.data<float>(), x.numel(), x.dim(0), p, key.key, key.stream,

@@ -114,6 +114,22 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   });
 }
 
+void gelu_tanh_forward(const Tensor& x, const Tensor& y) {
+  const OnDevice on(y);
+  with_float_type(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(on, x.numel(), fn::GeluTanhForward<T>{x.data<T>(), y.data<T>()});
+  });
+}
+
+void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  const OnDevice on(dx);
+  with_float_type(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(on, x.numel(), fn::GeluTanhBackward<T>{x.data<T>(), dy.data<T>(), dx.data<T>()});
+  });
+}
+
 namespace {
 // The same counter-based mask as the CPU (rng.hpp): forward and backward alike.
 void dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
