@@ -8,11 +8,10 @@ packages=(
   libopenmpi-dev openmpi-bin
   libhdf5-dev libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev
-  nlohmann-json3-dev
   libopenblas-dev
   libgtest-dev
   zlib1g-dev
-  nlohmann-json3-dev  # safetensors headers and config.json (strata-convert)
+  nlohmann-json3-dev  # ds_config.json, safetensors headers, config.json, tokenizer.json
   clang-format
   python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin  # strata-plot --out FILE.png
