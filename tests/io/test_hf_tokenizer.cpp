@@ -1,0 +1,170 @@
+// Hugging Face byte-level BPE (io/hf_bpe.hpp) against ids the `tokenizers` library produced
+// (tests/fixtures/hf, made by tools/interop/make_tokenizer_fixtures.py): a GPT-2-style and a
+// Llama-3-style tokenizer.json on English, accents, CJK, emoji, whitespace runs, digits,
+// contractions and added tokens inside text. Also: decoding round-trips (any bytes), token shards
+// store and reload the tokenizer, and each kind of bad tokenizer.json is one-line Input error.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/hf_bpe.hpp"
+#include "io/tokenizer.hpp"
+#include "io/tokens.hpp"
+#include "io_test_util.hpp"
+
+namespace strata::io {
+namespace {
+
+using test::expect_input_error;
+using test::TempDir;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string fixture(const std::string& name) { return read_file(std::string(STRATA_HF_FIXTURES) + "/" + name); }
+
+TEST(HfTokenizer, IdsEqualTheLibrarysOnTrickyStrings) {
+  const auto cases = nlohmann::json::parse(fixture("cases.json"));
+  std::map<std::string, Tokenizer> toks;
+  for (const char* name : {"gpt2.json", "llama3.json"}) toks.emplace(name, Tokenizer::hf(fixture(name)));
+  int checked = 0;
+  for (const auto& c : cases.at("cases")) {
+    const Tokenizer& tok = toks.at(c.at("tokenizer").get<std::string>());
+    const auto text = c.at("text").get<std::string>();
+    const auto expected = c.at("ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok.encode(text), expected) << c.at("tokenizer") << ": \"" << text << "\"";
+    // The library's decode: the text itself, except whitespace an lstrip token absorbed.
+    EXPECT_EQ(tok.decode(expected), c.at("decoded").get<std::string>()) << c.at("tokenizer");
+    if (text.find("<mask>") == std::string::npos) {
+      EXPECT_EQ(tok.decode(expected), text) << c.at("tokenizer");
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 50);
+}
+
+TEST(HfTokenizer, EndOfTextAndVocabulary) {
+  const Tokenizer gpt2 = Tokenizer::hf(fixture("gpt2.json"));
+  EXPECT_EQ(gpt2.kind(), Tokenizer::Kind::Hf);
+  EXPECT_EQ(gpt2.name(), "hf");
+  EXPECT_EQ(gpt2.piece(gpt2.eot()), "<|endoftext|>");
+  EXPECT_EQ(gpt2.vocab_size(), 1502);  // 1500 trained + <mask> + [note]
+  const Tokenizer llama = Tokenizer::hf(fixture("llama3.json"));
+  EXPECT_EQ(llama.piece(llama.eot()), "<|end_of_text|>");
+  EXPECT_EQ(Tokenizer::hf(fixture("llama3.json"), "<|begin_of_text|>").eot(), 0);
+  expect_input_error([&] { Tokenizer::hf(fixture("gpt2.json"), "<|nope|>"); }, {"no token '<|nope|>'"});
+  expect_input_error([&] { gpt2.decode(std::vector<int32_t>{1502}); }, {"outside the vocabulary"});
+}
+
+TEST(HfTokenizer, AnyBytesRoundTrip) {
+  std::string s = "naïve café — 日本語, emoji 🙂🚀\n\ttabs  \r\n   ";
+  for (int b = 0; b < 256; ++b) s += static_cast<char>(b);  // invalid UTF-8 included
+  s += "\xe6\x97<|endoftext|>\xff tail";
+  for (const char* name : {"gpt2.json", "llama3.json"}) {
+    const Tokenizer tok = Tokenizer::hf(fixture(name));
+    EXPECT_EQ(tok.decode(tok.encode(s)), s) << name;
+  }
+  const std::string gpl = read_file("/usr/share/common-licenses/GPL-3");
+  const Tokenizer tok = Tokenizer::hf(fixture("gpt2.json"));
+  const std::vector<int32_t> ids = tok.encode(gpl);
+  EXPECT_EQ(tok.decode(ids), gpl);
+  EXPECT_LT(ids.size(), gpl.size() / 3);  // trained on it: well compressed
+}
+
+TEST(HfTokenizer, ShardsStoreAndReloadIt) {
+  TempDir dir;
+  const Tokenizer tok = Tokenizer::hf(fixture("llama3.json"));
+  std::vector<int32_t> ids = tok.encode("Hello, world! 日本語");
+  ids.push_back(tok.eot());
+  write_token_shard(dir / "a.h5", ids, tok);
+  write_token_shard(dir / "b.h5", ids, tok);
+  const TokenDataset ds = TokenDataset::open(dir.path().string(), "--data");
+  EXPECT_EQ(ds.tokenizer().kind(), Tokenizer::Kind::Hf);
+  EXPECT_EQ(ds.tokenizer().eot(), tok.eot());
+  EXPECT_EQ(ds.vocab_size(), tok.vocab_size());
+  EXPECT_EQ(ds.tokenizer().hf_json(), tok.hf_json());
+  EXPECT_EQ(ds.tokenizer().decode(ids), "Hello, world! 日本語<|end_of_text|>");
+  EXPECT_EQ(ds.tokenizer().encode("Hello, world! 日本語"), tok.encode("Hello, world! 日本語"));
+
+  // Another tokenizer.json in one shard: the shards disagree.
+  write_token_shard(dir / "c.h5", ids, Tokenizer::hf(fixture("llama3.json"), "<|begin_of_text|>"));
+  expect_input_error([&] { TokenDataset::open(dir.path().string(), "--data"); }, {"c.h5", "all shards must agree"});
+}
+
+// Shards whose hf tokenizer is missing, damaged or of another size: one line naming the file.
+TEST(HfTokenizer, BadShards) {
+  TempDir dir;
+  const Tokenizer tok = Tokenizer::hf(fixture("gpt2.json"));
+  const std::vector<int32_t> ids{5, 6, tok.eot()};
+  auto edit = [&](const std::string& name, auto&& change) {
+    const std::string path = dir / name;
+    write_token_shard(path, ids, tok);
+    h5::File f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    change(f);
+    return path;
+  };
+  auto open = [](const std::string& path) { return [path] { TokenDataset::open(path, "--data"); }; };
+  expect_input_error(open(edit("nojson.h5", [](hid_t f) { H5Ldelete(f, "tokenizer/json", H5P_DEFAULT); })),
+                     {"nojson.h5", "tokenizer 'hf' but no dataset 'tokenizer/json'"});
+  expect_input_error(open(edit("badjson.h5",
+                               [](hid_t f) {
+                                 H5Ldelete(f, "tokenizer/json", H5P_DEFAULT);
+                                 const std::string text = "{\"model\": [";
+                                 const hsize_t n = text.size();
+                                 h5::Space space(H5Screate_simple(1, &n, nullptr));
+                                 h5::DataSet d(H5Dcreate2(f, "tokenizer/json", H5T_STD_U8LE, space, H5P_DEFAULT,
+                                                          H5P_DEFAULT, H5P_DEFAULT));
+                                 H5Dwrite(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data());
+                               })),
+                     {"badjson.h5", "has a 'tokenizer/json' that is not valid JSON"});
+  expect_input_error(open(edit("vocab.h5", [](hid_t f) { h5::write_attr(f, "vocab_size", int64_t{50257}); })),
+                     {"vocab.h5", "vocab_size 50257", "1502 ids"});
+  expect_input_error(open(edit("eot.h5", [](hid_t f) { h5::write_attr(f, "eot", int64_t{1502}); })),
+                     {"eot.h5", "eot 1502 outside the vocabulary"});
+}
+
+// Each way a tokenizer.json can be wrong: one line naming what.
+TEST(HfTokenizer, BadTokenizerJson) {
+  const auto good = nlohmann::json::parse(fixture("gpt2.json"));
+  auto bad = [&](auto&& edit, std::vector<std::string> words) {
+    nlohmann::json j = good;
+    edit(j);
+    expect_input_error([&] { Tokenizer::hf(j.dump()); }, words);
+  };
+  expect_input_error([] { Tokenizer::hf("{\"model\": {\"type\": \"BPE\", "); }, {"not valid JSON"});
+  expect_input_error([] { Tokenizer::hf("[1, 2]"); }, {"not a tokenizer.json"});
+  bad([](auto& j) { j["model"]["type"] = "WordPiece"; }, {"not byte-level BPE", "WordPiece"});
+  bad([](auto& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, {"not byte-level BPE", "Whitespace"});
+  bad([](auto& j) { j["pre_tokenizer"] = nullptr; }, {"not byte-level BPE"});
+  bad([](auto& j) { j["normalizer"] = {{"type", "NFC"}}; }, {"normalizer 'NFC'"});
+  bad([](auto& j) { j["model"]["merges"][3] = {"Ġt", "zzz"}; }, {"merge 3", "'zzz' is not in the vocabulary"});
+  bad([](auto& j) { j["model"]["merges"][5] = "onlyone"; }, {"merge 5", "two tokens"});
+  bad([](auto& j) { j["model"]["vocab"].erase("a"); }, {"no token for byte 97"});
+  bad([](auto& j) { j["model"]["vocab"] = 7; }, {"model.vocab"});
+  bad([](auto& j) { j["model"]["dropout"] = 0.1; }, {"dropout"});
+  bad([](auto& j) { j["model"]["continuing_subword_prefix"] = "##"; }, {"continuing_subword_prefix"});
+  bad([](auto& j) { j["added_tokens"][0]["single_word"] = true; }, {"single_word"});
+  bad([](auto& j) { j["added_tokens"][0]["content"] = 5; }, {"unexpected structure"});
+  bad(
+      [](auto& j) {
+        j["pre_tokenizer"] = {{"type", "Sequence"},
+                              {"pretokenizers",
+                               {{{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}},
+                                {{"type", "ByteLevel"}, {"use_regex", false}}}}};
+      },
+      {"cannot compile", "Split"});
+  bad(
+      [](auto& j) {
+        j["added_tokens"] = nlohmann::json::array();
+        j["model"]["vocab"].erase("<|endoftext|>");
+      },
+      {"<|endoftext|>", "--eot-token"});
+}
+
+}  // namespace
+}  // namespace strata::io
