@@ -11,7 +11,7 @@ packages=(
   libopenblas-dev
   libgtest-dev
   zlib1g-dev
-  nlohmann-json3-dev libpcre2-dev  # Hugging Face tokenizer.json (io/hf_bpe)
+  nlohmann-json3-dev libpcre2-dev libicu-dev  # Hugging Face tokenizer.json (io/hf_bpe)
   clang-format
   python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin  # strata-plot --out FILE.png

@@ -7,6 +7,8 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <unicode/bytestream.h>
+#include <unicode/normalizer2.h>
 
 #include <algorithm>
 #include <array>
@@ -59,18 +61,22 @@ std::string utf8(uint32_t cp) {
   return s;
 }
 
-// The code point starting at s[i] and its length in bytes; (0xFFFFFFFF, 1) for a byte that
-// starts no valid character.
+constexpr uint32_t kInvalid = 0xFFFFFFFFu;
+
+// The code point starting at s[i] and its length in bytes; (kInvalid, 1) for a byte that starts
+// no well-formed character (overlong forms and surrogates included, as PCRE2 and ICU judge).
 std::pair<uint32_t, size_t> next_char(std::string_view s, size_t i) {
   const auto c = static_cast<unsigned char>(s[i]);
   const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-  if (len == 0 || i + len > s.size()) return {0xFFFFFFFFu, 1};
+  if (len == 0 || i + len > s.size()) return {kInvalid, 1};
   uint32_t cp = len == 1 ? c : c & (0xFF >> (len + 1));
   for (size_t k = 1; k < len; ++k) {
     const auto cc = static_cast<unsigned char>(s[i + k]);
-    if ((cc >> 6) != 0x2) return {0xFFFFFFFFu, 1};
+    if ((cc >> 6) != 0x2) return {kInvalid, 1};
     cp = (cp << 6) | (cc & 0x3F);
   }
+  constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return {kInvalid, 1};
   return {cp, len};
 }
 
@@ -202,6 +208,7 @@ struct EncodeState {
 
 struct HfBpe::Impl {
   std::string json;
+  const icu::Normalizer2* normalizer = nullptr;  // NFC (Qwen 2), NFD, NFKC or NFKD; null: none
   int64_t vocab_size = 0;
   std::vector<std::string> pieces;  // id -> bytes
   std::vector<uint8_t> has_piece;   // ids no token has are holes
@@ -215,6 +222,7 @@ struct HfBpe::Impl {
   std::array<AddedSet, 2> added;  // [0]: normalized = false (split first), [1]: normalized = true
   int64_t num_added = 0;
 
+  void parse_normalizer(const Json& normalizer);
   void parse_model(const Json& model);
   void parse_pre_tokenizer(const Json& pre);
   void parse_added(const Json& list);
@@ -223,6 +231,7 @@ struct HfBpe::Impl {
   void encode_word(std::string_view word, EncodeState& st, std::vector<int32_t>& out) const;
   void encode_plain(std::string_view text, EncodeState& st, std::vector<int32_t>& out) const;
   void encode_group(std::string_view text, size_t group, EncodeState& st, std::vector<int32_t>& out) const;
+  std::string_view normalize(std::string_view text, EncodeState& st) const;
 };
 
 namespace {
@@ -267,9 +276,7 @@ HfBpe::HfBpe(std::string json) : impl_(std::make_unique<Impl>()) {
   try {
     STRATA_REQUIRE(root.is_object() && root.contains("model"),
                    "is not a tokenizer.json: expected an object with a 'model'");
-    const std::string normalizer = type_of(root.value("normalizer", Json()));
-    STRATA_REQUIRE(root.value("normalizer", Json()).is_null(), "has normalizer '", normalizer,
-                   "'; only byte-level BPE without a normalizer is supported");
+    m.parse_normalizer(root.value("normalizer", Json()));
     const Json& decoder = root.value("decoder", Json());
     STRATA_REQUIRE(decoder.is_null() || type_of(decoder) == "ByteLevel", "has decoder '", type_of(decoder),
                    "'; expected ByteLevel (byte-level BPE)");
@@ -282,6 +289,20 @@ HfBpe::HfBpe(std::string json) : impl_(std::make_unique<Impl>()) {
 }
 
 HfBpe::~HfBpe() = default;
+
+void HfBpe::Impl::parse_normalizer(const Json& n) {
+  if (n.is_null()) return;
+  const std::string type = type_of(n);
+  UErrorCode err = U_ZERO_ERROR;
+  normalizer = type == "NFC"    ? icu::Normalizer2::getNFCInstance(err)
+               : type == "NFD"  ? icu::Normalizer2::getNFDInstance(err)
+               : type == "NFKC" ? icu::Normalizer2::getNFKCInstance(err)
+               : type == "NFKD" ? icu::Normalizer2::getNFKDInstance(err)
+                                : nullptr;
+  STRATA_REQUIRE(normalizer, "has normalizer '", type.empty() ? n.dump().substr(0, 40) : type,
+                 "'; supported: none, NFC, NFD, NFKC, NFKD");
+  STRATA_CHECK(U_SUCCESS(err), "ICU's ", type, " normalizer: ", u_errorName(err));
+}
 
 void HfBpe::Impl::parse_model(const Json& model) {
   STRATA_REQUIRE(type_of(model) == "BPE", "is not byte-level BPE: its model is '", type_of(model), "', not 'BPE'");
@@ -543,8 +564,32 @@ void HfBpe::Impl::encode_plain(std::string_view text, EncodeState& st, std::vect
 
 // Splits out the added tokens of `group` (then of the next group), as AddedVocabulary does:
 // lstrip/rstrip widen a match over neighbouring whitespace, never past the previous match.
+// `text` normalized (a view of itself when already normal); bytes that are not UTF-8 are kept as
+// they are, and the well-formed runs between them normalized one by one.
+std::string_view HfBpe::Impl::normalize(std::string_view text, EncodeState& st) const {
+  UErrorCode err = U_ZERO_ERROR;
+  if (normalizer->isNormalizedUTF8(icu::StringPiece(text.data(), static_cast<int32_t>(text.size())), err) &&
+      U_SUCCESS(err))
+    return text;  // also false (with an error) for ill-formed UTF-8: handled below
+  std::string& out = st.held.emplace_back();
+  icu::StringByteSink<std::string> sink(&out);
+  for (size_t i = 0; i < text.size();) {
+    size_t j = i;
+    while (j < text.size() && next_char(text, j).first != kInvalid) j += next_char(text, j).second;
+    if (j > i) {
+      err = U_ZERO_ERROR;
+      normalizer->normalizeUTF8(0, icu::StringPiece(text.data() + i, static_cast<int32_t>(j - i)), sink, nullptr, err);
+      STRATA_CHECK(U_SUCCESS(err), "ICU normalization: ", u_errorName(err));
+    }
+    if (j < text.size()) out += text[j++];
+    i = j;
+  }
+  return out;
+}
+
 void HfBpe::Impl::encode_group(std::string_view text, size_t group, EncodeState& st, std::vector<int32_t>& out) const {
   const Impl& m = *this;
+  if (group == 1 && normalizer) text = normalize(text, st);  // what the special tokens left, as the library does
   if (text.empty()) return;
   if (group == m.added.size()) return encode_plain(text, st, out);
   const AddedSet& set = m.added[group];

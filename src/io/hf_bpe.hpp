@@ -5,9 +5,11 @@
 // normalized=false, then those with normalized=true; leftmost-longest; lstrip/rstrip absorb
 // whitespace), each stretch between them is pre-tokenized (the Split regexes and ByteLevel of
 // the pre_tokenizer, in order, PCRE2 in UTF + UCP mode) and every pre-token is merged by rank
-// (lowest rank first, then leftmost, as the library's BPE does). Ids are the tokenizer.json's.
-// Only what changes no id is ignored (offsets, the post-processor); anything else this does not
-// implement (a normalizer, other pre-tokenizers, dropout, subword prefixes) is an Input error.
+// (lowest rank first, then leftmost, as the library's BPE does). A normalizer (NFC as Qwen 2 has,
+// NFD, NFKC, NFKD; ICU) applies between the two kinds of added tokens, as in the library. Ids are
+// the tokenizer.json's. Only what changes no id is ignored (offsets, the post-processor); anything
+// else this does not implement (other normalizers and pre-tokenizers, dropout, subword prefixes)
+// is an Input error.
 #pragma once
 
 #include <cstdint>

@@ -2,8 +2,8 @@
 --tokenizer hf:... on a few MB of Debian documentation must give, per document, exactly the
 library's encode(doc, add_special_tokens=False) ids followed by the end-of-text id (the shards
 read back with h5py). Tokenizers: GPT-2 style (ByteLevel with its built-in regex), the same with
-add_prefix_space, and Llama 3 style (Split by Llama 3's regex, then ByteLevel; ignore_merges),
-trained here by the library (no network: the real GPT-2 / Llama 3 files cannot be fetched).
+add_prefix_space, Llama 3 style (Split by Llama 3's regex, then ByteLevel; ignore_merges) and
+Qwen 2 style (NFC normalizer, Qwen 2's regex), trained here by the library (no network: the real GPT-2 / Llama 3 files cannot be fetched).
 Also reports encode throughput, ours (strata-data's own timing) vs the library's (one thread).
 Exit 77 (CTest SKIP) when this python lacks `tokenizers`.
 Usage: check_hf_tokenizer.py STRATA_DATA WORKDIR [MEGABYTES]"""
@@ -77,7 +77,11 @@ def documents(limit):
             continue
         docs.append(text)
         total += len(raw)
-    return docs + translations(limit - total)
+    more = translations(limit - total)
+    # Decomposed (NFD) copies of some: what an NFC normalizer must compose back (Hangul, Vietnamese, ...).
+    import unicodedata
+    nfd = [unicodedata.normalize("NFD", d) for d in more[::15]]
+    return docs + more + [d for d in nfd if d not in more]
 
 
 docs = documents(megabytes * 1e6)
@@ -92,7 +96,7 @@ print(f"{len(docs)} documents, {nbytes / 1e6:.2f} MB ({non_ascii} non-ASCII char
 
 # The tokenizers: trained by the library on the licences (vocabulary 4000 for more merges).
 made = {}
-for kind in ("gpt2", "llama3"):
+for kind in ("gpt2", "llama3", "qwen2"):
     made[kind] = fixtures.train(kind, vocab_size=4000)
 j = json.loads(made["gpt2"].to_str())
 j["pre_tokenizer"]["add_prefix_space"] = True

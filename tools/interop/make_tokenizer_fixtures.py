@@ -7,6 +7,8 @@ set of tricky strings (the oracle test_io_hf_tokenizer compares io::Tokenizer wi
               as RoBERTa has it) and a non-special added token [note]
   llama3.json Sequence[Split(Llama 3's regex, isolated), ByteLevel(use_regex=false)],
               ignore_merges, <|begin_of_text|> and <|end_of_text|>
+  qwen2.json  NFC normalizer, Sequence[Split(Qwen 2's regex: single digits), ByteLevel],
+              <|endoftext|>, <|im_start|>, <|im_end|>
   cases.json  {"tokenizers": VERSION, "cases": [{"tokenizer", "text", "ids", "decoded"}]}
 
 Run with a python that has `tokenizers` (bench/.venv): python make_tokenizer_fixtures.py [OUT_DIR]
@@ -19,6 +21,9 @@ import sys
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 TRAIN_FILES = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
                "/usr/share/common-licenses/MPL-2.0"]
@@ -55,22 +60,28 @@ CASES = [
     "ＦＵＬＬＷＩＤＴＨ ａｂｃ",
     "مرحبا بالعالم",
     "!!!??? ... ---- ____ ****",
+    "not NFC: Ame\u0301lie, \u212bngstro\u0308m, \u1100\u1161 hangul jamo, \ufb01ne ligature",
+    "<|im_start|>user\nhi<|im_end|>",
 ]
 
 
 def train(kind, vocab_size=1500):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     if kind == "gpt2":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         special = ["<|endoftext|>"]
     else:
-        tok = Tokenizer(models.BPE(ignore_merges=True))
+        tok = Tokenizer(models.BPE(ignore_merges=kind == "llama3"))
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN if kind == "llama3" else QWEN2_PATTERN), behavior="isolated",
+                                 invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-        special = ["<|begin_of_text|>", "<|end_of_text|>"]
+        special = ["<|begin_of_text|>", "<|end_of_text|>"] if kind == "llama3" else [
+            "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        if kind == "qwen2":
+            tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -86,7 +97,7 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "../../tests/fixtures/hf")
     os.makedirs(out, exist_ok=True)
     cases = []
-    for kind in ("gpt2", "llama3"):
+    for kind in ("gpt2", "llama3", "qwen2"):
         tok = train(kind)
         tok.save(os.path.join(out, kind + ".json"), pretty=False)
         for text in CASES:
@@ -95,7 +106,7 @@ def main():
             cases.append({"tokenizer": kind + ".json", "text": text, "ids": ids, "decoded": decoded})
     with open(os.path.join(out, "cases.json"), "w", encoding="utf-8") as f:
         json.dump({"tokenizers": tokenizers.__version__, "cases": cases}, f, ensure_ascii=False, indent=0)
-    print(f"wrote {out}: gpt2.json, llama3.json, cases.json ({len(cases)} cases, tokenizers {tokenizers.__version__})")
+    print(f"wrote {out}: gpt2.json, llama3.json, qwen2.json, cases.json ({len(cases)} cases, tokenizers {tokenizers.__version__})")
 
 
 if __name__ == "__main__":

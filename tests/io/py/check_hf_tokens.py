@@ -48,7 +48,8 @@ def read_tokens(prefix):
     return np.concatenate(parts), attrs
 
 
-for name, eot_text, shards, val in (("gpt2.json", "<|endoftext|>", 1, "0"), ("llama3.json", "<|end_of_text|>", 3, "0.2")):
+for name, eot_text, shards, val in (("gpt2.json", "<|endoftext|>", 1, "0"), ("llama3.json", "<|end_of_text|>", 3, "0.2"),
+                                    ("qwen2.json", "<|endoftext|>", 2, "0.1")):
     path = os.path.join(fixtures, name)
     mine = [c for c in cases if c["tokenizer"] == name]
     docs = os.path.join(work, name + "-docs")
