@@ -14,6 +14,7 @@
 #include <array>
 #include <deque>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <unordered_map>
@@ -173,8 +174,14 @@ std::string type_of(const Json& j) { return j.is_object() ? str_or_empty(j, "typ
 
 }  // namespace
 
-// Per-call scratch: regex match data, the pre-token cache and the merge heap. Encoding is
-// thread safe because nothing shared is written.
+// Hashes std::string keys and looks them up by std::string_view (no copy per lookup).
+struct TextHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
+// Encoding scratch: regex match data, the pre-token cache and the merge heap. One caller at a
+// time uses a state; HfBpe keeps one between calls so the cache outlives a document.
 struct EncodeState {
   struct MatchFree {
     void operator()(pcre2_match_data* m) const { pcre2_match_data_free(m); }
@@ -189,9 +196,9 @@ struct EncodeState {
   // A long whitespace run backtracks through `\s+(?!\S)`: more than the default 32 KiB JIT stack.
   std::unique_ptr<pcre2_jit_stack, StackFree> stack{pcre2_jit_stack_create(32 << 10, 64 << 20, nullptr)};
   std::unique_ptr<pcre2_match_context, ContextFree> context{pcre2_match_context_create(nullptr)};
-  std::deque<std::string> held;  // pieces with a prefix space added (the views below point here)
+  std::deque<std::string> held;  // this call's normalized text and pieces with a prefix space
   std::vector<std::string_view> pieces, next;
-  std::unordered_map<std::string_view, std::pair<uint32_t, uint32_t>> cache;  // pre-token -> ids in `store`
+  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, TextHash, std::equal_to<>> cache;  // -> ids in store
   std::vector<int32_t> store;
   struct Sym {
     int32_t id, prev, next;
@@ -221,6 +228,8 @@ struct HfBpe::Impl {
   std::vector<Step> steps;
   std::array<AddedSet, 2> added;  // [0]: normalized = false (split first), [1]: normalized = true
   int64_t num_added = 0;
+  mutable std::mutex spare_mutex;
+  mutable std::unique_ptr<EncodeState> spare;  // the last call's state (its cache), for the next
 
   void parse_normalizer(const Json& normalizer);
   void parse_model(const Json& model);
@@ -535,13 +544,13 @@ void HfBpe::Impl::encode_word(std::string_view word, EncodeState& st, std::vecto
   }
   const size_t before = out.size();
   merge_word(word, st, out);
-  if (st.store.size() > (size_t{1} << 24)) {  // bound the cache on long texts of rare words
+  if (st.store.size() > (size_t{1} << 24) || st.cache.size() > (size_t{1} << 20)) {  // bound it on rare words
     st.cache.clear();
     st.store.clear();
   }
   const auto at = static_cast<uint32_t>(st.store.size());
   st.store.insert(st.store.end(), out.begin() + static_cast<std::ptrdiff_t>(before), out.end());
-  st.cache.emplace(word, std::pair<uint32_t, uint32_t>{at, static_cast<uint32_t>(out.size() - before)});
+  st.cache.emplace(std::string(word), std::pair<uint32_t, uint32_t>{at, static_cast<uint32_t>(out.size() - before)});
 }
 
 // Text without added tokens: pre-tokenized by the steps, each piece merged.
@@ -609,8 +618,16 @@ void HfBpe::Impl::encode_group(std::string_view text, size_t group, EncodeState&
 }
 
 void HfBpe::encode_append(std::string_view text, std::vector<int32_t>& out) const {
-  EncodeState st;
-  impl_->encode_group(text, 0, st, out);
+  std::unique_ptr<EncodeState> st;
+  {
+    const std::lock_guard lock(impl_->spare_mutex);
+    st = std::move(impl_->spare);
+  }
+  if (!st) st = std::make_unique<EncodeState>();  // first call, or another thread has the spare one
+  st->held.clear();
+  impl_->encode_group(text, 0, *st, out);
+  const std::lock_guard lock(impl_->spare_mutex);
+  impl_->spare = std::move(st);
 }
 
 }  // namespace strata::io

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "io/hf_bpe.hpp"
 #include "io/tokenizer.hpp"
@@ -100,6 +101,38 @@ TEST(HfTokenizer, ShardsStoreAndReloadIt) {
   // Another tokenizer.json in one shard: the shards disagree.
   write_token_shard(dir / "c.h5", ids, Tokenizer::hf(fixture("llama3.json"), "<|begin_of_text|>"));
   expect_input_error([&] { TokenDataset::open(dir.path().string(), "--data"); }, {"c.h5", "all shards must agree"});
+}
+
+// Encoding keeps one cache between calls and gives other threads their own: same ids.
+TEST(HfTokenizer, ConcurrentEncodes) {
+  const Tokenizer tok = Tokenizer::hf(fixture("llama3.json"));
+  const std::string gpl = read_file("/usr/share/common-licenses/GPL-3");
+  const std::vector<int32_t> want = tok.encode(gpl);
+  std::vector<std::thread> threads;
+  std::vector<int> same(4, 0);
+  for (size_t t = 0; t < same.size(); ++t)
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 3; ++k) same[t] += tok.encode(gpl) == want;
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(same, std::vector<int>(4, 3));
+}
+
+// Ids as the file gives them, holes included: an added token with id 100000 (as Llama 3's
+// 128256 ids) makes vocab_size 100001 and uint32 shards; ids no token has do not decode.
+TEST(HfTokenizer, LargeIdsAndHoles) {
+  auto j = nlohmann::json::parse(fixture("gpt2.json"));
+  j["added_tokens"].push_back({{"id", 100000}, {"content", "<|big|>"}, {"special", true}, {"normalized", false}});
+  const Tokenizer tok = Tokenizer::hf(j.dump());
+  EXPECT_EQ(tok.vocab_size(), 100001);
+  const std::vector<int32_t> ids = tok.encode("a<|big|>b");
+  EXPECT_EQ(ids, (std::vector<int32_t>{tok.encode("a")[0], 100000, tok.encode("b")[0]}));
+  TempDir dir;
+  write_token_shard(dir / "big.h5", ids, tok);
+  const TokenDataset ds = TokenDataset::open(dir / "big.h5", "--data");
+  EXPECT_EQ(ds.shard_dtypes()[0], "uint32");
+  EXPECT_EQ(ds.tokenizer().decode(ids), "a<|big|>b");
+  expect_input_error([&] { tok.decode(std::vector<int32_t>{50000}); }, {"token id 50000 is not in the tokenizer.json"});
 }
 
 // Shards whose hf tokenizer is missing, damaged or of another size: one line naming the file.
