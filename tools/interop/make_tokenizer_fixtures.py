@@ -62,6 +62,11 @@ CASES = [
     "!!!??? ... ---- ____ ****",
     "not NFC: Ame\u0301lie, \u212bngstro\u0308m, \u1100\u1161 hangul jamo, \ufb01ne ligature",
     "<|im_start|>user\nhi<|im_end|>",
+    # Where regex engines may disagree: Unicode White_Space and its neighbours, \p{N} beyond 0-9,
+    # combining marks (not \p{L}), a byte-order mark.
+    "a\u0085b\u1680c\u2000d\u200ae\u2028f\u2029g\u202fh\u205fi\u180ej\ufeffk \u000bl\u000cm\u001cn",
+    "Ⅻ ½ ² ٣٤ １２３ ௰ 𝟘𝟙 x²+y³",
+    "नमस्ते दुनिया, ภาษาไทย, עִבְרִית, I'D 'S 'Re",
 ]
 
 
