@@ -98,6 +98,9 @@ print(f"{len(docs)} documents, {nbytes / 1e6:.2f} MB ({non_ascii} non-ASCII char
 made = {}
 for kind in ("gpt2", "llama3", "qwen2"):
     made[kind] = fixtures.train(kind, vocab_size=4000)
+# GPT-2's size: 50257 ids learned from the documents themselves (~50k merges, a 2 MB file).
+made["gpt2_50k"] = fixtures.train("gpt2", vocab_size=50257,
+                                  files=[os.path.join(doc_dir, f) for f in sorted(os.listdir(doc_dir))])
 j = json.loads(made["gpt2"].to_str())
 j["pre_tokenizer"]["add_prefix_space"] = True
 made["gpt2_prefix_space"] = Tokenizer.from_str(json.dumps(j))
@@ -106,6 +109,7 @@ failed = False
 for name, tok in made.items():
     path = os.path.join(work, name + ".json")
     tok.save(path)
+    vocab = tok.get_vocab_size()
     eot = tok.token_to_id("<|endoftext|>")
     if eot is None:
         eot = tok.token_to_id("<|end_of_text|>")
@@ -131,7 +135,7 @@ for name, tok in made.items():
             break
         at += len(e) + 1
     ok = not bad_docs and at == len(ids)
-    print(f"{name:18s} {'IDENTICAL' if ok else 'DIFFERENT'}: {len(ids)} ids; encode ours {nbytes / 1e6 / ours_s:6.2f} MB/s, "
+    print(f"{name:18s} {'IDENTICAL' if ok else 'DIFFERENT'}: {len(ids)} ids of {vocab}; encode ours {nbytes / 1e6 / ours_s:6.2f} MB/s, "
           f"tokenizers {nbytes / 1e6 / lib_s:6.2f} MB/s (encode per document, one thread)")
     if not ok:
         failed = True

@@ -70,7 +70,7 @@ CASES = [
 ]
 
 
-def train(kind, vocab_size=1500):
+def train(kind, vocab_size=1500, files=TRAIN_FILES):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     if kind == "gpt2":
         tok = Tokenizer(models.BPE())
@@ -90,7 +90,7 @@ def train(kind, vocab_size=1500):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train(TRAIN_FILES, trainer)
+    tok.train(files, trainer)
     if kind == "gpt2":
         tok.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
         tok.add_tokens([AddedToken("[note]", special=False)])
