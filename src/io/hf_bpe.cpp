@@ -13,13 +13,13 @@
 #include <algorithm>
 #include <array>
 #include <deque>
-#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <unordered_map>
 
 #include "core/error.hpp"
+#include "io/data_source.hpp"
 
 namespace strata::io {
 
@@ -329,8 +329,8 @@ void HfBpe::Impl::parse_model(const Json& model) {
   int64_t max_id = -1;
   for (const auto& [token, id_json] : vocab.items()) {
     const auto id = id_json.get<int64_t>();
-    STRATA_REQUIRE(id >= 0 && id < std::numeric_limits<int32_t>::max(), "has vocabulary id ", id, " for '", token,
-                   "'; expected 0..2^31-2");
+    STRATA_REQUIRE(id >= 0 && id < kMaxClasses, "has vocabulary id ", id, " for '", token, "'; expected 0..",
+                   kMaxClasses - 1, " (token shards hold at most 2^24 ids)");
     max_id = std::max(max_id, id);
     token_id.emplace(token, static_cast<int32_t>(id));
   }
@@ -436,8 +436,8 @@ void HfBpe::Impl::parse_added(const Json& list) {
     a.lstrip = t.value("lstrip", false);
     a.rstrip = t.value("rstrip", false);
     STRATA_REQUIRE(!a.content.empty(), "has an added token (id ", id, ") with empty content");
-    STRATA_REQUIRE(id >= 0 && id < std::numeric_limits<int32_t>::max(), "has added token '", a.content, "' with id ",
-                   id);
+    STRATA_REQUIRE(id >= 0 && id < kMaxClasses, "has added token '", a.content, "' with id ", id, "; expected 0..",
+                   kMaxClasses - 1);
     STRATA_REQUIRE(!t.value("single_word", false), "has added token '", a.content,
                    "' with single_word = true, which is not supported");
     a.id = static_cast<int32_t>(id);
