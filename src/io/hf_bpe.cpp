@@ -222,8 +222,8 @@ struct HfBpe::Impl {
   std::array<int32_t, 256> byte_id{};
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (left, right) -> (rank, new id)
   int64_t num_merges = 0;
-  std::unordered_map<std::string, int32_t> token_id;          // tokenizer.json spelling -> id
-  std::unordered_map<std::string_view, int32_t> vocab_bytes;  // bytes -> id (ignore_merges)
+  std::unordered_map<std::string, int32_t> token_id;                                // tokenizer.json spelling -> id
+  std::unordered_map<std::string, int32_t, TextHash, std::equal_to<>> vocab_bytes;  // bytes -> id (ignore_merges)
   bool ignore_merges = false;
   std::vector<Step> steps;
   std::array<AddedSet, 2> added;  // [0]: normalized = false (split first), [1]: normalized = true

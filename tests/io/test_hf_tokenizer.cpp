@@ -119,9 +119,10 @@ TEST(HfTokenizer, ConcurrentEncodes) {
 }
 
 // Ids as the file gives them, holes included: an added token with id 100000 (as Llama 3's
-// 128256 ids) makes vocab_size 100001 and uint32 shards; ids no token has do not decode.
+// 128256 ids, added tokens after the vocabulary) makes vocab_size 100001 and uint32 shards; ids
+// no token has do not decode; the other ids are unchanged.
 TEST(HfTokenizer, LargeIdsAndHoles) {
-  auto j = nlohmann::json::parse(fixture("gpt2.json"));
+  auto j = nlohmann::json::parse(fixture("llama3.json"));  // with ignore_merges
   j["added_tokens"].push_back({{"id", 100000}, {"content", "<|big|>"}, {"special", true}, {"normalized", false}});
   const Tokenizer tok = Tokenizer::hf(j.dump());
   EXPECT_EQ(tok.vocab_size(), 100001);
@@ -133,6 +134,8 @@ TEST(HfTokenizer, LargeIdsAndHoles) {
   EXPECT_EQ(ds.shard_dtypes()[0], "uint32");
   EXPECT_EQ(ds.tokenizer().decode(ids), "a<|big|>b");
   expect_input_error([&] { tok.decode(std::vector<int32_t>{50000}); }, {"token id 50000 is not in the tokenizer.json"});
+  const std::string gpl = read_file("/usr/share/common-licenses/GPL-3");
+  EXPECT_EQ(tok.encode(gpl), Tokenizer::hf(fixture("llama3.json")).encode(gpl));
 }
 
 // Shards whose hf tokenizer is missing, damaged or of another size: one line naming the file.
