@@ -301,6 +301,12 @@ HfBpe::~HfBpe() = default;
 
 void HfBpe::Impl::parse_normalizer(const Json& n) {
   if (n.is_null()) return;
+  if (type_of(n) == "Sequence") {  // DeepSeek's empty one, or one normalizer wrapped
+    const Json& list = n.at("normalizers");
+    STRATA_REQUIRE(list.size() <= 1, "has ", list.size(), " normalizers in a Sequence; supported: at most one");
+    if (list.size() == 1) parse_normalizer(list[0]);
+    return;
+  }
   const std::string type = type_of(n);
   UErrorCode err = U_ZERO_ERROR;
   normalizer = type == "NFC"    ? icu::Normalizer2::getNFCInstance(err)

@@ -103,6 +103,19 @@ TEST(HfTokenizer, ShardsStoreAndReloadIt) {
   expect_input_error([&] { TokenDataset::open(dir.path().string(), "--data"); }, {"c.h5", "all shards must agree"});
 }
 
+// Forms other files use: merges as "left right" strings (tokenizers < 0.20), normalizers in a
+// Sequence (empty, as DeepSeek V3's, or NFC alone).
+TEST(HfTokenizer, OtherSpellings) {
+  const std::string gpl = read_file("/usr/share/common-licenses/GPL-3") + "Ame\u0301lie";
+  auto j = nlohmann::json::parse(fixture("gpt2.json"));
+  for (auto& m : j["model"]["merges"]) m = m[0].get<std::string>() + " " + m[1].get<std::string>();
+  j["normalizer"] = {{"type", "Sequence"}, {"normalizers", nlohmann::json::array()}};
+  EXPECT_EQ(Tokenizer::hf(j.dump()).encode(gpl), Tokenizer::hf(fixture("gpt2.json")).encode(gpl));
+  auto q = nlohmann::json::parse(fixture("qwen2.json"));
+  q["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFC"}}}}};
+  EXPECT_EQ(Tokenizer::hf(q.dump()).encode(gpl), Tokenizer::hf(fixture("qwen2.json")).encode(gpl));
+}
+
 // Encoding keeps one cache between calls and gives other threads their own: same ids.
 TEST(HfTokenizer, ConcurrentEncodes) {
   const Tokenizer tok = Tokenizer::hf(fixture("llama3.json"));
