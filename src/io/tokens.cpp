@@ -33,8 +33,9 @@ struct Shard {
   std::string dtype;  // uint16 or uint32
 };
 
-// Opens and checks one shard's structure and attributes; the ids are scanned later.
-Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer) {
+// Opens and checks one shard's structure and attributes; the ids are scanned later. `first`: the
+// first shard's tokenizer (null for the first), reused when this shard stores the same hf one.
+Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer, const Tokenizer* first) {
   const h5::Guard guard;
   Shard s;
   s.path = path;
@@ -107,8 +108,9 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
     if (!text.empty())
       H5_REQUIRE(H5Dread(json, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
                  "'tokenizer/json' cannot be read");
-    try {
-      tok = std::make_unique<Tokenizer>(Tokenizer::hf_with_eot(std::move(text), eot));
+    try {  // a large tokenizer.json (Llama 3's: 9 MB) is parsed once per dataset, not per shard
+      const bool same = first && first->hf_json() == text && first->eot() == eot;
+      tok = std::make_unique<Tokenizer>(same ? *first : Tokenizer::hf_with_eot(std::move(text), eot));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::Input) throw;
       STRATA_THROW_INPUT("has a 'tokenizer/json' that ", e.message());
@@ -172,7 +174,7 @@ TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag
     std::unique_ptr<Tokenizer> tok;
     Shard s;
     try {
-      s = open_shard(path, tok);
+      s = open_shard(path, tok, impl->tokenizer.get());
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::Input) throw;
       STRATA_THROW_INPUT(flag, ": '", path, "' ", e.message());
