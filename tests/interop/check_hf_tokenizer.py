@@ -5,6 +5,7 @@ read back with h5py). Tokenizers: GPT-2 style (ByteLevel with its built-in regex
 add_prefix_space, Llama 3 style (Split by Llama 3's regex, then ByteLevel; ignore_merges) and
 Qwen 2 style (NFC normalizer, Qwen 2's regex), trained here by the library (no network: the real GPT-2 / Llama 3 files cannot be fetched).
 Also reports encode throughput, ours (strata-data's own timing) vs the library's (one thread).
+STRATA_INTEROP_TOKENIZERS=a.json:b.json adds real tokenizer.json files (e.g. GPT-2's) to the list.
 Exit 77 (CTest SKIP) when this python lacks `tokenizers`.
 Usage: check_hf_tokenizer.py STRATA_DATA WORKDIR [MEGABYTES]"""
 import glob
@@ -106,10 +107,19 @@ j = json.loads(made["gpt2"].to_str())
 j["pre_tokenizer"]["add_prefix_space"] = True
 made["gpt2_prefix_space"] = Tokenizer.from_str(json.dumps(j))
 
+real_paths = {}
+# Real tokenizer.json files, when given (no network here): STRATA_INTEROP_TOKENIZERS=a.json:b.json.
+for path in filter(None, os.environ.get("STRATA_INTEROP_TOKENIZERS", "").split(":")):
+    real = Tokenizer.from_file(path)
+    real.no_truncation()  # documents are encoded whole (GPT-2's file truncates to 50 ids)
+    made["file:" + os.path.basename(path)] = real
+    real_paths["file:" + os.path.basename(path)] = path  # given to strata-data as it is
+
 failed = False
 for name, tok in made.items():
-    path = os.path.join(work, name + ".json")
-    tok.save(path)
+    path = real_paths.get(name) or os.path.join(work, name + ".json")
+    if name not in real_paths:
+        tok.save(path)
     vocab = tok.get_vocab_size()
     eot = tok.token_to_id("<|endoftext|>")
     if eot is None:
