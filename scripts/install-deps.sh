@@ -12,6 +12,7 @@ packages=(
   libgtest-dev
   zlib1g-dev
   nlohmann-json3-dev  # ds_config.json, safetensors headers, config.json, tokenizer.json
+  libpcre2-dev libicu-dev  # tokenizer.json's pre-tokenizer regexes and normalizers (io/hf_bpe)
   clang-format
   python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin  # strata-plot --out FILE.png

@@ -1,5 +1,7 @@
 // strata-data's token commands: tokenize text files, import llm.c / nanoGPT .bin shards, and
 // describe a token dataset (formats in docs/formats.md, "Token datasets").
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -7,11 +9,13 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "core/error.hpp"
 #include "data_tool.hpp"
 #include "io/dataset.hpp"
+#include "io/hf_bpe.hpp"
 #include "io/tokenizer.hpp"
 #include "io/tokens.hpp"
 
@@ -53,11 +57,32 @@ std::string read_text_file(const std::string& path) {
   return text;
 }
 
+// `--tokenizer hf:PATH`: a Hugging Face tokenizer.json; eot_token names the end-of-text token
+// ("" for <|endoftext|> or <|end_of_text|>).
+io::Tokenizer load_hf(const std::string& spec, const std::string& eot_token) {
+  namespace fs = std::filesystem;
+  const std::string path = spec.substr(3);
+  std::error_code ec;
+  STRATA_REQUIRE(fs::is_regular_file(path, ec), "--tokenizer: '", path,
+                 fs::exists(path, ec) ? "' is not a regular file" : "' does not exist");
+  std::ifstream in(path, std::ios::binary);
+  std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  STRATA_REQUIRE(in.good() || in.eof(), "--tokenizer: cannot read '", path, "'");
+  try {
+    return io::Tokenizer::hf(std::move(json), eot_token);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Input) throw;
+    STRATA_THROW_INPUT("--tokenizer: '", path, "' ", e.message());
+  }
+}
+
+bool is_hf(const std::string& spec) { return spec.rfind("hf:", 0) == 0; }
+
 }  // namespace
 
 int tokenize(const std::vector<std::string>& args) {
   std::vector<std::string> inputs;
-  std::string out, kind;
+  std::string out, kind, eot_token;
   int64_t vocab = 0;
   double val_fraction = 0.1;
   int shards = 1;
@@ -65,22 +90,30 @@ int tokenize(const std::vector<std::string>& args) {
   desc.add_options()("input", po::value(&inputs)->multitoken()->required(),
                      "text files, or directories (every regular file inside, sorted); each file is one document")(
       "out", po::value(&out)->required(), "output prefix: PREFIX-train*.h5 and PREFIX-val.h5")(
-      "tokenizer", po::value(&kind)->required(), "byte or bpe")("vocab-size", po::value(&vocab),
-                                                                "bpe: ids in all, 257 + merges (byte: 257)")(
+      "tokenizer", po::value(&kind)->required(),
+      "byte, bpe, or hf:PATH (a Hugging Face byte-level BPE tokenizer.json)")(
+      "vocab-size", po::value(&vocab), "bpe: ids in all, 257 + merges (byte: 257)")(
+      "eot-token", po::value(&eot_token),
+      "hf: the token that ends each document (<|endoftext|>, else <|end_of_text|>)")(
       "val-fraction", po::value(&val_fraction), "the last F of the token stream becomes PREFIX-val.h5 (0.1)")(
       "shards", po::value(&shards), "training shards (1)");
   parse(args, desc);
-  STRATA_REQUIRE(kind == "byte" || kind == "bpe", "--tokenizer: expected byte or bpe, found '", kind, "'");
+  STRATA_REQUIRE(kind == "byte" || kind == "bpe" || is_hf(kind), "--tokenizer: expected byte, bpe or hf:PATH, found '",
+                 kind, "'");
+  STRATA_REQUIRE(eot_token.empty() || is_hf(kind), "--eot-token: only for --tokenizer hf:PATH");
   STRATA_REQUIRE(val_fraction >= 0 && val_fraction < 1, "--val-fraction: expected 0 <= F < 1, found ", val_fraction);
   STRATA_REQUIRE(shards >= 1, "--shards: expected >= 1, found ", shards);
   if (kind == "byte")
     STRATA_REQUIRE(vocab == 0 || vocab == 257,
                    "--vocab-size: the byte tokenizer has 257 ids (256 bytes and end-of-text), found ", vocab);
+  else if (is_hf(kind))
+    STRATA_REQUIRE(vocab == 0, "--vocab-size: an hf tokenizer's vocabulary is its tokenizer.json's, found ", vocab);
   else
     STRATA_REQUIRE(vocab >= 257,
                    "--vocab-size: --tokenizer bpe needs N >= 257 (256 bytes, N - 257 merges, "
                    "end-of-text), found ",
                    vocab);
+  io::Tokenizer tok = is_hf(kind) ? load_hf(kind, eot_token) : io::Tokenizer::byte_level();
   prepare_prefix(out);
 
   const std::vector<std::string> files = list_inputs(inputs, "");
@@ -92,7 +125,6 @@ int tokenize(const std::vector<std::string>& args) {
   }
   STRATA_REQUIRE(bytes > 0, "--input: the ", files.size(), " file(s) hold no text (0 bytes)");
 
-  io::Tokenizer tok = io::Tokenizer::byte_level();
   if (kind == "bpe") {
     // Merges are learned from the first (1 - F) of the bytes, so the validation split (the
     // last F of the tokens) is text the tokenizer has not seen, up to rounding at the cut.
@@ -114,10 +146,12 @@ int tokenize(const std::vector<std::string>& args) {
   // Every document is followed by eot.
   std::vector<int32_t> stream;
   stream.reserve(static_cast<size_t>(bytes) + docs.size());
+  const auto t0 = std::chrono::steady_clock::now();
   for (const auto& d : docs) {
     tok.encode_append(d, stream);
     stream.push_back(tok.eot());
   }
+  const double encode_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   docs.clear();
   const auto n = static_cast<int64_t>(stream.size());
   const auto n_val = static_cast<int64_t>(std::floor(static_cast<double>(n) * val_fraction));
@@ -140,9 +174,12 @@ int tokenize(const std::vector<std::string>& args) {
     io::write_token_shard(path, std::span(stream).subspan(static_cast<size_t>(n_train)), tok);
     std::cout << path << ": " << n_val << " tokens\n";
   }
-  std::printf("%zu documents, %lld bytes -> %lld tokens (train %lld, val %lld), %.3f bytes/token, tokenizer %s\n",
-              files.size(), static_cast<long long>(bytes), static_cast<long long>(n), static_cast<long long>(n_train),
-              static_cast<long long>(n_val), static_cast<double>(bytes) / static_cast<double>(n), tok.name().c_str());
+  std::printf(
+      "%zu documents, %lld bytes -> %lld tokens (train %lld, val %lld), %.3f bytes/token, tokenizer %s, encoded in "
+      "%.3f s (%.2f MB/s, one thread)\n",
+      files.size(), static_cast<long long>(bytes), static_cast<long long>(n), static_cast<long long>(n_train),
+      static_cast<long long>(n_val), static_cast<double>(bytes) / static_cast<double>(n), tok.name().c_str(), encode_s,
+      static_cast<double>(bytes) / 1e6 / std::max(encode_s, 1e-9));
   return 0;
 }
 
@@ -153,7 +190,7 @@ constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 
 int import_bin(const std::vector<std::string>& args) {
   std::vector<std::string> inputs;
-  std::string out;
+  std::string out, hf, eot_token;
   int64_t vocab = 50257, eot = -1;
   bool raw = false;
   po::options_description desc("import-bin options");
@@ -162,13 +199,27 @@ int import_bin(const std::vector<std::string>& args) {
       "out", po::value(&out)->required(), "output prefix")("vocab-size", po::value(&vocab),
                                                            "ids in the vocabulary (50257, GPT-2)")(
       "eot", po::value(&eot), "the end-of-text id (vocab-size - 1: GPT-2's 50256)")(
-      "raw", po::bool_switch(&raw), "headerless uint16 tokens (nanoGPT's train.bin / val.bin)");
-  parse(args, desc);
+      "raw", po::bool_switch(&raw), "headerless uint16 tokens (nanoGPT's train.bin / val.bin)")(
+      "tokenizer", po::value(&hf), "hf:PATH: the tokenizer.json that made the ids (stored, so they decode)")(
+      "eot-token", po::value(&eot_token), "with --tokenizer: the end-of-text token (<|endoftext|>)");
+  const po::variables_map vm = parse(args, desc);
+  STRATA_REQUIRE(hf.empty() || is_hf(hf), "--tokenizer: expected hf:PATH (a tokenizer.json), found '", hf, "'");
+  STRATA_REQUIRE(eot_token.empty() || !hf.empty(), "--eot-token: only with --tokenizer hf:PATH");
+  std::optional<io::Tokenizer> hf_tok;
+  if (!hf.empty()) {  // the vocabulary and eot are the tokenizer's; flags that say otherwise are wrong
+    hf_tok = load_hf(hf, eot_token);
+    STRATA_REQUIRE(!vm.count("vocab-size") || vocab == hf_tok->vocab_size(), "--vocab-size: ", vocab, " but ", hf,
+                   " has ", hf_tok->vocab_size(), " ids");
+    STRATA_REQUIRE(!vm.count("eot") || eot == hf_tok->eot(), "--eot: ", eot, " but ", hf, " ends documents with id ",
+                   hf_tok->eot());
+    vocab = hf_tok->vocab_size();
+    eot = hf_tok->eot();
+  }
   STRATA_REQUIRE(vocab >= 1 && vocab <= std::numeric_limits<int32_t>::max(), "--vocab-size: expected 1..",
                  std::numeric_limits<int32_t>::max(), ", found ", vocab);
   if (eot < 0) eot = vocab - 1;
   STRATA_REQUIRE(eot < vocab, "--eot: ", eot, " is outside the vocabulary [0, ", vocab, ")");
-  const io::Tokenizer tok = io::Tokenizer::external(vocab, static_cast<int32_t>(eot));
+  const io::Tokenizer tok = hf_tok ? *hf_tok : io::Tokenizer::external(vocab, static_cast<int32_t>(eot));
   prepare_prefix(out);
   const std::vector<std::string> files = list_inputs(inputs, ".bin");
 
@@ -236,8 +287,8 @@ int import_bin(const std::vector<std::string>& args) {
     std::cout << dest << ": " << count << " tokens from " << path << "\n";
     total += count;
   }
-  std::cout << files.size() << " file(s), " << total << " tokens, tokenizer external (vocab_size " << vocab << ", eot "
-            << eot << ")\n";
+  std::cout << files.size() << " file(s), " << total << " tokens, tokenizer " << tok.name() << " (vocab_size " << vocab
+            << ", eot " << eot << ")\n";
   return 0;
 }
 
@@ -300,6 +351,9 @@ int inspect_tokens(const std::string& spec) {
   if (tok.kind() == io::Tokenizer::Kind::Bpe)
     std::cout << " (" << tok.merges().size() << " merges: ids 0..255 bytes, merge i makes id 256 + i)";
   if (tok.kind() == io::Tokenizer::Kind::Byte) std::cout << " (ids 0..255 bytes)";
+  if (const io::HfBpe* hf = tok.hf_model())
+    std::cout << " (Hugging Face byte-level BPE, tokenizer.json stored: " << hf->num_merges() << " merges, "
+              << hf->num_added() << " added tokens, eot '" << escape_text(std::string(tok.piece(tok.eot()))) << "')";
   std::cout << "\n";
   const int64_t n = std::min<int64_t>(ds.num_tokens(), 200);
   std::vector<int32_t> first(static_cast<size_t>(n));

@@ -3,9 +3,10 @@
 //                           [--shards N] [--stats-from DATA]
 //   strata-data synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]
 //                         [--first-sample I] [--stats-from DATA]
-//   strata-data tokenize --input FILE_OR_DIR... --out PREFIX --tokenizer byte|bpe [--vocab-size N]
-//                        [--val-fraction F] [--shards K]
+//   strata-data tokenize --input FILE_OR_DIR... --out PREFIX --tokenizer byte|bpe|hf:TOKENIZER.JSON
+//                        [--vocab-size N] [--eot-token TEXT] [--val-fraction F] [--shards K]
 //   strata-data import-bin --input FILE_OR_DIR... --out PREFIX [--vocab-size N] [--eot ID] [--raw]
+//                          [--tokenizer hf:TOKENIZER.JSON [--eot-token TEXT]]
 //   strata-data inspect SPEC
 //   strata-data bench SPEC [--batch B] [--steps N]
 // Bad input exits with code 2 and one line on stderr; other failures with code 1.
@@ -85,11 +86,14 @@ constexpr const char* kUsage =
     "  synthetic --out PREFIX --samples N --shape C,H,W|F --classes K [--shards S] [--seed X] [--dtype u8|f32]\n"
     "            [--first-sample I] [--stats-from DATA]\n"
     "      write a small learnable dataset (class patterns plus noise)\n"
-    "  tokenize --input FILE_OR_DIR... --out PREFIX --tokenizer byte|bpe [--vocab-size N] [--val-fraction F]\n"
-    "           [--shards K]\n"
+    "  tokenize --input FILE_OR_DIR... --out PREFIX --tokenizer byte|bpe|hf:TOKENIZER.JSON [--vocab-size N]\n"
+    "           [--eot-token TEXT] [--val-fraction F] [--shards K]\n"
     "      tokenize text files (one document each) into PREFIX-train and PREFIX-val token shards\n"
+    "      (hf: a Hugging Face byte-level BPE tokenizer.json, GPT-2 / Llama 3 style, its ids kept)\n"
     "  import-bin --input FILE_OR_DIR... --out PREFIX [--vocab-size 50257] [--eot ID] [--raw]\n"
+    "             [--tokenizer hf:TOKENIZER.JSON [--eot-token TEXT]]\n"
     "      convert llm.c (or, with --raw, headerless nanoGPT) .bin token files to token shards\n"
+    "      (--tokenizer: the tokenizer.json that made the ids, stored so they decode)\n"
     "  inspect SPEC\n"
     "      describe a dataset or token dataset: a file, a directory of .h5 files, or a glob pattern\n"
     "  bench SPEC [--batch B] [--steps N]\n"

@@ -13,6 +13,7 @@
 #include <queue>
 
 #include "core/error.hpp"
+#include "io/hf_bpe.hpp"
 
 namespace strata::io {
 
@@ -65,8 +66,8 @@ struct HeapEntry {
 
 Tokenizer::Tokenizer(Kind kind, int64_t vocab_size, int32_t eot, std::vector<Merge> merges)
     : kind_(kind), vocab_size_(vocab_size), eot_(eot), merges_(std::move(merges)) {
-  name_ = kind == Kind::Byte ? "byte" : kind == Kind::Bpe ? "bpe" : "external";
-  if (kind == Kind::External) return;
+  name_ = kind == Kind::Byte ? "byte" : kind == Kind::Bpe ? "bpe" : kind == Kind::Hf ? "hf" : "external";
+  if (kind == Kind::External || kind == Kind::Hf) return;
   pieces_.reserve(256 + merges_.size());
   for (int b = 0; b < 256; ++b) pieces_.emplace_back(1, static_cast<char>(b));
   for (size_t i = 0; i < merges_.size(); ++i) {
@@ -86,6 +87,28 @@ Tokenizer Tokenizer::bpe(std::vector<Merge> merges) {
                  merges.size(), " merges; too many for int32 ids");
   const auto m = static_cast<int32_t>(merges.size());
   return Tokenizer(Kind::Bpe, 257 + int64_t{m}, 256 + m, std::move(merges));
+}
+
+Tokenizer Tokenizer::hf(std::string json, std::string_view eot_token) {
+  auto model = std::make_shared<const HfBpe>(std::move(json));
+  Tokenizer t(Kind::Hf, model->vocab_size(), model->end_of_text(eot_token), {});
+  t.hf_ = std::move(model);
+  return t;
+}
+
+Tokenizer Tokenizer::hf_with_eot(std::string json, int64_t eot) {
+  auto model = std::make_shared<const HfBpe>(std::move(json));
+  STRATA_REQUIRE(eot >= 0 && eot < model->vocab_size(), "end-of-text id ", eot, " is outside the vocabulary [0, ",
+                 model->vocab_size(), ")");
+  model->piece(static_cast<int32_t>(eot));  // an Input error when no token has that id
+  Tokenizer t(Kind::Hf, model->vocab_size(), static_cast<int32_t>(eot), {});
+  t.hf_ = std::move(model);
+  return t;
+}
+
+const std::string& Tokenizer::hf_json() const {
+  static const std::string kNone;
+  return hf_ ? hf_->json() : kNone;
 }
 
 Tokenizer Tokenizer::external(int64_t vocab_size, int32_t eot) {
@@ -197,6 +220,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
 
 void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
   require_text("encode text");
+  if (hf_) return hf_->encode_append(text, out);
   if (merges_.empty() || text.size() < 2) {
     for (char ch : text) out.push_back(static_cast<unsigned char>(ch));
     return;
@@ -237,6 +261,7 @@ void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) 
 std::string_view Tokenizer::piece(int32_t id) const {
   require_text("decode ids");
   STRATA_REQUIRE(id >= 0 && id < vocab_size_, "token id ", id, " is outside the vocabulary [0, ", vocab_size_, ")");
+  if (hf_) return hf_->piece(id);
   if (id == eot_) return kEotText;
   return pieces_[static_cast<size_t>(id)];
 }

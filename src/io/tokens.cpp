@@ -33,8 +33,9 @@ struct Shard {
   std::string dtype;  // uint16 or uint32
 };
 
-// Opens and checks one shard's structure and attributes; the ids are scanned later.
-Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer) {
+// Opens and checks one shard's structure and attributes; the ids are scanned later. `first`: the
+// first shard's tokenizer (null for the first), reused when this shard stores the same hf one.
+Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer, const Tokenizer* first) {
   const h5::Guard guard;
   Shard s;
   s.path = path;
@@ -66,7 +67,7 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
   STRATA_REQUIRE(vocab >= 1 && vocab <= kMaxClasses, "has vocab_size ", vocab, "; expected 1..", kMaxClasses);
   const int64_t eot = int_attr(s.file, "eot");
   STRATA_REQUIRE(eot >= 0 && eot < vocab, "has eot ", eot, " outside the vocabulary [0, ", vocab, ")");
-  STRATA_REQUIRE(h5::has_attr(s.file, "tokenizer"), "has no root attribute 'tokenizer' (byte, bpe or external)");
+  STRATA_REQUIRE(h5::has_attr(s.file, "tokenizer"), "has no root attribute 'tokenizer' (byte, bpe, hf or external)");
   const std::string name = h5::read_attr_string(s.file, "tokenizer");
   std::unique_ptr<Tokenizer> tok;
   if (name == "byte") {
@@ -92,17 +93,42 @@ Shard open_shard(const std::string& path, std::unique_ptr<Tokenizer>& tokenizer)
     STRATA_REQUIRE(vocab == tok->vocab_size() && eot == tok->eot(), "has tokenizer 'bpe' with ", mdims[0],
                    " merges, vocab_size ", vocab, " and eot ", eot, "; expected vocab_size ", tok->vocab_size(),
                    " (257 + merges) and eot ", tok->eot(), " (256 + merges)");
+  } else if (name == "hf") {
+    STRATA_REQUIRE(h5::exists(s.file, "tokenizer/json"),
+                   "has tokenizer 'hf' but no dataset 'tokenizer/json' (uint8 [N], the tokenizer.json text)");
+    h5::DataSet json(H5Dopen2(s.file, "tokenizer/json", H5P_DEFAULT));
+    STRATA_REQUIRE(json.valid(), "'tokenizer/json' is not a dataset");
+    h5::Type jtype(H5_REQUIRE(H5Dget_type(json), "'tokenizer/json' has an unreadable type"));
+    h5::Space jspace(H5_REQUIRE(H5Dget_space(json), "'tokenizer/json' has an unreadable dataspace"));
+    const Shape jdims = h5::dims(jspace, "'tokenizer/json' ");
+    STRATA_REQUIRE(H5Tget_class(jtype) == H5T_INTEGER && H5Tget_size(jtype) == 1 && jdims.size() == 1,
+                   "'tokenizer/json' is ", h5::type_name(jtype), " ", shape_str(jdims), "; expected uint8 [N]");
+    h5::require_stored(json, jdims, "tokenizer/json");
+    std::string text(static_cast<size_t>(jdims[0]), '\0');
+    if (!text.empty())
+      H5_REQUIRE(H5Dread(json, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
+                 "'tokenizer/json' cannot be read");
+    try {  // a large tokenizer.json (Llama 3's: 9 MB) is parsed once per dataset, not per shard
+      const bool same = first && first->hf_json() == text && first->eot() == eot;
+      tok = std::make_unique<Tokenizer>(same ? *first : Tokenizer::hf_with_eot(std::move(text), eot));
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Input) throw;
+      STRATA_THROW_INPUT("has a 'tokenizer/json' that ", e.message());
+    }
+    STRATA_REQUIRE(vocab == tok->vocab_size(), "has tokenizer 'hf' with vocab_size ", vocab,
+                   " but its tokenizer.json has ", tok->vocab_size(), " ids");
   } else if (name == "external") {
     tok = std::make_unique<Tokenizer>(Tokenizer::external(vocab, static_cast<int32_t>(eot)));
   } else {
-    STRATA_THROW_INPUT("has tokenizer '", name, "'; expected byte, bpe or external");
+    STRATA_THROW_INPUT("has tokenizer '", name, "'; expected byte, bpe, hf or external");
   }
   tokenizer = std::move(tok);
   return s;
 }
 
 bool same_tokenizer(const Tokenizer& a, const Tokenizer& b) {
-  return a.name() == b.name() && a.vocab_size() == b.vocab_size() && a.eot() == b.eot() && a.merges() == b.merges();
+  return a.name() == b.name() && a.vocab_size() == b.vocab_size() && a.eot() == b.eot() && a.merges() == b.merges() &&
+         a.hf_json() == b.hf_json();
 }
 
 }  // namespace
@@ -148,7 +174,7 @@ TokenDataset TokenDataset::open(const std::string& spec, const std::string& flag
     std::unique_ptr<Tokenizer> tok;
     Shard s;
     try {
-      s = open_shard(path, tok);
+      s = open_shard(path, tok, impl->tokenizer.get());
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::Input) throw;
       STRATA_THROW_INPUT(flag, ": '", path, "' ", e.message());
@@ -322,6 +348,21 @@ TokenShardWriter::TokenShardWriter(const std::string& path, int64_t num_tokens, 
     if (!tokenizer.merges().empty())
       H5_CHECK(H5Dwrite(m, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokenizer.merges().data()),
                "writing merges to ", path);
+  }
+  if (tokenizer.kind() == Tokenizer::Kind::Hf) {  // the tokenizer.json text, compressed (~4x)
+    const std::string& json = tokenizer.hf_json();
+    const auto n = static_cast<hsize_t>(json.size());
+    h5::Space space(H5_CHECK(H5Screate_simple(1, &n, nullptr), "creating a dataspace"));
+    h5::PList dcpl(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE), "creating dataset properties"));
+    const hsize_t chunk = std::min<hsize_t>(n, hsize_t{1} << 20);
+    H5_CHECK(H5Pset_chunk(dcpl, 1, &chunk), "chunking tokenizer/json");
+    H5_CHECK(H5Pset_deflate(dcpl, 6), "compressing tokenizer/json");
+    h5::PList lcpl(H5_CHECK(H5Pcreate(H5P_LINK_CREATE), "creating link properties"));
+    H5_CHECK(H5Pset_create_intermediate_group(lcpl, 1), "link properties");
+    h5::DataSet d(H5Dcreate2(w.file, "tokenizer/json", H5T_STD_U8LE, space, lcpl, dcpl, H5P_DEFAULT));
+    STRATA_CHECK(d.valid(), "creating tokenizer/json in ", path, " (", h5::last_error(), ")");
+    H5_CHECK(H5Dwrite(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, json.data()), "writing tokenizer/json to ",
+             path);
   }
 }
 

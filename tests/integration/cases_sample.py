@@ -170,3 +170,77 @@ def case_sample(args):
     ext = [os.path.join(w, f) for f in sorted(os.listdir(w)) if f.startswith("ext") and f.endswith(".h5")]
     assert ext, os.listdir(w)
     expect_sample_error(args, ["--checkpoint", ckpt, "--data", ext[0], "--prompt", "hello"], r"external.*cannot")
+
+
+HF_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "hf")
+
+
+def hf_decoder(path):
+    """id -> bytes of a byte-level BPE tokenizer.json (GPT-2's bytes_to_unicode inverse; added
+    tokens as written), reimplemented here from the format, not from our C++."""
+    import json
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_of = {chr(c): b for b, c in zip(bs, cs)}
+    j = json.load(open(path, encoding="utf-8"))
+    pieces = {i: bytes(byte_of[ch] for ch in tok) for tok, i in j["model"]["vocab"].items()}
+    pieces.update({t["id"]: t["content"].encode() for t in j["added_tokens"]})
+    return pieces
+
+
+def case_sample_hf(args):
+    """strata-sample with a Hugging Face tokenizer.json stored in the token shards (tokenize
+    --tokenizer hf:..., and import-bin --tokenizer hf:... of the same ids): the prompt encodes to
+    the ids the `tokenizers` library gave (tests/fixtures/hf/cases.json), and greedy text equals a
+    numpy forward from those ids decoded by the tokenizer.json's own vocabulary."""
+    import json
+    w = args.workdir
+    tokenizer = os.path.join(HF_FIXTURES, "gpt2.json")
+    tok = os.path.join(w, "gpl-hf")
+    p = subprocess.run([args.data_tool, "tokenize", "--input", GPL, "--out", tok, "--tokenizer", "hf:" + tokenizer,
+                        "--val-fraction", "0.1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ck_dir = os.path.join(w, "ckpt-hf")
+    train_ranks(args, 1, ["--model", "gpt", "--layers", "2", "--heads", "2", "--embed", "32", "--seq-len", "32",
+                          "--data", tok + "-train.h5", "--steps", "30", "--global-batch", "8", "--optimizer", "adamw",
+                          "--lr", "0.01", "--checkpoint-dir", ck_dir, "--log-every", "10", "--threads", "1"])
+    ckpt = os.path.join(ck_dir, "step-00000030.h5")
+    cases = json.load(open(os.path.join(HF_FIXTURES, "cases.json"), encoding="utf-8"))["cases"]
+    prompt = "The GNU General Public License is a free, copyleft license for software."
+    prompt_ids = next(c["ids"] for c in cases if c["tokenizer"] == "gpt2.json" and c["text"] == prompt)
+    pieces = hf_decoder(tokenizer)
+
+    # The same ids imported from an llm.c-style headerless file, with the tokenizer attached.
+    with h5py.File(tok + "-train.h5", "r") as f:
+        f["tokens"][...].astype(np.uint16).tofile(os.path.join(w, "gpl-hf.bin"))
+    p = subprocess.run([args.data_tool, "import-bin", "--input", os.path.join(w, "gpl-hf.bin"), "--raw", "--out",
+                        os.path.join(w, "imported-hf"), "--tokenizer", "hf:" + tokenizer], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+    noisy = perturbed_copy(ckpt, os.path.join(w, "noisy-hf.h5"), 0)
+    want, margins = numpy_greedy(noisy, 2, prompt_ids, 40)
+    for data in (None, os.path.join(w, "imported-hf.h5")):
+        # Without --data: the training data the checkpoint records.
+        flags = ["--checkpoint", noisy, "--prompt", prompt, "--tokens", "40", "--temperature", "0"]
+        flags += ["--data", data] if data else []
+        text, speed = sample(args, flags)
+        assert text.startswith(prompt.encode()), text
+        assert re.match(r"^-- 40 tokens in", speed), speed
+        got = text[len(prompt):]
+        expected = b""
+        for i, t in enumerate(want):  # token by token, so a near tie ends the comparison
+            nxt = expected + pieces[t]
+            if not got.startswith(nxt):
+                assert margins[i] < 1e-4, f"greedy token {i}: numpy {t} ({pieces[t]!r}), strata-sample " \
+                                          f"{got[len(expected):len(expected) + 20]!r} (margin {margins[i]:.3g})"
+                break
+            expected = nxt
+        print(f"hf tokenizer ({data or 'training data'}): greedy equals numpy's for {len(expected)} of {len(got)} "
+              f"bytes: {text!r}")
+        assert len(expected) > 0

@@ -288,7 +288,7 @@ TEST(TokenDataset, OpenErrorsNameTheFile) {
   bad(r, {"tokenizer 'bpe' but no dataset 'tokenizer/merges'"});
   r = ok;
   r.tokenizer = "wordpiece";
-  bad(r, {"has tokenizer 'wordpiece'", "byte, bpe or external"});
+  bad(r, {"has tokenizer 'wordpiece'", "byte, bpe, hf or external"});
   r = ok;
   r.eot = 257;
   bad(r, {"has eot 257 outside the vocabulary"});
