@@ -79,9 +79,9 @@ struct RuntimeSettings {
 // What the run reports, and where.
 struct MonitorSettings {
   int64_t log_every = 100, eval_every = 0;
-  std::string metrics;   // --metrics FILE: one JSON object per progress line
+  std::string metrics;      // --metrics FILE: one JSON object per progress line
   std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard event files (rank 0)
-  std::string log_file;  // rank 0 also appends its log lines here
+  std::string log_file;     // rank 0 also appends its log lines here
   bool log_all_ranks = false;
   std::string timeline;                      // SVG of the last step's pipeline timeline
   std::string trace;                         // --trace FILE: Chrome trace-event JSON of every rank

@@ -27,8 +27,9 @@ void Monitor::open_outputs(bool evaluation_only, bool resuming, int64_t start_st
   parallel::agree(grid_.mpi_world().comm(), [&] {
     if (rank != 0) return;
     if (!evaluation_only)
-      for (const auto& [flag, path] :
-           {std::pair{"--metrics", settings_.metrics}, {"--timeline", settings_.timeline}, {"--trace", settings_.trace}})
+      for (const auto& [flag, path] : {std::pair{"--metrics", settings_.metrics},
+                                       {"--timeline", settings_.timeline},
+                                       {"--trace", settings_.trace}})
         if (!path.empty()) io::require_writable_file(path, flag);
     // Also creates --tensorboard's file, which marks the step a training run starts from.
     metrics_ = io::MetricsWriter(settings_.metrics, settings_.tensorboard,
