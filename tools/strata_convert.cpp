@@ -1,6 +1,7 @@
 // strata-convert: Hugging Face GPT-2 checkpoints in and out (docs/formats.md, "Hugging Face").
 //   strata-convert import-hf --model-dir DIR --out FILE.h5
 //   strata-convert export-hf --checkpoint FILE.h5 --out DIR [--shard-size 5GB] [--dtype F32|BF16|F16]
+//                            [--tokenizer DATA|tokenizer.json|none]
 //   strata-convert logits --checkpoint FILE.h5 --tokens 1,2,3 --out FILE.f32
 // import-hf writes a model-only Strata checkpoint (train --init-from, --eval-only, strata-sample);
 // export-hf writes config.json and safetensors that transformers' from_pretrained loads. Both
@@ -29,6 +30,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: strata-convert import-hf --model-dir DIR --out FILE.h5\n"
     "       strata-convert export-hf --checkpoint FILE.h5 --out DIR [--shard-size 5GB] [--dtype F32|BF16|F16]\n"
+    "                            [--tokenizer DATA|tokenizer.json|none]\n"
     "       strata-convert logits --checkpoint FILE.h5 --tokens ID,ID,... --out FILE.f32\n";
 
 // "5GB", "500MB", "10KB" (transformers' decimal units), "2GiB", "64KiB", or plain bytes.
@@ -75,7 +77,7 @@ int run(int argc, char** argv) {
     std::cout << kUsage;
     return 0;
   }
-  std::string model_dir, out, checkpoint, shard_size, dtype, tokens;
+  std::string model_dir, out, checkpoint, shard_size, dtype, tokenizer, tokens;
   po::options_description desc("options");
   // clang-format off
   desc.add_options()
@@ -85,6 +87,7 @@ int run(int argc, char** argv) {
     ("out", po::value(&out), "import-hf: the checkpoint to write; export-hf: the directory; logits: the file")
     ("shard-size", po::value(&shard_size)->default_value("5GB"), "export-hf: the largest safetensors shard")
     ("dtype", po::value(&dtype), "export-hf: F32 | BF16 | F16 (default: the checkpoint's precision)")
+    ("tokenizer", po::value(&tokenizer), "export-hf: the Hugging Face tokenizer written beside the weights: token data holding one, a tokenizer.json, or none (default: the checkpoint's training data's, when it is there and has one)")
     ("tokens", po::value(&tokens), "logits: comma-separated token ids");
   // clang-format on
   po::variables_map vm;
@@ -112,8 +115,9 @@ int run(int argc, char** argv) {
   } else if (command == "export-hf") {
     need("checkpoint", checkpoint);
     need("out", out);
-    io::export_hf_gpt2(checkpoint, out, parse_size(shard_size), dtype);
-    std::printf("export-hf: %s -> %s in %.2f s\n", checkpoint.c_str(), out.c_str(), seconds());
+    const std::string tokenizer_note = io::export_hf_gpt2(checkpoint, out, parse_size(shard_size), dtype, tokenizer);
+    std::printf("export-hf: %s -> %s in %.2f s; %s\n", checkpoint.c_str(), out.c_str(), seconds(),
+                tokenizer_note.c_str());
   } else if (command == "logits") {
     need("checkpoint", checkpoint);
     need("tokens", tokens);

@@ -14,6 +14,8 @@
 #include "io/checkpoint/file.hpp"
 #include "io/checkpoint/run_state.hpp"
 #include "io/safetensors.hpp"
+#include "io/tokenizer.hpp"
+#include "io/tokens.hpp"
 #include "layers/gpt_decode.hpp"
 #include "layers/parameter_store.hpp"
 #include "layers/zoo.hpp"
@@ -31,6 +33,13 @@ std::string read_text(const std::string& path, const std::string& what) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  f.close();
+  STRATA_REQUIRE(f.good(), "cannot write '", path, "'");
 }
 
 json parse_json(const std::string& text, const std::string& where) {
@@ -197,7 +206,7 @@ Gpt2Options parse_hf_gpt2_config(const std::string& text, const std::string& whe
   return o;
 }
 
-std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype) {
+std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype, int32_t eot) {
   nlohmann::ordered_json j;
   j["architectures"] = {"GPT2LMHeadModel"};
   j["model_type"] = "gpt2";
@@ -218,11 +227,9 @@ std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype) 
   j["scale_attn_by_inverse_layer_idx"] = false;
   j["reorder_and_upcast_attn"] = false;
   j["use_cache"] = true;
-  // Hook for the tokenizer's part: the tokenizer files and the real bos/eos ids belong with the
-  // tokenizer export, which writes them into the same directory after this file. Until then
-  // GPT-2's <|endoftext|> (50256) where the vocabulary has it, else none (transformers refuses
-  // ids outside the vocabulary).
-  j["bos_token_id"] = o.vocab > 50256 ? json(50256) : json(nullptr);
+  // The tokenizer's end-of-text; without one GPT-2's <|endoftext|> (50256) where the vocabulary
+  // has it, else none (transformers refuses ids outside the vocabulary).
+  j["bos_token_id"] = eot >= 0 ? json(eot) : o.vocab > 50256 ? json(50256) : json(nullptr);
   j["eos_token_id"] = j["bos_token_id"];
   j["torch_dtype"] = dtype;
   return j.dump(2) + "\n";
@@ -368,10 +375,69 @@ void import_hf_gpt2(const std::string& dir, const std::string& out) {
 
 // ---- export ----------------------------------------------------------------------------------
 
-void export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint64_t shard_bytes,
-                    const std::string& dtype_flag) {
+namespace {
+
+// The Hugging Face tokenizer export-hf writes beside the weights (null: none) and why.
+struct ExportTokenizer {
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::string note;
+};
+
+ExportTokenizer export_tokenizer(const CheckpointReader& reader, const std::string& flag) {
+  ExportTokenizer out;
+  if (flag == "none") {
+    out.note = "no tokenizer (--tokenizer none)";
+    return out;
+  }
+  if (flag.ends_with(".json")) {
+    out.tokenizer = std::make_unique<Tokenizer>(Tokenizer::hf(read_text(flag, "--tokenizer")));
+    out.note = "tokenizer " + flag;
+    return out;
+  }
+  std::string spec = flag;
+  if (spec.empty()) {  // the training data's, when it is still there
+    spec = config_lines(reader.attr_string("config"))["data"];
+    std::error_code ec;
+    if (spec.empty() || (!fs::exists(spec, ec) && spec.find_first_of("*?[") == std::string::npos)) {
+      out.note = "no tokenizer: the checkpoint's training data " +
+                 (spec.empty() ? "is not recorded" : spec + " is not here") +
+                 " (--tokenizer DATA or tokenizer.json names one)";
+      return out;
+    }
+    try {
+      const TokenDataset data = TokenDataset::open(spec, "--tokenizer");
+      const Tokenizer& t = data.tokenizer();
+      if (t.kind() != Tokenizer::Kind::Hf) {
+        out.note = "no tokenizer: the training data " + spec + " has Strata's own (" + t.name() +
+                   "), which transformers does not read";
+        return out;
+      }
+      out.tokenizer = std::make_unique<Tokenizer>(t);
+    } catch (const Error& e) {
+      out.note = "no tokenizer: the training data " + spec + " is not token data (" + e.message() + ")";
+      return out;
+    }
+  } else {
+    const TokenDataset data = TokenDataset::open(spec, "--tokenizer");
+    const Tokenizer& t = data.tokenizer();
+    STRATA_REQUIRE(t.kind() == Tokenizer::Kind::Hf, "--tokenizer ", spec, ": its tokenizer is Strata's ", t.name(),
+                   ", not a Hugging Face tokenizer.json");
+    out.tokenizer = std::make_unique<Tokenizer>(t);
+  }
+  out.note = "tokenizer of " + spec;
+  return out;
+}
+
+}  // namespace
+
+std::string export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint64_t shard_bytes,
+                           const std::string& dtype_flag, const std::string& tokenizer_flag) {
   const CheckpointReader reader(checkpoint);
   const CheckpointModel model = model_of_checkpoint(reader);
+  const ExportTokenizer tokenizer = export_tokenizer(reader, tokenizer_flag);
+  if (tokenizer.tokenizer)
+    STRATA_REQUIRE(tokenizer.tokenizer->vocab_size() <= model.options.vocab, "the ", tokenizer.note, " has ",
+                   tokenizer.tokenizer->vocab_size(), " ids but the model's vocabulary ", model.options.vocab);
   std::string dtype = dtype_flag;
   if (dtype.empty()) {
     const std::string precision = reader.has_attr("precision") ? reader.attr_string("precision") : "fp32";
@@ -442,9 +508,21 @@ void export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint6
     f << index.dump(2) << "\n";
     STRATA_REQUIRE(f.good(), "cannot write model.safetensors.index.json in '", dir, "'");
   }
-  std::ofstream f(fs::path(dir) / "config.json");
-  f << hf_gpt2_config_json(model.options, torch_dtype);
-  STRATA_REQUIRE(f.good(), "cannot write config.json in '", dir, "'");
+  const int32_t eot = tokenizer.tokenizer ? tokenizer.tokenizer->eot() : -1;
+  write_text((fs::path(dir) / "config.json").string(), hf_gpt2_config_json(model.options, torch_dtype, eot));
+  if (tokenizer.tokenizer) {
+    const Tokenizer& t = *tokenizer.tokenizer;
+    write_text((fs::path(dir) / "tokenizer.json").string(), t.hf_json());
+    // What AutoTokenizer needs besides tokenizer.json: the generic fast class, the end-of-text
+    // token and the context length.
+    nlohmann::ordered_json config;
+    config["tokenizer_class"] = "PreTrainedTokenizerFast";
+    config["bos_token"] = std::string(t.piece(t.eot()));
+    config["eos_token"] = std::string(t.piece(t.eot()));
+    config["model_max_length"] = model.options.positions;
+    write_text((fs::path(dir) / "tokenizer_config.json").string(), config.dump(2) + "\n");
+  }
+  return tokenizer.note;
 }
 
 // ---- logits ----------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ struct Gpt2Options {
 // scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, add_cross_attention.
 Gpt2Options parse_hf_gpt2_config(const std::string& text, const std::string& where);
 // The options -> config.json (transformers' GPT2Config keys) with torch_dtype `dtype`
-// ("float32", "bfloat16" or "float16").
-std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype);
+// ("float32", "bfloat16" or "float16") and bos/eos at the tokenizer's end-of-text `eot` (-1: none).
+std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype, int32_t eot = -1);
 
 // One tensor of the map, for these options.
 struct Gpt2Tensor {
@@ -67,8 +67,13 @@ void import_hf_gpt2(const std::string& dir, const std::string& out);
 // model.safetensors, or shards of at most `shard_bytes` each (a tensor larger than that gets a
 // shard of its own, as transformers does) with model.safetensors.index.json. dtype "F32",
 // "BF16" or "F16"; empty: the checkpoint's precision (fp32 -> F32, bf16 -> BF16, fp16 -> F16).
-void export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint64_t shard_bytes,
-                    const std::string& dtype);
+// With a Hugging Face tokenizer also tokenizer.json, tokenizer_config.json (AutoTokenizer loads
+// the directory) and config.json's bos/eos ids at its end-of-text token. `tokenizer`: token data
+// (a file, directory or glob of token shards) or a tokenizer.json; "" takes the training data the
+// checkpoint's config names when it is there and holds one (else no tokenizer files); "none":
+// none. Returns the line that says which tokenizer went with it (or why none).
+std::string export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint64_t shard_bytes,
+                           const std::string& dtype, const std::string& tokenizer = "");
 
 // The logits (T, V) of the gpt checkpoint's model over `tokens` (positions 0..T-1, T at most its
 // seq_len), computed by the full forward in eval mode on the CPU: what interop tests compare.

@@ -197,6 +197,43 @@ def case_fixture(a):
     assert index["weight_map"] == json.load(open(os.path.join(sharded, "model.safetensors.index.json")))["weight_map"]
     print(f"versions of the fixture's makers: {ref['versions']}")
 
+    # The tokenizer beside the weights. A model trained on text tokenized with a tokenizer.json
+    # (its vocabulary: 1502 ids) takes it from its training data by default, or as given.
+    hf_tokenizer = os.path.join(FIXTURES, "gpt2.json")
+    with open(os.path.join(w, "text.txt"), "w") as f:
+        f.write(open("/usr/share/common-licenses/GPL-3").read()[:8000])
+    hf_data = os.path.join(w, "hf")
+    ok([a.data_tool, "tokenize", "--input", os.path.join(w, "text.txt"), "--out", hf_data, "--tokenizer",
+        "hf:" + hf_tokenizer, "--val-fraction", "0"])
+    run_dir = os.path.join(w, "ck-hf-tokens")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ok([a.train, "--model", "gpt", "--layers", "1", "--heads", "2", "--embed", "16", "--seq-len", "16", "--data",
+        hf_data + "-train.h5", "--steps", "1", "--global-batch", "4", "--checkpoint-dir", run_dir])
+    trained = os.path.join(run_dir, "step-00000001.h5")
+    for flag in ([], ["--tokenizer", hf_tokenizer], ["--tokenizer", hf_data + "-train.h5"]):
+        out = os.path.join(w, "exported-tokenizer")
+        shutil.rmtree(out, ignore_errors=True)
+        line = ok([a.convert, "export-hf", "--checkpoint", trained, "--out", out] + flag)
+        assert open(os.path.join(out, "tokenizer.json"), "rb").read() == open(hf_tokenizer, "rb").read(), flag
+        tokenizer_config = json.load(open(os.path.join(out, "tokenizer_config.json")))
+        assert tokenizer_config["eos_token"] == "<|endoftext|>" and tokenizer_config["model_max_length"] == 16
+        config = json.load(open(os.path.join(out, "config.json")))
+        assert config["eos_token_id"] == config["bos_token_id"] == 0, config  # <|endoftext|> is id 0 there
+    assert "tokenizer of " + hf_data + "-train.h5" in line, line
+    none = os.path.join(w, "exported-none")
+    shutil.rmtree(none, ignore_errors=True)
+    assert "no tokenizer (--tokenizer none)" in ok(
+        [a.convert, "export-hf", "--checkpoint", trained, "--out", none, "--tokenizer", "none"])
+    assert sorted(os.listdir(none)) == ["config.json", "model.safetensors"], os.listdir(none)
+    # Token data of another kind, or a tokenizer larger than the model: one line.
+    expect_error(a, ["export-hf", "--checkpoint", ck, "--out", os.path.join(w, "x-ext"), "--tokenizer", data],
+                 r"--tokenizer .*: its tokenizer is Strata's external, not a Hugging Face tokenizer.json")
+    expect_error(a, ["export-hf", "--checkpoint", ck, "--out", os.path.join(w, "x-big"), "--tokenizer", hf_tokenizer],
+                 r"has 1502 ids but the model's vocabulary 100")
+    # No training data recorded (an imported model): none, and the line says why.
+    assert "no tokenizer: the checkpoint's training data is not recorded" in ok(
+        [a.convert, "export-hf", "--checkpoint", ck, "--out", os.path.join(w, "x-none")])
+
 
 # ---- bad inputs --------------------------------------------------------------------------------
 
@@ -359,7 +396,31 @@ def case_live(a):
     assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5)
     assert not np.allclose(read_checkpoint(continued)[0]["wte/weight"], read_checkpoint(ck)[0]["wte/weight"])
 
-    # 4. Strata-trained models -> export -> from_pretrained logits equal Strata's.
+    # 4. Trained on text tokenized with a Hugging Face tokenizer: export-hf takes it from the
+    # training data, and AutoTokenizer loads the directory and encodes as the library does.
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+    hf_tokenizer = os.path.join(FIXTURES, "gpt2.json")
+    text = os.path.join(w, "text.txt")
+    with open(text, "w") as f:
+        f.write(open("/usr/share/common-licenses/GPL-3").read()[:20000])
+    ok([a.data_tool, "tokenize", "--input", text, "--out", os.path.join(w, "hf"), "--tokenizer", "hf:" + hf_tokenizer,
+        "--val-fraction", "0"])
+    run_dir = os.path.join(w, "ck-hf-tokens")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ok([a.train, "--model", "gpt", "--layers", "1", "--heads", "2", "--embed", "16", "--seq-len", t, "--data",
+        os.path.join(w, "hf-train.h5"), "--steps", "2", "--global-batch", "4", "--checkpoint-dir", run_dir])
+    out = os.path.join(w, "hf-with-tokenizer")
+    shutil.rmtree(out, ignore_errors=True)
+    ok([a.convert, "export-hf", "--checkpoint", os.path.join(run_dir, "step-00000002.h5"), "--out", out])
+    loaded = AutoTokenizer.from_pretrained(out)
+    sample = "Everyone is permitted to copy and distribute verbatim copies — café 東京 😀  42"
+    assert loaded.encode(sample) == Tokenizer.from_file(hf_tokenizer).encode(sample).ids, loaded.encode(sample)
+    assert loaded.eos_token == "<|endoftext|>" and AutoModelForCausalLM.from_pretrained(out).config.eos_token_id == 0
+    print(f"export-hf with the training data's tokenizer: AutoTokenizer encodes as tokenizers does "
+          f"({len(loaded.encode(sample))} ids)")
+
+    # 5. Strata-trained models -> export -> from_pretrained logits equal Strata's.
     for activation, tie in (("gelu_tanh", "true"), ("gelu", "false")):
         run_dir = os.path.join(w, f"ck-{activation}")
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -388,6 +449,7 @@ def main():
     p.add_argument("case", choices=sorted(cases))
     p.add_argument("--convert", required=True)
     p.add_argument("--train", required=True)
+    p.add_argument("--data-tool", required=True, help="strata-data")
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--workdir", required=True)
     p.add_argument("--interop-python", help="live: the python with transformers (re-runs this file with it)")
