@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPT job: installs what is missing, builds train and strata-data, tokenizes Debian's
+# The GPT job: installs what is missing, builds train, strata-data and strata-sample (to sample
+# from the result, docs/gpt.md), tokenizes Debian's
 # fortunes (byte-level BPE, 2048 ids) once into data/fortunes/, and trains a small GPT on 2 MPI
 # ranks on the CPU (docs/gpt.md).
 # Usage: bash scripts/gpt-job.sh [extra train flags, e.g. --steps 100]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-STRATA_TARGETS="train strata-data" bash scripts/build.sh  # only the two programs this job runs
+STRATA_TARGETS="train strata-data strata-sample" bash scripts/build.sh  # the programs this job and its docs run
 
 # The plain-text fortune files of the fortunes and fortunes-min packages, sorted: not the
 # .dat indexes, not the .u8 links to the same files, not the off/ subfolder (fortunes-off).

@@ -8,7 +8,8 @@ namespace strata::io {
 std::unique_ptr<DataSource> open_samples(const std::string& spec, const std::string& flag, int64_t seq_len) {
   if (is_token_dataset(spec, flag)) {
     STRATA_REQUIRE(seq_len > 0, flag, " '", spec,
-                   "' holds tokens, which a language model reads: give --model gpt (and --seq-len)");
+                   "' holds tokens, which a language model reads in windows of --seq-len tokens: give --seq-len with "
+                   "--model gpt (a gpt2-* preset has its own)");
     return std::make_unique<TokenWindows>(TokenDataset::open(spec, flag), seq_len);
   }
   return std::make_unique<Dataset>(Dataset::open(spec, flag));

@@ -149,14 +149,7 @@ int main(int argc, char** argv) {
       const char* what = config->eval_only          ? "evaluation"
                          : config->data.val.empty() ? "final evaluation of the training data (no --val-data)"
                                                     : "final test";
-      char line[240];
-      if (r.tokens)  // a language model: per-token loss, its perplexity and next-token accuracy
-        std::snprintf(line, sizeof line, "%s: loss %.6f  perplexity %.3f  next-token accuracy %.2f%%  (%lld windows)",
-                      what, r.loss, std::exp(r.loss), 100.0 * r.accuracy, static_cast<long long>(r.samples));
-      else
-        std::snprintf(line, sizeof line, "%s: loss %.6f  accuracy %.2f%%  (%lld samples)", what, r.loss,
-                      100.0 * r.accuracy, static_cast<long long>(r.samples));
-      log::info(line);
+      log::info(what, ": ", train::evaluation_text(r));
       trainer->record_evaluation(config->eval_only          ? "eval-only"
                                  : config->data.val.empty() ? "final-train"
                                                             : "final",

@@ -1,6 +1,7 @@
 #include "train/monitor.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 #include "core/allocator.hpp"
@@ -170,10 +171,19 @@ void Monitor::log_progress(int64_t step, int64_t epoch, float lr, double seconds
   metrics_.append(record);
 }
 
+std::string evaluation_text(const EvalResult& r) {
+  char text[160];
+  if (r.tokens)  // a language model: per-token loss, its perplexity and next-token accuracy
+    std::snprintf(text, sizeof text, "loss %.6f  perplexity %.3f  next-token accuracy %.2f%%  (%lld windows)", r.loss,
+                  std::exp(r.loss), 100.0 * r.accuracy, static_cast<long long>(r.samples));
+  else
+    std::snprintf(text, sizeof text, "loss %.6f  accuracy %.2f%%  (%lld samples)", r.loss, 100.0 * r.accuracy,
+                  static_cast<long long>(r.samples));
+  return text;
+}
+
 void Monitor::evaluation(int64_t done, const EvalResult& r) {
-  log::info("eval at step ", done, ": loss ", r.loss,
-            r.tokens ? detail::cat("  perplexity ", std::exp(r.loss)) : std::string(), "  accuracy ",
-            100.0 * r.accuracy, "%");
+  log::info("eval at step ", done, ": ", evaluation_text(r));
   record_evaluation(done, "val", r);
 }
 
