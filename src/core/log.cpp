@@ -12,7 +12,8 @@ namespace {
 std::atomic<int> g_level{static_cast<int>(Level::Info)};
 std::atomic<bool> g_all_ranks{false};
 std::mutex g_mutex;
-FILE* g_tee = nullptr;  // leaked on purpose: lines may be logged until the process ends
+FILE* g_tee = nullptr;    // leaked on purpose: lines may be logged until the process ends
+bool g_tee_lost = false;  // a write to it failed (said once)
 }  // namespace
 
 void set_level(Level level) { g_level = static_cast<int>(level); }
@@ -34,7 +35,11 @@ void write(Level level, const std::string& line) {
       std::fprintf(f, "[rank %d] %s%s\n", process_rank(), tag, line.c_str());
     else
       std::fprintf(f, "%s%s\n", tag, line.c_str());
-    std::fflush(f);
+    if (std::fflush(f) != 0 && f == g_tee && !g_tee_lost) {  // the log file's lines are lost, not the run
+      g_tee_lost = true;
+      std::fprintf(stderr, "warning: --log-file: writing failed (%s): its lines are being lost\n",
+                   std::strerror(errno));
+    }
   }
 }
 
@@ -44,6 +49,7 @@ void tee_to(const std::string& path) {
   STRATA_REQUIRE(f != nullptr, "--log-file: cannot open '", path, "' for appending: ", std::strerror(errno));
   if (g_tee) std::fclose(g_tee);
   g_tee = f;
+  g_tee_lost = false;
 }
 
 std::string format_bytes(int64_t bytes) {

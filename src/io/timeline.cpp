@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 
 namespace strata::io {
 
@@ -140,7 +142,10 @@ std::string render_svg(const std::vector<TimelineEvent>& events, int stages) {
 
 std::string write_timeline(const std::string& path, const std::vector<TimelineEvent>& events, int stages,
                            int64_t micro_batches, const std::string& schedule) {
-  std::ofstream(path) << render_svg(events, stages);
+  std::ofstream svg(path);
+  svg << render_svg(events, stages);
+  svg.close();
+  if (svg.fail()) log::warn("--timeline: writing '", path, "' failed (", std::strerror(errno), ")");
   std::ostringstream os;
   os << "timeline of the last step (" << schedule << ", " << stages << " stages, " << micro_batches
      << " micro-batches) written to " << path << "\n"

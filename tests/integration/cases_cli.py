@@ -39,6 +39,14 @@ def case_bad_inputs(args):
     with open(text, "w") as f:
         f.write("hello\n")
     expect_bad_input(args, base + ["--data", text], r"not-hdf5\.h5")
+    # Outputs on a full device: the training goes on (the checkpoints are what matter), but the
+    # lost lines are said, once per file.
+    rc, out, err = run(args, [args.train] + base + ["--data", good, "--log-every", "1", "--metrics", "/dev/full",
+                                                    "--log-file", "/dev/full"])
+    assert rc == 0, err
+    assert "warning: --metrics: cannot write '/dev/full' (No space left on device): its lines are being lost" in err, err
+    assert "warning: --log-file: writing failed (No space left on device): its lines are being lost" in err, err
+    assert err.count("its lines are being lost") == 2, err
     # A run refused during setup leaves no --checkpoint-dir it created (nor its .lock) behind;
     # one that existed stays, as it was.
     for refused in (["--data", text], ["--data", good, "--metrics", "/nonexistent/m.jsonl"],
