@@ -20,7 +20,7 @@ trap 'rm -rf "$work"' EXIT
 # Random tokens below 8192 as a headerless uint16 file (nanoGPT's .bin), imported as token shards.
 /usr/bin/python3 -c "
 import numpy as np
-np.random.default_rng(1).integers(0, 8192, 400000, dtype=np.uint16).tofile('$work/tokens.bin')"
+np.random.default_rng(1).integers(0, 8192, 100000, dtype=np.uint16).tofile('$work/tokens.bin')"
 "$build/strata-data" import-bin --raw --input "$work/tokens.bin" --out "$work/tokens" --vocab-size 8192 >/dev/null
 data="$(ls "$work"/tokens*.h5 | head -1)"
 
@@ -30,7 +30,8 @@ train_side() {
   "${run_env[@]}" "$build/train" --model gpt "${shape[@]}" --vocab 8192 --data "$data" --global-batch 8 \
     --optimizer adamw --lr 6e-4 --weight-decay 0.1 --beta2 0.95 --steps "$STEPS" --log-every $((STEPS / 2)) \
     --threads 1 --metrics "$work/metrics.jsonl" >/dev/null
-  /usr/bin/python3 -c "import json; print(round([json.loads(l) for l in open('$work/metrics.jsonl')][-1]['tokens_per_s']))"
+  # The last progress record (the final evaluation's record follows it).
+  /usr/bin/python3 -c "import json; print(round([r for r in map(json.loads, open('$work/metrics.jsonl')) if 'tokens_per_s' in r][-1]['tokens_per_s']))"
 }
 bench_side() {
   "${run_env[@]}" "$bench_bin" "${shape[@]}" --batch 8 --vocab 8192 --threads 1 --warmup 3 --steps 5 --windows 4 |

@@ -117,6 +117,10 @@ int tokenize(const std::vector<std::string>& args) {
   prepare_prefix(out);
 
   const std::vector<std::string> files = list_inputs(inputs, "");
+  std::vector<std::string> outputs;
+  for (int s = 0; s < shards; ++s) outputs.push_back(io::shard_path(out + "-train", s, shards));
+  if (val_fraction > 0) outputs.push_back(out + "-val.h5");
+  check_inputs(files, outputs);
   std::vector<std::string> docs;
   int64_t bytes = 0;
   for (const auto& f : files) {
@@ -162,18 +166,20 @@ int tokenize(const std::vector<std::string>& args) {
                  n_train);
   int64_t begin = 0;
   const auto sizes = shard_sizes(n_train, shards);
+  OutputFiles written;
   for (int s = 0; s < shards; ++s) {
     const int64_t size = sizes[static_cast<size_t>(s)];
-    const std::string path = io::shard_path(out + "-train", s, shards);
+    const std::string path = written.add(outputs[static_cast<size_t>(s)]);
     io::write_token_shard(path, std::span(stream).subspan(static_cast<size_t>(begin), static_cast<size_t>(size)), tok);
     std::cout << path << ": " << size << " tokens\n";
     begin += size;
   }
   if (n_val > 0) {
-    const std::string path = out + "-val.h5";
+    const std::string path = written.add(outputs.back());
     io::write_token_shard(path, std::span(stream).subspan(static_cast<size_t>(n_train)), tok);
     std::cout << path << ": " << n_val << " tokens\n";
   }
+  written.commit();
   std::printf(
       "%zu documents, %lld bytes -> %lld tokens (train %lld, val %lld), %.3f bytes/token, tokenizer %s, encoded in "
       "%.3f s (%.2f MB/s, one thread)\n",
@@ -217,12 +223,17 @@ int import_bin(const std::vector<std::string>& args) {
   }
   STRATA_REQUIRE(vocab >= 1 && vocab <= std::numeric_limits<int32_t>::max(), "--vocab-size: expected 1..",
                  std::numeric_limits<int32_t>::max(), ", found ", vocab);
-  if (eot < 0) eot = vocab - 1;
-  STRATA_REQUIRE(eot < vocab, "--eot: ", eot, " is outside the vocabulary [0, ", vocab, ")");
+  if (!vm.count("eot") && !hf_tok) eot = vocab - 1;
+  STRATA_REQUIRE(eot >= 0 && eot < vocab, "--eot: ", eot, " is outside the vocabulary [0, ", vocab, ")");
   const io::Tokenizer tok = hf_tok ? *hf_tok : io::Tokenizer::external(vocab, static_cast<int32_t>(eot));
   prepare_prefix(out);
   const std::vector<std::string> files = list_inputs(inputs, ".bin");
+  std::vector<std::string> outputs;
+  for (size_t i = 0; i < files.size(); ++i)
+    outputs.push_back(io::shard_path(out, static_cast<int>(i), static_cast<int>(files.size())));
+  check_inputs(files, outputs);
 
+  OutputFiles written;
   int64_t total = 0;
   for (size_t i = 0; i < files.size(); ++i) {
     const std::string& path = files[i];
@@ -257,7 +268,7 @@ int import_bin(const std::vector<std::string>& args) {
                      " tokens its header counts");
     }
     STRATA_REQUIRE(count > 0, "--input: '", path, "' holds no tokens");
-    const std::string dest = io::shard_path(out, static_cast<int>(i), static_cast<int>(files.size()));
+    const std::string dest = written.add(outputs[i]);
     io::TokenShardWriter writer(dest, count, tok);
     constexpr int64_t kChunk = int64_t{1} << 22;
     std::vector<char> raw_buf;
@@ -287,6 +298,7 @@ int import_bin(const std::vector<std::string>& args) {
     std::cout << dest << ": " << count << " tokens from " << path << "\n";
     total += count;
   }
+  written.commit();
   std::cout << files.size() << " file(s), " << total << " tokens, tokenizer " << tok.name() << " (vocab_size " << vocab
             << ", eot " << eot << ")\n";
   return 0;

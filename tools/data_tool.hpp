@@ -18,6 +18,25 @@ po::variables_map parse(const std::vector<std::string>& args, const po::options_
 std::vector<int64_t> shard_sizes(int64_t n, int shards);
 // Checks that --out is a file prefix and creates its directory.
 void prepare_prefix(const std::string& prefix);
+// Input errors for an input file named twice and for one that is among `outputs` (writing them
+// would destroy it).
+void check_inputs(const std::vector<std::string>& inputs, const std::vector<std::string>& outputs);
+
+// Removes the files a command wrote unless it finished (commit()): a refused input half-way
+// leaves nothing behind.
+class OutputFiles {
+ public:
+  OutputFiles() = default;
+  OutputFiles(const OutputFiles&) = delete;
+  OutputFiles& operator=(const OutputFiles&) = delete;
+  ~OutputFiles();
+  // `path` is about to be written.
+  std::string add(const std::string& path);
+  void commit() { paths_.clear(); }
+
+ private:
+  std::vector<std::string> paths_;
+};
 
 int tokenize(const std::vector<std::string>& args);
 int import_bin(const std::vector<std::string>& args);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <boost/program_options.hpp>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -51,13 +52,39 @@ std::vector<int64_t> shard_sizes(int64_t n, int shards) {
 
 // Checks that --out is a file prefix and creates its directory.
 void prepare_prefix(const std::string& prefix) {
-  STRATA_REQUIRE(!prefix.empty() && prefix.back() != '/' && !std::filesystem::is_directory(prefix),
+  std::error_code ec;
+  STRATA_REQUIRE(!prefix.empty() && prefix.back() != '/' && !std::filesystem::is_directory(prefix, ec),
                  "--out: expected a file prefix (PREFIX.h5 or PREFIX-00000-of-0000N.h5 are written), found '", prefix,
                  "'");
+  // The longest name written: PREFIX-train-00000-of-00000.h5.
+  constexpr size_t kLongestSuffix = sizeof("-train-00000-of-00000.h5") - 1;
+  const size_t name = std::filesystem::path(prefix).filename().string().size();
+  STRATA_REQUIRE(name + kLongestSuffix <= NAME_MAX, "--out: the file names of prefix '",
+                 std::filesystem::path(prefix).filename().string().substr(0, 40), "...' (", name,
+                 " bytes) would pass the filesystem's ", NAME_MAX, "-byte limit");
   std::filesystem::path parent = std::filesystem::path(prefix).parent_path();
-  std::error_code ec;
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
 }
+
+void check_inputs(const std::vector<std::string>& inputs, const std::vector<std::string>& outputs) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (size_t j = 0; j < i; ++j)
+      STRATA_REQUIRE(!fs::equivalent(inputs[i], inputs[j], ec), "--input: '", inputs[i], "' is given twice",
+                     inputs[i] == inputs[j] ? "" : detail::cat(" (as '", inputs[j], "')"));
+    for (const std::string& out : outputs)
+      STRATA_REQUIRE(!fs::equivalent(inputs[i], out, ec), "--input: '", inputs[i], "' is ", out,
+                     ", which --out would overwrite: choose another --out");
+  }
+}
+
+OutputFiles::~OutputFiles() {
+  std::error_code ec;
+  for (const std::string& path : paths_) std::filesystem::remove(path, ec);
+}
+
+std::string OutputFiles::add(const std::string& path) { return paths_.emplace_back(path); }
 
 // Parses `args` against `desc` (+ positional), reporting unknown or missing options as input errors.
 po::variables_map parse(const std::vector<std::string>& args, const po::options_description& desc,
@@ -310,10 +337,11 @@ std::string join_floats(const std::vector<float>& v) {
 int inspect(const std::vector<std::string>& args) {
   std::string spec;
   po::options_description desc("inspect options");
-  desc.add_options()("spec", po::value(&spec)->required(), "file, directory or glob");
+  desc.add_options()("spec", po::value(&spec), "file, directory or glob");
   po::positional_options_description pos;
   pos.add("spec", 1);
   parse(args, desc, pos);
+  STRATA_REQUIRE(!spec.empty(), "inspect needs the data: strata-data inspect FILE|DIR|GLOB|PREFIX");
   // The PREFIX another command's --out took names what it wrote: PREFIX.h5, or its shards.
   if (!std::filesystem::exists(spec)) {
     if (std::filesystem::exists(spec + ".h5")) {
@@ -357,11 +385,12 @@ int bench(const std::vector<std::string>& args) {
   std::string spec;
   int64_t batch = 64, steps = 2000;
   po::options_description desc("bench options");
-  desc.add_options()("spec", po::value(&spec)->required(), "file, directory or glob")(
-      "batch", po::value(&batch), "batch size")("steps", po::value(&steps), "batches per measurement");
+  desc.add_options()("spec", po::value(&spec), "file, directory or glob")("batch", po::value(&batch), "batch size")(
+      "steps", po::value(&steps), "batches per measurement");
   po::positional_options_description pos;
   pos.add("spec", 1);
   parse(args, desc, pos);
+  STRATA_REQUIRE(!spec.empty(), "bench needs the data: strata-data bench FILE|DIR|GLOB [--batch N] [--steps N]");
   STRATA_REQUIRE(batch > 0 && steps > 0, "--batch and --steps must be positive, found ", batch, " and ", steps);
 
   using Clock = std::chrono::steady_clock;

@@ -16,11 +16,12 @@ namespace strata::io {
 
 void require_writable_file(const std::string& path, const std::string& flag) {
   namespace fs = std::filesystem;
-  STRATA_REQUIRE(!fs::is_directory(path), flag, " must name a file, found the directory '", path, "'");
-  const bool existed = fs::exists(path);
+  std::error_code ec;  // the error_code forms: a name too long is this line's error, not an exception's
+  STRATA_REQUIRE(!fs::is_directory(path, ec), flag, " must name a file, found the directory '", path, "'");
+  const bool existed = fs::exists(path, ec);
   STRATA_REQUIRE(std::ofstream(path, std::ios::app).good(), flag, ": cannot write '", path,
                  "': ", std::strerror(errno));
-  if (!existed) fs::remove(path);  // --timeline writes it later; --metrics appends to it
+  if (!existed) fs::remove(path, ec);  // --timeline writes it later; --metrics appends to it
 }
 
 MetricsWriter::MetricsWriter(std::string path, const std::string& tensorboard_dir,

@@ -200,4 +200,22 @@ bad(["--val-fraction"], "tokenize", "--input", text, "--out", x, "--tokenizer", 
 bad(["--input", "does not exist"], "tokenize", "--input", os.path.join(work, "missing"), "--out", x, "--tokenizer", "byte")
 os.makedirs(os.path.join(work, "empty"))
 bad(["--input", "holds no regular"], "tokenize", "--input", os.path.join(work, "empty"), "--out", x, "--tokenizer", "byte")
+# Inputs are never destroyed, nor read twice, and a refused run leaves no output behind.
+one = os.path.join(work, "text", "02.txt")
+bad(["--input", "is given twice"], "tokenize", "--input", one, one, "--out", x, "--tokenizer", "byte")
+bad(["--input", "is given twice"], "tokenize", "--input", text, one, "--out", x, "--tokenizer", "byte")
+mine = os.path.join(work, "own")
+run("tokenize", "--input", one, "--out", mine, "--tokenizer", "byte", "--val-fraction", "0")
+before = open(mine + "-train.h5", "rb").read()
+bad(["--input", "which --out would overwrite"], "tokenize", "--input", mine + "-train.h5", "--out", mine,
+    "--tokenizer", "byte", "--val-fraction", "0")
+assert open(mine + "-train.h5", "rb").read() == before
+good_bin, odd_bin = os.path.join(work, "good.bin"), os.path.join(work, "odd.bin")
+np.arange(100, dtype=np.uint16).tofile(good_bin)
+half = os.path.join(work, "half")
+bad(["odd.bin", "odd number"], "import-bin", "--raw", "--input", good_bin, odd_bin, "--out", half)
+assert not [f for f in os.listdir(work) if f.startswith("half")], os.listdir(work)
+bad(["--eot: -2 is outside the vocabulary"], "import-bin", "--raw", "--input", good_bin, "--out", half, "--eot", "-2")
+bad(["--out", "255-byte limit"], "tokenize", "--input", one, "--out", os.path.join(work, "y" * 300), "--tokenizer", "byte")
+bad(["inspect needs the data: strata-data inspect FILE"], "inspect")
 print(f"ok: {len(docs)} documents; bpe round trip; import-bin {len(tokens)} tokens")
