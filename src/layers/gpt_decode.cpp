@@ -200,14 +200,16 @@ std::vector<int32_t> generate(GptDecoder& decoder, std::span<const int32_t> cont
                               const SampleOptions& options, const std::function<void(int32_t)>& on_token) {
   STRATA_REQUIRE(!context.empty(), "generation needs at least one token of context");
   const size_t window = static_cast<size_t>(decoder.max_positions());
+  // Grown as tokens come (no reservation: --tokens 1e10 must not ask for 40 GB up front); `all`
+  // keeps only what a slide reads.
   std::vector<int32_t> all(context.begin(), context.end()), out;
-  out.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
   decoder.reset();
   const Tensor* logits = &decoder.prefill(all.size() > window ? std::span(all).last(window) : std::span(all));
   for (int64_t i = 0; i < n; ++i) {
     const int32_t token = pick_token(*logits, options, i);
     out.push_back(token);
     all.push_back(token);
+    if (all.size() > 2 * window) all.erase(all.begin(), all.end() - static_cast<std::ptrdiff_t>(window));
     if (on_token) on_token(token);
     if (i + 1 == n) break;
     if (decoder.position() < decoder.max_positions()) {

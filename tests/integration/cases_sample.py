@@ -125,6 +125,15 @@ def case_sample(args):
         assert sample(args, base + ["--seed", "1", "--data", tok + "-val.h5"])[0] == a
         # A checkpoint directory: its newest checkpoint.
         assert sample(args, ["--checkpoint", ck_dir] + base[2:] + ["--seed", "1"])[0] == a
+        # An endless request streams at once in bounded memory (nothing reserved per token up front).
+        endless = subprocess.Popen([args.sample_tool, "--checkpoint", ckpt, "--prompt", prompt, "--tokens", "10000000000"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        first = endless.stdout.read(len(prompt) + 200)
+        rss_kb = int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{endless.pid}/status").read()).group(1))
+        endless.kill()
+        endless.communicate()
+        assert first.startswith(prompt.encode()) and len(first) > len(prompt) + 100, first
+        assert rss_kb < 500 * 1024, f"{rss_kb} kB resident after 200 tokens of 10^10"
 
         greedy, _ = sample(args, base + ["--temperature", "0"])
         assert sample(args, base + ["--temperature", "0", "--seed", "5"])[0] == greedy
