@@ -15,7 +15,7 @@ packages=(
   libpcre2-dev libicu-dev  # tokenizer.json's pre-tokenizer regexes and normalizers (io/hf_bpe)
   clang-format
   python3 python3-numpy python3-h5py python3-torch
-  librsvg2-bin  # strata-plot --out FILE.png
+  librsvg2-bin  # strata-plot --out FILE.png / FILE.pdf
   dataset-fashion-mnist
   fortunes
   slurm-wlm slurm-wlm-basic-plugins munge libpmix2

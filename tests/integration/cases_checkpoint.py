@@ -3,14 +3,15 @@ some ranks see at setup, preemption by SIGTERM, SIGKILL during a write, a chain 
 and export to torch."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import h5py
 import numpy as np
 
-from harness import (MPI_ENV, write_dataset, run, expect_bad_input, train_ranks, read_model, assert_same_model,
-                     equivalence_runs, RESUME_MLP, resumed_run, progress_lines)
+from harness import (MPI_ENV, write_dataset, run, expect_bad_input, expect_tool_error, train_ranks, read_model,
+                     assert_same_model, equivalence_runs, RESUME_MLP, resumed_run, progress_lines)
 
 
 def case_checkpoint_resume(args):
@@ -441,28 +442,41 @@ def case_checkpoint_layout_chain(args):
 
 
 def case_export_torch(args):
-    """tools/export_torch.py: the exported state_dict holds the checkpoint's tensors exactly,
-    loads (strict) into the matching torch.nn.Sequential, and that model's evaluation loss on a
-    test set equals `train --eval-only` within 1e-5 (accuracy equal), for the MLP with dropout,
-    the CNN and a depth-8 width-4 ResNet (BatchNorm running statistics, shortcut convs), saved
-    from a 2-rank pp=2 run."""
+    """tools/export_torch.py, given the run's checkpoint directory, writes a self-describing file
+    (options + state_dict) that `from export_torch import load; model = load(PT)` turns back into
+    the module, in eval mode; its state_dict holds the checkpoint's tensors exactly, and the
+    loaded module's loss on a test set equals `train --eval-only` within 1e-5 (accuracy equal), as
+    does --eval's, for the MLP with dropout, the CNN and a depth-8 width-4 ResNet (BatchNorm
+    running statistics, shortcut convs), saved from a 2-rank pp=2 run. Bad inputs (a text file, a
+    directory without checkpoints, truncated checkpoints, a dataset, unwritable outputs, --eval on
+    bad data) are one line `error: ...`, exit 2, and leave no output file; a directory whose
+    `latest` names a damaged file gives the next older checkpoint, with a warning."""
     import torch
+    import torch.nn.functional as F
     w = args.workdir
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    export = [sys.executable, os.path.join(repo, "tools", "export_torch.py")]
+    sys.path.insert(0, os.path.join(repo, "tools"))
+    from export_torch import load
     train = write_dataset(os.path.join(w, "train.h5"), n=512, shape=(1, 8, 8), seed=1)
     test = write_dataset(os.path.join(w, "test.h5"), n=300, shape=(1, 8, 8), seed=2)
+    with h5py.File(test, "r") as f:  # uint8 without normalisation attributes: Strata scales by 1/255
+        x, y = torch.from_numpy(f["inputs"][...].astype(np.float32) / 255), torch.from_numpy(f["labels"][...])
     for model in (["--model", "mlp", "--hidden", "32,16", "--dropout", "0.2"], ["--model", "cnn"],
                   ["--model", "resnet", "--depth", "8", "--width", "4"]):
         ck = os.path.join(w, "ck-" + model[1])
+        shutil.rmtree(ck, ignore_errors=True)
         # Few small steps: a loss far from 0, so the comparison means something.
         train_ranks(args, 2, model + ["--pp", "2", "--data", train, "--steps", "12", "--global-batch", "32",
                                       "--lr", "0.02", "--checkpoint-dir", ck])
         path = os.path.join(ck, "step-00000012.h5")
         out_pt = os.path.join(w, model[1] + ".pt")
-        rc, out, err = run(args, [sys.executable, os.path.join(repo, "tools", "export_torch.py"), path, out_pt,
-                                  "--eval", test])
-        assert rc == 0, f"{out}\n{err}"
-        state, stored = torch.load(out_pt), read_model(path)
+        rc, out, err = run(args, export + [ck, out_pt, "--eval", test])  # the directory: its newest checkpoint
+        assert rc == 0 and f"exporting {path} " in out, f"{out}\n{err}"
+        saved, stored = torch.load(out_pt), read_model(path)
+        assert saved["format"] == "strata-torch-export" and saved["kind"] == model[1] and saved["step"] == 12, \
+            {k: v for k, v in saved.items() if k != "state_dict"}
+        state = saved["state_dict"]
         # torch's BatchNorm keeps a num_batches_tracked counter that Strata has no tensor for.
         counters = [n for n in state if n.endswith(".num_batches_tracked")]
         assert bool(counters) == (model[1] == "resnet"), counters
@@ -471,8 +485,16 @@ def case_export_torch(args):
         if model[1] == "resnet":  # the shortcut convs and the BatchNorm statistics travel too
             assert "block2_1.shortcut.conv.weight" in state and "block3_1.bn2.running_var" in state, sorted(state)
             assert not np.allclose(state["bn1.running_mean"].numpy(), 0), "running statistics never updated"
+        # The loader: the module, in eval mode, with the checkpoint's tensors.
+        loaded = load(out_pt)
+        assert not loaded.training and all(not m.training for m in loaded.modules()), loaded
+        loaded_state = loaded.state_dict()
         for n, v in stored.items():
             assert np.array_equal(state[n.replace("/", ".")].numpy(), v), n
+            assert np.array_equal(loaded_state[n.replace("/", ".")].numpy(), v), n
+        with torch.no_grad():
+            logits = loaded(x)
+        loss, accuracy = F.cross_entropy(logits.double(), y).item(), 100 * (logits.argmax(1) == y).double().mean().item()
         mine = re.search(r"evaluation: loss ([0-9.]+)\s+accuracy ([0-9.]+)%", out)
         rc, out2, err = run(args, [args.train] + model + ["--val-data", test, "--eval-only", "--init-from", path])
         assert rc == 0, err
@@ -480,5 +502,62 @@ def case_export_torch(args):
         assert mine and theirs, (out, out2)
         diff = abs(float(mine.group(1)) - float(theirs.group(1)))
         assert diff <= 1e-5 and mine.group(2) == theirs.group(2), (mine.groups(), theirs.groups())
-        print(f"{model[1]}: torch loss {mine.group(1)} accuracy {mine.group(2)}%, Strata --eval-only loss "
-              f"{theirs.group(1)} accuracy {theirs.group(2)}%: |diff| {diff:.2g}")
+        loaded_diff = abs(loss - float(theirs.group(1)))
+        assert loaded_diff <= 1e-5 and f"{accuracy:.2f}" == theirs.group(2), (loss, accuracy, theirs.groups())
+        print(f"{model[1]}: torch --eval loss {mine.group(1)} accuracy {mine.group(2)}%, loaded module loss {loss:.6f} "
+              f"accuracy {accuracy:.2f}%, Strata --eval-only loss {theirs.group(1)} accuracy {theirs.group(2)}%: "
+              f"|diff| {diff:.2g}, {loaded_diff:.2g}")
+    # The documented two lines, run from the repository's root in a fresh interpreter.
+    snippet = ('import sys; sys.path.insert(0, "tools"); from export_torch import load\n'
+               f'model = load({os.path.join(w, "mlp.pt")!r})\nprint(type(model).__name__, model.training, model.fc1)')
+    p = subprocess.run([sys.executable, "-c", snippet], cwd=repo, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.split()[:2] == ["Sequential", "False"], (p.stdout, p.stderr)
+
+    # Bad inputs: one line, exit 2, no output left behind (nor its temporary file).
+    good = os.path.join(w, "ck-mlp", "step-00000012.h5")
+    bad = os.path.join(w, "bad")
+    shutil.rmtree(bad, ignore_errors=True)
+    os.makedirs(os.path.join(bad, "empty"))
+    os.makedirs(os.path.join(bad, "cut"))
+    text = os.path.join(bad, "notes.txt")
+    with open(text, "w") as f:
+        f.write("not a checkpoint\n")
+    with open(good, "rb") as f:
+        content = f.read()
+    cut = os.path.join(bad, "cut", "step-00000012.h5")  # truncated, with its manifest
+    with open(cut, "wb") as f:
+        f.write(content[:len(content) // 2])
+    shutil.copy(good + ".manifest", cut + ".manifest")
+    bare_cut = os.path.join(bad, "bare-cut.h5")  # truncated, no manifest: HDF5 itself refuses it
+    with open(bare_cut, "wb") as f:
+        f.write(content[:len(content) // 2])
+    small = write_dataset(os.path.join(bad, "small.h5"), n=20, shape=(1, 4, 4), seed=2)
+    labels = write_dataset(os.path.join(bad, "labels.h5"), n=20, shape=(1, 8, 8), seed=2, labels=[9] * 20)
+    pt = os.path.join(bad, "out.pt")
+    for argv, pattern in (([text, pt], r"not an HDF5 file"),
+                          ([os.path.join(bad, "empty"), pt], r"holds no complete checkpoint"),
+                          ([cut, pt], r"has \d+ bytes, its manifest says \d+"),
+                          ([bare_cut, pt], r"cannot read checkpoint .*truncated"),
+                          ([train, pt], r"is a dataset, not a Strata checkpoint"),
+                          ([good, os.path.join(bad, "missing-dir", "out.pt")], r"cannot write .*no directory"),
+                          ([good, os.path.join(text, "out.pt")], r"cannot write"),
+                          ([good, bad], r"cannot write .*is a directory"),
+                          ([good, pt, "--eval", text], r"--eval .* not an HDF5 file"),
+                          ([good, pt, "--eval", good], r"--eval .* has no 'inputs' dataset"),
+                          ([good, pt, "--eval", small], r"inputs of shape \(1, 4, 4\) do not fit the model"),
+                          ([good, pt, "--eval", labels], r"labels outside 0\.\.3"),
+                          ([good], r"required")):
+        expect_tool_error(export + argv, pattern, absent=[pt])
+    print("bad inputs: one line each, exit 2, no output file left")
+    # A directory whose `latest` names a damaged checkpoint: as strata-sample, the next older one,
+    # with a warning naming the one skipped.
+    fallback = os.path.join(bad, "fallback")
+    shutil.copytree(os.path.join(w, "ck-mlp"), fallback)
+    with open(os.path.join(fallback, "step-00000013.h5"), "wb") as f:
+        f.write(content[:len(content) // 2])
+    with open(os.path.join(fallback, "latest"), "w") as f:
+        f.write("step-00000013.h5\n")
+    rc, out, err = run(args, export + [fallback, pt])
+    assert rc == 0 and f"exporting {os.path.join(fallback, 'step-00000012.h5')} " in out, (out, err)
+    assert err.startswith("warning: skipping checkpoint") and "step-00000013.h5" in err and err.count("\n") == 1, err
+    assert torch.load(pt)["step"] == 12

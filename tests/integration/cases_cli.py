@@ -10,7 +10,7 @@ import sys
 import h5py
 import numpy as np
 
-from harness import write_dataset, run, expect_bad_input, train_ranks, progress_lines
+from harness import write_dataset, run, expect_bad_input, expect_tool_error, train_ranks, progress_lines
 
 
 def case_bad_inputs(args):
@@ -350,17 +350,58 @@ def case_deepspeed_config(args):
     print(f"ds_config run == flags run ({len(names)} tensors identical); warned {warned}")
 
 
+def png_top_rows(path, rows):
+    """The first `rows` rows of an 8-bit RGB or RGBA PNG (what rsvg-convert writes) as a (rows,
+    width, channels) array: the PNG's filters undone by hand (the standard library has no PNG reader)."""
+    import struct
+    import zlib
+    data, pos, idat = open(path, "rb").read(), 8, b""
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body, pos = data[pos + 8:pos + 8 + n], pos + 12 + n
+        if kind == b"IHDR":
+            width, _, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+            bpp = 4 if color == 6 else 3
+        elif kind == b"IDAT":
+            idat += body
+    raw, stride = zlib.decompress(idat), width * bpp
+    prev, out = bytearray(stride), []
+    for r in range(rows):
+        kind, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):
+            a, b, c = (line[i - bpp] if i >= bpp else 0), prev[i], (prev[i - bpp] if i >= bpp else 0)
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        out.append(bytes(line))
+        prev = line
+    return np.frombuffer(b"".join(out), np.uint8).reshape(rows, width, bpp)
+
+
 def case_plot(args):
     """strata-plot (tools/): two runs of different --lr, each with --metrics and an evaluation
-    every 10 steps, compared in one SVG (and a PNG of 900 pixels' width; a language model's runs
-    in tokens/s): it parses as XML, both panels have their axis labels and
-    ticks, each run a loss and a throughput line whose points are its progress lines, its
-    evaluations as markers (the final one a ring), and its name in the legend; a run directory
-    works as its metrics file; a file that is not metrics is one line, exit 1."""
+    every 10 steps, compared in one SVG (and a PNG, a PDF; a language model's runs in tokens/s):
+    it parses as XML; its four panels (loss, evaluation accuracy, learning rate, throughput) have
+    their axis labels and readable ticks (14k, 0.05: never 1.4e+04); each run has a loss, an
+    accuracy, an lr and a throughput line whose points are its progress lines (accuracy: its
+    evaluations of --val-data), its evaluations as markers on the loss and accuracy panels (the final
+    one a ring), and its name in the legend, inside the picture (estimated from its length, and
+    seen in the PNG: the right-most pixel column stays background although the label is long and
+    wide); a run directory works as its metrics file. Bad inputs (not JSON, a line missing a
+    field, non-UTF-8 bytes, a directory without metrics, a missing file, an unwritable or
+    unsupported --out) are one line `error: ...`, exit 2, and leave no picture."""
     import subprocess
     import xml.etree.ElementTree as ET
     w = args.workdir
-    plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "strata-plot")
+    plot = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "strata-plot")]
     data = write_dataset(os.path.join(w, "plot.h5"), n=512, shape=(1, 8, 8), seed=3)
     runs = {}
     for name, lr in (("lr0.05", "0.05"), ("lr0.2", "0.2")):
@@ -371,41 +412,81 @@ def case_plot(args):
                               "--log-every", "5", "--eval-every", "10", "--lr", lr,
                               "--metrics", os.path.join(runs[name], "metrics.jsonl")])
     svg = os.path.join(w, "plot.svg")
-    p = subprocess.run([sys.executable, plot, runs["lr0.05"], os.path.join(runs["lr0.2"], "metrics.jsonl"),
-                        "--labels", "lr 0.05,lr 0.2", "--out", svg], capture_output=True, text=True)
+    long_label = "lr 0.2 WWWWMMMM with a much longer name than the legend's column"
+    p = subprocess.run(plot + [runs["lr0.05"], os.path.join(runs["lr0.2"], "metrics.jsonl"),
+                               "--labels", "lr 0.05," + long_label, "--out", svg], capture_output=True, text=True)
     assert p.returncode == 0 and "wrote" in p.stdout, p
-    ns = {"s": "http://www.w3.org/2000/svg"}
+    S = "{http://www.w3.org/2000/svg}"
     root = ET.parse(svg).getroot()
-    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
-    for label in ("training loss", "samples/s", "step", "lr 0.05", "lr 0.2"):
+    width = float(root.get("width"))
+    texts = [t.text for t in root.iter(S + "text")]
+    for label in ("training loss", "accuracy (%)", "lr", "samples/s", "step", "lr 0.05", long_label):
         assert label in texts, (label, texts)
-    lines = root.findall("s:polyline", ns)
-    assert len(lines) == 4, len(lines)  # loss and throughput of each run
-    assert all(len(l.get("points").split()) == 6 for l in lines), [l.get("points") for l in lines]  # steps 5..30
-    circles = root.findall("s:circle", ns)
-    assert len(circles) == 6 and sum(c.get("fill") == "white" for c in circles) == 2, len(circles)  # 10, 20, final
-    assert sum(1 for t in texts if t and t.replace(".", "").replace("-", "").isdigit()) >= 8, texts  # tick labels
-    bad = os.path.join(w, "not-metrics.jsonl")
-    with open(bad, "w") as f:
-        f.write("step 1 loss 2\n")
-    p = subprocess.run([sys.executable, plot, bad, "--out", svg], capture_output=True, text=True)
-    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "line 1 is not JSON" in p.stderr, p
-    # A PNG: the same picture rasterised (rsvg-convert), 900 wide.
+    lines = root.findall(S + "polyline")
+    points = sorted(len(l.get("points").split()) for l in lines)
+    # loss, lr and throughput of each run: steps 5..30; accuracy: the evaluations at 10, 20 and the final one.
+    assert points == [3, 3] + [6] * 6, points
+    circles = root.findall(S + "circle")
+    # Each run's evaluations at 10, 20 and the final one, on the loss and the accuracy panels.
+    assert len(circles) == 12 and sum(c.get("fill") == "white" for c in circles) == 4, len(circles)
+    tick_texts = [t.text for t in root.iter(S + "text") if t.get("class") == "tick"]
+    assert len(tick_texts) >= 24, tick_texts  # 4 panels, both axes
+    readable = re.compile(r"-?\d+(\.\d+)?[kM]?|-?\d(\.\d)?e-\d+")
+    assert all(readable.fullmatch(t) for t in tick_texts), tick_texts
+    for t in root.iter(S + "text"):  # the legend's labels: about 0.6 em per character, inside the picture
+        if t.get("class") == "legend":
+            assert float(t.get("x")) + 0.6 * float(t.get("font-size")) * len(t.text) <= width, (t.text, t.get("x"), width)
+    # Bad inputs: one line, exit 2, no picture (nor a temporary file) left.
+    bad_dir = os.path.join(w, "bad")
+    shutil.rmtree(bad_dir, ignore_errors=True)
+    os.makedirs(os.path.join(bad_dir, "no-metrics"))
+    good_line = open(os.path.join(runs["lr0.05"], "metrics.jsonl")).readline()
+    cases = {"not-json.jsonl": b"step 1 loss 2\n", "no-loss.jsonl": good_line.replace('"loss"', '"los"').encode(),
+             "latin1.jsonl": good_line.encode() + b'{"step": 10, "eval": "val\xe9"}\n'}
+    for name, content in cases.items():
+        with open(os.path.join(bad_dir, name), "wb") as f:
+            f.write(content)
+    out = os.path.join(bad_dir, "p.svg")
+    for argv, pattern in (([os.path.join(bad_dir, "not-json.jsonl")], r"line 1 is not JSON"),
+                          ([os.path.join(bad_dir, "no-loss.jsonl")], r"line 1 has no number 'loss'"),
+                          ([os.path.join(bad_dir, "latin1.jsonl")], r"line 2 is not UTF-8"),
+                          ([os.path.join(bad_dir, "no-metrics")], r"holds no metrics\.jsonl"),
+                          ([os.path.join(bad_dir, "missing.jsonl")], r"cannot read .*No such file"),
+                          ([runs["lr0.05"], "--out", os.path.join(bad_dir, "no-dir", "p.svg")], r"cannot write"),
+                          ([runs["lr0.05"], "--out", os.path.join(bad_dir, "not-json.jsonl", "p.svg")], r"cannot write"),
+                          ([runs["lr0.05"], "--out", os.path.join(bad_dir, "p.jpg")], r"unsupported format '\.jpg'"),
+                          ([runs["lr0.05"], "--labels", "a,b"], r"--labels names 2 runs, 1 given")):
+        expect_tool_error(plot + argv + ([] if "--out" in argv else ["--out", out]), pattern,
+                          absent=[out, os.path.join(bad_dir, "p.jpg")])
+    # A PNG: the same picture rasterised (rsvg-convert); the long label ends before the right edge.
     png = os.path.join(w, "plot.png")
-    p = subprocess.run([sys.executable, plot, runs["lr0.05"], runs["lr0.2"], "--out", png], capture_output=True,
-                       text=True)
+    p = subprocess.run(plot + [runs["lr0.05"], runs["lr0.2"], "--labels", "lr 0.05," + long_label, "--out", png],
+                       capture_output=True, text=True)
     assert p.returncode == 0, p
     with open(png, "rb") as f:
         head = f.read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(head[16:20], "big") == 900, head
-    # Language models' runs: throughput in tokens/s.
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(head[16:20], "big") == width, head
+    pixels = png_top_rows(png, 120)  # the legend's rows
+    legend = pixels[40:100, 750:, :3]
+    assert (legend < 128).any(), "no legend text rendered"
+    assert (pixels[:, -3:, :3] == 255).all(), "the legend's text reaches the picture's right edge"
+    pdf = os.path.join(w, "plot.pdf")  # a PDF: rsvg-convert's, not an SVG under another name
+    p = subprocess.run(plot + [runs["lr0.05"], "--out", pdf], capture_output=True, text=True)
+    assert p.returncode == 0, p
+    with open(pdf, "rb") as f:
+        assert f.read(5) == b"%PDF-", pdf
+    # Language models' runs: throughput in tokens/s, its ticks in thousands.
     lm = os.path.join(w, "lm-metrics.jsonl")
     with open(lm, "w") as f:
-        for step in (5, 10):
-            f.write(json.dumps({"step": step, "epoch": 0, "loss": 3.0 / step, "lr": 0.1, "samples_per_s": 10.0,
-                                "tokens_per_s": 640.0}) + "\n")
-    p = subprocess.run([sys.executable, plot, lm, "--out", svg], capture_output=True, text=True)
+        for step in (5, 10, 15):
+            f.write(json.dumps({"step": step, "epoch": 0, "loss": 3.0 / step, "lr": 3e-4 * step / 15,
+                                "samples_per_s": 10.0, "tokens_per_s": 13000.0 + 200 * step}) + "\n")
+    p = subprocess.run(plot + [lm, "--out", svg], capture_output=True, text=True)
     assert p.returncode == 0, p
-    texts = [t.text for t in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}text")]
-    assert "tokens/s" in texts and "samples/s" not in texts, texts
-    print(f"strata-plot: {svg} with {len(lines)} lines, {len(circles)} evaluation markers; {png}")
+    root = ET.parse(svg).getroot()
+    texts = [t.text for t in root.iter(S + "text")]
+    assert "tokens/s" in texts and "samples/s" not in texts and "accuracy (%)" not in texts, texts
+    tick_texts = [t.text for t in root.iter(S + "text") if t.get("class") == "tick"]
+    assert "14k" in tick_texts and all(readable.fullmatch(t) for t in tick_texts), tick_texts
+    assert any(re.fullmatch(r"\d(\.\d)?e-4", t) for t in tick_texts), tick_texts  # lr 1e-4 .. 3e-4
+    print(f"strata-plot: {svg} with {len(lines)} lines, {len(circles)} evaluation markers; {png}; {pdf}")

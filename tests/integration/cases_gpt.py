@@ -16,7 +16,7 @@ import time
 import h5py
 import numpy as np
 
-from harness import write_dataset, run, expect_bad_input, train_ranks, read_model
+from harness import write_dataset, run, expect_bad_input, expect_tool_error, train_ranks, read_model
 
 LICENSES = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"]
 GPT = ["--model", "gpt", "--layers", "2", "--heads", "2", "--embed", "32", "--seq-len", "16", "--threads", "1"]
@@ -291,12 +291,18 @@ def case_gpt_dry_run(args):
 
 def case_gpt_export_torch(args):
     """tools/export_torch.py rebuilds a GPT checkpoint as a nanoGPT-style torch module (pre-LN,
-    exact GELU, explicit causal softmax, ln_f eps 1e-5, head tied or not): its state_dict holds
-    the checkpoint's tensors exactly (a tied head is wte.weight itself) and its mean per-token
-    loss on the validation windows equals `train --eval-only` within 1e-4 relative, for an
-    untied model saved from pp 2 and a tied one saved from 1 rank."""
+    exact GELU, explicit causal softmax, ln_f eps 1e-5, head tied or not) and writes it with its
+    options: `export_torch.load` gives the module back in eval mode (a tied head is wte.weight
+    itself), its state_dict holds the checkpoint's tensors exactly, and the mean per-token loss of
+    --eval and of the loaded module on the validation windows equals `train --eval-only` within
+    1e-4 relative, for an untied model saved from pp 2 (exported from its file) and a tied one saved
+    from 1 rank (exported from its checkpoint directory). --eval on data that is not a token
+    dataset, or with too long a --seq-len, is one line, exit 2, and leaves no output file."""
     import torch
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    export = [sys.executable, os.path.join(repo, "tools", "export_torch.py")]
+    sys.path.insert(0, os.path.join(repo, "tools"))
+    from export_torch import load, evaluate_gpt
     train, val = tokenize(args, "bpe", 300)
     for name, ranks, flags in (("untied", 2, UNTIED + ["--pp", "2", "--micro-batch", "4"]), ("tied", 1, TIED)):
         ck = os.path.join(args.workdir, "ck-" + name)
@@ -307,16 +313,24 @@ def case_gpt_export_torch(args):
                                                 "--seed", "3", "--checkpoint-dir", ck])
         path = os.path.join(ck, "step-00000030.h5")
         out_pt = os.path.join(args.workdir, name + ".pt")
-        rc, out, err = run(args, [sys.executable, os.path.join(repo, "tools", "export_torch.py"), path, out_pt,
-                                  "--eval", val, "--seq-len", "16"])
+        rc, out, err = run(args, export + [path if name == "untied" else ck, out_pt, "--eval", val, "--seq-len", "16"])
         assert rc == 0, f"{out}\n{err}"
-        state, stored = torch.load(out_pt), read_model(path)
+        assert (f"exporting {path} " in out) == (name == "tied"), out
+        saved, stored = torch.load(out_pt), read_model(path)
+        assert saved["kind"] == "gpt" and saved["options"] == dict(
+            layers=2, heads=2, embed=32, positions=16, vocab=stored["wte/weight"].shape[0], tied=name == "tied",
+            dropout=0.1), saved["options"]
+        state = saved["state_dict"]
         expected = sorted(n.replace("/", ".") for n in stored) + (["lm_head.weight"] if name == "tied" else [])
         assert sorted(state) == sorted(expected), (sorted(state), sorted(stored))
+        loaded = load(out_pt)
+        assert not loaded.training and all(not m.training for m in loaded.modules())
         for n, v in stored.items():
             assert np.array_equal(state[n.replace("/", ".")].numpy(), v), n
+            assert np.array_equal(loaded.state_dict()[n.replace("/", ".")].numpy(), v), n
         if name == "tied":
             assert np.array_equal(state["lm_head.weight"].numpy(), stored["wte/weight"])
+            assert loaded.lm_head.weight is loaded.wte.weight, "the loaded head is not tied"
         rc, out2, err = run(args, [args.train] + GPT + flags[:2] + ["--val-data", val, "--eval-only", "--init-from",
                                                                     path])
         assert rc == 0, f"{out2}\n{err}"
@@ -327,4 +341,13 @@ def case_gpt_export_torch(args):
         diff = abs(float(mine.group(1)) - float(theirs.group(1))) / float(theirs.group(1))
         assert mine.group(3) == theirs.group(3), (mine.group(0), theirs.group(0))
         assert diff <= 1e-4, (mine.group(0), theirs.group(0))
-        print(f"{name}: torch {mine.group(0)}; Strata --eval-only {theirs.group(0)}: relative diff {diff:.2g}")
+        loss, _, windows = evaluate_gpt(loaded, val, 16)  # the loaded module, not the one --eval built
+        loaded_diff = abs(loss - float(theirs.group(1))) / float(theirs.group(1))
+        assert windows == int(theirs.group(3)) and loaded_diff <= 1e-4, (loss, windows, theirs.group(0))
+        print(f"{name}: torch {mine.group(0)}; loaded module loss {loss:.6f}; Strata --eval-only {theirs.group(0)}: "
+              f"relative diff {diff:.2g}, {loaded_diff:.2g}")
+    classes = write_dataset(os.path.join(args.workdir, "classes.h5"), n=20, shape=(1, 4, 4))
+    pt = os.path.join(args.workdir, "bad-eval.pt")
+    for extra, pattern in ((["--eval", classes], r"has no 'tokens' dataset: not a token dataset"),
+                           (["--eval", val, "--seq-len", "17"], r"--seq-len 17 exceeds the model's 16 positions")):
+        expect_tool_error(export + [os.path.join(args.workdir, "ck-tied"), pt] + extra, pattern, absent=[pt])

@@ -53,6 +53,24 @@ def expect_bad_input(args, flags, pattern, ranks=0):
         assert bad not in err + out, f"found {bad!r} in output:\n{err}"
 
 
+def expect_tool_error(cmd, pattern, absent=()):
+    """A tool (tools/export_torch.py, tools/strata-plot) given a bad input: exit 2, one stderr line
+    `error: ...` matching `pattern`, no traceback, and none of the paths `absent` (its output, or
+    a temporary file beside it) left behind."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    what = f"{' '.join(cmd)}\nrc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    assert p.returncode == 2, f"expected exit code 2: {what}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"expected one line 'error: ...': {what}"
+    assert re.search(pattern, lines[0]), f"stderr line {lines[0]!r} does not match {pattern!r}"
+    assert "Traceback" not in p.stdout + p.stderr, what
+    for path in absent:
+        folder = os.path.dirname(path) or "."
+        left = [n for n in (os.listdir(folder) if os.path.isdir(folder) else []) if os.path.basename(path) in n]
+        assert not left, f"{' '.join(cmd)} left {left} in {folder}"
+    return lines[0]
+
+
 def train_ranks(args, ranks, flags, timeout=600):
     """Runs train on `ranks` ranks (mpirun even for 1, as users do) and returns its stdout."""
     cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", args.train] + flags
