@@ -34,13 +34,25 @@ Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes, T
 std::string Model::summary() const {
   std::ostringstream os;
   int64_t total = 0;
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  // A run of layers alike (a 48-block GPT's blocks) is one line: "1-48  h0..h47 (x48)  ...".
+  for (size_t i = 0; i < layers_.size();) {
     int64_t params = 0;
     for (const ParamSpec& s : layers_[i]->param_specs())
       if (s.trainable) params += shape_numel(s.shape);
-    total += params;
-    os << "  " << i << "  " << layers_[i]->name() << "  " << layers_[i]->describe() << "  " << shape_str(shapes_[i])
-       << " -> " << shape_str(shapes_[i + 1]) << "  params " << params << "\n";
+    const std::string what =
+        detail::cat(layers_[i]->describe(), "  ", shape_str(shapes_[i]), " -> ", shape_str(shapes_[i + 1]));
+    size_t end = i + 1;
+    while (end < layers_.size() && shapes_[end] == shapes_[i] && shapes_[end + 1] == shapes_[i + 1] &&
+           layers_[end]->describe() == layers_[i]->describe())
+      ++end;
+    const size_t n = end - i;
+    total += params * static_cast<int64_t>(n);
+    if (n == 1)
+      os << "  " << i << "  " << layers_[i]->name() << "  " << what << "  params " << params << "\n";
+    else
+      os << "  " << i << "-" << end - 1 << "  " << layers_[i]->name() << ".." << layers_[end - 1]->name() << " (x" << n
+         << ")  " << what << "  params " << params << " each\n";
+    i = end;
   }
   os << "  total trainable parameters: " << total;
   return os.str();

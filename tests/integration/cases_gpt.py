@@ -258,6 +258,8 @@ def case_gpt_dry_run(args):
         rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{out}\n{err}"
         assert f"total trainable parameters: {count}" in out, out
+        blocks = {"gpt2-124m": 12, "gpt2-350m": 24, "gpt2-774m": 36, "gpt2-1.5b": 48}[preset]
+        assert f"  1-{blocks}  h0..h{blocks - 1} (x{blocks})  transformer_block(" in out, out  # one line, not 48
         assert "nothing allocated" in out and not re.search(r"^step ", out, re.M), out
         rows = [(int(m[1]), int(m[2] or m[1]), int(m[5])) for m in row.finditer(out)]
         ranks = sorted(r for first, last, _ in rows for r in range(first, last + 1))
