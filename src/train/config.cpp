@@ -276,7 +276,9 @@ void validate(const Config& c) {
     STRATA_REQUIRE(!c.checkpoint.init_from.empty(), "--eval-only needs --init-from CHECKPOINT");
     STRATA_REQUIRE(!c.data.val.empty() || !c.data.train.empty(), "--eval-only needs --val-data (or --data)");
   } else if (!c.plan.dry_run) {  // --dry-run plans from shapes: a GPT's may come from --vocab and --seq-len
-    STRATA_REQUIRE(!c.data.train.empty(), "--data is required: an HDF5 file, a directory of .h5 shards, or a glob");
+    STRATA_REQUIRE(!c.data.train.empty(),
+                   "--data is required: an HDF5 file, a directory of .h5 shards, or a glob (train --help lists every "
+                   "option; jobs/configs/*.ini are whole runs: train --config FILE)");
     STRATA_REQUIRE(c.training.epochs > 0 || c.training.steps > 0 || c.plan.dry_run,
                    "give --epochs or --steps (how long to train)");
   }

@@ -11,6 +11,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -106,8 +107,18 @@ int main(int argc, char** argv) {
       if (mpi.rank() != 0 || config->run_dir.empty()) return;
       std::error_code error;
       std::filesystem::create_directories(config->run_dir, error);
-      std::ofstream out(config->run_dir + "/config.ini");
-      out << train::run_config_text(*config, run_dir_as_given);
+      const std::string path = config->run_dir + "/config.ini",
+                        text = train::run_config_text(*config, run_dir_as_given);
+      // An earlier run's different configuration (a fixed --run-dir reused) is kept, and said.
+      std::ifstream earlier(path);
+      if (earlier.good() && std::string(std::istreambuf_iterator<char>(earlier), {}) != text) {
+        int n = 1;
+        while (std::filesystem::exists(path + "." + std::to_string(n), error)) ++n;
+        std::filesystem::rename(path, path + "." + std::to_string(n), error);
+        log::info("note: --run-dir ", config->run_dir, " held an earlier run's config.ini: kept as config.ini.", n);
+      }
+      std::ofstream out(path);
+      out << text;
       STRATA_REQUIRE(!error && out.good(), "--run-dir ", config->run_dir, ": cannot write its config.ini there",
                      error ? " (" + error.message() + ")" : "");
     });

@@ -177,6 +177,14 @@ def case_run_dir(args):
         names = []
         a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
         assert names and all(np.array_equal(a[n][...], b[n][...]) for n in names), names
+    # A fixed --run-dir reused by a different run: the earlier config.ini is kept, and said; the
+    # same run again (a requeue) replaces nothing.
+    before = open(os.path.join(again, "config.ini")).read()
+    out = train_ranks(args, 2, ["--config", os.path.join(first, "config.ini"), "--run-dir", again, "--steps", "7"])
+    assert f"note: --run-dir {again} held an earlier run's config.ini: kept as config.ini.1" in out, out
+    assert open(os.path.join(again, "config.ini.1")).read() == before
+    out = train_ranks(args, 2, ["--config", os.path.join(first, "config.ini"), "--run-dir", again, "--steps", "7"])
+    assert "held an earlier run's config.ini" not in out and not os.path.exists(os.path.join(again, "config.ini.2"))
     blocker = os.path.join(w, "rundir-file")
     open(blocker, "w").close()
     expect_bad_input(args, ["--model", "mlp", "--data", data, "--steps", "1", "--run-dir", os.path.join(blocker, "x")],
