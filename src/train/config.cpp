@@ -262,6 +262,8 @@ void validate(const Config& c) {
                  "--plan searches layouts without launching them: it needs --dry-run");
   require_in("--plan-tflops", c.plan.tflops, 0.0, 1e6);  // 0: measure
   require_in("--plan-gbps", c.plan.gbps, 1e-3, 1e6);
+  require_in("--plan-rows", c.plan.rows, 0.0, 1e9);
+  require_in("--plan-top", int64_t{c.plan.top}, int64_t{1}, int64_t{100000});
   require_in("--vocab", int64_t{c.model.vocab}, int64_t{0}, int64_t{std::numeric_limits<int32_t>::max()});
   // parallel::select_device checks this too; here it is found before any communicator exists.
   STRATA_REQUIRE(c.runtime.device == DeviceKind::CUDA || c.runtime.comm == parallel::Transport::Mpi,
@@ -366,6 +368,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("plan", po::value(&c.plan.search)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
     ("plan-tflops", po::value(&c.plan.tflops)->default_value(0), "compute rate per rank in TFLOP/s: --plan's step-time model and the progress lines' MFU (0: a GEMM measured at start on the CPU device; with cuda 300 for --plan and no MFU)")
     ("plan-gbps", po::value(&c.plan.gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
+    ("plan-rows", po::value(&c.plan.rows)->default_value(0), "--plan: the rows (a micro-batch's tokens, or samples) of a matrix product at which a rank computes at half its rate, so that small micro-batches cost what they do (0: measured on the CPU from 8- and 512-row GEMMs; with cuda 1024, an estimate)")
+    ("plan-top", po::value(&c.plan.top)->default_value(5), "--plan: how many layouts to list, fastest first")
     ("bucket-mb", po::value(&c.layout.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")
     ("device", po::value(&device)->default_value("cpu"), "cpu | cuda (one GPU per rank, chosen by the rank on its node)")
     ("comm", po::value(&comm)->default_value("auto"), "communication: auto (nccl with cuda, mpi with cpu) | nccl | mpi (GPU buffers staged through host memory; lets ranks share a GPU)")

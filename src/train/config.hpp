@@ -95,6 +95,8 @@ struct PlanSettings {
   bool search = false;        // --plan: search the layouts that fit --device-memory
   double tflops = 0;          // --plan-tflops: compute rate per rank (0: measured on the CPU; cuda: 300)
   double gbps = 25;           // --plan-gbps: communication bandwidth per rank, GB/s
+  double rows = 0;            // --plan-rows: GEMM rows at half the rate (0: measured on the CPU; cuda: 1024)
+  int top = 5;                // --plan-top: layouts listed
   int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)
 };
 

@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
+#include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -54,9 +56,9 @@ const char* recompute_flag(layers::Recompute r) {
 
 // The train command of a layout: the flags given, less the planning and layout ones, plus the layout's.
 std::string layout_command(const Config& config, const parallel::LayoutChoice& c, int world) {
-  static const std::set<std::string> replaced{"dry-run",     "plan",      "world",    "plan-tflops",
-                                              "plan-gbps",   "tp",        "pp",       "zero",
-                                              "micro-batch", "recompute", "schedule", "virtual-stages"};
+  static const std::set<std::string> replaced{
+      "dry-run", "plan", "world", "plan-tflops", "plan-gbps", "plan-rows", "plan-top",
+      "tp",      "pp",   "zero",  "micro-batch", "recompute", "schedule",  "virtual-stages"};
   std::ostringstream os;
   os << "mpirun -np " << world << " ./build/train";
   for (const auto& [name, value] : config.given)
@@ -79,7 +81,7 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   space.base = layout_of(config, 1);
   space.partition = config.layout.partition;
   space.can_recompute = layers::is_language_model(config.model);
-  const parallel::Rates rates{compute_rate(config.plan, config.runtime.device), config.plan.gbps * 1e9};
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
   const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
     layers::ModelSpec spec = config.model;
     spec.recompute = recompute_flag(recompute);
@@ -102,17 +104,37 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
        << log::format_bytes(s.bytes) << " on its fullest rank; add ranks or memory";
     return os.str();
   }
+  // One row per layout that differs in more than its ZeRO stage: the fastest stage of each
+  // (of equally fast ones, the least memory), the others named in the row.
+  std::vector<const parallel::LayoutChoice*> rows;
+  std::map<std::tuple<int, int, int, int64_t, int>, std::string> also;
+  for (const parallel::LayoutChoice& c : r.fitting) {
+    const parallel::Layout& l = c.layout;
+    const auto key = std::tuple(l.tp, l.pp, l.dp, l.micro, static_cast<int>(c.recompute));
+    if (auto [it, first] = also.emplace(key, ""); first)
+      rows.push_back(&c);
+    else
+      it->second += detail::cat(it->second.empty() ? "" : ",", l.zero);
+  }
+  os << "\n"
+     << rows.size() << " distinct (ZeRO stages of one layout on one row), the fastest "
+     << std::min<size_t>(rows.size(), config.plan.top)
+     << " (--plan-top N for more); matrix products at half rate below " << std::setprecision(3) << rates.half_rate_rows
+     << " rows (--plan-rows):";
   os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
-  const size_t shown = std::min<size_t>(r.fitting.size(), 5);
+  const size_t shown = std::min<size_t>(rows.size(), config.plan.top);
   for (size_t k = 0; k < shown; ++k) {
-    const parallel::LayoutChoice& c = r.fitting[k];
+    const parallel::LayoutChoice& c = *rows[k];
     char row[200];
     std::snprintf(row, sizeof row,
                   "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
                   c.layout.tp, c.layout.pp, c.layout.dp, c.layout.zero, static_cast<long long>(c.layout.micro),
                   recompute_flag(c.recompute), log::format_bytes(c.bytes).c_str(), c.time.total(), c.time.compute_s,
                   c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
-    os << row << "\n     " << layout_command(config, c, world_size);
+    const std::string& others =
+        also[std::tuple(c.layout.tp, c.layout.pp, c.layout.dp, c.layout.micro, static_cast<int>(c.recompute))];
+    os << row << (others.empty() ? "" : "  (slower or larger: zero " + others + ")") << "\n     "
+       << layout_command(config, c, world_size);
   }
   return os.str();
 }
@@ -125,7 +147,7 @@ std::string step_time_line(const Config& config, const layers::Model& model,
   parallel::LayoutChoice choice;
   choice.layout = layout_of(config, world_size / (config.layout.pp * config.layout.tp));
   choice.recompute = layers::parse_recompute(config.model.recompute);
-  const parallel::Rates rates{compute_rate(config.plan, config.runtime.device), config.plan.gbps * 1e9};
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
   const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.layout.global_batch, rates);
   char line[300];
   std::snprintf(line, sizeof line,
@@ -137,18 +159,51 @@ std::string step_time_line(const Config& config, const layers::Model& model,
 
 }  // namespace
 
-double compute_rate(const PlanSettings& plan, DeviceKind device) {
-  if (plan.tflops > 0) return plan.tflops * 1e12;
-  if (device != DeviceKind::CPU) return 300e12;
+namespace {
+
+// FLOP/s of a (rows x 512) x (512 x 512) f32 GEMM on this CPU, best of 5 (enough repeats that
+// each timing is ~2^27 multiply-adds).
+double gemm_rate(int64_t rows) {
   constexpr int64_t n = 512;
-  const Tensor a = Tensor::zeros({n, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({n, n});
+  const Tensor a = Tensor::zeros({rows, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({rows, n});
+  const int64_t repeats = std::max<int64_t>(1, n / rows);
   double best = 1e30;
   for (int k = 0; k < 5; ++k) {
     const auto start = std::chrono::steady_clock::now();
-    ops::gemm(a, false, b, false, c);
+    for (int64_t r = 0; r < repeats; ++r) ops::gemm(a, false, b, false, c);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  return 2.0 * n * n * n / best;
+  return 2.0 * static_cast<double>(rows * n * n * repeats) / best;
+}
+
+}  // namespace
+
+double compute_rate(const PlanSettings& plan, DeviceKind device) {
+  if (plan.tflops > 0) return plan.tflops * 1e12;
+  if (device != DeviceKind::CPU) return 300e12;
+  return gemm_rate(512);
+}
+
+parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device) {
+  parallel::Rates rates;
+  rates.flops_per_s = compute_rate(plan, device);
+  rates.bytes_per_s = plan.gbps * 1e9;
+  if (plan.rows > 0) {
+    rates.half_rate_rows = plan.rows;
+  } else if (device != DeviceKind::CPU) {
+    rates.half_rate_rows = 1024;
+  } else {
+    // rate(rows) = peak * rows / (rows + h): the 8- and 512-row rates give h, and the 512-row
+    // rate is what flops_per_s holds, so the planner's peak is it scaled to infinite rows.
+    // (From large / small = 64 (8 + h) / (512 + h); a rate falling faster than that: the cap.)
+    const double large = plan.tflops > 0 ? gemm_rate(512) : rates.flops_per_s, small = gemm_rate(8);
+    constexpr double kMaxRows = 4096;
+    rates.half_rate_rows = small >= large        ? 0
+                           : large >= 64 * small ? kMaxRows
+                                                 : std::min(kMaxRows, 512 * (small - large) / (large - 64 * small));
+    if (plan.tflops == 0) rates.flops_per_s *= (512 + rates.half_rate_rows) / 512;
+  }
+  return rates;
 }
 
 parallel::GridLayout grid_layout(const Config& config, int world_size) {

@@ -73,6 +73,19 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
   EXPECT_NEAR(t.dp_s, expected.dp_s, 1e-12 * expected.dp_s + 1e-15);  // padding-free: sums of the same shapes
   EXPECT_DOUBLE_EQ(t.pp_s, expected.pp_s);
   EXPECT_LT(t.pp_s, 2.0 * 2 * static_cast<double>(shape_numel(model.shape(model.size()))) * 4 * 4 / 1e6);
+  // Small matrix products run slower: a micro-batch of 2 windows of 16 tokens is 32 rows, so at
+  // half rate below 32 rows the compute doubles; below 96, it is (32 + 96) / 32 = 4 times (a
+  // quarter of the rate).
+  EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, Rates{1e9, 1e6, 32}).compute_s, 2 * expected.compute_s);
+  const StepTime quarter_rate = estimate_step_time(model, stages, c, 32, Rates{0.25e9, 1e6});
+  EXPECT_NEAR(estimate_step_time(model, stages, c, 32, Rates{1e9, 1e6, 96}).compute_s, quarter_rate.compute_s,
+              1e-12 * quarter_rate.compute_s);
+  // ... and larger micro-batches less so: the search prefers them where memory allows.
+  LayoutChoice larger = c;
+  larger.layout.micro = 8;
+  larger.layout.micro_batches = 1;
+  EXPECT_LT(estimate_step_time(model, stages, larger, 32, Rates{1e9, 1e6, 32}).compute_s,
+            estimate_step_time(model, stages, c, 32, Rates{1e9, 1e6, 32}).compute_s);
   // Recomputation adds a forward: 4/3 of the compute; tensor parallelism costs all-reduces.
   c.recompute = layers::Recompute::Block;
   EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, rates).compute_s, expected.compute_s * 4 / 3);

@@ -31,6 +31,11 @@ std::vector<int64_t> micro_sizes(int64_t local) {
   return sizes;
 }
 
+// The rows of a micro-batch's matrix products per sample: a language model's tokens, else one.
+double gemm_rows_per_sample(const layers::Model& model) {
+  return model.layer(0).takes_token_ids() ? static_cast<double>(shape_numel(model.shape(0))) : 1.0;
+}
+
 int64_t stage_macs(const layers::Model& model, StageRange r) {
   int64_t macs = 0;
   for (size_t i = r.begin; i < r.end; ++i) macs += model.layer(i).flops(model.shape(i));
@@ -45,10 +50,11 @@ StepTime estimate_step_time(const layers::Model& model, const std::vector<StageR
   const double samples = static_cast<double>(global_batch) / layout.dp;  // per replica and step
   const double forwards = choice.recompute == layers::Recompute::None ? 3.0 : 4.0;
   const auto dtype_bytes = static_cast<double>(dtype_size(layout.dtype));
+  const double rate = rates.rate_at(static_cast<double>(layout.micro) * gemm_rows_per_sample(model));
   StepTime slowest;
   for (const StageRange& r : stages) {
     StepTime t;
-    t.compute_s = 2.0 * forwards * static_cast<double>(stage_macs(model, r)) * samples / rates.flops_per_s;
+    t.compute_s = 2.0 * forwards * static_cast<double>(stage_macs(model, r)) * samples / rate;
     t.bubble_s = t.compute_s * (layout.pp - 1) / layout.micro_batches;
     int64_t trainable = 0;
     for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, r.begin, r.end))

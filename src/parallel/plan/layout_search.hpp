@@ -25,8 +25,15 @@
 namespace strata::parallel {
 
 struct Rates {
-  double flops_per_s = 0;  // per rank
+  double flops_per_s = 0;  // per rank, on large matrix products
   double bytes_per_s = 0;  // per rank, for every collective and message
+  // The rows of a matrix product (a micro-batch's tokens, or samples) at which a rank computes at
+  // half flops_per_s: small micro-batches run at flops_per_s * rows / (rows + half_rate_rows),
+  // which is how a GEMM's rate falls with its rows. 0: every size at flops_per_s.
+  double half_rate_rows = 0;
+  double rate_at(double rows) const {
+    return half_rate_rows > 0 ? flops_per_s * rows / (rows + half_rate_rows) : flops_per_s;
+  }
 };
 
 struct StepTime {
