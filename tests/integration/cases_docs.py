@@ -1,4 +1,5 @@
-"""The commands of docs/migration.md and docs/troubleshooting.md run as written (issue #22).
+"""The commands of the README, docs/gpt.md, docs/migration.md and docs/troubleshooting.md run as
+written (issues #22, #39).
 
 The convention (stated at the top of both documents):
 - A fenced block whose info string is `sh` (or `bash`) is run with `bash -e -o pipefail`, one
@@ -27,7 +28,7 @@ import sys
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-DOCS = {"docs/migration.md": 12, "docs/troubleshooting.md": 6}  # document: the fewest runnable blocks it must have
+DOCS = {"docs/migration.md": 12, "docs/troubleshooting.md": 6, "README.md": 2, "docs/gpt.md": 1}  # document: the fewest runnable blocks it must have
 LANGUAGES = {"sh": "sh", "bash": "sh", "python": "python"}
 MARKER = re.compile(r"^\s*<!--\s*(not run|exit)\s*:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w+-]*)")
