@@ -183,7 +183,11 @@ std::string evaluation_text(const EvalResult& r) {
 }
 
 void Monitor::evaluation(int64_t done, const EvalResult& r) {
-  log::info("eval at step ", done, ": ", evaluation_text(r));
+  log::info("eval at step ", done, ": ", evaluation_text(r),
+            evaluated_ ? ""
+                       : "\n  (evaluation has buffers of its own: the progress line's mem, a high-water mark, includes "
+                         "them from here on)");
+  evaluated_ = true;
   record_evaluation(done, "val", r);
 }
 

@@ -106,6 +106,7 @@ class Monitor {
   double data_wait_s_ = 0, pipeline_wait_before_ = 0, comm_wait_before_ = 0;
   Clock::time_point window_start_, run_start_;
   int64_t last_dp_bytes_ = 0, last_tp_bytes_ = 0;  // the last step's
+  bool evaluated_ = false;                         // an evaluation ran (its buffers count in mem)
 };
 
 }  // namespace strata::train
