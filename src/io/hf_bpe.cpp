@@ -20,6 +20,7 @@
 
 #include "core/error.hpp"
 #include "io/data_source.hpp"
+#include "io/utf8.hpp"
 
 namespace strata::io {
 
@@ -29,81 +30,6 @@ using Json = nlohmann::json;
 
 // GPT-2's split, which ByteLevel applies when use_regex is true (tokenizers' byte_level.rs).
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
-// for code points 256, 257, ... in byte order. Returns byte -> code point.
-std::array<uint32_t, 256> bytes_to_unicode() {
-  std::array<uint32_t, 256> cp{};
-  uint32_t next = 256;
-  for (uint32_t b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    cp[b] = printable ? b : next++;
-  }
-  return cp;
-}
-
-std::string utf8(uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-
-constexpr uint32_t kInvalid = 0xFFFFFFFFu;
-
-// The code point starting at s[i] and its length in bytes; (kInvalid, 1) for a byte that starts
-// no well-formed character (overlong forms and surrogates included, as PCRE2 and ICU judge).
-std::pair<uint32_t, size_t> next_char(std::string_view s, size_t i) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-  if (len == 0 || i + len > s.size()) return {kInvalid, 1};
-  uint32_t cp = len == 1 ? c : c & (0xFF >> (len + 1));
-  for (size_t k = 1; k < len; ++k) {
-    const auto cc = static_cast<unsigned char>(s[i + k]);
-    if ((cc >> 6) != 0x2) return {kInvalid, 1};
-    cp = (cp << 6) | (cc & 0x3F);
-  }
-  constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
-  if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return {kInvalid, 1};
-  return {cp, len};
-}
-
-// Rust's char::is_whitespace (Unicode White_Space), which lstrip/rstrip of added tokens use.
-bool is_space(uint32_t cp) {
-  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
-}
-
-// Length of the whitespace character ending at s[end) (0 when there is none).
-size_t space_before(std::string_view s, size_t end) {
-  size_t b = end;
-  while (b > 0 && end - b < 4) {
-    --b;
-    if ((static_cast<unsigned char>(s[b]) >> 6) != 0x2) break;
-  }
-  if (b == end) return 0;
-  const auto [cp, len] = next_char(s, b);
-  return b + len == end && is_space(cp) ? len : 0;
-}
-
-size_t space_at(std::string_view s, size_t i) {
-  if (i >= s.size()) return 0;
-  const auto [cp, len] = next_char(s, i);
-  return is_space(cp) ? len : 0;
-}
 
 constexpr uint64_t pair_key(int32_t a, int32_t b) {
   return (uint64_t{static_cast<uint32_t>(a)} << 32) | static_cast<uint32_t>(b);
@@ -261,7 +187,7 @@ void split_isolated(const pcre2_code* code, std::string_view s, EncodeState& st,
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.match.get());
     const size_t b = ov[0], e = ov[1];
     if (e == b) {  // an empty match makes no piece: search again from the next character
-      at = b + next_char(s, b).second;
+      at = b + utf8::next_char(s, b).second;
       continue;
     }
     if (b > last) out.push_back(s.substr(last, b - last));
@@ -344,7 +270,7 @@ void HfBpe::Impl::parse_model(const Json& model) {
   has_piece.assign(pieces.size(), 0);
   std::array<int, 0x150> byte_of;  // code point -> byte (bytes_to_unicode inverse), -1 elsewhere
   byte_of.fill(-1);
-  const std::array<uint32_t, 256> cp = bytes_to_unicode();
+  const std::array<uint32_t, 256> cp = utf8::bytes_to_unicode();
   for (int b = 0; b < 256; ++b) byte_of[cp[static_cast<size_t>(b)]] = b;
   for (const auto& [token, id] : token_id) {
     auto& piece = pieces[static_cast<size_t>(id)];
@@ -352,7 +278,7 @@ void HfBpe::Impl::parse_model(const Json& model) {
     has_piece[static_cast<size_t>(id)] = 1;
     bool bytes = true;
     for (size_t i = 0; i < token.size() && bytes;) {
-      const auto [c, len] = next_char(token, i);
+      const auto [c, len] = utf8::next_char(token, i);
       bytes = c < byte_of.size() && byte_of[c] >= 0;
       if (bytes) piece += static_cast<char>(byte_of[c]);
       i += len;
@@ -360,9 +286,9 @@ void HfBpe::Impl::parse_model(const Json& model) {
     if (!bytes) piece = token;  // not byte-level text (never produced by merges): shown as written
   }
   for (int b = 0; b < 256; ++b) {
-    const auto it = token_id.find(utf8(cp[static_cast<size_t>(b)]));
+    const auto it = token_id.find(utf8::encode(cp[static_cast<size_t>(b)]));
     STRATA_REQUIRE(it != token_id.end(), "is not byte-level BPE: the vocabulary has no token for byte ", b, " ('",
-                   utf8(cp[static_cast<size_t>(b)]), "')");
+                   utf8::encode(cp[static_cast<size_t>(b)]), "')");
     byte_id[static_cast<size_t>(b)] = it->second;
   }
   if (ignore_merges)
@@ -590,7 +516,7 @@ std::string_view HfBpe::Impl::normalize(std::string_view text, EncodeState& st) 
   icu::StringByteSink<std::string> sink(&out);
   for (size_t i = 0; i < text.size();) {
     size_t j = i;
-    while (j < text.size() && next_char(text, j).first != kInvalid) j += next_char(text, j).second;
+    while (j < text.size() && utf8::next_char(text, j).first != utf8::kInvalid) j += utf8::next_char(text, j).second;
     if (j > i) {
       err = U_ZERO_ERROR;
       normalizer->normalizeUTF8(0, icu::StringPiece(text.data() + i, static_cast<int32_t>(j - i)), sink, nullptr, err);
@@ -614,8 +540,8 @@ void HfBpe::Impl::encode_group(std::string_view text, size_t group, EncodeState&
     if (k == set.tokens.size()) break;
     const Added& a = set.tokens[k];
     size_t b = at, e = at + a.content.size();
-    for (size_t len; a.lstrip && b > done && (len = space_before(text, b)) > 0;) b -= len;
-    for (size_t len; a.rstrip && (len = space_at(text, e)) > 0;) e += len;
+    for (size_t len; a.lstrip && b > done && (len = utf8::space_before(text, b)) > 0;) b -= len;
+    for (size_t len; a.rstrip && (len = utf8::space_at(text, e)) > 0;) e += len;
     encode_group(text.substr(done, b - done), group + 1, st, out);
     out.push_back(a.id);
     done = from = e;
