@@ -88,8 +88,11 @@ Shape Linear::output_shape(const Shape& input) const {
   return out;
 }
 
-// Per rank: its shard's multiply-adds.
-int64_t Linear::flops(const Shape& input) const { return shape_numel(input) / local_in() * local_in() * local_out(); }
+// Per rank: its shard's multiply-adds; a piece held by several ranks (replicas) counts its share
+// on each, so the group's sum (MFU's numerator) counts the model's work once.
+int64_t Linear::flops(const Shape& input) const {
+  return shape_numel(input) / local_in() * local_in() * local_out() / replicas_;
+}
 
 // Shapes are this rank's shards; fan_in stays the full layer's (the full tensor is drawn).
 std::vector<ParamSpec> Linear::param_specs() const {
