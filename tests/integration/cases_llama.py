@@ -1,0 +1,165 @@
+"""The Llama model (--model llama: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
+biases) end to end, as cases_gpt.py and cases_tensor_parallel.py check the GPT: every layout against
+one rank (dp, pp with 1F1B and interleaved, tp with query and kv heads split and with kv heads
+replicated when tp exceeds them, ZeRO 1-3, recomputation, bf16), AdamW's losses, resume across
+layouts, the plan against the measured high-water mark, --dry-run of the published shapes, and the
+bad inputs. A tiny Llama: 2 blocks, 4 query heads over 2 kv heads (or 1: multi-query), width 32,
+SwiGLU hidden 64, 16-token windows of the licence texts' bytes (vocabulary padded to 260)."""
+import re
+
+import numpy as np
+
+from cases_gpt import assert_close, gpt_run, resume, tokenize
+from cases_memory import planned_totals
+from harness import expect_bad_input, train_ranks
+
+LLAMA = ["--model", "llama", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--embed", "32", "--ffn-hidden", "64",
+         "--seq-len", "16", "--rope-theta", "10000", "--vocab", "260", "--threads", "1"]
+MQA = [("1" if LLAMA[i - 1] == "--kv-heads" else f) for i, f in enumerate(LLAMA)]
+# SGD-momentum for the layout comparisons (the model has no dropout; lr 0.1 moves it visibly in 50 steps).
+SGD = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1"]
+UNTIED, TIED = ["--tie-embeddings", "false"], ["--tie-embeddings", "true"]
+
+
+def run(args, ranks, flags, data, name, model=LLAMA, **kw):
+    return gpt_run(args, ranks, flags, data, "llama-" + name, model=model, **kw)
+
+
+def case_llama_equivalence(args):
+    """Every layout trains the same Llama as 1 rank after 50 steps of SGD-momentum, each /model
+    tensor within 1e-5 of its max abs value: dp 2, pp 2 (1F1B), pp 2 x dp 2 ZeRO 3, ZeRO 1/2/3 at
+    dp 2, tp 2 (kv heads split), tp 4 (2 kv heads, each on 2 ranks), tp 2 x dp 2 ZeRO 2, tp 2 x
+    pp 2, the interleaved schedule with and without tp 2, recompute block and full (with tp 2),
+    untied; tied for dp 2, pp 2, tp 2 and ZeRO 3; multi-query (1 kv head) under tp 2 and tp 4
+    (replicated on every rank). bf16 tp 2 against bf16 on 1 rank within 5 bf16 ulps of each
+    tensor's max abs value (as the GPT's, cases_tensor_parallel.py)."""
+    data = tokenize(args, "byte")
+    interleaved = ("--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batch", "4")
+    layouts = {
+        "dp2": (2, ()),
+        "pp2": (2, ("--pp", "2", "--micro-batch", "4")),
+        "pp2xdp2-zero3": (4, ("--pp", "2", "--micro-batch", "2", "--zero", "3")),
+        "dp2-zero1": (2, ("--zero", "1")),
+        "dp2-zero2": (2, ("--zero", "2")),
+        "dp2-zero3": (2, ("--zero", "3")),
+        "tp2": (2, ("--tp", "2")),
+        "tp4": (4, ("--tp", "4")),
+        "tp2xdp2-zero2": (4, ("--tp", "2", "--zero", "2")),
+        "tp2xpp2": (4, ("--tp", "2", "--pp", "2", "--micro-batch", "4")),
+        "pp2-interleaved": (2, interleaved),
+        "tp2xpp2-interleaved": (4, ("--tp", "2") + interleaved),
+        "recompute-block": (1, ("--recompute", "block")),
+        "tp2-recompute-full": (2, ("--tp", "2", "--recompute", "full")),
+    }
+    for tie, flags, names in (("untied", SGD + UNTIED, list(layouts)),
+                              ("tied", SGD + TIED, ["dp2", "pp2", "tp2", "dp2-zero3"])):
+        reference, _ = run(args, 1, flags, data, f"{tie}-1")
+        assert ("lm_head/weight" in reference) == (tie == "untied"), sorted(reference)
+        assert "wpe/weight" not in reference and "layers.0/self_attn/k_proj/weight" in reference, sorted(reference)
+        assert reference["layers.0/self_attn/k_proj/weight"].shape == (16, 32)  # 2 kv heads of 8
+        for name in names:
+            ranks, extra = layouts[name]
+            model, out = run(args, ranks, flags + list(extra), data, f"{tie}-{name}")
+            assert "its plan says" not in out, out
+            assert_close(model, reference, f"llama {tie} {name} vs 1 rank")
+
+    # Multi-query: the one kv head on every tp rank, its gradients summed over them.
+    reference, _ = run(args, 1, SGD + UNTIED, data, "mqa-1", model=MQA)
+    for name, ranks in (("tp2", 2), ("tp4", 4)):
+        model, _ = run(args, ranks, SGD + UNTIED + ["--tp", str(ranks)], data, f"mqa-{name}", model=MQA)
+        assert_close(model, reference, f"llama multi-query {name} vs 1 rank")
+
+    # bf16: see cases_tensor_parallel.case_tp_equivalence (a row-parallel sum of bf16 partial products).
+    bf16 = ["--precision", "bf16"]
+    reference, _ = run(args, 1, SGD + UNTIED + bf16, data, "bf16-1")
+    model, _ = run(args, 2, SGD + UNTIED + bf16 + ["--tp", "2"], data, "bf16-tp2")
+    worst = 0.0
+    for n in sorted(reference):
+        top = float(np.abs(reference[n]).max())
+        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
+        ulps = float(np.abs(model[n].astype(np.float64) - reference[n]).max()) / ulp
+        worst = max(worst, ulps)
+        assert ulps <= 5.0, f"llama bf16 tp 2 vs 1 rank: {n} differs by {ulps:.2f} bf16 ulps of its max abs value"
+    print(f"llama bf16 tp 2 vs bf16 1 rank: worst {worst:.2f} bf16 ulps of a tensor's max abs value, tolerance 5")
+
+
+def losses(out):
+    """The progress lines' losses, by step."""
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step\s+(\d+)\S*\s.*?loss ([0-9.]+)", out)}
+
+
+def case_llama_adamw(args):
+    """AdamW (weight decay on the 2-D weights only): tp 2 x dp 2 ZeRO 1, pp 2 and tp 4 (replicated
+    kv heads) print the same losses as 1 rank every 5 steps of 50, within 1e-4 relative."""
+    data = tokenize(args, "byte")
+    adamw = ["--optimizer", "adamw", "--lr", "3e-3", "--weight-decay", "0.1"] + UNTIED
+    _, ref_out = run(args, 1, adamw, data, "adamw-1", extra=("--log-every", "5"))
+    want = losses(ref_out)
+    assert len(want) >= 10, ref_out
+    for name, ranks, extra in (("tp2xdp2-zero1", 4, ["--tp", "2", "--zero", "1"]),
+                               ("pp2", 2, ["--pp", "2", "--micro-batch", "4"]), ("tp4", 4, ["--tp", "4"])):
+        _, out = run(args, ranks, adamw + extra, data, "adamw-" + name, extra=("--log-every", "5"))
+        got = losses(out)
+        assert got.keys() == want.keys(), (got, want)
+        worst = max(abs(got[s] - want[s]) / want[s] for s in want)
+        assert worst <= 1e-4, f"AdamW {name}: losses {got} vs 1 rank {want}"
+        print(f"llama AdamW {name}: {len(want)} losses, worst relative difference {worst:.2e} (first {want[min(want)]:.4f}"
+              f" -> last {want[max(want)]:.4f})")
+
+
+def case_llama_resume(args):
+    """Checkpoints stay layout-free: 20 steps under tp 4 (kv heads replicated), resumed under pp 2
+    x dp 2 ZeRO 3 to 50 == 50 uninterrupted steps on 1 rank, within 1e-5 of each tensor's max."""
+    data = tokenize(args, "byte")
+    flags = SGD + UNTIED
+    reference, _ = run(args, 1, flags, data, "resume-1")
+    model = resume(args, data, "llama-tp4", (4, ("--tp", "4")), (4, ("--pp", "2", "--micro-batch", "2", "--zero", "3")),
+                   flags, model=LLAMA)
+    assert_close(model, reference, "llama: tp 4 to 20 -> pp2 x dp2 zero 3 to 50 vs 1 rank 50")
+
+
+def case_llama_plan(args):
+    """The plan rank 0 prints is within 5% of every rank's measured high-water mark for the tiny
+    Llama on 1 rank, tp 2 (kv heads split), tp 4 (replicated), pp 2 x dp 2 ZeRO 3 and recompute
+    full; --dry-run of the published shapes counts their parameters (Llama 3.1 8B: 8,030,261,248;
+    70B: 70,553,706,496; 3.2 1B, tied: 1,235,814,400) and --plan finds layouts of 70B on 64 ranks."""
+    data = tokenize(args, "byte")
+    common = LLAMA + SGD + UNTIED + ["--data", data[0], "--steps", "3", "--global-batch", "16"]
+    worst = 0.0
+    for name, ranks, flags in (("1 rank", 1, []), ("tp 2", 2, ["--tp", "2"]), ("tp 4", 4, ["--tp", "4"]),
+                               ("pp 2 x dp 2 zero 3", 4, ["--pp", "2", "--micro-batch", "2", "--zero", "3"]),
+                               ("recompute full", 1, ["--recompute", "full"])):
+        out = train_ranks(args, ranks, common + flags)
+        planned = planned_totals(out, ranks)
+        measured = [int(v) for v in re.search(r"memory high-water mark per rank \([^)]*\):([ 0-9]+)$", out,
+                                              re.M).group(1).split()]
+        errors = [p / m - 1 for p, m in zip(planned, measured)]
+        print(f"llama {name:20s} planned {planned} measured {measured} error {', '.join(f'{e:+.1%}' for e in errors)}")
+        worst = max(worst, max(abs(e) for e in errors))
+    assert worst <= 0.05, f"the plan is {worst:.1%} off the measured high-water mark"
+
+    for preset, params in (("llama3.1-8b", 8030261248), ("llama3.1-70b", 70553706496), ("llama3.2-1b", 1235814400)):
+        out = train_ranks(args, 1, ["--model", preset, "--dry-run", "--global-batch", "1", "--optimizer", "adamw",
+                                    "--precision", "bf16"])
+        found = re.search(r"total trainable parameters: (\d+)", out)
+        assert found and int(found.group(1)) == params, (preset, found and found.group(0), out)
+        print(f"{preset}: {params:,} parameters")
+    out = train_ranks(args, 1, ["--model", "llama3.1-70b", "--dry-run", "--plan", "--world", "64",
+                                "--device-memory", "80GiB", "--global-batch", "64", "--optimizer", "adamw",
+                                "--precision", "bf16", "--plan-tflops", "400"])
+    assert re.search(r"^  1\. ", out, re.M), out
+
+
+def case_llama_bad_inputs(args):
+    """Inputs the Llama cannot take are one line, exit 2, on every rank."""
+    data = tokenize(args, "byte")
+    steps = ["--data", data[0], "--steps", "2", "--global-batch", "8"]
+    bad = lambda model, pattern, ranks=1: expect_bad_input(args, model + steps, pattern, ranks=ranks)
+    swap = lambda flag, value: [(value if LLAMA[i - 1] == flag else f) for i, f in enumerate(LLAMA)]
+    bad(swap("--kv-heads", "3"), r"--kv-heads \(3\) must divide --heads \(4\)")
+    bad(swap("--heads", "3"), r"--heads \(3\) must divide --embed \(32\)")
+    bad(LLAMA + ["--tp", "2", "--dropout", "0.1"], r"--dropout: the llama models have none", ranks=2)
+    bad(swap("--ffn-hidden", "63") + ["--tp", "2"], r"--ffn-hidden \(63\) must be divisible by --tp \(2\)", ranks=2)
+    bad(swap("--kv-heads", "4") + ["--tp", "8"], r"--heads \(4\) must be divisible by --tp \(8\)", ranks=8)
+    bad(LLAMA + ["--norm-eps", "0"], r"--norm-eps must be in \(0, 1\)")
+    bad(LLAMA + ["--rope-scaling", "0.5"], r"--rope-scaling must be 0 \(none\) or a factor >= 1")
