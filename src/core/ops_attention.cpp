@@ -33,8 +33,8 @@ void check_heads(const Tensor& q, std::initializer_list<std::pair<const Tensor*,
   }
   const Tensor& k = *kv.begin()->first;
   check_defined(k, "k");
-  STRATA_CHECK(k.ndim() == 4 && k.dim(1) > 0 && q.dim(1) % k.dim(1) == 0, "k must be (B, Hkv, T, Dh) with Hkv dividing ",
-               q.dim(1), " query heads, got ", k.str());
+  STRATA_CHECK(k.ndim() == 4 && k.dim(1) > 0 && q.dim(1) % k.dim(1) == 0,
+               "k must be (B, Hkv, T, Dh) with Hkv dividing ", q.dim(1), " query heads, got ", k.str());
   for (const auto& [t, name] : kv) {
     check_same_dtype(*t, q, name);
     check_shape(*t, Shape{q.dim(0), k.dim(1), q.dim(2), q.dim(3)}, name);

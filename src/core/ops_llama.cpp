@@ -64,7 +64,8 @@ void rope(const Tensor& x, const Tensor& y, const std::vector<float>& inv_freq, 
   const Device d = common_device({&x, &y});
   if (d.is_meta()) return meta_op({&x, &y}, true);
   // In place works on every dtype: the kernel reads a pair before writing it, and staging widens x first.
-  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::rope(s.in(x), s.out(y), inv_freq, first_position, inverse); });
+  if (d.is_cpu())
+    return on_cpu([&](F32Staging& s) { cpu::rope(s.in(x), s.out(y), inv_freq, first_position, inverse); });
   no_cuda(d, "rope");
 }
 
@@ -90,9 +91,8 @@ void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, con
   const Device d = common_device({&gate, &up, &dy, &dgate, &dup});
   if (d.is_meta()) return meta_op({&gate, &up, &dy, &dgate, &dup}, true);
   if (d.is_cpu())
-    return on_cpu([&](F32Staging& s) {
-      cpu::swiglu_backward(s.in(gate), s.in(up), s.in(dy), s.out(dgate), s.out(dup));
-    });
+    return on_cpu(
+        [&](F32Staging& s) { cpu::swiglu_backward(s.in(gate), s.in(up), s.in(dy), s.out(dgate), s.out(dup)); });
   no_cuda(d, "swiglu_backward");
 }
 

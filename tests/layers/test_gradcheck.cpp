@@ -719,12 +719,12 @@ TEST_F(GradCheck, GroupedQueryFlashEqualsPlainAcrossTiles) {
 
 std::unique_ptr<TransformerBlock> llama_block(const std::string& name, int64_t embed, int64_t heads, int64_t kv,
                                               Recompute recompute = Recompute::None) {
-  BlockParts parts{std::make_unique<RMSNorm>("input_layernorm", embed, 1e-5f),
-                   std::make_unique<CausalSelfAttention>("self_attn", embed, heads, 0.0f, AttentionKind::Flash,
-                                                         kGptInitStd, nullptr,
-                                                         AttentionOptions{kv, rope_frequencies(embed / heads, 10.0), false}),
-                   std::make_unique<RMSNorm>("post_attention_layernorm", embed, 1e-5f),
-                   std::make_unique<SwiGLU>("mlp", embed, 2 * embed, kGptInitStd)};
+  BlockParts parts{
+      std::make_unique<RMSNorm>("input_layernorm", embed, 1e-5f),
+      std::make_unique<CausalSelfAttention>("self_attn", embed, heads, 0.0f, AttentionKind::Flash, kGptInitStd, nullptr,
+                                            AttentionOptions{kv, rope_frequencies(embed / heads, 10.0), false}),
+      std::make_unique<RMSNorm>("post_attention_layernorm", embed, 1e-5f),
+      std::make_unique<SwiGLU>("mlp", embed, 2 * embed, kGptInitStd)};
   return std::make_unique<TransformerBlock>(name, std::move(parts), recompute);
 }
 

@@ -390,42 +390,42 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
     std::fill(dvh, dvh + t * dh, 0.0f);
     auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
     for (int64_t qi = 0; qi < hd.group; ++qi) {
-    const int64_t bh = hd.first_query(bkv) + qi, off = bh * t * dh;
-    const float* qh = q.data<float>() + off;
-    const float* yh = y.data<float>() + off;
-    const float* gh = dy.data<float>() + off;
-    const float* lh = lse.data<float>() + bh * t;
-    float* dqh = dq.data<float>() + off;
-    const HeadDropout drop = hd.dropout(bh, p, key);
-    // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
-    for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
-    std::fill(dqh, dqh + t * dh, 0.0f);
-    for (int64_t j0 = 0; j0 < t; j0 += kTile) {
-      const int64_t nc = std::min(kTile, t - j0);
-      for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
-        const int64_t nr = std::min(kTile, t - i0);
-        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
-        mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
-          float* sr = s.get() + r * kTile;  // P, then the dropped P
-          float* gr = g.get() + r * kTile;  // d(dropped P), then dS
-          const float li = lh[i], di = drow[i];
-          if (drop.active) drop.row(i, j0, valid, factor.get());
-          for (int64_t c = 0; c < valid; ++c) {
-            const float pr = std::exp(sr[c] - li);
-            const float f = drop.active ? factor[c] : 1.0f;
-            sr[c] = pr * f;
-            gr[c] = pr * (gr[c] * f - di);
+      const int64_t bh = hd.first_query(bkv) + qi, off = bh * t * dh;
+      const float* qh = q.data<float>() + off;
+      const float* yh = y.data<float>() + off;
+      const float* gh = dy.data<float>() + off;
+      const float* lh = lse.data<float>() + bh * t;
+      float* dqh = dq.data<float>() + off;
+      const HeadDropout drop = hd.dropout(bh, p, key);
+      // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
+      for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
+      std::fill(dqh, dqh + t * dh, 0.0f);
+      for (int64_t j0 = 0; j0 < t; j0 += kTile) {
+        const int64_t nc = std::min(kTile, t - j0);
+        for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
+          const int64_t nr = std::min(kTile, t - i0);
+          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
+            float* sr = s.get() + r * kTile;  // P, then the dropped P
+            float* gr = g.get() + r * kTile;  // d(dropped P), then dS
+            const float li = lh[i], di = drow[i];
+            if (drop.active) drop.row(i, j0, valid, factor.get());
+            for (int64_t c = 0; c < valid; ++c) {
+              const float pr = std::exp(sr[c] - li);
+              const float f = drop.active ? factor[c] : 1.0f;
+              sr[c] = pr * f;
+              gr[c] = pr * (gr[c] * f - di);
+            }
+            std::fill(sr + valid, sr + nc, 0.0f);
+            std::fill(gr + valid, gr + nc, 0.0f);
           }
-          std::fill(sr + valid, sr + nc, 0.0f);
-          std::fill(gr + valid, gr + nc, 0.0f);
+          mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
+          mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
+          mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
         }
-        mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
-        mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
-        mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
       }
-    }
     }
   });
 }
