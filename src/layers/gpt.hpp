@@ -53,6 +53,8 @@ class Embedding final : public Layer {
 
   int64_t vocab() const { return vocab_; }  // the full vocabulary
   int64_t embed() const { return embed_; }
+  int64_t max_positions() const { return max_positions_; }
+  bool has_position_table() const { return positions_; }  // wpe
   // The rows of wte this rank holds (V/T) and the token of the first; V and 0 without tp.
   int64_t local_vocab() const { return local_vocab_; }
   int64_t first_token() const { return first_token_; }
@@ -123,6 +125,7 @@ class CausalSelfAttention final : public Layer {
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   int64_t heads() const { return heads_; }                                          // all of the layer's heads
   int64_t kv_heads() const { return kv_heads_; }
+  const std::vector<float>& rope() const { return rope_; }  // empty: no rotary positions
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
@@ -194,6 +197,8 @@ class TransformerBlock final : public Layer {
   float ln_eps() const;                                  // both LayerNorms' (GPT-2's block)
   Activation activation() const { return activation_; }  // the MLP's (GPT-2's block)
   Recompute recompute() const { return recompute_; }
+  const Layer& norm_1() const { return *ln_1_; }  // the first normalisation (LayerNorm or RMSNorm)
+  const CausalSelfAttention& attention() const { return *attn_; }
 
  private:
   // The block's forward into ctx.children. rebuild: backward's recomputation, which needs the

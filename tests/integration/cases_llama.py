@@ -2,15 +2,21 @@
 biases) end to end, as cases_gpt.py and cases_tensor_parallel.py check the GPT: every layout against
 one rank (dp, pp with 1F1B and interleaved, tp with query and kv heads split and with kv heads
 replicated when tp exceeds them, ZeRO 1-3, recomputation, bf16), AdamW's losses, resume across
-layouts, the plan against the measured high-water mark, --dry-run of the published shapes, and the
-bad inputs. A tiny Llama: 2 blocks, 4 query heads over 2 kv heads (or 1: multi-query), width 32,
-SwiGLU hidden 64, 16-token windows of the licence texts' bytes (vocabulary padded to 260)."""
+layouts, the plan against the measured high-water mark, --dry-run of the published shapes,
+strata-sample's KV-cached decoder against a numpy forward, and the bad inputs. A tiny Llama: 2
+blocks, 4 query heads over 2 kv heads (or 1: multi-query), width 32, SwiGLU hidden 64, 16-token
+windows of the licence texts' bytes (vocabulary padded to 260)."""
+import math
+import os
 import re
+import shutil
 
+import h5py
 import numpy as np
 
 from cases_gpt import assert_close, gpt_run, resume, tokenize
 from cases_memory import planned_totals
+from cases_sample import perturbed_copy, sample
 from harness import expect_bad_input, train_ranks
 
 LLAMA = ["--model", "llama", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--embed", "32", "--ffn-hidden", "64",
@@ -166,3 +172,82 @@ def case_llama_bad_inputs(args):
     bad(swap("--kv-heads", "4") + ["--tp", "8"], r"--heads \(4\) must be divisible by --tp \(8\)", ranks=8)
     bad(LLAMA + ["--norm-eps", "0"], r"--norm-eps must be in \(0, 1\)")
     bad(LLAMA + ["--rope-scaling", "0.5"], r"--rope-scaling must be 0 \(none\) or a factor >= 1")
+
+
+def numpy_llama_greedy(ckpt, heads, kv_heads, theta, context, n, t_max):
+    """Greedy continuation by a float64 numpy Llama forward (Hugging Face's: RMSNorm, rotate-half
+    rotary positions, repeat_interleave'd kv heads, SwiGLU) over the last t_max tokens; also the
+    margin (top-1 minus top-2 logit) of each choice."""
+    with h5py.File(ckpt, "r") as f:
+        w = {}
+        f["model"].visititems(lambda k, o: w.update({k: o[...].astype(np.float64)}) if isinstance(o, h5py.Dataset) else None)
+    d = w["wte/weight"].shape[1]
+    head = w.get("lm_head/weight", w["wte/weight"])
+    layers = len({k.split("/")[0] for k in w if k.startswith("layers.")})
+    dh = d // heads
+    inv_freq = 1.0 / theta ** (np.arange(0, dh, 2) / dh)
+
+    def rms(x, p):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w[p + "/weight"]
+
+    def rope(x):  # (heads, t, dh)
+        ang = np.arange(x.shape[1])[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+        rot = np.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
+        return x * cos + rot * sin
+
+    out, margins, ctx = [], [], list(context)
+    for _ in range(n):
+        toks = ctx[-t_max:]
+        t = len(toks)
+        x = w["wte/weight"][toks]
+        for i in range(layers):
+            a = f"layers.{i}/self_attn/"
+            h = rms(x, f"layers.{i}/input_layernorm")
+            q = (h @ w[a + "q_proj/weight"].T).reshape(t, heads, dh).transpose(1, 0, 2)
+            k = (h @ w[a + "k_proj/weight"].T).reshape(t, kv_heads, dh).transpose(1, 0, 2)
+            v = (h @ w[a + "v_proj/weight"].T).reshape(t, kv_heads, dh).transpose(1, 0, 2)
+            q, k = rope(q), rope(k)
+            k, v = np.repeat(k, heads // kv_heads, 0), np.repeat(v, heads // kv_heads, 0)
+            s = q @ k.transpose(0, 2, 1) / math.sqrt(dh) + np.triu(np.full((t, t), -np.inf), 1)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            y = (p / p.sum(-1, keepdims=True)) @ v
+            x = x + y.transpose(1, 0, 2).reshape(t, d) @ w[a + "o_proj/weight"].T
+            h = rms(x, f"layers.{i}/post_attention_layernorm")
+            m = f"layers.{i}/mlp/"
+            gate, up = h @ w[m + "gate_proj/weight"].T, h @ w[m + "up_proj/weight"].T
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ w[m + "down_proj/weight"].T
+        logits = (rms(x, "norm")[-1] @ head.T)[:257]  # the byte tokenizer's ids (strata-sample's limit)
+        top = np.sort(logits)[-2:]
+        out.append(int(np.argmax(logits)))
+        margins.append(top[1] - top[0])
+        ctx.append(out[-1])
+    return out, margins
+
+
+def case_llama_sample(args):
+    """strata-sample's KV-cached decoder on a Llama trained here (30 AdamW steps, 2 kv heads of 4,
+    32 positions), its tensors perturbed so that greedy text varies: 60 greedy tokens from a
+    26-byte prompt (the window of 32 slides) equal a float64 numpy forward's but for near ties;
+    the same seed gives the same sampled text, another seed other text."""
+    data = tokenize(args, "byte")
+    ck_dir = os.path.join(args.workdir, "ck-llama-sample")
+    shutil.rmtree(ck_dir, ignore_errors=True)
+    model = [("32" if LLAMA[i - 1] == "--seq-len" else f) for i, f in enumerate(LLAMA)]
+    train_ranks(args, 1, model + ["--data", data[0], "--steps", "30", "--global-batch", "8", "--optimizer", "adamw",
+                                  "--lr", "0.01", "--checkpoint-dir", ck_dir, "--log-every", "10"])
+    ckpt = perturbed_copy(os.path.join(ck_dir, "step-00000030.h5"), os.path.join(args.workdir, "llama-noisy.h5"), 1)
+    prompt = "GNU General Public License"
+    base = ["--checkpoint", ckpt, "--prompt", prompt, "--tokens", "60"]
+    greedy, speed = sample(args, base + ["--temperature", "0"])
+    assert re.match(r"^-- 60 tokens in [0-9.]+ s: [0-9.]+ tokens/s .*context 32", speed), speed
+    got = list(greedy[len(prompt):])
+    want, margins = numpy_llama_greedy(ckpt, 4, 2, 10000.0, list(prompt.encode()), 60, 32)
+    assert len(got) == 60 and len(set(got)) >= 5, greedy
+    same = next((i for i, (g, e) in enumerate(zip(got, want)) if g != e), len(got))
+    if same < len(got):  # only a near tie decided by rounding
+        assert margins[same] < 1e-4, f"greedy token {same}: strata-sample {got[same]}, numpy {want[same]} " \
+                                     f"(margin {margins[same]:.3g})"
+    print(f"llama: greedy equals numpy's forward for {same} of {len(got)} tokens: {greedy!r}")
+    a, _ = sample(args, base + ["--seed", "1"])
+    assert sample(args, base + ["--seed", "1"])[0] == a and sample(args, base + ["--seed", "2"])[0] != a
