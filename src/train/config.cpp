@@ -464,6 +464,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   }
 
   c.model.hidden = parse_int_list(hidden, "--hidden");
+  // Unless given, the model's own tying: GPT-2 and Llama 3.2 tie, Llama 3.1 and --model llama do not.
   if (vm["tie-embeddings"].defaulted()) c.model.tie_embeddings = layers::ties_embeddings_by_default(c.model.name);
   STRATA_REQUIRE(seed >= 0, "--seed must be in [0, 2^63 - 1], found ", seed);
   c.training.seed = static_cast<uint64_t>(seed);
@@ -487,7 +488,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   for (const auto& [name, value] : vm)
     if (name != "help") {
-      c.effective.emplace_back(name, any_to_string(value.value()));
+      // --tie-embeddings' default is the model's (above): the value in effect, not the flag's default.
+      c.effective.emplace_back(name, name == "tie-embeddings" ? (c.model.tie_embeddings ? "true" : "false")
+                                                              : any_to_string(value.value()));
       if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
     }
   return c;
