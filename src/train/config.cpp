@@ -489,8 +489,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   for (const auto& [name, value] : vm)
     if (name != "help") {
       // --tie-embeddings' default is the model's (above): the value in effect, not the flag's default.
-      c.effective.emplace_back(name, name == "tie-embeddings" ? (c.model.tie_embeddings ? "true" : "false")
-                                                              : any_to_string(value.value()));
+      c.effective.emplace_back(
+          name, name == "tie-embeddings" ? (c.model.tie_embeddings ? "true" : "false") : any_to_string(value.value()));
       if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
     }
   return c;
