@@ -15,6 +15,7 @@ import shutil
 import h5py
 import numpy as np
 
+from cases_async_save import assert_same_checkpoint
 from cases_gpt import assert_close, gpt_run, resume, tokenize
 from cases_memory import planned_totals
 from cases_sample import perturbed_copy, sample
@@ -123,13 +124,25 @@ def case_llama_adamw(args):
 
 def case_llama_resume(args):
     """Checkpoints stay layout-free: 20 steps under tp 4 (kv heads replicated), resumed under pp 2
-    x dp 2 ZeRO 3 to 50 == 50 uninterrupted steps on 1 rank, within 1e-5 of each tensor's max."""
+    x dp 2 ZeRO 3 to 50 == 50 uninterrupted steps on 1 rank, within 1e-5 of each tensor's max; with
+    AdamW under tp 4 (2 kv heads, each on 2 ranks) and tp 2 x dp 2 ZeRO 3, --checkpoint-io parallel
+    (each replicated shard written by its first holder) writes rank 0's file, every tensor and
+    optimizer state the same."""
     data = tokenize(args, "byte")
     flags = SGD + UNTIED
     reference, _ = run(args, 1, flags, data, "resume-1")
     model = resume(args, data, "llama-tp4", (4, ("--tp", "4")), (4, ("--pp", "2", "--micro-batch", "2", "--zero", "3")),
                    flags, model=LLAMA)
     assert_close(model, reference, "llama: tp 4 to 20 -> pp2 x dp2 zero 3 to 50 vs 1 rank 50")
+
+    adamw = ["--optimizer", "adamw", "--lr", "3e-3"] + UNTIED
+    for name, layout in (("tp4", ["--tp", "4"]), ("tp2xdp2-zero3", ["--tp", "2", "--zero", "3"])):
+        for mode in ("rank0", "parallel"):
+            run(args, 4, adamw + layout + ["--checkpoint-io", mode], data, f"pio-{name}-{mode}", steps=10)
+        f = "step-00000010.h5"
+        assert_same_checkpoint(os.path.join(args.workdir, f"ck-llama-pio-{name}-parallel", f),
+                               os.path.join(args.workdir, f"ck-llama-pio-{name}-rank0", f), f"llama {name}")
+        print(f"llama {name}: --checkpoint-io parallel and rank0 write the same checkpoint")
 
 
 def case_llama_plan(args):
