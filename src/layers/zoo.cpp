@@ -318,6 +318,12 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
                  " applies to the gpt models' transformer blocks; --model ", spec.name, " runs with --recompute none");
   STRATA_REQUIRE(!classic || (spec.activation == "gelu" && spec.norm_eps == 1e-5f), "--activation and --norm-eps",
                  " apply to the gpt models; --model ", spec.name, " takes neither");
+  const ModelSpec defaults;
+  STRATA_REQUIRE(
+      is_llama(spec) || (spec.kv_heads == defaults.kv_heads && spec.ffn_hidden == defaults.ffn_hidden &&
+                         spec.rope_theta == defaults.rope_theta && spec.rope_scaling == defaults.rope_scaling),
+      "--kv-heads, --ffn-hidden, --rope-theta and --rope-scaling apply to the llama models; --model ", spec.name,
+      " takes none of them");
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);

@@ -191,6 +191,9 @@ def case_llama_bad_inputs(args):
         r"--heads \(2\) must be divisible by --tp \(4\)", ranks=4)
     bad(LLAMA + ["--norm-eps", "0"], r"--norm-eps must be in \(0, 1\)")
     bad(LLAMA + ["--rope-scaling", "0.5"], r"--rope-scaling must be 0 \(none\) or a factor >= 1")
+    bad(LLAMA + ["--activation", "gelu_tanh"], r"--activation gelu_tanh applies to the gpt models")
+    gpt = ["--model", "gpt", "--layers", "1", "--heads", "2", "--embed", "16", "--seq-len", "16", "--threads", "1"]
+    bad(gpt + ["--kv-heads", "1"], r"--kv-heads, --ffn-hidden, --rope-theta and --rope-scaling apply to the llama")
 
 
 def numpy_llama_greedy(ckpt, heads, kv_heads, theta, context, n, t_max):
