@@ -25,7 +25,7 @@ struct ModelSpec {
   int64_t seq_len = 0;              // positions (wpe rows, T max); 0: the data's T
   int64_t vocab = 0;                // logits per position; 0: the data's (build_model's num_classes),
                                     // else at least that (padded, e.g. 50304)
-  bool tie_embeddings = true;       // lm_head uses wte (see gpt.hpp: LMHead for the limits)
+  bool tie_embeddings = true;       // lm_head uses wte (gpt.hpp: LMHead); train's default: ties_embeddings_by_default
   std::string attention = "flash";  // flash (memory-efficient) | plain
   // Activation recomputation of the transformer blocks: none | block | full (gpt.hpp:
   // Recompute); only the gpt models have it (other models: an Input error unless "none").
