@@ -1,8 +1,9 @@
-// strata-sample: text from a trained GPT checkpoint, on the CPU, one process (no MPI).
+// strata-sample: text from a trained GPT or Llama checkpoint, on the CPU, one process (no MPI).
 //   strata-sample --checkpoint CKPT [--data TOKENS] [--prompt TEXT] [--tokens N] [--temperature F]
 //                 [--top-k K] [--seed S] [--threads T]
 // The model is rebuilt from the checkpoint's `config` attribute (model, layers, heads, embed,
-// tie-embeddings, attention; positions and vocabulary from its tensors) and its tensors are
+// tie-embeddings, attention; Llama: kv-heads, ffn-hidden, rope-theta, rope-scaling, norm-eps and
+// its positions, seq-len; a GPT's positions and the vocabulary from its tensors) and its tensors are
 // loaded into a ParameterStore; layers::GptDecoder then generates with a key/value cache, one
 // position per token. The text is encoded and decoded by the tokenizer of --data (default: the
 // `data` option recorded in the checkpoint). Prints the prompt, the generated text as it comes,
@@ -127,28 +128,39 @@ int run(const Options& o) {
   const std::map<std::string, std::string> config = parse_config_text(reader.attr_string("config"));
   const auto model_it = config.find("model");
   const std::string model_name = model_it != config.end() ? model_it->second : reader.attr_string("model");
-  const std::vector<std::string>& presets = layers::gpt_presets();
-  STRATA_REQUIRE(model_name == "gpt" || std::find(presets.begin(), presets.end(), model_name) != presets.end(),
-                 "checkpoint ", path, " holds a '", model_name,
-                 "' model; strata-sample generates text with gpt models (gpt or a gpt2-* preset)");
-
-  // The shapes the tensors have: positions (wpe's rows) and the padded vocabulary (wte's).
-  for (const char* t : {"model/wte/weight", "model/wpe/weight"})
-    STRATA_REQUIRE(reader.has(t), "checkpoint ", path, " has no tensor ", t, " (is it a gpt checkpoint?)");
-  const int64_t positions = reader.shape("model/wpe/weight").at(0), vocab = reader.shape("model/wte/weight").at(0);
   layers::ModelSpec spec;
   spec.name = model_name;
+  STRATA_REQUIRE(layers::is_language_model(spec), "checkpoint ", path, " holds a '", model_name,
+                 "' model; strata-sample generates text with gpt and llama models (or their presets)");
+  const bool llama = layers::is_llama(spec);
+
+  // The shapes the tensors have: positions (wpe's rows; a Llama's from its --seq-len, rotary
+  // positions having no table) and the padded vocabulary (wte's).
+  for (const char* t : {"model/wte/weight", "model/wpe/weight"})
+    STRATA_REQUIRE(reader.has(t) || (llama && std::string(t) == "model/wpe/weight"), "checkpoint ", path,
+                   " has no tensor ", t, " (is it a gpt checkpoint?)");
+  const int64_t vocab = reader.shape("model/wte/weight").at(0);
+  const int64_t positions = llama ? to_int(config, "seq-len", path) : reader.shape("model/wpe/weight").at(0);
+  STRATA_REQUIRE(positions > 0 || layers::resolve_preset(spec).seq_len > 0, "checkpoint ", path,
+                 ": its run took the context from its data (--seq-len 0); give the model's context in a checkpoint "
+                 "saved with --seq-len");
   spec.layers = static_cast<int>(to_int(config, "layers", path));
   spec.heads = static_cast<int>(to_int(config, "heads", path));
   spec.embed = to_int(config, "embed", path);
-  spec.seq_len = positions;
+  spec.seq_len = positions > 0 ? positions : layers::resolve_preset(spec).seq_len;
   spec.vocab = vocab;
+  if (llama) {
+    spec.kv_heads = static_cast<int>(to_int(config, "kv-heads", path));
+    spec.ffn_hidden = to_int(config, "ffn-hidden", path);
+    if (const auto it = config.find("rope-theta"); it != config.end()) spec.rope_theta = std::stod(it->second);
+    if (const auto it = config.find("rope-scaling"); it != config.end()) spec.rope_scaling = std::stod(it->second);
+  }
   if (const auto it = config.find("tie-embeddings"); it != config.end()) spec.tie_embeddings = it->second == "true";
   if (const auto it = config.find("attention"); it != config.end()) spec.attention = it->second;
   if (const auto it = config.find("activation"); it != config.end()) spec.activation = it->second;
   if (const auto it = config.find("norm-eps"); it != config.end()) spec.norm_eps = std::stof(it->second);
   const int64_t classes = reader.has_attr("num_classes") ? reader.attr_int("num_classes") : vocab;
-  const layers::Model model = layers::build_model(spec, {positions}, static_cast<int>(classes));
+  const layers::Model model = layers::build_model(spec, {spec.seq_len}, static_cast<int>(classes));
   const layers::ParameterStore store(model, 0);
   for (const layers::ParamEntry& e : store.entries()) io::read_model_value(reader, e.name, e.trainable, store.value(e));
   layers::GptDecoder decoder(model, store);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/tensor.hpp"
 
@@ -162,7 +163,10 @@ void merge_heads(const Tensor& x, const Tensor& y);
 void split_heads(const Tensor& y, const Tensor& x);
 
 // Causal scaled dot-product attention per (batch, head): position i attends to j <= i with
-// softmax(q k^T / sqrt(Dh)); q, k, v, y are (B, H, T, Dh). Dropout on the attention
+// softmax(q k^T / sqrt(Dh)); q, y are (B, H, T, Dh), k and v (B, Hkv, T, Dh) with Hkv dividing H:
+// grouped-query attention, query head h reading kv head h / (H / Hkv) (Hugging Face's
+// repeat_interleave of the kv heads; Hkv = H: multi-head, 1: multi-query). The kv heads are read
+// in place by their group, never copied per query head; dk, dv sum over the group. Dropout on the attention
 // probabilities with probability p (0: none): the keep decision for (sample b, head h, i, j)
 // is uniform(key, stream, ((first_sample + b) * H + h) * T * T + i * T + j) >= p, the same in
 // both implementations below, so they agree whatever the batch split.
@@ -182,6 +186,26 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p = 0.0f,
                               const DropoutKey& key = {});
+
+// ---- Llama family (ops_llama.cpp; CPU only so far) -------------------------------------------
+
+// RMSNorm over the last dimension of x viewed as (M, F): y = x / sqrt(mean(x^2) + eps) * gamma
+// (F); rstd (M elements, f32) saves 1 / sqrt(mean(x^2) + eps) for backward (may be undefined
+// in forward). Backward: dx overwritten (skipped if undefined), dgamma accumulated.
+void rms_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd, float eps);
+void rms_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, const Tensor& dx,
+                       const Tensor& dgamma);
+// Rotary position embedding of x (B, H, T, Dh) into y (may be x), in Hugging Face's rotate-half
+// layout: element i < Dh/2 pairs with i + Dh/2, and the pair of row t turns by the angle
+// (first_position + t) * inv_freq[i] (computed in f32, as transformers does):
+//   y[i] = x[i] cos - x[i + Dh/2] sin,  y[i + Dh/2] = x[i + Dh/2] cos + x[i] sin.
+// inverse turns by minus the angle: the backward of a rotation is its inverse. inv_freq holds
+// Dh/2 frequencies (layers::rope_frequencies).
+void rope(const Tensor& x, const Tensor& y, const std::vector<float>& inv_freq, int64_t first_position = 0,
+          bool inverse = false);
+// SwiGLU's gate: y = silu(gate) * up, all of one shape; backward overwrites dgate and dup.
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& y);
+void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, const Tensor& dgate, const Tensor& dup);
 
 // ---- loss and metrics ------------------------------------------------------------------------
 

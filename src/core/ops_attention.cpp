@@ -21,14 +21,30 @@ void check_position_table(const Tensor& wpe, int64_t t, int64_t d, const char* n
                wpe.str());
 }
 
-// q (B, H, T, Dh) of a float dtype; k, v, y (and the gradients) the same shape and dtype.
-void check_heads(const Tensor& q, std::initializer_list<std::pair<const Tensor*, const char*>> like) {
+// q (B, H, T, Dh) of a float dtype; y, dy, dq (`like`) the same shape and dtype; k, v, dk, dv
+// (`kv`) the same dtype and (B, Hkv, T, Dh) with Hkv dividing H (grouped-query attention).
+void check_heads(const Tensor& q, std::initializer_list<std::pair<const Tensor*, const char*>> like,
+                 std::initializer_list<std::pair<const Tensor*, const char*>> kv) {
   check_float(q, "q");
   STRATA_CHECK(q.ndim() == 4, "attention tensors must be (B, H, T, Dh), got q ", q.str());
   for (const auto& [t, name] : like) {
     check_same_dtype(*t, q, name);
     check_shape(*t, q.shape(), name);
   }
+  const Tensor& k = *kv.begin()->first;
+  check_defined(k, "k");
+  STRATA_CHECK(k.ndim() == 4 && k.dim(1) > 0 && q.dim(1) % k.dim(1) == 0,
+               "k must be (B, Hkv, T, Dh) with Hkv dividing ", q.dim(1), " query heads, got ", k.str());
+  for (const auto& [t, name] : kv) {
+    check_same_dtype(*t, q, name);
+    check_shape(*t, Shape{q.dim(0), k.dim(1), q.dim(2), q.dim(3)}, name);
+  }
+}
+
+// The CUDA kernels read kv head h for query head h: grouped-query attention is CPU only so far.
+void check_cuda_heads(const Device& d, const Tensor& q, const Tensor& k) {
+  STRATA_CHECK(!d.is_cuda() || q.dim(1) == k.dim(1), "grouped-query attention (", q.dim(1), " query heads, ", k.dim(1),
+               " kv heads) has no kernel for ", d.str(), " yet");
 }
 
 void check_attention_dropout(float p, const DropoutKey& key, const Tensor& q) {
@@ -166,7 +182,7 @@ void split_heads(const Tensor& y, const Tensor& x) {
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& probs, float p,
                        const DropoutKey& key) {
-  check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
+  check_heads(q, {{&y, "y"}}, {{&k, "k"}, {&v, "v"}});
   check_probs(probs, q);
   check_attention_dropout(p, key, q);
   check_no_alias({&y, &probs}, {&q, &k, &v});
@@ -175,12 +191,13 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (d.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::attention_forward(s.in(q), s.in(k), s.in(v), s.out(y), s.out(probs), p, key); });
+  check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, attention_forward, q, k, v, y, probs, p, key);
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs, const Tensor& dy,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key) {
-  check_heads(q, {{&k, "k"}, {&v, "v"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
+  check_heads(q, {{&dy, "dy"}, {&dq, "dq"}}, {{&k, "k"}, {&v, "v"}, {&dk, "dk"}, {&dv, "dv"}});
   check_probs(probs, q);
   check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &probs, &dy});
@@ -191,12 +208,13 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
       cpu::attention_backward(s.in(q), s.in(k), s.in(v), s.in(probs), s.in(dy), s.out(dq), s.out(dk), s.out(dv), p,
                               key);
     });
+  check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, attention_backward, q, k, v, probs, dy, dq, dk, dv, p, key);
 }
 
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                              float p, const DropoutKey& key) {
-  check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}});
+  check_heads(q, {{&y, "y"}}, {{&k, "k"}, {&v, "v"}});
   check_lse(lse, q);
   check_attention_dropout(p, key, q);
   check_no_alias({&y, &lse}, {&q, &k, &v});
@@ -205,13 +223,14 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (d.is_cpu())
     return on_cpu(
         [&](F32Staging& s) { cpu::flash_attention_forward(s.in(q), s.in(k), s.in(v), s.out(y), lse, p, key); });
+  check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_forward, q, k, v, y, lse, p, key);
 }
 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
                               const DropoutKey& key) {
-  check_heads(q, {{&k, "k"}, {&v, "v"}, {&y, "y"}, {&dy, "dy"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
+  check_heads(q, {{&y, "y"}, {&dy, "dy"}, {&dq, "dq"}}, {{&k, "k"}, {&v, "v"}, {&dk, "dk"}, {&dv, "dv"}});
   check_lse(lse, q);
   check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
@@ -222,6 +241,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
       cpu::flash_attention_backward(s.in(q), s.in(k), s.in(v), s.in(y), lse, s.in(dy), s.out(dq), s.out(dk), s.out(dv),
                                     p, key);
     });
+  check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_backward, q, k, v, y, lse, dy, dq, dk, dv, p, key);
 }
 

@@ -108,7 +108,7 @@ CheckpointModel model_of_checkpoint(const CheckpointReader& reader) {
   CheckpointModel m;
   layers::ModelSpec& s = m.spec;
   s.name = get("model", reader.has_attr("model") ? reader.attr_string("model") : "");
-  STRATA_REQUIRE(layers::is_language_model(s), "checkpoint '", path, "' holds a '", s.name,
+  STRATA_REQUIRE(layers::is_language_model(s) && !layers::is_llama(s), "checkpoint '", path, "' holds a '", s.name,
                  "' model; Hugging Face GPT-2 export takes gpt models (gpt or a gpt2-* preset)");
   for (const char* t : {"model/wte/weight", "model/wpe/weight"})
     STRATA_REQUIRE(reader.has(t), "checkpoint '", path, "' has no tensor ", t, " (is it a gpt checkpoint?)");

@@ -45,31 +45,39 @@ std::string Linear::describe() const {
                      "-parallel ", tp_->rank(), "/", tp_->size(), ")");
 }
 
-void Linear::set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments) {
+void Linear::set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments, int replicas) {
   if (tp == nullptr || tp->size() == 1 || mode == TensorParallelMode::None) {
     mode_ = TensorParallelMode::None;
     tp_ = nullptr;
     segments_ = 1;
+    replicas_ = 1;
     return;
   }
   const int64_t t = tp->size();
-  STRATA_CHECK(segments >= 1 && (mode == TensorParallelMode::Column || segments == 1), "layer ", name(), ": segments ",
-               segments, " apply to a column-parallel split");
+  STRATA_CHECK(segments >= 1 && replicas >= 1 && t % replicas == 0 &&
+                   (mode == TensorParallelMode::Column || (segments == 1 && replicas == 1)),
+               "layer ", name(), ": segments ", segments, " and replicas ", replicas,
+               " apply to a column-parallel split over --tp ", t);
   if (mode == TensorParallelMode::Column)
-    STRATA_REQUIRE(out_ % (segments * t) == 0, "layer ", name(), " (", describe(), "): ", out_, " outputs in ",
-                   segments, " block(s) cannot be split over --tp ", t);
+    STRATA_REQUIRE(out_ % (segments * t / replicas) == 0, "layer ", name(), " (", describe(), "): ", out_,
+                   " outputs in ", segments, " block(s) cannot be split over --tp ", t);
   else
     STRATA_REQUIRE(in_ % t == 0, "layer ", name(), " (", describe(), "): ", in_, " inputs cannot be split over --tp ",
                    t);
   mode_ = mode;
   tp_ = tp;
   segments_ = segments;
+  replicas_ = replicas;
 }
 
-int64_t Linear::local_out() const { return mode_ == TensorParallelMode::Column ? out_ / tp_->size() : out_; }
+int64_t Linear::local_out() const {
+  return mode_ == TensorParallelMode::Column ? out_ / (tp_->size() / replicas_) : out_;
+}
 int64_t Linear::local_in() const { return mode_ == TensorParallelMode::Row ? in_ / tp_->size() : in_; }
 
-TensorSplit Linear::split(int dim) const { return {tp_->size(), tp_->rank(), dim, dim == 0 ? segments_ : 1}; }
+TensorSplit Linear::split(int dim) const {
+  return {tp_->size(), tp_->rank(), dim, dim == 0 ? segments_ : 1, dim == 0 ? replicas_ : 1};
+}
 
 Shape Linear::output_shape(const Shape& input) const {
   const int64_t in = local_in();
@@ -80,8 +88,11 @@ Shape Linear::output_shape(const Shape& input) const {
   return out;
 }
 
-// Per rank: its shard's multiply-adds.
-int64_t Linear::flops(const Shape& input) const { return shape_numel(input) / local_in() * local_in() * local_out(); }
+// Per rank: its shard's multiply-adds; a piece held by several ranks (replicas) counts its share
+// on each, so the group's sum (MFU's numerator) counts the model's work once.
+int64_t Linear::flops(const Shape& input) const {
+  return shape_numel(input) / local_in() * local_in() * local_out() / replicas_;
+}
 
 // Shapes are this rank's shards; fan_in stays the full layer's (the full tensor is drawn).
 std::vector<ParamSpec> Linear::param_specs() const {
@@ -138,7 +149,7 @@ Tensor Linear::backward(const Tensor& dy, Context& ctx) {
     ops::gemm(dy2, false, w_, false, dx);  // dx (N, in) = dy W
     // Column-parallel: each rank's outputs contribute to every input feature; the sum is the
     // input's gradient (identical on every rank, as the replicated layers below need).
-    if (mode_ == TensorParallelMode::Column) tp_->all_reduce_sum(dx);
+    if (mode_ == TensorParallelMode::Column && !local_input_grad_) tp_->all_reduce_sum(dx);
     if (dy.ndim() != 2) dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();

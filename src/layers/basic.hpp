@@ -37,7 +37,12 @@ class Linear final : public Layer {
   // group or one of size 1 leaves it whole. Column: `segments` equal blocks of the outputs are
   // each split (c_attn's q | k | v: 3), so a rank's outputs are its piece of every block. The
   // split sizes must divide evenly (checked: an Input error).
-  void set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments = 1);
+  // replicas (Column only): consecutive ranks holding the same piece (TensorSplit::replicas), so
+  // the outputs are split tp / replicas ways.
+  void set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments = 1, int replicas = 1);
+  // Column-parallel maps of one input (q, k, v; SwiGLU's gate and up) join their input gradients
+  // with one all-reduce, made by the layer that owns them: backward then leaves dx local.
+  void set_local_input_grad() { local_input_grad_ = true; }
   TensorParallelMode tensor_parallel_mode() const { return mode_; }
   // This rank's output / input features: out/T for Column, in/T for Row, else the full sizes.
   int64_t local_out() const;
@@ -60,6 +65,8 @@ class Linear final : public Layer {
   TensorParallelMode mode_ = TensorParallelMode::None;
   TensorParallelGroup* tp_ = nullptr;
   int segments_ = 1;
+  int replicas_ = 1;
+  bool local_input_grad_ = false;
   Tensor w_, b_, dw_, db_;
 };
 

@@ -32,7 +32,9 @@ constexpr double kGptInitStd = 0.02;
 class Embedding final : public Layer {
  public:
   // vocab is the full vocabulary; with tp it must be divisible by tp->size() (checked).
-  Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed, TensorParallelGroup* tp = nullptr);
+  // positions false: no wpe (a model with rotary positions, Llama); T is still at most max_positions.
+  Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed, TensorParallelGroup* tp = nullptr,
+            bool positions = true);
   std::string describe() const override;
   std::string param_prefix() const override { return ""; }
   Shape output_shape(const Shape& input) const override;
@@ -51,6 +53,8 @@ class Embedding final : public Layer {
 
   int64_t vocab() const { return vocab_; }  // the full vocabulary
   int64_t embed() const { return embed_; }
+  int64_t max_positions() const { return max_positions_; }
+  bool has_position_table() const { return positions_; }  // wpe
   // The rows of wte this rank holds (V/T) and the token of the first; V and 0 without tp.
   int64_t local_vocab() const { return local_vocab_; }
   int64_t first_token() const { return first_token_; }
@@ -65,12 +69,28 @@ class Embedding final : public Layer {
  private:
   int64_t vocab_, max_positions_, embed_;
   TensorParallelGroup* tp_;
+  bool positions_;
   int64_t local_vocab_, first_token_;
   Tensor wte_, wpe_, dwte_, dwpe_;
   bool tied_head_ = false;
 };
 
 enum class AttentionKind { Flash, Plain };
+
+// What distinguishes the Llama family's attention from GPT-2's (defaults: GPT-2's).
+struct AttentionOptions {
+  // Key/value heads (0: as many as query heads). Fewer: grouped-query attention, query head h
+  // reading kv head h / (heads / kv_heads) as Hugging Face's repeat_interleave does; 1: multi-query.
+  int64_t kv_heads = 0;
+  // Rotary position embedding of q and k (ops::rope, rotate-half layout), Dh/2 frequencies
+  // (rope_frequencies in llama.hpp); empty: none (GPT-2's learned positions).
+  std::vector<float> rope;
+  // true (GPT-2): one fused c_attn (q | k | v, with biases) and c_proj. false (Llama): q_proj,
+  // k_proj, v_proj and o_proj without biases, as Hugging Face names them: with grouped-query
+  // attention the q and kv blocks differ in size, so a fused weight could not be cut into
+  // TensorSplit's equal segments; separate maps also make checkpoint interop a name map.
+  bool fused = true;
+};
 
 // Causal multi-head self-attention on (B, T, D): c_attn (D -> 3D, bias), split into heads,
 // scaled dot-product attention with a causal mask (memory-efficient by default, or the plain
@@ -80,12 +100,20 @@ enum class AttentionKind { Flash, Plain };
 // layer's index, the residual one by its child's. With tp, c_attn is column-parallel (q, k and
 // v each split: rank r computes heads [r H/T, (r+1) H/T)), c_proj row-parallel; the attention
 // mask is keyed by the global head index, so it does not depend on T.
+//
+// Grouped-query attention with tp (AttentionOptions): q_proj, k_proj and v_proj are
+// column-parallel with whole heads per rank, their input gradients joined by one all-reduce.
+// When tp exceeds the kv heads, each kv head is held by tp / kv_heads consecutive ranks
+// (replicated, as Megatron does): each replica's k and v gradients are partial (its query heads'
+// share), so backward sums them over the replicas (one all-reduce of the kv heads' gradients,
+// each rank contributing its own head) before k_proj and v_proj take their weight gradients.
 class CausalSelfAttention final : public Layer {
  public:
-  // heads must be divisible by tp->size() (an Input error otherwise).
+  // heads must be divisible by tp->size() (an Input error otherwise), and by options.kv_heads;
+  // with tp, kv_heads must be divisible by tp->size() or divide it.
   CausalSelfAttention(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
                       AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
-                      TensorParallelGroup* tp = nullptr);
+                      TensorParallelGroup* tp = nullptr, AttentionOptions options = {});
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -96,15 +124,24 @@ class CausalSelfAttention final : public Layer {
   void set_index(int index) override;
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   int64_t heads() const { return heads_; }                                          // all of the layer's heads
+  int64_t kv_heads() const { return kv_heads_; }
+  const std::vector<float>& rope() const { return rope_; }  // empty: no rotary positions
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
-  int64_t embed_, heads_;
+  // Separate projections (!fused): k and v's gradients (B, local kv heads, T, Dh) summed over the
+  // ranks holding the same kv head (kv_replicas_ > 1), in place.
+  void sum_kv_replicas(const Tensor& dk, const Tensor& dv) const;
+  int64_t embed_, heads_, kv_heads_;
   TensorParallelGroup* tp_;
-  int64_t local_heads_, first_head_;  // the heads this rank computes
+  int64_t local_heads_, first_head_, local_kv_heads_;  // the heads this rank computes
+  int kv_replicas_ = 1;                                // ranks holding each of its kv heads
   float p_;
   AttentionKind kind_;
-  Linear c_attn_, c_proj_;
+  std::vector<float> rope_;
+  // Fused: {c_attn}; else {q_proj, k_proj, v_proj}.
+  std::vector<std::unique_ptr<Linear>> in_proj_;
+  Linear c_proj_;  // "c_proj", or "o_proj"
   Dropout resid_drop_;
   ChildGradients gradients_;
 };
@@ -130,12 +167,22 @@ Recompute parse_recompute(const std::string& name);
 // as above, c_fc column-parallel and c_proj row-parallel; LayerNorms and dropouts replicated.
 // recompute: see Recompute (with tp, a recomputed forward re-issues its all-reduces, the same on
 // every tp rank).
+//
+// The same block with other parts (Llama's: RMSNorms, rotary grouped-query attention and a
+// SwiGLU MLP) is built from BlockParts; the children keep their own names.
+struct BlockParts {
+  LayerPtr norm_1;
+  std::unique_ptr<CausalSelfAttention> attn;
+  LayerPtr norm_2;
+  LayerPtr mlp;
+};
 class TransformerBlock final : public Layer {
  public:
   TransformerBlock(std::string name, int64_t embed, int64_t heads, float dropout = 0.0f,
                    AttentionKind kind = AttentionKind::Flash, double proj_std = kGptInitStd,
                    TensorParallelGroup* tp = nullptr, Recompute recompute = Recompute::None,
                    Activation activation = Activation::GELU, float norm_eps = 1e-5f);
+  TransformerBlock(std::string name, BlockParts parts, Recompute recompute = Recompute::None);
   std::string describe() const override;
   Shape output_shape(const Shape& input) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -146,21 +193,23 @@ class TransformerBlock final : public Layer {
   void set_index(int index) override;
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   bool is_tensor_parallel_block() const override { return true; }
-  int64_t heads() const { return attn_.heads(); }
-  float ln_eps() const { return ln_1_.eps(); }           // both LayerNorms'
-  Activation activation() const { return activation_; }  // the MLP's
+  int64_t heads() const { return attn_->heads(); }
+  float ln_eps() const;                                  // both LayerNorms' (GPT-2's block)
+  Activation activation() const { return activation_; }  // the MLP's (GPT-2's block)
   Recompute recompute() const { return recompute_; }
+  const Layer& norm_1() const { return *ln_1_; }  // the first normalisation (LayerNorm or RMSNorm)
+  const CausalSelfAttention& attention() const { return *attn_; }
 
  private:
   // The block's forward into ctx.children. rebuild: backward's recomputation, which needs the
   // children's contexts but not y (returns an undefined tensor).
   Tensor run(const Tensor& x, Context& ctx, const StepInfo& info, bool rebuild);
   Recompute recompute_;
-  Activation activation_;
-  LayerNorm ln_1_;
-  CausalSelfAttention attn_;
-  LayerNorm ln_2_;
-  Sequential mlp_;
+  Activation activation_ = Activation::GELU;
+  LayerPtr ln_1_;
+  std::unique_ptr<CausalSelfAttention> attn_;
+  LayerPtr ln_2_;
+  LayerPtr mlp_;
   ChildGradients gradients_;
 };
 

@@ -10,6 +10,7 @@
 #include "core/rng.hpp"
 #include "layers/basic.hpp"
 #include "layers/gpt.hpp"
+#include "layers/llama.hpp"
 #include "layers/parameter_store.hpp"
 
 namespace strata::layers {
@@ -65,22 +66,48 @@ GptDecoder::GptDecoder(const Model& model, const ParameterStore& store) {
   vocab_ = embedding->vocab();
   embed_ = embedding->embed();
   wte_ = param("wte/weight");
-  wpe_ = param("wpe/weight");
-  max_positions_ = wpe_.dim(0);
+  if (embedding->has_position_table()) wpe_ = param("wpe/weight");
+  max_positions_ = embedding->max_positions();
   const LMHead* head = nullptr;
   for (size_t i = 1; i < model.size(); ++i) {
     const Layer& layer = model.layer(i);
     const std::string p = layer.param_prefix();
-    if (const auto* block = dynamic_cast<const TransformerBlock*>(&layer)) {
+    const auto* block = dynamic_cast<const TransformerBlock*>(&layer);
+    const auto* rms = block ? dynamic_cast<const RMSNorm*>(&block->norm_1()) : nullptr;
+    if (rms) {  // Llama
+      STRATA_CHECK(heads_ == 0 || heads_ == block->heads(), "blocks with different head counts");
+      llama_ = true;
+      heads_ = block->heads();
+      kv_heads_ = block->attention().kv_heads();
+      rope_ = block->attention().rope();
+      eps_ = rms->eps();
+      const std::string a = p + "self_attn/", m = p + "mlp/";
+      Block b;
+      b.ln_1_w = param(p + "input_layernorm/weight");
+      b.q_w = param(a + "q_proj/weight");
+      b.k_w = param(a + "k_proj/weight");
+      b.v_w = param(a + "v_proj/weight");
+      b.c_proj_w = param(a + "o_proj/weight");
+      b.ln_2_w = param(p + "post_attention_layernorm/weight");
+      b.gate_w = param(m + "gate_proj/weight");
+      b.up_w = param(m + "up_proj/weight");
+      b.mlp_proj_w = param(m + "down_proj/weight");
+      blocks_.push_back(std::move(b));
+    } else if (const auto* rms_f = dynamic_cast<const RMSNorm*>(&layer)) {
+      STRATA_CHECK(!head && llama_ && layer.name() == "norm", "unexpected RMSNorm ", layer.name());
+      ln_f_w_ = param(p + "weight");
+      STRATA_CHECK(rms_f->eps() == eps_, "norm's eps differs from the blocks'");
+    } else if (block) {
       STRATA_CHECK(heads_ == 0 || heads_ == block->heads(), "blocks with different head counts");
       heads_ = block->heads();
+      kv_heads_ = heads_;
       eps_ = block->ln_eps();
       tanh_gelu_ = block->activation() == Activation::GELUTanh;
       blocks_.push_back(Block{param(p + "ln_1/weight"), param(p + "ln_1/bias"), param(p + "attn/c_attn/weight"),
                               param(p + "attn/c_attn/bias"), param(p + "attn/c_proj/weight"),
                               param(p + "attn/c_proj/bias"), param(p + "ln_2/weight"), param(p + "ln_2/bias"),
                               param(p + "mlp/c_fc/weight"), param(p + "mlp/c_fc/bias"), param(p + "mlp/c_proj/weight"),
-                              param(p + "mlp/c_proj/bias")});
+                              param(p + "mlp/c_proj/bias"), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()});
     } else if (const auto* ln = dynamic_cast<const LayerNorm*>(&layer)) {
       STRATA_CHECK(!head && layer.name() == "ln_f", "unexpected layer norm ", layer.name());
       ln_f_w_ = param(p + "weight");
@@ -97,8 +124,8 @@ GptDecoder::GptDecoder(const Model& model, const ParameterStore& store) {
   layers_ = static_cast<int64_t>(blocks_.size());
 
   const int64_t dh = embed_ / heads_;
-  k_cache_ = Tensor::zeros({layers_, heads_, max_positions_, dh});
-  v_cache_ = Tensor::zeros({layers_, heads_, max_positions_, dh});
+  k_cache_ = Tensor::zeros({layers_, kv_heads_, max_positions_, dh});
+  v_cache_ = Tensor::zeros({layers_, kv_heads_, max_positions_, dh});
   scores_ = Tensor::empty({max_positions_});
   logits_ = Tensor::empty({1, vocab_});
 }
@@ -122,9 +149,13 @@ const Tensor& GptDecoder::prefill(std::span<const int32_t> tokens) {
   Tensor att = Tensor::empty({n, d}), proj = Tensor::empty({n, d});
   Tensor fc = Tensor::empty({n, 4 * d}), act = Tensor::empty({n, 4 * d});
   Tensor mean = Tensor::empty({n}), rstd = Tensor::empty({n});
-  ops::embedding_forward(ids, wte_, wpe_.slice(t0, t0 + n), x.reshape({1, n, d}));
+  ops::embedding_forward(ids, wte_, wpe_.defined() ? wpe_.slice(t0, t0 + n) : Tensor(), x.reshape({1, n, d}));
   for (int64_t l = 0; l < layers_; ++l) {
     const Block& b = blocks_[static_cast<size_t>(l)];
+    if (llama_) {
+      llama_block(b, l, x, n);
+      continue;
+    }
     ops::layer_norm_forward(x, b.ln_1_w, b.ln_1_b, h, mean, rstd, eps_);
     linear(h, b.c_attn_w, b.c_attn_b, qkv);
     float* kc = k_cache_.data<float>() + l * heads_ * max_positions_ * dh;
@@ -154,11 +185,51 @@ const Tensor& GptDecoder::prefill(std::span<const int32_t> tokens) {
   }
   // Logits of the last position only.
   const Tensor last = x.slice(n - 1, n), out = h.slice(n - 1, n);
-  ops::layer_norm_forward(last, ln_f_w_, ln_f_b_, out, mean.slice(0, 1), rstd.slice(0, 1), eps_);
+  if (llama_)
+    ops::rms_norm_forward(last, ln_f_w_, out, Tensor(), eps_);
+  else
+    ops::layer_norm_forward(last, ln_f_w_, ln_f_b_, out, mean.slice(0, 1), rstd.slice(0, 1), eps_);
   ops::gemm(out, false, head_w_, true, logits_);  // (1, D) @ W^T, W (V, D)
   position_ += n;
   logits_view_ = logits_.reshape({vocab_});
   return logits_view_;
+}
+
+void GptDecoder::llama_block(const Block& b, int64_t l, Tensor& x, int64_t n) {
+  const int64_t d = embed_, dh = embed_ / heads_, g = kv_heads_, t0 = position_, ffn = b.up_w.dim(0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  Tensor h = Tensor::empty({n, d}), att = Tensor::empty({n, heads_ * dh}), proj = Tensor::empty({n, d});
+  ops::rms_norm_forward(x, b.ln_1_w, h, Tensor(), eps_);
+  // q, k, v head-major (1, heads, n, Dh), turned to their positions t0 .. t0 + n - 1.
+  Tensor q = Tensor::empty({1, heads_, n, dh}), k = Tensor::empty({1, g, n, dh}), v = Tensor::empty({1, g, n, dh});
+  for (const auto& [w, out] : {std::pair{&b.q_w, &q}, std::pair{&b.k_w, &k}, std::pair{&b.v_w, &v}}) {
+    Tensor rows = Tensor::empty({n, w->dim(0)});
+    ops::gemm(h, false, *w, true, rows);
+    ops::split_heads(rows.reshape({1, n, w->dim(0)}), *out);
+  }
+  ops::rope(q, q, rope_, t0);
+  ops::rope(k, k, rope_, t0);
+  float* kc = k_cache_.data<float>() + l * g * max_positions_ * dh;
+  float* vc = v_cache_.data<float>() + l * g * max_positions_ * dh;
+  for (int64_t j = 0; j < g; ++j) {  // the new keys and values first: row i attends to rows <= i
+    std::copy_n(k.data<float>() + j * n * dh, n * dh, kc + (j * max_positions_ + t0) * dh);
+    std::copy_n(v.data<float>() + j * n * dh, n * dh, vc + (j * max_positions_ + t0) * dh);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t hd = 0; hd < heads_; ++hd) {
+      const int64_t j = hd / (heads_ / g);  // the kv head of query head hd
+      attend_one(q.data<float>() + (hd * n + i) * dh, kc + j * max_positions_ * dh, vc + j * max_positions_ * dh,
+                 t0 + i + 1, dh, scale, scores_.data<float>(), att.data<float>() + i * heads_ * dh + hd * dh);
+    }
+  ops::gemm(att, false, b.c_proj_w, true, proj);
+  ops::axpy(1.0f, proj, x);
+  ops::rms_norm_forward(x, b.ln_2_w, h, Tensor(), eps_);
+  Tensor gate = Tensor::empty({n, ffn}), up = Tensor::empty({n, ffn});
+  ops::gemm(h, false, b.gate_w, true, gate);
+  ops::gemm(h, false, b.up_w, true, up);
+  ops::swiglu_forward(gate, up, gate);
+  ops::gemm(gate, false, b.mlp_proj_w, true, proj);
+  ops::axpy(1.0f, proj, x);
 }
 
 int32_t pick_token(const Tensor& logits, const SampleOptions& options, int64_t index) {

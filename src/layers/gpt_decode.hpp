@@ -1,4 +1,5 @@
-// Incremental inference for the GPT model (model.hpp's "gpt"): a decoder that runs one new
+// Incremental inference for the GPT and Llama models (zoo.hpp's "gpt", "llama" and their presets):
+// a decoder that runs one new
 // position at a time through the trained layers' parameters, keeping every block's keys and
 // values in a cache, so a token costs O(context) attention work instead of a forward over the
 // whole sequence. Training is untouched: the decoder reads the parameter views of a
@@ -9,6 +10,10 @@
 //
 // Several positions at once (a prompt, a slid window) go through prefill(): the same path with
 // n rows, so its matrix products are gemms of n rows rather than n products of one row.
+//
+// Llama's blocks: RMSNorm, q/k/v projections with rotary positions (ops::rope at the cache
+// position), a cache of the kv heads only (grouped-query: query head h reads kv head h / (H/G)),
+// SwiGLU (ops::swiglu_forward).
 //
 // Context longer than the model's positions (seq_len, wpe's rows): generate() slides the
 // window like nanoGPT's crop, recomputing the cache over the last seq_len tokens (one prefill)
@@ -56,13 +61,18 @@ class GptDecoder {
   struct Block {
     Tensor ln_1_w, ln_1_b, c_attn_w, c_attn_b, c_proj_w, c_proj_b;
     Tensor ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b;
+    Tensor q_w, k_w, v_w, gate_w, up_w;  // Llama: ln_*_w are the RMSNorms', c_proj_w o_proj, mlp_proj_w down_proj
   };
-  int64_t layers_ = 0, heads_ = 0, embed_ = 0, vocab_ = 0, max_positions_ = 0, position_ = 0;
+  // Llama's block: RMSNorm (no biases), rotary grouped-query attention, SwiGLU.
+  void llama_block(const Block& b, int64_t l, Tensor& x, int64_t n);
+  int64_t layers_ = 0, heads_ = 0, kv_heads_ = 0, embed_ = 0, vocab_ = 0, max_positions_ = 0, position_ = 0;
+  bool llama_ = false;
+  std::vector<float> rope_;
   float eps_ = 1e-5f;
   bool tanh_gelu_ = false;  // the blocks' MLP activation: GELU's tanh approximation, else exact
   Tensor wte_, wpe_, ln_f_w_, ln_f_b_, head_w_;
   std::vector<Block> blocks_;
-  Tensor k_cache_, v_cache_;  // (layers, heads, max_positions, head dim)
+  Tensor k_cache_, v_cache_;  // (layers, kv heads, max_positions, head dim)
   Tensor scores_, logits_, logits_view_;
 };
 

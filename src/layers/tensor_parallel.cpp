@@ -12,8 +12,10 @@ namespace strata::layers {
 namespace {
 
 void check_split(const Shape& local, const TensorSplit& split) {
-  STRATA_CHECK(split.parts >= 1 && split.index >= 0 && split.index < split.parts && split.segments >= 1,
-               "tensor split: piece ", split.index, " of ", split.parts, " in ", split.segments, " segments");
+  STRATA_CHECK(split.parts >= 1 && split.index >= 0 && split.index < split.parts && split.segments >= 1 &&
+                   split.replicas >= 1 && split.parts % split.replicas == 0,
+               "tensor split: piece ", split.index, " of ", split.parts, " in ", split.segments, " segments, ",
+               split.replicas, " replicas");
   if (!split.split()) return;
   STRATA_CHECK(split.dim >= 0 && split.dim < static_cast<int>(local.size()), "tensor split along dimension ", split.dim,
                " of a shard ", shape_str(local));
@@ -37,7 +39,7 @@ void copy_runs(const Tensor& full, const TensorSplit& split, const Tensor& local
   for (int i = 0; i < split.dim; ++i) outer *= s[i];
   for (size_t i = split.dim + 1; i < s.size(); ++i) inner *= s[i];
   const int64_t piece = s[split.dim] / split.segments;  // rows of one segment this rank holds
-  const int64_t segment = piece * split.parts;          // rows of one segment in the full tensor
+  const int64_t segment = piece * split.pieces();       // rows of one segment in the full tensor
   const int64_t run = piece * inner;                    // contiguous elements per copy
   // Same dtype on the host: plain memcpy per run; otherwise ops::copy converts per run.
   const bool host = full.device().is_cpu() && local.device().is_cpu() && full.dtype() == local.dtype();
@@ -45,7 +47,7 @@ void copy_runs(const Tensor& full, const TensorSplit& split, const Tensor& local
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t g = 0; g < split.segments; ++g) {
       const int64_t at_local = (o * split.segments + g) * run;
-      const int64_t at_full = ((o * split.segments + g) * segment + split.index * piece) * inner;
+      const int64_t at_full = ((o * split.segments + g) * segment + split.piece() * piece) * inner;
       if (host) {
         char* l = static_cast<char*>(local.raw()) + at_local * esize;
         char* f = static_cast<char*>(full.raw()) + at_full * esize;
@@ -110,13 +112,13 @@ std::vector<Box> shard_boxes(const Shape& local, const TensorSplit& split, int64
   // pieces' ends and move each cut to its place in the full tensor (a monotone map, so the
   // order of elements is kept).
   const size_t d = static_cast<size_t>(split.dim);
-  const int64_t piece = local[d] / split.segments, segment = piece * split.parts;
+  const int64_t piece = local[d] / split.segments, segment = piece * split.pieces();
   std::vector<Box> placed;
   for (const Box& box : boxes)
     for (int64_t r = box.start[d], stop = box.start[d] + box.count[d]; r < stop;) {
       const int64_t g = r / piece, w = r % piece, take = std::min(stop - r, piece - w);
       Box cut = box;
-      cut.start[d] = g * segment + split.index * piece + w;
+      cut.start[d] = g * segment + split.piece() * piece + w;
       cut.count[d] = take;
       placed.push_back(std::move(cut));
       r += take;
@@ -145,11 +147,11 @@ std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const Te
   // ((o * segments + g) * segment + index * piece) * inner.
   int64_t inner = 1;
   for (size_t i = static_cast<size_t>(split.dim) + 1; i < local.size(); ++i) inner *= local[i];
-  const int64_t piece = local[static_cast<size_t>(split.dim)] / split.segments, segment = piece * split.parts;
+  const int64_t piece = local[static_cast<size_t>(split.dim)] / split.segments, segment = piece * split.pieces();
   const int64_t run = piece * inner;
   for (int64_t at = begin; at < end;) {
     const int64_t block = at / run, within = at % run, take = std::min(end - at, run - within);
-    add((block * segment + split.index * piece) * inner + within, take);
+    add((block * segment + split.piece() * piece) * inner + within, take);
     at += take;
   }
   return runs;
@@ -158,7 +160,7 @@ std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const Te
 Shape full_shape(const Shape& local, const TensorSplit& split) {
   check_split(local, split);
   Shape full = local;
-  if (split.split()) full[split.dim] *= split.parts;
+  if (split.split()) full[split.dim] *= split.pieces();
   return full;
 }
 

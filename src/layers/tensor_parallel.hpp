@@ -27,12 +27,21 @@ class TensorParallelGroup {
 // LayerNorm, the bias of a row-parallel Linear, wpe). Otherwise dimension `dim` of the full
 // tensor is cut into `segments` equal blocks (c_attn's q | k | v: 3; else 1) and each block
 // into `parts` equal pieces; the rank holds piece `index` of every block, in block order.
+// replicas > 1: each piece is held by `replicas` consecutive ranks (the kv heads of grouped-query
+// attention when the group has more ranks than kv heads: Megatron's replication), so the
+// block is cut into parts / replicas pieces and rank `index` holds piece index / replicas; the
+// replicas' values are equal (their gradients are summed by the layer).
 struct TensorSplit {
   int parts = 1;
   int index = 0;
   int dim = 0;
   int segments = 1;
+  int replicas = 1;
   bool split() const { return parts > 1; }
+  int pieces() const { return parts / replicas; }  // distinct pieces of each block
+  int piece() const { return index / replicas; }   // the one this rank holds
+  // The first of the ranks holding this piece (the one that writes or counts it).
+  bool primary() const { return index % replicas == 0; }
 };
 
 // The full tensor's shape for a shard of shape `local`.

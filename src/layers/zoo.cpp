@@ -7,6 +7,7 @@
 #include "layers/basic.hpp"
 #include "layers/composite.hpp"
 #include "layers/gpt.hpp"
+#include "layers/llama.hpp"
 
 namespace strata::layers {
 
@@ -145,6 +146,74 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   return Model(b.take(), input, static_cast<int>(vocab), tp);
 }
 
+// Llama (Hugging Face's LlamaForCausalLM): wte (embed_tokens), blocks layers.0 ..
+// layers.{L-1} (input_layernorm, self_attn, post_attention_layernorm, mlp), norm, lm_head;
+// no biases, no position table (rotary positions in the attention). Init: every weight
+// N(0, 0.02^2) (transformers' initializer_range), RMSNorm weights 1.
+Model build_llama(const ModelSpec& spec, const Shape& input, int classes, TensorParallelGroup* tp) {
+  STRATA_REQUIRE(input.size() == 1 && input[0] >= 1, "model ", spec.name, " expects token sequences [T], found ",
+                 shape_str(input));
+  STRATA_REQUIRE(spec.layers >= 1, "--layers must be positive, found ", spec.layers);
+  STRATA_REQUIRE(spec.heads >= 1 && spec.embed % spec.heads == 0 && spec.embed / spec.heads % 2 == 0, "--heads (",
+                 spec.heads, ") must divide --embed (", spec.embed, ") into heads of an even size (rotary pairs)");
+  const int kv_heads = spec.kv_heads > 0 ? spec.kv_heads : spec.heads;
+  STRATA_REQUIRE(spec.heads % kv_heads == 0, "--kv-heads (", kv_heads, ") must divide --heads (", spec.heads,
+                 "): each kv head serves a group of query heads");
+  STRATA_REQUIRE(spec.dropout == 0, "--dropout: the llama models have none, found ", spec.dropout);
+  STRATA_REQUIRE(spec.activation == "gelu", "--activation ", spec.activation,
+                 " applies to the gpt models; the llama models' MLP is SwiGLU");
+  STRATA_REQUIRE(spec.attention == "flash" || spec.attention == "plain", "--attention must be flash or plain, found '",
+                 spec.attention, "'");
+  STRATA_REQUIRE(spec.norm_eps > 0 && spec.norm_eps < 1, "--norm-eps must be in (0, 1), found ", spec.norm_eps);
+  STRATA_REQUIRE(spec.rope_scaling == 0 || spec.rope_scaling >= 1,
+                 "--rope-scaling must be 0 (none) or a factor >= 1, found ", spec.rope_scaling);
+  const int64_t t = input[0];
+  const int64_t positions = spec.seq_len > 0 ? spec.seq_len : t;
+  STRATA_REQUIRE(t <= positions, "the data's sequences have ", t, " tokens but --seq-len is ", positions);
+  const int64_t vocab = spec.vocab > 0 ? spec.vocab : classes;
+  STRATA_REQUIRE(vocab >= classes, "--vocab ", vocab, " is smaller than the data's vocabulary of ", classes, " tokens");
+  STRATA_REQUIRE(vocab <= INT32_MAX, "--vocab ", vocab, " is too large");
+  // Llama's rule when not given: 2/3 of 4D, rounded up to a multiple of 256.
+  const int64_t ffn = spec.ffn_hidden > 0 ? spec.ffn_hidden : (8 * spec.embed / 3 + 255) / 256 * 256;
+  if (tp != nullptr && tp->size() > 1) {
+    const int t_size = tp->size();
+    STRATA_REQUIRE(spec.heads % t_size == 0, "--heads (", spec.heads, ") must be divisible by --tp (", t_size,
+                   "): each rank computes whole heads");
+    STRATA_REQUIRE(kv_heads % t_size == 0 || t_size % kv_heads == 0, "--kv-heads (", kv_heads,
+                   ") must be divisible by --tp (", t_size,
+                   ") or divide it (each kv head then on tp / kv-heads ranks)");
+    STRATA_REQUIRE(ffn % t_size == 0, "--ffn-hidden (", ffn, ") must be divisible by --tp (", t_size, ")");
+    STRATA_REQUIRE(vocab % t_size == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ", t_size,
+                   " (each rank holds V / tp rows of wte); pass --vocab ", (vocab + t_size - 1) / t_size * t_size);
+  } else {
+    tp = nullptr;
+  }
+  const AttentionKind kind = spec.attention == "plain" ? AttentionKind::Plain : AttentionKind::Flash;
+  const Recompute recompute = parse_recompute(spec.recompute);
+  const RopeScaling scaling{spec.rope_scaling};
+  const std::vector<float> rope =
+      rope_frequencies(spec.embed / spec.heads, spec.rope_theta, spec.rope_scaling > 0 ? &scaling : nullptr);
+  const auto eps = static_cast<float>(spec.norm_eps);
+
+  Builder b(input);
+  auto embedding = std::make_unique<Embedding>("embedding", vocab, positions, spec.embed, tp, /*positions=*/false);
+  const Embedding* wte = embedding.get();
+  if (spec.tie_embeddings) embedding->set_tied_head();
+  b.add(std::move(embedding));
+  for (int i = 0; i < spec.layers; ++i) {
+    AttentionOptions options{kv_heads, rope, /*fused=*/false};
+    BlockParts parts{std::make_unique<RMSNorm>("input_layernorm", spec.embed, eps),
+                     std::make_unique<CausalSelfAttention>("self_attn", spec.embed, spec.heads, 0.0f, kind, kGptInitStd,
+                                                           tp, std::move(options)),
+                     std::make_unique<RMSNorm>("post_attention_layernorm", spec.embed, eps),
+                     std::make_unique<SwiGLU>("mlp", spec.embed, ffn, kGptInitStd, tp)};
+    b.add(std::make_unique<TransformerBlock>("layers." + std::to_string(i), std::move(parts), recompute));
+  }
+  b.add<RMSNorm>("norm", spec.embed, eps);
+  b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
+  return Model(b.take(), input, static_cast<int>(vocab), tp);
+}
+
 struct GptPreset {
   const char* name;
   int layers, heads;
@@ -158,6 +227,25 @@ constexpr GptPreset kGptPresets[] = {
 };
 constexpr int64_t kGpt2SeqLen = 1024, kGpt2Vocab = 50257;
 
+// Meta's published configurations (Hugging Face's config.json of each).
+struct LlamaPreset {
+  const char* name;
+  int layers, heads, kv_heads;
+  int64_t embed, ffn_hidden;
+  double rope_scaling;  // Llama 3.1's factor
+  bool tied;
+};
+constexpr LlamaPreset kLlamaPresets[] = {
+    {"llama3.2-1b", 16, 32, 8, 2048, 8192, 32, true},
+    {"llama3.2-3b", 28, 24, 8, 3072, 8192, 32, true},
+    {"llama3.1-8b", 32, 32, 8, 4096, 14336, 8, false},
+    {"llama3.1-70b", 80, 64, 8, 8192, 28672, 8, false},
+};
+// The context a preset trains and plans with unless --seq-len says: Llama 3's pre-training one
+// (the models accept 131072 with their rotary scaling; rotary positions need no table).
+constexpr int64_t kLlama3SeqLen = 8192, kLlama3Vocab = 128256;
+constexpr double kLlama3RopeTheta = 500000, kLlama3NormEps = 1e-5;
+
 }  // namespace
 
 const std::vector<std::string>& gpt_presets() {
@@ -169,8 +257,41 @@ const std::vector<std::string>& gpt_presets() {
   return names;
 }
 
+const std::vector<std::string>& llama_presets() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const LlamaPreset& p : kLlamaPresets) n.emplace_back(p.name);
+    return n;
+  }();
+  return names;
+}
+
+bool is_llama(const ModelSpec& spec) {
+  const std::vector<std::string>& presets = llama_presets();
+  return spec.name == "llama" || std::find(presets.begin(), presets.end(), spec.name) != presets.end();
+}
+
+bool ties_embeddings_by_default(const std::string& model) {
+  for (const LlamaPreset& p : kLlamaPresets)
+    if (model == p.name) return p.tied;
+  return model != "llama";
+}
+
 ModelSpec resolve_preset(const ModelSpec& spec) {
   ModelSpec out = spec;
+  for (const LlamaPreset& p : kLlamaPresets)
+    if (spec.name == p.name) {
+      out.layers = p.layers;
+      out.heads = p.heads;
+      out.kv_heads = p.kv_heads;
+      out.embed = p.embed;
+      out.ffn_hidden = p.ffn_hidden;
+      out.rope_scaling = p.rope_scaling;
+      out.rope_theta = kLlama3RopeTheta;
+      out.norm_eps = kLlama3NormEps;
+      out.seq_len = spec.seq_len > 0 ? spec.seq_len : kLlama3SeqLen;
+      out.vocab = spec.vocab > 0 ? spec.vocab : kLlama3Vocab;
+    }
   for (const GptPreset& p : kGptPresets)
     if (spec.name == p.name) {
       out.layers = p.layers;
@@ -184,7 +305,7 @@ ModelSpec resolve_preset(const ModelSpec& spec) {
 
 bool is_language_model(const ModelSpec& spec) {
   const std::vector<std::string>& presets = gpt_presets();
-  return spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end();
+  return spec.name == "gpt" || std::find(presets.begin(), presets.end(), spec.name) != presets.end() || is_llama(spec);
 }
 
 Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_classes, TensorParallelGroup* tp) {
@@ -197,13 +318,21 @@ Model build_model(const ModelSpec& spec, const Shape& input_shape, int num_class
                  " applies to the gpt models' transformer blocks; --model ", spec.name, " runs with --recompute none");
   STRATA_REQUIRE(!classic || (spec.activation == "gelu" && spec.norm_eps == 1e-5f), "--activation and --norm-eps",
                  " apply to the gpt models; --model ", spec.name, " takes neither");
+  const ModelSpec defaults;
+  STRATA_REQUIRE(
+      is_llama(spec) || (spec.kv_heads == defaults.kv_heads && spec.ffn_hidden == defaults.ffn_hidden &&
+                         spec.rope_theta == defaults.rope_theta && spec.rope_scaling == defaults.rope_scaling),
+      "--kv-heads, --ffn-hidden, --rope-theta and --rope-scaling apply to the llama models; --model ", spec.name,
+      " takes none of them");
   if (spec.name == "mlp") return build_mlp(spec, input_shape, num_classes);
   if (spec.name == "cnn") return build_cnn(spec, input_shape, num_classes);
   if (spec.name == "resnet") return build_resnet(spec, input_shape, num_classes);
+  if (is_llama(spec)) return build_llama(resolve_preset(spec), input_shape, num_classes, tp);
   if (is_language_model(spec)) return build_gpt(resolve_preset(spec), input_shape, num_classes, tp);
   STRATA_THROW_INPUT(
-      "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b; found '", spec.name,
-      "'");
+      "--model must be one of mlp, cnn, resnet, gpt, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, llama, llama3.2-1b, "
+      "llama3.2-3b, llama3.1-8b, llama3.1-70b; found '",
+      spec.name, "'");
 }
 
 }  // namespace strata::layers

@@ -215,6 +215,8 @@ void validate(const Config& c) {
   require_in("--heads", int64_t{c.model.heads}, int64_t{1}, kMaxModelSize);
   require_in("--embed", int64_t{c.model.embed}, int64_t{1}, kMaxModelSize);
   require_in("--seq-len", int64_t{c.model.seq_len}, int64_t{0}, kMaxModelSize);
+  require_in("--kv-heads", int64_t{c.model.kv_heads}, int64_t{0}, kMaxModelSize);
+  require_in("--ffn-hidden", c.model.ffn_hidden, int64_t{0}, kMaxModelSize);
   for (int64_t h : c.model.hidden) require_in("--hidden", h, int64_t{1}, kMaxModelSize);
   require_in("--debug-fail-step", c.debug.faults.fail_step, int64_t{-1}, kMaxSteps);
   require_in("--debug-fail-rank", int64_t{c.debug.faults.fail_rank}, int64_t{-1}, kMaxRanks);
@@ -301,7 +303,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("config", po::value(&config_file), "INI file of options (keys are option names); command-line flags override it")
     ("deepspeed-config", po::value(&c.deepspeed_config), "a DeepSpeed ds_config.json: its common keys as options (docs/migration.md); flags and --config override it, keys it does not map are one warning each")
     ("strict-config", po::value(&c.strict_config)->default_value(false)->implicit_value(true), "a --deepspeed-config key that is not mapped is an error, not a warning")
-    ("model", po::value(&c.model.name)->default_value("cnn"), "mlp | cnn | resnet | gpt | gpt2-124m | gpt2-350m | gpt2-774m | gpt2-1.5b (GPT-2's shapes)")
+    ("model", po::value(&c.model.name)->default_value("cnn"), "mlp | cnn | resnet | gpt | gpt2-124m | gpt2-350m | gpt2-774m | gpt2-1.5b (GPT-2's shapes) | llama | llama3.2-1b | llama3.2-3b | llama3.1-8b | llama3.1-70b (Meta's shapes)")
     ("hidden", po::value(&hidden)->default_value("1024,1024"), "mlp hidden sizes, comma-separated")
     ("depth", po::value(&c.model.depth)->default_value(20), "resnet depth, 6n+2")
     ("width", po::value(&c.model.width)->default_value(16), "resnet channels of the first stage")
@@ -310,11 +312,15 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("heads", po::value(&c.model.heads)->default_value(12), "gpt: attention heads (must divide --embed)")
     ("embed", po::value(&c.model.embed)->default_value(768), "gpt: model width")
     ("seq-len", po::value(&c.model.seq_len)->default_value(0), "gpt: tokens per sample (context length; a preset's by default)")
-    ("tie-embeddings", po::value(&c.model.tie_embeddings)->default_value(true), "gpt: the LM head uses the token embedding's weights (GPT-2)")
+    ("tie-embeddings", po::value(&c.model.tie_embeddings)->default_value(true), "gpt, llama: the LM head uses the token embedding's weights (default: GPT-2 and Llama 3.2 do, llama and Llama 3.1 do not)")
+    ("kv-heads", po::value(&c.model.kv_heads)->default_value(0), "llama: key/value heads of grouped-query attention (must divide --heads; 0: --heads, 1: multi-query)")
+    ("ffn-hidden", po::value(&c.model.ffn_hidden)->default_value(0), "llama: the SwiGLU MLP's hidden size (0: 8/3 --embed rounded up to 256)")
+    ("rope-theta", po::value(&c.model.rope_theta)->default_value(500000), "llama: the rotary embedding's base")
+    ("rope-scaling", po::value(&c.model.rope_scaling)->default_value(0), "llama: Llama 3.1's rotary frequency scaling with this factor (8; Llama 3.2: 32), for contexts beyond 8192; 0: none")
     ("vocab", po::value(&c.model.vocab)->default_value(0), "gpt: logits per position, at least the data's vocabulary (0: the data's; a preset: 50257), e.g. 50304 to pad to a multiple of 64; --dry-run without --data plans with it")
     ("attention", po::value(&c.model.attention)->default_value("flash"), "gpt: flash (memory-efficient, O(T) memory per head) | plain (materialised probabilities)")
     ("activation", po::value(&c.model.activation)->default_value("gelu"), "gpt: the MLP's activation: gelu (exact, x Phi(x)) | gelu_tanh (GPT-2's tanh approximation, Hugging Face's gelu_new)")
-    ("norm-eps", po::value(&c.model.norm_eps)->default_value(1e-5f), "gpt: the LayerNorms' epsilon (GPT-2: 1e-5)")
+    ("norm-eps", po::value(&c.model.norm_eps)->default_value(1e-5f), "gpt: the LayerNorms' epsilon (GPT-2: 1e-5); llama: the RMSNorms' (a preset sets Llama 3's 1e-5)")
     ("recompute", po::value(&c.model.recompute)->default_value("none"), "gpt: activation recomputation: none | block (each transformer block keeps only its input and re-runs its forward in backward) | full (also the attention and the MLP inside it); bit-identical results")
     ("data", po::value(&c.data.train), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
     ("val-data", po::value(&c.data.val), "evaluation data, same forms as --data")
@@ -462,6 +468,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   }
 
   c.model.hidden = parse_int_list(hidden, "--hidden");
+  // Unless given, the model's own tying: GPT-2 and Llama 3.2 tie, Llama 3.1 and --model llama do not.
+  if (vm["tie-embeddings"].defaulted()) c.model.tie_embeddings = layers::ties_embeddings_by_default(c.model.name);
   STRATA_REQUIRE(seed >= 0, "--seed must be in [0, 2^63 - 1], found ", seed);
   c.training.seed = static_cast<uint64_t>(seed);
   c.checkpoint.read_only = c.eval_only;
@@ -484,7 +492,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   for (const auto& [name, value] : vm)
     if (name != "help") {
-      c.effective.emplace_back(name, any_to_string(value.value()));
+      // --tie-embeddings' default is the model's (above): the value in effect, not the flag's default.
+      c.effective.emplace_back(
+          name, name == "tie-embeddings" ? (c.model.tie_embeddings ? "true" : "false") : any_to_string(value.value()));
       if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
     }
   return c;

@@ -141,6 +141,7 @@ int main(int argc, char** argv) {
       trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });
   setup_deadline.reset();
+  if (setup != parallel::kExitOk) train::end_after_failed_setup(setup);
   if (setup != parallel::kExitOk || !config) return setup;
   if (config->plan.dry_run) return parallel::kExitOk;  // the plan is printed
   // Only where training runs: a run rejected above says one line, the error.

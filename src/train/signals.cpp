@@ -16,6 +16,8 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 // Until training starts there is nothing to save, and setup (parsing, loading data or a
 // checkpoint, building a model) reads no flag: a stop signal then exits at once.
 volatile std::sig_atomic_t g_training = 0;
+// Non-zero: setup failed with this agreed exit code, already reported.
+volatile std::sig_atomic_t g_failed_setup = 0;
 
 // One line by write(2), the exit cleanups (e.g. shared-memory names still in setup's
 // create-and-map window) and _exit: the async-signal-safe way out.
@@ -31,6 +33,10 @@ template <size_t N>
 // by write(2) and _exit, the async-signal-safe calls. The last committed checkpoint stays intact
 // (saves are atomic). A repeated SIGUSR1 (Slurm's warning) keeps waiting for the save.
 extern "C" void on_preemption_signal(int signal) {
+  if (g_failed_setup != 0) {  // the job is ending with its one line said
+    parallel::run_exit_cleanups();
+    _exit(g_failed_setup);
+  }
   if (g_training == 0)
     exit_from_handler("error: a stop signal during setup: exiting at once, nothing to save (exit code 3)\n",
                       parallel::kExitPreempted);
@@ -51,6 +57,8 @@ void install_preemption_handlers() {
 }
 
 void begin_training() { g_training = 1; }
+
+void end_after_failed_setup(int code) { g_failed_setup = code; }
 
 bool stop_requested() { return g_stop_signal != 0; }
 

@@ -12,6 +12,10 @@ namespace strata::train {
 void install_preemption_handlers();
 // Setup is over: from now on a stop signal stops after the step under way.
 void begin_training();
+// Setup failed and every rank agreed on `code`, its line already printed: a stop signal from now
+// on (mpirun ending the other ranks once the first has exited) exits with `code`, saying nothing
+// more, so a bad input stays one line.
+void end_after_failed_setup(int code);
 // Whether a stop signal has arrived.
 bool stop_requested();
 

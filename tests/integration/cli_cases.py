@@ -12,7 +12,7 @@ preemption, export), cases_checkpoint_validation.py (manifests, fallback, the di
 cases_parallel_io.py (--checkpoint-io parallel),
 cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
-(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_recompute.py (--recompute), cases_memory.py
+(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_llama.py (--model llama), cases_recompute.py (--recompute), cases_memory.py
 (--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal) and cases_watchdog.py (a stopped rank, differing
 collectives) and cases_trace.py (--trace, the progress split) and cases_docs.py (the commands of docs/migration.md and docs/troubleshooting.md), on the helpers
 of harness.py; this script only dispatches.
@@ -25,6 +25,7 @@ import cases_cli
 import cases_data
 import cases_docs
 import cases_gpt
+import cases_llama
 import cases_memory
 import cases_parallel
 import cases_parallel_io
@@ -40,4 +41,4 @@ if __name__ == "__main__":
                   cases_parallel_io,
                   cases_accuracy,
                   cases_gpt, cases_sample,
-                  cases_tensor_parallel, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_docs])
+                  cases_tensor_parallel, cases_llama, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_docs])

@@ -2,11 +2,13 @@
 // (Mode::Eval) at every position, tied and untied, flash and plain; greedy generation equals
 // running the full forward over the (cropped) context and taking the argmax, also past the
 // model's positions (the sliding window); token choice is deterministic for a seed, top-k 1 is
-// greedy, and draws follow the softmax; bad tokens and a full cache are Input errors.
+// greedy, and draws follow the softmax; bad tokens and a full cache are Input errors. The same
+// for a Llama (grouped-query, rotary, SwiGLU).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <span>
 #include <utility>
@@ -42,7 +44,8 @@ void randomize(const ParameterStore& store, uint32_t seed) {
   std::normal_distribution<float> n(0.0f, 0.3f);
   for (const ParamEntry& e : store.entries()) {
     const Tensor v = store.value(e);
-    const bool ln_weight = e.name.find("ln_") != std::string::npos && e.name.ends_with("/weight");
+    const bool ln_weight =
+        (e.name.find("ln_") != std::string::npos || e.name.ends_with("norm/weight")) && e.name.ends_with("/weight");
     for (int64_t i = 0; i < v.numel(); ++i) v.data<float>()[i] = (ln_weight ? 1.0f : 0.0f) + n(g);
   }
 }
@@ -50,8 +53,8 @@ void randomize(const ParameterStore& store, uint32_t seed) {
 struct Fixture {
   Model model;
   ParameterStore store;
-  Fixture(bool tied, const std::string& attention = "flash", uint32_t seed = 5)
-      : model(build_model(gpt(tied, attention), {kT}, kVocab)), store(model, 1) {
+  Fixture(bool tied, const std::string& attention = "flash", uint32_t seed = 5) : Fixture(gpt(tied, attention), seed) {}
+  Fixture(const ModelSpec& spec, uint32_t seed) : model(build_model(spec, {kT}, kVocab)), store(model, 1) {
     randomize(store, seed);
   }
   // Logits (len, V) of the full forward over `tokens` (len <= T).
@@ -144,6 +147,66 @@ TEST(GptDecode, GreedyGenerationEqualsRepeatedFullForwards) {
     EXPECT_EQ(generate(d, long_prompt, 6, SampleOptions{0.0f, 0, 0}),
               generate(d, cropped, 6, SampleOptions{0.0f, 0, 0}));
   }
+}
+
+// Llama: 4 query heads over kv heads 2 and 1, rotary positions with Llama 3.1's scaling, tied
+// and untied: the cached logits (one by one, and two prefills) equal the full forward's, and
+// greedy generation past the 16 positions equals the full forward over the cropped window.
+ModelSpec llama(int kv_heads, bool tied) {
+  ModelSpec s;
+  s.name = "llama";
+  s.layers = 2;
+  s.heads = 4;
+  s.kv_heads = kv_heads;
+  s.embed = 32;
+  s.ffn_hidden = 48;
+  s.seq_len = kT;
+  s.rope_theta = 100;
+  s.rope_scaling = 8;
+  s.tie_embeddings = tied;
+  return s;
+}
+
+TEST(GptDecode, LlamaLogitsAndGreedyGenerationEqualTheFullForward) {
+  for (const int kv : {2, 1})
+    for (const bool tied : {false, true}) {
+      SCOPED_TRACE(detail::cat("kv heads ", kv, tied ? ", tied" : ", untied"));
+      const Fixture f(llama(kv, tied), 7);
+      GptDecoder d(f.model, f.store);
+      EXPECT_EQ(d.heads(), 4);
+      EXPECT_EQ(d.max_positions(), kT);
+      const std::vector<int32_t> tokens = random_tokens(kT, 3);
+      const std::vector<float> full = f.forward(tokens);
+      float scale = 0.0f, worst = 0.0f;
+      for (const float v : full) scale = std::max(scale, std::abs(v));
+      EXPECT_GT(scale, 1.0f);
+      for (int64_t t = 0; t < kT; ++t) {
+        const Tensor& logits = d.step(tokens[static_cast<size_t>(t)]);
+        for (int64_t v = 0; v < kVocab; ++v)
+          worst = std::max(worst, std::abs(logits.data<float>()[v] - full[static_cast<size_t>(t * kVocab + v)]));
+      }
+      d.reset();
+      for (const auto& [begin, end] : {std::pair{0, 5}, {5, 16}}) {
+        const Tensor& logits = d.prefill(std::span(tokens).subspan(begin, end - begin));
+        for (int64_t v = 0; v < kVocab; ++v)
+          worst =
+              std::max(worst, std::abs(logits.data<float>()[v] - full[static_cast<size_t>((end - 1) * kVocab + v)]));
+      }
+      EXPECT_LE(worst, 1e-5f * std::max(1.0f, scale)) << "largest |logit| " << scale;
+      std::printf("[ llama   ] kv heads %d%s: worst |cached - full| logit %.2e of largest %.2f\n", kv,
+                  tied ? ", tied" : "", worst, scale);
+
+      const std::vector<int32_t> prompt = random_tokens(5, 4);
+      const std::vector<int32_t> got = generate(d, prompt, 20, SampleOptions{0.0f, 0, 0});
+      std::vector<int32_t> ctx = prompt, want;
+      for (int i = 0; i < 20; ++i) {
+        const std::vector<int32_t> window(ctx.end() - std::min<ptrdiff_t>(ctx.size(), kT), ctx.end());
+        const std::vector<float> logits = f.forward(window);
+        want.push_back(argmax(logits.data() + (window.size() - 1) * kVocab, kVocab));
+        ctx.push_back(want.back());
+      }
+      EXPECT_EQ(got, want);
+    }
 }
 
 TEST(GptDecode, SamplingIsDeterministicForASeed) {

@@ -22,6 +22,7 @@
 #include "layers/basic.hpp"
 #include "layers/composite.hpp"
 #include "layers/gpt.hpp"
+#include "layers/llama.hpp"
 #include "layers/loss.hpp"
 
 namespace strata::layers {
@@ -632,6 +633,127 @@ TEST_F(GradCheck, StreamedGradientsEqualTheWholeComposites) {
   // Convolutions do not stream: each child of the main path and of the shortcut is one piece.
   LayerPtr residual = ResidualBlock::basic("block", 4, 8, 2);
   expect_streams_like_whole(*residual, randn({2, 4, 6, 6}), 100);
+}
+
+// ---- Llama layers ----------------------------------------------------------------------------
+
+TEST_F(GradCheck, RMSNorm) {
+  RMSNorm n("norm", 6, 1e-5f);
+  run(n, randn({2, 3, 6}));
+}
+
+// The rotation as a layer (rope forward, the inverse rotation backward), positions from 3.
+class Rotary final : public Layer {
+ public:
+  explicit Rotary(std::vector<float> freq) : Layer("rope"), freq_(std::move(freq)) {}
+  std::string describe() const override { return "rope"; }
+  Shape output_shape(const Shape& input) const override { return input; }
+  Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override {
+    Tensor y = Tensor::empty(x.shape());
+    ops::rope(x, y, freq_, 3);
+    return y;
+  }
+  Tensor backward(const Tensor& dy, Context& ctx) override {
+    Tensor dx = Tensor::empty(dy.shape());
+    ops::rope(dy, dx, freq_, 3, true);
+    return dx;
+  }
+
+ private:
+  std::vector<float> freq_;
+};
+
+TEST_F(GradCheck, RotaryEmbedding) {
+  // theta 10 so that every pair turns visibly over 4 positions; with Llama 3.1's scaling too.
+  const RopeScaling scaling{8.0, 1.0, 4.0, 16};
+  for (const RopeScaling* s : {static_cast<const RopeScaling*>(nullptr), &scaling}) {
+    Rotary r(rope_frequencies(8, 10.0, s));
+    run(r, randn({2, 3, 4, 8}));
+  }
+  // The inverse rotation undoes the rotation, in place.
+  const Tensor x = randn({1, 2, 5, 8});
+  Tensor y = x.clone();
+  const std::vector<float> f = rope_frequencies(8, 10.0);
+  ops::rope(y, y, f);
+  ops::rope(y, y, f, 0, true);
+  for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(y.data<float>()[i], x.data<float>()[i], 1e-6f);
+}
+
+TEST_F(GradCheck, SwiGLU) {
+  SwiGLU m("mlp", 6, 10, 0.02);
+  EXPECT_EQ(m.param_specs().size(), 3u);
+  run(m, randn({2, 3, 6}));
+}
+
+// Grouped-query attention with rotary positions: 4 query heads over 2 kv heads, and multi-query.
+TEST_F(GradCheck, GroupedQueryAttentionFlashAndPlain) {
+  for (const AttentionKind kind : {AttentionKind::Flash, AttentionKind::Plain})
+    for (const int64_t kv : {2, 1}) {
+      SCOPED_TRACE(detail::cat(kind == AttentionKind::Flash ? "flash" : "plain", ", kv heads ", kv));
+      CausalSelfAttention a("self_attn", 16, 4, 0.0f, kind, kGptInitStd, nullptr,
+                            {kv, rope_frequencies(4, 10.0), /*fused=*/false});
+      EXPECT_EQ(a.param_specs().size(), 4u);  // q_proj, k_proj, v_proj, o_proj: no biases
+      EXPECT_EQ(shape_str(a.param_specs()[1].shape), shape_str({kv * 4, 16}));
+      run(a, randn({2, 5, 16}));
+    }
+}
+
+// Flash attention over T > its 64-row tiles, grouped: the same as the plain one.
+TEST_F(GradCheck, GroupedQueryFlashEqualsPlainAcrossTiles) {
+  const Tensor q = randn({2, 6, 70, 8}), k = randn({2, 2, 70, 8}), v = randn({2, 2, 70, 8}), dy = randn({2, 6, 70, 8});
+  Tensor y[2], dq[2], dk[2], dv[2];
+  for (int i = 0; i < 2; ++i) {
+    y[i] = Tensor::empty(q.shape());
+    dq[i] = Tensor::empty(q.shape());
+    dk[i] = Tensor::empty(k.shape());
+    dv[i] = Tensor::empty(v.shape());
+  }
+  Tensor lse = Tensor::empty({2, 6, 70}), probs = Tensor::empty({2, 6, 70, 70});
+  ops::flash_attention_forward(q, k, v, y[0], lse);
+  ops::flash_attention_backward(q, k, v, y[0], lse, dy, dq[0], dk[0], dv[0]);
+  ops::attention_forward(q, k, v, y[1], probs);
+  ops::attention_backward(q, k, v, probs, dy, dq[1], dk[1], dv[1]);
+  for (const auto& [a, b] : {std::pair{&y[0], &y[1]}, {&dq[0], &dq[1]}, {&dk[0], &dk[1]}, {&dv[0], &dv[1]}})
+    for (int64_t i = 0; i < a->numel(); ++i) ASSERT_NEAR(a->data<float>()[i], b->data<float>()[i], 2e-5f) << i;
+}
+
+std::unique_ptr<TransformerBlock> llama_block(const std::string& name, int64_t embed, int64_t heads, int64_t kv,
+                                              Recompute recompute = Recompute::None) {
+  BlockParts parts{
+      std::make_unique<RMSNorm>("input_layernorm", embed, 1e-5f),
+      std::make_unique<CausalSelfAttention>("self_attn", embed, heads, 0.0f, AttentionKind::Flash, kGptInitStd, nullptr,
+                                            AttentionOptions{kv, rope_frequencies(embed / heads, 10.0), false}),
+      std::make_unique<RMSNorm>("post_attention_layernorm", embed, 1e-5f),
+      std::make_unique<SwiGLU>("mlp", embed, 2 * embed, kGptInitStd)};
+  return std::make_unique<TransformerBlock>(name, std::move(parts), recompute);
+}
+
+TEST_F(GradCheck, LlamaBlock) {
+  for (Recompute recompute : {Recompute::None, Recompute::Full}) {
+    auto b = llama_block("layers.0", 8, 2, 1, recompute);
+    EXPECT_EQ(b->param_specs().size(), 9u);
+    run(*b, randn({2, 4, 8}));
+  }
+}
+
+// Embedding without positions, two blocks, the final norm and an untied head: every parameter.
+TEST_F(GradCheck, TinyLlamaModel) {
+  std::vector<LayerPtr> layers;
+  layers.push_back(std::make_unique<Embedding>("embedding", 7, 8, 8, nullptr, /*positions=*/false));
+  layers.push_back(llama_block("layers.0", 8, 4, 2));
+  layers.push_back(llama_block("layers.1", 8, 4, 2));
+  layers.push_back(std::make_unique<RMSNorm>("norm", 8, 1e-5f));
+  layers.push_back(std::make_unique<LMHead>("lm_head", 8, 7));
+  Sequential model("llama", std::move(layers));
+  // The composition curves more than one layer: a smaller step keeps the truncation error down.
+  run(model, tokens(2, 5, 7), 3e-3);
+}
+
+TEST_F(GradCheck, StreamedGradientsEqualTheWholeLlamaBlock) {
+  for (Recompute recompute : {Recompute::None, Recompute::Block, Recompute::Full}) {
+    SCOPED_TRACE("recompute " + std::to_string(static_cast<int>(recompute)));
+    expect_streams_like_whole(*llama_block("layers.0", 16, 4, 2, recompute), randn({2, 5, 16}), 100);
+  }
 }
 
 }  // namespace

@@ -29,6 +29,8 @@ Layout (every tensor float32 unless stated, labels int32):
                    param groups (decay: 2-D Linear weights; none: biases, LayerNorm,
                    embeddings) on batches train_input/train_labels (S, B, T): train_loss (S)
                    before each step, final/<name> the parameters after the last
+  /llama/<case>    Hugging Face's Llama written out (RMSNorm, rotate-half RoPE, grouped-query
+                   attention by repeat_interleave, SwiGLU): see llama_cases
 
 Parameter names are Strata's ParamEntry names ("fc1/weight", "block2_1/shortcut/bn/running_var");
 h5py turns the slashes into nested groups, which the C++ side opens by the same path.
@@ -737,6 +739,167 @@ def gpt_cases(root):
             put(fg, pname, p.detach().numpy())
 
 
+# ---- Llama (Hugging Face's LlamaModel, written out) ---------------------------------------------
+
+def rope_inv_freq(dh, theta, scaling):
+    """transformers' default rotary frequencies, and its "llama3" scaling (f32 throughout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dh, 2, dtype=torch.int64).float() / dh))
+    if scaling is None:
+        return inv
+    factor, low, high, old = scaling
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, inv_l)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d, heads, kv_heads, inv_freq):
+        super().__init__()
+        dh = d // heads
+        self.q_proj = nn.Linear(d, heads * dh, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * dh, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * dh, bias=False)
+        self.o_proj = nn.Linear(heads * dh, d, bias=False)
+        self.heads, self.kv_heads, self.dh, self.inv_freq = heads, kv_heads, dh, inv_freq
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, hkv, dh = self.heads, self.kv_heads, self.dh
+        q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, hkv, dh).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, hkv, dh).transpose(1, 2)
+        freqs = torch.arange(t).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(h // hkv, dim=1)  # query head i reads kv head i // (h / hkv)
+        v = v.repeat_interleave(h // hkv, dim=1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(dh)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, h * dh)
+        return self.o_proj(y)
+
+
+class LlamaMlp(nn.Module):
+    def __init__(self, d, ffn):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, kv_heads, ffn, eps, inv_freq):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = LlamaAttention(d, heads, kv_heads, inv_freq)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = LlamaMlp(d, ffn)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, heads, kv_heads, d, ffn, vocab, eps, inv_freq, tied):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(LlamaBlock(d, heads, kv_heads, ffn, eps, inv_freq) for _ in range(layers))
+        self.norm = RMSNorm(d, eps)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.tied = tied
+
+    def forward(self, idx):
+        x = self.embed_tokens(idx)
+        for blk in self.layers:
+            x = blk(x)
+        return self.lm_head(self.norm(x))
+
+    def strata_params(self):
+        """(Strata name, parameter): Hugging Face's names with '/' for '.', wte for embed_tokens."""
+        out = [("wte/weight", self.embed_tokens.weight)]
+        for i, blk in enumerate(self.layers):
+            for name, p in blk.named_parameters():
+                out.append(("layers.%d/%s" % (i, name.replace(".", "/")), p))
+        out.append(("norm/weight", self.norm.weight))
+        if not self.tied:
+            out.append(("lm_head/weight", self.lm_head.weight))
+        return out
+
+
+def llama_cases(root):
+    """/llama/<case>: attrs layers, heads, kv_heads, embed, ffn_hidden, vocab, norm_eps, rope_theta,
+    rope_scaling, tied, seed; init/<name> (Strata's initial values: N(0, 0.02) weights, RMSNorm 1),
+    params/<name> (random values the comparison runs with, large enough that attention is far from
+    uniform), input, labels, logits, loss, grads/<name>."""
+    g = root.create_group("llama")
+    layers, d, ffn, vocab, batch, t, eps, seed = 2, 32, 48, 64, 2, 12, 1e-5, 77
+    cases = (("gqa", 4, 2, 10000.0, 0.0, False),
+             ("mqa_tied_scaled", 4, 1, 500000.0, 8.0, True),
+             ("mha", 2, 2, 10000.0, 0.0, False))
+    for name, heads, kv_heads, theta, scaling, tied in cases:
+        inv_freq = rope_inv_freq(d // heads, theta, (scaling, 1.0, 4.0, 8192) if scaling else None)
+        model = Llama(layers, heads, kv_heads, d, ffn, vocab, eps, inv_freq, tied)
+        named = model.strata_params()
+        c = g.create_group(name)
+        set_attrs(c, layers=layers, heads=heads, kv_heads=kv_heads, embed=d, ffn_hidden=ffn, vocab=vocab,
+                  norm_eps=eps, rope_theta=theta, rope_scaling=scaling, tied=tied, seed=seed)
+        ig, pg = c.create_group("init"), c.create_group("params")
+        with torch.no_grad():
+            for pname, p in named:
+                if pname.endswith("norm/weight"):
+                    put(ig, pname, np.ones(tuple(p.shape), np.float32))
+                    p.copy_(t_(1.0 + randn(*p.shape, scale=0.2)))
+                else:
+                    put(ig, pname, strata_normal(seed, pname, tuple(p.shape), 0.02))
+                    p.copy_(t_(randn(*p.shape, scale=0.3)))
+                put(pg, pname, p.detach().numpy())
+        x = RNG.randint(0, vocab, (batch, t)).astype(np.int32)
+        y = RNG.randint(0, vocab, (batch, t)).astype(np.int32)
+        put(c, "input", x, np.int32)
+        put(c, "labels", y, np.int32)
+        logits = model(torch.tensor(x, dtype=torch.int64))
+        loss = F.cross_entropy(logits.view(-1, vocab), torch.tensor(y, dtype=torch.int64).view(-1))
+        loss.backward()
+        put(c, "logits", logits.detach().numpy())
+        put(c, "loss", loss.detach().numpy())
+        gg = c.create_group("grads")
+        for pname, p in named:
+            put(gg, pname, p.grad.numpy())
+
+
+def t_(a):
+    return torch.tensor(np.asarray(a, dtype=np.float32))
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: torch_reference.py OUT.h5")
@@ -746,6 +909,7 @@ def main():
         model_cases(f)
         optim_cases(f)
         gpt_cases(f)
+        llama_cases(f)
     print("wrote", sys.argv[1])
 
 

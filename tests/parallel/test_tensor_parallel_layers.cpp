@@ -353,9 +353,101 @@ TEST(TensorParallelGpt, OneRankGroupIsTheWholeModel) {
   EXPECT_TRUE(same_bits(os.grads(), ws.grads()));
 }
 
-// ---- bad input -------------------------------------------------------------------------------
-
 using test::expect_input_error;
+
+// ---- Llama -----------------------------------------------------------------------------------
+
+// 8 query heads of 8 over kv heads 8, 2 and 1: with 4 ranks, kv heads 2 and 1 are replicated
+// (each on 2 or 4 ranks), with 2 ranks kv heads 1; flash and plain attention, tied and untied.
+TEST(TensorParallelLlama, MatchesTheWholeModelIncludingReplicatedKvHeads) {
+  World world;
+  const int t = world.tp.size();
+  const Tensor x = tokens(0), y = tokens(1);
+  for (const int kv : {8, 2, 1})
+    for (const std::string attention : {"flash", "plain"})
+      for (const bool tied : {false, true}) {
+        SCOPED_TRACE(detail::cat("kv heads ", kv, ", ", attention, tied ? ", tied" : ", untied", ", tp ", t));
+        layers::ModelSpec spec;
+        spec.name = "llama";
+        spec.layers = 2;
+        spec.heads = 8;
+        spec.kv_heads = kv;
+        spec.embed = 64;
+        spec.ffn_hidden = 96;
+        spec.rope_theta = 100;  // pairs turn visibly over 16 positions
+        spec.attention = attention;
+        spec.tie_embeddings = tied;
+        const layers::Model whole = layers::build_model(spec, {kSeq}, kVocab);
+        const layers::Model split = layers::build_model(spec, {kSeq}, kVocab, &world.tp);
+        const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
+        // Larger weights than the init's 0.02 so that attention is far from uniform: the same
+        // values in both (the whole model's, sliced).
+        std::map<std::string, const ParamEntry*> by_name;
+        for (const ParamEntry& e : ws.entries()) {
+          by_name[e.name] = &e;
+          if (!e.name.ends_with("norm/weight")) ops::scale(ws.value(e), 10.0f);
+        }
+        ASSERT_EQ(ss.entries().size(), ws.entries().size());
+        int64_t replicated = 0;
+        for (const ParamEntry& e : ss.entries()) {
+          ASSERT_TRUE(by_name.count(e.name)) << e.name;
+          const ParamEntry& we = *by_name[e.name];
+          ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
+          ss.value(e).copy_from(shard_of(ws.value(we), e.split, e.shape));
+          replicated += e.split.replicas > 1;
+        }
+        EXPECT_EQ(replicated, kv < t ? 2 * spec.layers : 0) << "k_proj and v_proj of each block";
+        for (size_t i = 0; i < whole.size(); ++i) {
+          int64_t shards = split.layer(i).flops(split.shape(i));
+          MPI_Allreduce(MPI_IN_PLACE, &shards, 1, MPI_INT64_T, MPI_SUM, world.comm->comm());
+          EXPECT_EQ(shards, whole.layer(i).flops(whole.shape(i))) << whole.layer(i).name();
+        }
+
+        const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
+        const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
+        expect_close("llama-logits", gather_columns(*world.comm, rs.logits), rw.logits.reshape({kBatch * kSeq, kVocab}),
+                     1e-5);
+        EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
+        EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
+        for (const ParamEntry& e : ss.entries()) {
+          const Tensor g = ss.grad(e);
+          expect_close("llama-gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
+          if (!e.split.split()) {
+            EXPECT_TRUE(same_on_every_rank(*world.comm, g)) << e.name << ": a replicated gradient differs across ranks";
+          }
+        }
+      }
+  if (world_rank() == 0)
+    for (const auto& [what, w] : worst())
+      if (what.starts_with("llama")) std::printf("[ worst   ] %s: max |diff| / max |ref| = %.2e\n", what.c_str(), w);
+}
+
+TEST(TensorParallelLlama, BadInputsAreOneLine) {
+  World world;
+  const int t = world.tp.size();
+  layers::ModelSpec s;
+  s.name = "llama";
+  s.layers = 1;
+  s.heads = 3 * t;  // kv heads 3: neither divisible by tp nor dividing it
+  s.kv_heads = 3;
+  s.embed = 8 * s.heads;
+  s.ffn_hidden = 8 * t;
+  expect_input_error([&] { layers::build_model(s, {kSeq}, kVocab, &world.tp); },
+                     {"--kv-heads (3) must be divisible by --tp", "or divide it"});
+  s.kv_heads = t;
+  s.heads = 2 * t + 1;  // not divisible by tp
+  s.kv_heads = 1;
+  s.embed = 8 * s.heads;
+  expect_input_error([&] { layers::build_model(s, {kSeq}, kVocab, &world.tp); },
+                     {detail::cat("--heads (", 2 * t + 1, ") must be divisible by --tp (", t, ")")});
+  s.heads = 2 * t;
+  s.embed = 8 * s.heads;
+  s.ffn_hidden = 8 * t + 1;
+  expect_input_error([&] { layers::build_model(s, {kSeq}, kVocab, &world.tp); },
+                     {detail::cat("--ffn-hidden (", 8 * t + 1, ") must be divisible by --tp (", t, ")")});
+}
+
+// ---- bad input -------------------------------------------------------------------------------
 
 TEST(TensorParallelGpt, BadInputsAreOneLine) {
   World world;

@@ -55,7 +55,7 @@ ShardedOptimizer::ShardedOptimizer(const layers::OptimizerConfig& config, const 
   inner_.set_no_decay(layers::no_decay_ranges(store.entries(), shard_.begin, shard_.end));
   for (const layers::ParamEntry& e : store.entries())
     if (const layers::Overlap o = layers::overlap(e, shard_.begin, shard_.end);
-        e.trainable && e.split.split() && o.size)
+        e.trainable && e.split.split() && e.split.primary() && o.size)  // a replicated kv head counts once
       split_ranges_.emplace_back(o.in_range, o.size);
   const Tensor& params = store.params();
   if (params.dtype() == DType::F32) return;

@@ -112,8 +112,10 @@ void StateGather::gather(const Write& write) {
 
 void StateGather::write_parts(const WritePart& part) {
   const int tp_rank = grid_.has(Axis::Tensor) ? grid_.tp_rank() : 0;
-  // Of a tensor every tensor-parallel rank holds whole, tp rank 0 writes.
-  const auto writes_shard = [&](const layers::ParamEntry& e) { return e.split.split() || tp_rank == 0; };
+  // Of a tensor every tensor-parallel rank holds whole, tp rank 0 writes; of a replicated shard, its first holder.
+  const auto writes_shard = [&](const layers::ParamEntry& e) {
+    return e.split.split() ? e.split.primary() : tp_rank == 0;
+  };
   for (size_t vs = 0; vs < stages_.size(); ++vs) {
     const bool mine = grid_.stage() == pipeline_rank(vs);
     DataParallel& chunk = *mine_[chunk_of(vs)];

@@ -104,12 +104,24 @@ struct HeadDropout {
   }
 };
 
+// q's heads (B, H, T, Dh) and k's (B, Hkv, T, Dh): query head h of sample b reads kv head
+// h / group of that sample (grouped-query attention; group 1: multi-head).
 struct Heads {
-  int64_t b, h, t, dh;
+  int64_t b, h, hkv, t, dh, group;
   float scale;  // 1 / sqrt(Dh)
-  explicit Heads(const Tensor& q)
-      : b(q.dim(0)), h(q.dim(1)), t(q.dim(2)), dh(q.dim(3)), scale(1.0f / std::sqrt(static_cast<float>(q.dim(3)))) {}
+  Heads(const Tensor& q, const Tensor& k)
+      : b(q.dim(0)),
+        h(q.dim(1)),
+        hkv(k.dim(1)),
+        t(q.dim(2)),
+        dh(q.dim(3)),
+        group(q.dim(1) / k.dim(1)),
+        scale(1.0f / std::sqrt(static_cast<float>(q.dim(3)))) {}
   int64_t count() const { return b * h; }
+  // The kv head (b * Hkv + h / group) that query head bh = b * H + h reads.
+  int64_t kv_of(int64_t bh) const { return bh / h * hkv + bh % h / group; }
+  // The query heads reading kv head bkv = b * Hkv + j: [first, first + group).
+  int64_t first_query(int64_t bkv) const { return bkv / hkv * h + bkv % hkv * group; }
   HeadDropout dropout(int64_t bh, float p, const DropoutKey& key) const { return {p, key, bh / h, bh % h, h, t}; }
 };
 
@@ -217,13 +229,13 @@ void split_heads(const Tensor& y, const Tensor& x) {
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& probs, float p,
                        const DropoutKey& key) {
-  const Heads hd(q);
+  const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
     const float* qh = q.data<float>() + bh * t * dh;
-    const float* kh = k.data<float>() + bh * t * dh;
-    const float* vh = v.data<float>() + bh * t * dh;
+    const float* kh = k.data<float>() + hd.kv_of(bh) * t * dh;
+    const float* vh = v.data<float>() + hd.kv_of(bh) * t * dh;
     float* yh = y.data<float>() + bh * t * dh;
     float* ph = probs.data<float>() + bh * t * t;
     const HeadDropout drop = hd.dropout(bh, p, key);
@@ -253,41 +265,46 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs, const Tensor& dy,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, float p, const DropoutKey& key) {
-  const Heads hd(q);
+  const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
-  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
-    const int64_t off = bh * t * dh;
-    const float* qh = q.data<float>() + off;
-    const float* kh = k.data<float>() + off;
-    const float* vh = v.data<float>() + off;
-    const float* gh = dy.data<float>() + off;
-    const float* ph = probs.data<float>() + bh * t * t;
-    const HeadDropout drop = hd.dropout(bh, p, key);
+  // One task per kv head: its query heads in order, dk and dv summed over them (no races).
+  parallel_rows(hd.b * hd.hkv, hd.group * t * t * dh, [&](int64_t bkv) {
+    const int64_t kv_off = bkv * t * dh;
+    const float* kh = k.data<float>() + kv_off;
+    const float* vh = v.data<float>() + kv_off;
     auto ds = buffer(t * t);
-    auto dropped = drop.active ? buffer(t * t) : nullptr;
-    auto factor = drop.active ? buffer(t) : nullptr;
-    // d(dropped probabilities) = dy v^T; then dP = that * mask, dS = P * (dP - rowsum(P * dP)).
-    mm(false, true, t, t, dh, 1.0f, gh, dh, vh, dh, 0.0f, ds.get(), t);
-    for (int64_t i = 0; i < t; ++i) {
-      const float* pr = ph + i * t;
-      float* g = ds.get() + i * t;
-      if (drop.active) {
-        float* d = dropped.get() + i * t;
-        drop.row(i, 0, i + 1, factor.get());
-        for (int64_t j = 0; j <= i; ++j) {
-          d[j] = pr[j] * factor[j];
-          g[j] *= factor[j];
+    auto dropped = p > 0.0f ? buffer(t * t) : nullptr;
+    auto factor = p > 0.0f ? buffer(t) : nullptr;
+    for (int64_t g = 0; g < hd.group; ++g) {
+      const int64_t bh = hd.first_query(bkv) + g, off = bh * t * dh;
+      const float* qh = q.data<float>() + off;
+      const float* gh = dy.data<float>() + off;
+      const float* ph = probs.data<float>() + bh * t * t;
+      const HeadDropout drop = hd.dropout(bh, p, key);
+      // d(dropped probabilities) = dy v^T; then dP = that * mask, dS = P * (dP - rowsum(P * dP)).
+      mm(false, true, t, t, dh, 1.0f, gh, dh, vh, dh, 0.0f, ds.get(), t);
+      for (int64_t i = 0; i < t; ++i) {
+        const float* pr = ph + i * t;
+        float* gr = ds.get() + i * t;
+        if (drop.active) {
+          float* d = dropped.get() + i * t;
+          drop.row(i, 0, i + 1, factor.get());
+          for (int64_t j = 0; j <= i; ++j) {
+            d[j] = pr[j] * factor[j];
+            gr[j] *= factor[j];
+          }
+          std::fill(d + i + 1, d + t, 0.0f);
         }
-        std::fill(d + i + 1, d + t, 0.0f);
+        const float di = dot(pr, gr, i + 1);
+        for (int64_t j = 0; j <= i; ++j) gr[j] = pr[j] * (gr[j] - di);
+        std::fill(gr + i + 1, gr + t, 0.0f);
       }
-      const float di = dot(pr, g, i + 1);
-      for (int64_t j = 0; j <= i; ++j) g[j] = pr[j] * (g[j] - di);
-      std::fill(g + i + 1, g + t, 0.0f);
+      const float beta = g == 0 ? 0.0f : 1.0f;  // the group's first query head overwrites dk, dv
+      mm(true, false, t, dh, t, 1.0f, drop.active ? dropped.get() : ph, t, gh, dh, beta, dv.data<float>() + kv_off, dh);
+      mm(false, false, t, dh, t, hd.scale, ds.get(), t, kh, dh, 0.0f, dq.data<float>() + off, dh);
+      mm(true, false, t, dh, t, hd.scale, ds.get(), t, qh, dh, beta, dk.data<float>() + kv_off, dh);
     }
-    mm(true, false, t, dh, t, 1.0f, drop.active ? dropped.get() : ph, t, gh, dh, 0.0f, dv.data<float>() + off, dh);
-    mm(false, false, t, dh, t, hd.scale, ds.get(), t, kh, dh, 0.0f, dq.data<float>() + off, dh);
-    mm(true, false, t, dh, t, hd.scale, ds.get(), t, qh, dh, 0.0f, dk.data<float>() + off, dh);
   });
 }
 
@@ -295,14 +312,14 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                              float p, const DropoutKey& key) {
-  const Heads hd(q);
+  const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
     const int64_t off = bh * t * dh;
     const float* qh = q.data<float>() + off;
-    const float* kh = k.data<float>() + off;
-    const float* vh = v.data<float>() + off;
+    const float* kh = k.data<float>() + hd.kv_of(bh) * t * dh;
+    const float* vh = v.data<float>() + hd.kv_of(bh) * t * dh;
     float* yh = y.data<float>() + off;
     float* lh = lse.data<float>() + bh * t;
     const HeadDropout drop = hd.dropout(bh, p, key);
@@ -359,51 +376,55 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
                               const DropoutKey& key) {
-  const Heads hd(q);
+  const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
-  parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
-    const int64_t off = bh * t * dh;
-    const float* qh = q.data<float>() + off;
-    const float* kh = k.data<float>() + off;
-    const float* vh = v.data<float>() + off;
-    const float* yh = y.data<float>() + off;
-    const float* gh = dy.data<float>() + off;
-    const float* lh = lse.data<float>() + bh * t;
-    float* dqh = dq.data<float>() + off;
-    float* dkh = dk.data<float>() + off;
-    float* dvh = dv.data<float>() + off;
-    const HeadDropout drop = hd.dropout(bh, p, key);
-    // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
-    auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
-    for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
-    std::fill(dqh, dqh + t * dh, 0.0f);
+  // One task per kv head: its query heads in order, dk and dv summed over them (no races).
+  parallel_rows(hd.b * hd.hkv, hd.group * t * t * dh, [&](int64_t bkv) {
+    const int64_t kv_off = bkv * t * dh;
+    const float* kh = k.data<float>() + kv_off;
+    const float* vh = v.data<float>() + kv_off;
+    float* dkh = dk.data<float>() + kv_off;
+    float* dvh = dv.data<float>() + kv_off;
     std::fill(dkh, dkh + t * dh, 0.0f);
     std::fill(dvh, dvh + t * dh, 0.0f);
-    for (int64_t j0 = 0; j0 < t; j0 += kTile) {
-      const int64_t nc = std::min(kTile, t - j0);
-      for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
-        const int64_t nr = std::min(kTile, t - i0);
-        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
-        mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
-          float* sr = s.get() + r * kTile;  // P, then the dropped P
-          float* gr = g.get() + r * kTile;  // d(dropped P), then dS
-          const float li = lh[i], di = drow[i];
-          if (drop.active) drop.row(i, j0, valid, factor.get());
-          for (int64_t c = 0; c < valid; ++c) {
-            const float pr = std::exp(sr[c] - li);
-            const float f = drop.active ? factor[c] : 1.0f;
-            sr[c] = pr * f;
-            gr[c] = pr * (gr[c] * f - di);
+    auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
+    for (int64_t qi = 0; qi < hd.group; ++qi) {
+      const int64_t bh = hd.first_query(bkv) + qi, off = bh * t * dh;
+      const float* qh = q.data<float>() + off;
+      const float* yh = y.data<float>() + off;
+      const float* gh = dy.data<float>() + off;
+      const float* lh = lse.data<float>() + bh * t;
+      float* dqh = dq.data<float>() + off;
+      const HeadDropout drop = hd.dropout(bh, p, key);
+      // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
+      for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
+      std::fill(dqh, dqh + t * dh, 0.0f);
+      for (int64_t j0 = 0; j0 < t; j0 += kTile) {
+        const int64_t nc = std::min(kTile, t - j0);
+        for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
+          const int64_t nr = std::min(kTile, t - i0);
+          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
+            float* sr = s.get() + r * kTile;  // P, then the dropped P
+            float* gr = g.get() + r * kTile;  // d(dropped P), then dS
+            const float li = lh[i], di = drow[i];
+            if (drop.active) drop.row(i, j0, valid, factor.get());
+            for (int64_t c = 0; c < valid; ++c) {
+              const float pr = std::exp(sr[c] - li);
+              const float f = drop.active ? factor[c] : 1.0f;
+              sr[c] = pr * f;
+              gr[c] = pr * (gr[c] * f - di);
+            }
+            std::fill(sr + valid, sr + nc, 0.0f);
+            std::fill(gr + valid, gr + nc, 0.0f);
           }
-          std::fill(sr + valid, sr + nc, 0.0f);
-          std::fill(gr + valid, gr + nc, 0.0f);
+          mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
+          mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
+          mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
         }
-        mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
-        mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
-        mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
       }
     }
   });

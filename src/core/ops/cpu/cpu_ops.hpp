@@ -123,6 +123,14 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
                               const DropoutKey& key);
 
+// Llama (ops/cpu/llama.cpp).
+void rms_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd, float eps);
+void rms_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, const Tensor& dx,
+                       const Tensor& dgamma);
+void rope(const Tensor& x, const Tensor& y, const std::vector<float>& inv_freq, int64_t first_position, bool inverse);
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& y);
+void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, const Tensor& dgate, const Tensor& dup);
+
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
