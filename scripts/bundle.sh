@@ -53,21 +53,34 @@ hide_system_copies() {
   # error instead, and hide whether a fallback would be taken).
   printf '\177ELF\001\001\001\000\000\000\000\000\000\000\000\000\003\000\003\000\001\000\000\000' >"$decoy"
   head -c 1000 /dev/zero >>"$decoy"  # longer than a 64-bit header: read, then refused by class
+  local mounts=()  # "SOURCE TYPE TARGET" lines
   for f in "$bundle"/lib/*.so* "$bundle"/lib/fallback/*/*.so*; do
     soname="$(basename "$f")"
+    # Every Debian system has PCRE2 (grep, mount and the bundle's own env script need it): a
+    # machine without it is not one the bundle can meet, so it stays visible.
+    [[ "$soname" == libpcre2-8.so* ]] && continue
     while read -r p; do
-      [[ -e "$p" ]] || continue
-      mount --bind "$decoy" "$(readlink -f "$p")" 2>/dev/null || true
+      [[ -e "$p" ]] && mounts+=("$decoy bind $(readlink -f "$p")")
     done < <(ldconfig -p | awk -v s="$soname" '$1 == s {print $NF}')
   done
   for p in /usr/lib/x86_64-linux-gnu/openmpi /usr/lib/x86_64-linux-gnu/pmix2 /usr/share/openmpi \
     /usr/lib/x86_64-linux-gnu/hwloc /etc/openmpi; do
-    [[ -d "$p" ]] && mount -t tmpfs none "$p"
+    [[ -d "$p" ]] && mounts+=("none tmpfs $p")
   done
   for p in orted orterun mpirun mpiexec ompi_info; do
     p="$(command -v "$p" || true)"
-    [[ -n "$p" ]] && mount --bind /dev/null "$(readlink -f "$p")" 2>/dev/null || true
+    [[ -n "$p" ]] && mounts+=("/dev/null bind $(readlink -f "$p")")
   done
+  # One process makes every mount (mount(2) through ctypes): once a library that mount(8) itself
+  # loads is hidden (libpcre2-8, through libselinux), no later mount(8) would start.
+  printf '%s\n' "${mounts[@]}" | python3 -c '
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for line in sys.stdin:
+    source, kind, target = line.split()
+    bind = kind == "bind"
+    libc.mount(source.encode(), target.encode(), None if bind else kind.encode(), 4096 if bind else 0, None)
+'
 }
 
 check_bundle() {

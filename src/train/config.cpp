@@ -320,7 +320,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("vocab", po::value(&c.model.vocab)->default_value(0), "gpt: logits per position, at least the data's vocabulary (0: the data's; a preset: 50257), e.g. 50304 to pad to a multiple of 64; --dry-run without --data plans with it")
     ("attention", po::value(&c.model.attention)->default_value("flash"), "gpt: flash (memory-efficient, O(T) memory per head) | plain (materialised probabilities)")
     ("activation", po::value(&c.model.activation)->default_value("gelu"), "gpt: the MLP's activation: gelu (exact, x Phi(x)) | gelu_tanh (GPT-2's tanh approximation, Hugging Face's gelu_new)")
-    ("norm-eps", po::value(&c.model.norm_eps)->default_value(1e-5f), "gpt: the LayerNorms' epsilon (GPT-2: 1e-5); llama: the RMSNorms' (a preset sets Llama 3's 1e-5)")
+    ("norm-eps", po::value(&c.model.norm_eps)->default_value(1e-5f, "1e-05"), "gpt: the LayerNorms' epsilon (GPT-2: 1e-5); llama: the RMSNorms' (a preset sets Llama 3's 1e-5)")
     ("recompute", po::value(&c.model.recompute)->default_value("none"), "gpt: activation recomputation: none | block (each transformer block keeps only its input and re-runs its forward in backward) | full (also the attention and the MLP inside it); bit-identical results")
     ("data", po::value(&c.data.train), "training data: an HDF5 file, a directory of .h5 shards, or a glob")
     ("val-data", po::value(&c.data.val), "evaluation data, same forms as --data")

@@ -231,6 +231,7 @@ def case_fixture(a):
     expect_error(a, ["export-hf", "--checkpoint", ck, "--out", os.path.join(w, "x-big"), "--tokenizer", hf_tokenizer],
                  r"has 1502 ids but the model's vocabulary 100")
     # No training data recorded (an imported model): none, and the line says why.
+    shutil.rmtree(os.path.join(w, "x-none"), ignore_errors=True)
     assert "no tokenizer: the checkpoint's training data is not recorded" in ok(
         [a.convert, "export-hf", "--checkpoint", ck, "--out", os.path.join(w, "x-none")])
 
