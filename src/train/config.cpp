@@ -163,14 +163,15 @@ std::string unknown_option(const po::options_description& desc, std::string name
 }
 
 // The line of `path` that sets `key` (from 1; 0 when none does), for errors in a config file.
-int line_of(const std::string& path, const std::string& key) {
+int line_of(const std::string& path, const std::string& key, int occurrence = 1) {
   std::ifstream in(path);
   int number = 0;
   for (std::string line; std::getline(in, line);) {
     ++number;
     const size_t start = line.find_first_not_of(" \t");
     if (start != std::string::npos && line.compare(start, key.size(), key) == 0 &&
-        (start + key.size() == line.size() || line.find_first_of(" \t=", start + key.size()) == start + key.size()))
+        (start + key.size() == line.size() || line.find_first_of(" \t=", start + key.size()) == start + key.size()) &&
+        --occurrence == 0)
       return number;
   }
   return 0;
@@ -444,6 +445,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
         po::store(from_file, vm);  // earlier (command-line) values win
       } catch (const po::unknown_option& e) {
         STRATA_THROW_INPUT(where(e.get_option_name()), unknown_option(desc, e.get_option_name()));
+      } catch (const po::multiple_occurrences& e) {  // the line of the second, naming the first
+        std::string key = e.get_option_name();
+        while (key.starts_with("-")) key.erase(0, 1);
+        STRATA_THROW_INPUT("--config ", path, " line ", line_of(path, key, 2), ": '", key,
+                           "' is set again (first on line ", line_of(path, key), "); give each option once");
       } catch (const po::error_with_option_name& e) {
         STRATA_THROW_INPUT(where(e.get_option_name()), e.what());
       }

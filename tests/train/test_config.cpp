@@ -430,6 +430,9 @@ TEST(Config, ConfigFileErrorsNameTheLine) {
                   "--config " + unknown.path() + " line 3: unknown option '--epoch'; did you mean --epochs?");
   const TempFile bad_value("data = x.h5\nsteps = many\n");
   expect_rejected({"--config", bad_value.path()}, "--config " + bad_value.path() + " line 2: ");
+  const TempFile twice("steps = 2\nlr = 0.1\nmodel = mlp\nlr = 0.2\n");  // the second is the error
+  expect_rejected({"--data", "x.h5", "--config", twice.path()},
+                  "--config " + twice.path() + " line 4: 'lr' is set again (first on line 2); give each option once");
 }
 
 // --deepspeed-config: a ds_config's keys give exactly the options of the flags they map to
