@@ -16,11 +16,17 @@ start "strata-data: error: "), fallback
 report, a C++ terminate or traceback), unclean (any other exit: exit 1, or exit 2 with more
 than one line), hang (past the timeout) and silent change (a resume that accepted a damaged
 checkpoint file, or any resume that ended different from the uninterrupted run's step 10).
+Then --reader-mutants N mutants for each reader of text files and small binary headers (class
+Readers: --config INI, --deepspeed-config JSON, import-bin's llm.c headers and --raw tokens,
+tokenizer.json, safetensors + config.json, strata-plot's metrics JSONL, TensorBoard event
+files): 30% byte edits, the rest structure-aware (deep nesting, huge numbers and sizes, wrong
+types, duplicate keys, invalid UTF-8, NUL, truncation mid-token, header fields 0 / -1 / 2^31 /
+2^63, offsets past the data, catastrophic regexes...), each run once: ok or clean error only.
 Every failure is printed and its input saved under --save-to (tests/fuzz/cases/ by default);
 the cases there are re-run first on every run, as regression inputs. Exit 1 on any failure.
 
   /usr/bin/python3 tests/fuzz/fuzz.py --train build/train --data-tool build/strata-data \\
-      --workdir /tmp/fuzz --mutants 300 --seed 1
+      --convert build/strata-convert --events build/strata-events --workdir /tmp/fuzz --mutants 300 --seed 1
 """
 import argparse
 import collections
