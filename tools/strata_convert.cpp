@@ -9,6 +9,7 @@
 // little-endian (the interop tests' view of Strata's forward). One process, no MPI. Bad input:
 // one line on stderr, exit 2.
 #include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -143,6 +144,10 @@ int main(int argc, char** argv) {
     std::cout << std::flush;
     std::cerr << "strata-convert: error: " << e.what() << "\n";
     return e.kind() == ErrorKind::Input ? 2 : 1;
+  } catch (const nlohmann::json::exception& e) {  // a value of the wrong type in config.json: the input's fault
+    std::cout << std::flush;
+    std::cerr << "strata-convert: error: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cout << std::flush;
     std::cerr << "strata-convert: error: " << e.what() << "\n";

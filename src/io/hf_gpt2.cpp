@@ -172,7 +172,7 @@ Gpt2Options parse_hf_gpt2_config(const std::string& text, const std::string& whe
     STRATA_REQUIRE(a.is_array() && a.size() == 1 && a[0] == "GPT2LMHeadModel", where, ": 'architectures' is ", a.dump(),
                    "; strata-convert reads GPT2LMHeadModel (GPT-2) only");
   }
-  STRATA_REQUIRE(j.value("model_type", std::string("gpt2")) == "gpt2", where, ": 'model_type' is ",
+  STRATA_REQUIRE(!j.contains("model_type") || j["model_type"] == "gpt2", where, ": 'model_type' is ",
                  j["model_type"].dump(), "; strata-convert reads gpt2 only");
   Gpt2Options o;
   o.vocab = positive(j, "vocab_size", where);
@@ -286,6 +286,9 @@ void import_hf_gpt2(const std::string& dir, const std::string& out) {
   STRATA_REQUIRE(fs::exists(config_path), "--model-dir '", dir, "' has no config.json");
   const json config = parse_json(read_text(config_path, "config.json"), config_path);
   const Gpt2Options o = parse_hf_gpt2_config(config.dump(), config_path);
+  for (const char* k : {"torch_dtype", "dtype"})  // value<std::string> below throws type_error.302 (exit 1) on others
+    STRATA_REQUIRE(!config.contains(k) || config[k].is_string(), config_path, ": '", k, "' is ",
+                   config.value(k, json()).dump(), "; expected float32, bfloat16 or float16");
   std::string torch_dtype = config.value("torch_dtype", config.value("dtype", std::string()));
   const auto expected_dtype = safetensors_of_torch_dtype().find(torch_dtype);
   STRATA_REQUIRE(torch_dtype.empty() || expected_dtype != safetensors_of_torch_dtype().end(), config_path,

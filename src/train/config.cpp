@@ -219,6 +219,8 @@ void validate(const Config& c) {
   require_in("--kv-heads", int64_t{c.model.kv_heads}, int64_t{0}, kMaxModelSize);
   require_in("--ffn-hidden", c.model.ffn_hidden, int64_t{0}, kMaxModelSize);
   for (int64_t h : c.model.hidden) require_in("--hidden", h, int64_t{1}, kMaxModelSize);
+  // More layers than any MLP has: planning is quadratic in them (10^5 took 18 s, 350,000 minutes).
+  STRATA_REQUIRE(c.model.hidden.size() <= 10000, "--hidden: at most 10000 layers, found ", c.model.hidden.size());
   require_in("--debug-fail-step", c.debug.faults.fail_step, int64_t{-1}, kMaxSteps);
   require_in("--debug-fail-rank", int64_t{c.debug.faults.fail_rank}, int64_t{-1}, kMaxRanks);
   require_in("--debug-overflow-step", c.debug.faults.overflow_step, int64_t{-1}, kMaxSteps);

@@ -68,6 +68,10 @@ DeepSpeedOptions read_deepspeed_config(const std::string& path) {
     std::string what = e.what();  // "[json.exception.parse_error.101] parse error at line 3, column 1: ..."
     if (const size_t colon = what.find(": "); colon != std::string::npos) what = what.substr(colon + 2);
     STRATA_THROW_INPUT("--deepspeed-config ", path, " line ", line, ": ", what, " (expected JSON)");
+  } catch (const json::exception& e) {  // out_of_range.406: a number past double's range (1e999)
+    std::string what = e.what();
+    if (const size_t space = what.find("] "); space != std::string::npos) what = what.substr(space + 2);
+    STRATA_THROW_INPUT("--deepspeed-config ", path, ": ", what, " (expected JSON)");
   } catch (const Error& e) {
     STRATA_THROW_INPUT("--deepspeed-config ", path, ": ", e.what(), " (expected a DeepSpeed config)");
   }
