@@ -9,11 +9,11 @@
 // little-endian (the interop tests' view of Strata's forward). One process, no MPI. Bad input:
 // one line on stderr, exit 2.
 #include <boost/program_options.hpp>
-#include <nlohmann/json.hpp>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
