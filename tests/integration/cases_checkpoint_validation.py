@@ -22,7 +22,10 @@ MUTANTS = ("fuzz-ck-0021.h5", "fuzz-ck-0028.h5")
 
 def flags(args, ck, steps):
     """The fixtures' model and data shape: an MLP of 16 on [1, 8, 8] inputs, 10 classes, SGD."""
-    data = write_dataset(os.path.join(args.workdir, "data.h5"), n=1024, shape=(1, 8, 8), classes=10, seed=4)
+    # Written once: a job the case holds paused may have it open (HDF5 locks it against writers).
+    data = os.path.join(args.workdir, "data.h5")
+    if not os.path.exists(data):
+        write_dataset(data, n=1024, shape=(1, 8, 8), classes=10, seed=4)
     return ["--model", "mlp", "--hidden", "16", "--data", data, "--global-batch", "32", "--optimizer", "sgd",
             "--lr", "0.05", "--seed", "3", "--checkpoint-dir", ck, "--steps", str(steps), "--save-every", "10"]
 
