@@ -11,26 +11,12 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "io/tensorboard.hpp"
 
 namespace {
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char esc[8];
-      std::snprintf(esc, sizeof esc, "\\u%04x", c);
-      out += esc;
-    } else {
-      out += c;  // UTF-8 passes as it is
-    }
-  }
-  return out + "\"";
-}
+using strata::trace::json_string;  // the trace files' escaping: one JSON string writer
 
 std::string json_number(double v) {
   if (std::isnan(v)) return "NaN";
