@@ -685,6 +685,24 @@ class Gpt(nn.Module):
         return p.dim() >= 2 and not name.startswith("wte/") and not name.startswith("wpe/")
 
 
+def lm_step(c, model, named, vocab, batch, seq_len):
+    """A language model's step on random tokens into case `c`: input, labels, logits, loss and
+    every parameter's gradient. Returns the input tokens and the labels."""
+    x = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
+    y = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
+    put(c, "input", x, np.int32)
+    put(c, "labels", y, np.int32)
+    logits = model(torch.tensor(x, dtype=torch.int64))
+    loss = F.cross_entropy(logits.view(-1, vocab), torch.tensor(y, dtype=torch.int64).view(-1))
+    loss.backward()
+    put(c, "logits", logits.detach().numpy())
+    put(c, "loss", loss.detach().numpy())
+    gg = c.create_group("grads")
+    for pname, p in named:
+        put(gg, pname, p.grad.numpy())
+    return x, y
+
+
 def gpt_cases(root):
     g = root.create_group("gpt")
     layers, heads, d, seq_len, vocab, batch, seed = 2, 2, 32, 16, 256, 2, 1234
@@ -700,18 +718,7 @@ def gpt_cases(root):
         pg = c.create_group("params")
         for pname, p in named:
             put(pg, pname, p.detach().numpy())
-        x = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
-        y = RNG.randint(0, vocab, (batch, seq_len)).astype(np.int32)
-        put(c, "input", x, np.int32)
-        put(c, "labels", y, np.int32)
-        logits = model(torch.tensor(x, dtype=torch.int64))
-        loss = F.cross_entropy(logits.view(-1, vocab), torch.tensor(y, dtype=torch.int64).view(-1))
-        loss.backward()
-        put(c, "logits", logits.detach().numpy())
-        put(c, "loss", loss.detach().numpy())
-        gg = c.create_group("grads")
-        for pname, p in named:
-            put(gg, pname, p.grad.numpy())
+        x, y = lm_step(c, model, named, vocab, batch, seq_len)
 
         # AdamW with nanoGPT's two parameter groups, from the same initial values.
         model.zero_grad(set_to_none=True)
@@ -882,18 +889,7 @@ def llama_cases(root):
                     put(ig, pname, strata_normal(seed, pname, tuple(p.shape), 0.02))
                     p.copy_(t_(randn(*p.shape, scale=0.3)))
                 put(pg, pname, p.detach().numpy())
-        x = RNG.randint(0, vocab, (batch, t)).astype(np.int32)
-        y = RNG.randint(0, vocab, (batch, t)).astype(np.int32)
-        put(c, "input", x, np.int32)
-        put(c, "labels", y, np.int32)
-        logits = model(torch.tensor(x, dtype=torch.int64))
-        loss = F.cross_entropy(logits.view(-1, vocab), torch.tensor(y, dtype=torch.int64).view(-1))
-        loss.backward()
-        put(c, "logits", logits.detach().numpy())
-        put(c, "loss", loss.detach().numpy())
-        gg = c.create_group("grads")
-        for pname, p in named:
-            put(gg, pname, p.grad.numpy())
+        lm_step(c, model, named, vocab, batch, t)
 
 
 def t_(a):
