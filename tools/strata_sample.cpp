@@ -51,13 +51,8 @@ struct Options {
 
 // The `config` attribute's "key = value" lines.
 std::map<std::string, std::string> parse_config_text(const std::string& text) {
-  std::map<std::string, std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    const size_t eq = line.find(" = ");
-    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 3);
-  }
-  return out;
+  const auto entries = io::config_entries(text);
+  return {entries.begin(), entries.end()};
 }
 
 int64_t to_int(const std::map<std::string, std::string>& config, const std::string& key, const std::string& path) {

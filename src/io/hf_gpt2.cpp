@@ -79,13 +79,8 @@ std::string torch_dtype_of(const std::string& safetensors_dtype) {
 
 // The checkpoint's `config` attribute's "key = value" lines.
 std::map<std::string, std::string> config_lines(const std::string& text) {
-  std::map<std::string, std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    const size_t eq = line.find(" = ");
-    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 3);
-  }
-  return out;
+  const auto entries = config_entries(text);
+  return {entries.begin(), entries.end()};
 }
 
 // A gpt checkpoint's model: its options (from `config`, presets resolved, and the tensors' shapes)

@@ -56,11 +56,7 @@ std::optional<train::Config> with_model_of_checkpoint(const train::Config& confi
   recorded.resize(static_cast<size_t>(size));
   MPI_Bcast(recorded.data(), static_cast<int>(size), MPI_CHAR, 0, MPI_COMM_WORLD);
   std::vector<std::string> extra;
-  std::istringstream lines(recorded);
-  for (std::string line; std::getline(lines, line);) {
-    const size_t eq = line.find(" = ");
-    if (eq == std::string::npos) continue;
-    const std::string key = line.substr(0, eq), value = line.substr(eq + 3);
+  for (const auto& [key, value] : io::config_entries(recorded)) {
     if (std::find(std::begin(kModelOptions), std::end(kModelOptions), key) == std::end(kModelOptions)) continue;
     if (key == "model" && given("model") && value != config.model.name)
       STRATA_THROW_INPUT("--init-from ", config.checkpoint.init_from, " holds a --model ", value,

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 
 #include "io/checkpoint/directory.hpp"
 
@@ -320,6 +321,15 @@ void CheckpointReader::verify() const {
     const Tensor t = Tensor::empty(shape(name), dtype(name));
     read_tensor(name, t);
   }
+}
+
+std::vector<std::pair<std::string, std::string>> config_entries(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (const size_t eq = line.find(" = "); eq != std::string::npos)
+      out.emplace_back(line.substr(0, eq), line.substr(eq + 3));
+  return out;
 }
 
 }  // namespace strata::io

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -115,6 +116,9 @@ class CheckpointReader {
   h5::File file_;
   bool has_manifest_ = false;
 };
+
+// The root `config` attribute's "key = value" lines (the run's options), in their order.
+std::vector<std::pair<std::string, std::string>> config_entries(const std::string& text);
 
 // Selects elements [begin, end) of the shard `local` split as `split` in `space`, the dataspace
 // of the full tensor (a union of hyperslabs; all of a scalar).
