@@ -19,14 +19,21 @@ configure() {  # configure <dir> <sanitizer flags>
     -DCMAKE_EXE_LINKER_FLAGS="$2" -DCMAKE_SHARED_LINKER_FLAGS="$2" >/dev/null
 }
 
-# The targets that CTest's `unit` and `mpi` tests run: the GoogleTest binaries are named as
-# their tests (less an _npN suffix for the rank count); the python checks run strata-data.
+# The targets that CTest's `unit` and `mpi` tests run: the GoogleTest binaries, named as their
+# tests (less an _npN suffix for the rank count), and every word of a test's command line that is
+# a file of the build tree (the tools the python checks are handed: strata-data, strata-events).
+# CTest lists a test's command only once its executable exists, hence the names as well.
 test_targets() {  # test_targets <dir>
   local all
   all=$(cmake --build "$1" --target help | sed -n 's/^\.\.\. \([^ ]*\).*/\1/p')
-  ctest --test-dir "$1" -N -L '^(unit|mpi)$' | sed -n 's/^ *Test *#[0-9]*: \([^ ]*\).*/\1/p' |
-    sed 's/_np[0-9]*$//' | sort -u | grep -Fxf <(echo "$all")
-  echo strata-data
+  ctest --test-dir "$1" -N -L '^(unit|mpi)$' --show-only=json-v1 | python3 -c '
+import json, os, re, sys
+build = os.path.realpath(sys.argv[1])
+for test in json.load(sys.stdin)["tests"]:
+    print(re.sub(r"_np[0-9]+$", "", test["name"]))
+    for word in test.get("command", []):
+        if os.path.realpath(word).startswith(build + os.sep):
+            print(os.path.basename(word))' "$1" | sort -u | grep -Fxf <(echo "$all")
 }
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

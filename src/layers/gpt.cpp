@@ -2,6 +2,9 @@
 // gpt_attention.cpp).
 #include "layers/gpt.hpp"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/rng.hpp"
 #include "layers/gpt_shared.hpp"
 
@@ -58,9 +61,7 @@ Embedding::Embedding(std::string name, int64_t vocab, int64_t max_positions, int
   STRATA_REQUIRE(vocab > 0 && max_positions > 0 && embed > 0, "embedding sizes must be positive, found vocab ", vocab,
                  ", positions ", max_positions, ", width ", embed);
   if (tp_) {
-    STRATA_REQUIRE(vocab % tp_->size() == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ",
-                   tp_->size());
-    local_vocab_ = vocab / tp_->size();
+    local_vocab_ = rows_per_piece(vocab, tp_->size());
     first_token_ = tp_->rank() * local_vocab_;
   }
 }
@@ -80,7 +81,7 @@ Shape Embedding::output_shape(const Shape& input) const {
 std::vector<ParamSpec> Embedding::param_specs() const {
   std::vector<ParamSpec> specs{normal(kTokenWeight, {local_vocab_, embed_}, kGptInitStd, true)};
   if (positions_) specs.push_back(normal("wpe/weight", {max_positions_, embed_}, kGptInitStd, true));
-  if (tp_) specs[0].split = {tp_->size(), tp_->rank(), 0, 1};
+  if (tp_) specs[0].split = row_split(tp_->size(), tp_->rank(), vocab_);
   return specs;
 }
 
@@ -346,11 +347,7 @@ void LMHead::use_copy(Tensor w, Tensor dw) {
 
 LMHead::LMHead(std::string name, int64_t embed, int64_t vocab, const Embedding* tie_to, TensorParallelGroup* tp)
     : Layer(std::move(name)), embed_(embed), vocab_(vocab), tp_(splitting(tp)), local_vocab_(vocab), tied_(tie_to) {
-  if (tp_) {
-    STRATA_REQUIRE(vocab % tp_->size() == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ",
-                   tp_->size());
-    local_vocab_ = vocab / tp_->size();
-  }
+  if (tp_) local_vocab_ = rows_per_piece(vocab, tp_->size());
   if (tie_to)
     STRATA_CHECK(tie_to->embed() == embed && tie_to->vocab() == vocab && tie_to->tensor_parallel() == tp_,
                  "tied head (", embed, " -> ", vocab, tp_ ? ", tensor-parallel" : "", ") does not fit the embedding ",
@@ -373,7 +370,7 @@ Shape LMHead::output_shape(const Shape& input) const {
 std::vector<ParamSpec> LMHead::param_specs() const {
   if (tied_) return {};
   std::vector<ParamSpec> specs{normal("weight", {local_vocab_, embed_}, kGptInitStd, false)};
-  if (tp_) specs[0].split = {tp_->size(), tp_->rank(), 0, 1};
+  if (tp_) specs[0].split = row_split(tp_->size(), tp_->rank(), vocab_);
   return specs;
 }
 
@@ -390,7 +387,12 @@ std::vector<GradientPiece> LMHead::gradient_pieces(int64_t max_elements) const {
 const Tensor& LMHead::weight() const { return tied_ && !copy_ ? tied_->wte() : w_; }
 const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte() : dw_; }
 
-int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * local_vocab_; }
+int64_t LMHead::real_columns() const {
+  return tp_ ? std::clamp<int64_t>(vocab_ - tp_->rank() * local_vocab_, 0, local_vocab_) : local_vocab_;
+}
+
+// The real tokens' logits only: the group's sum is the whole model's, padding or not.
+int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * real_columns(); }
 
 Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   const Tensor& w = weight();
@@ -398,6 +400,17 @@ Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   const Tensor x2 = x.reshape({x.numel() / embed_, embed_});
   Tensor y = Tensor::empty({x2.dim(0), local_vocab_}, x.dtype(), x.device());
   ops::gemm(x2, false, w, true, y);  // (N, D) @ (V, D)^T: with tp, this rank's columns of the logits
+  if (const int64_t real = real_columns(); real < local_vocab_) {
+    if (!padding_mask_.defined() || padding_mask_.dtype() != y.dtype() || padding_mask_.device() != y.device()) {
+      padding_mask_ = Tensor::empty({local_vocab_}, y.dtype(), y.device());
+      if (!y.device().is_meta()) {
+        const Tensor mask = Tensor::zeros({local_vocab_});
+        std::fill(mask.data<float>() + real, mask.data<float>() + local_vocab_, -INFINITY);
+        ops::copy(mask, padding_mask_);
+      }
+    }
+    ops::add_bias(y, padding_mask_);
+  }
   if (info.mode == Mode::Train) ctx.saved = {x2};
   ctx.input_shape = x.shape();
   Shape out = x.shape();

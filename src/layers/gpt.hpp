@@ -26,12 +26,14 @@ constexpr double kGptInitStd = 0.02;
 // tokens i32 (B, T) -> wte[token] + wpe[t] (B, T, D); per-sample shape {T} -> {T, D}, T <= Tmax.
 // Parameters "wte/weight" (V, D) and "wpe/weight" (Tmax, D), named at model level
 // (param_prefix() is empty). No input gradient (tokens are not differentiable).
-// Vocabulary-parallel (tp): rank r holds wte rows [r V/T, (r+1) V/T) and wpe whole; it looks up
-// the tokens it holds (zero for the others; wpe added on rank 0 only) and the ranks' outputs
-// are all-reduced. Backward is local: dwte for its rows, dwpe on every rank (the same values).
+// Vocabulary-parallel (tp): rank r holds wte rows [r P, (r+1) P), P = ceil(V / T), and wpe whole;
+// it looks up the tokens it holds (zero for the others; wpe added on rank 0 only) and the
+// ranks' outputs are all-reduced. Backward is local: dwte for its rows, dwpe on every rank (the
+// same values). When T does not divide V the last ranks' rows past V are padding (Megatron's
+// padded vocabulary): zero, never looked up, and not in the checkpoint (layers::row_split).
 class Embedding final : public Layer {
  public:
-  // vocab is the full vocabulary; with tp it must be divisible by tp->size() (checked).
+  // vocab is the full vocabulary (any size: with tp, padded to whole pieces).
   // positions false: no wpe (a model with rotary positions, Llama); T is still at most max_positions.
   Embedding(std::string name, int64_t vocab, int64_t max_positions, int64_t embed, TensorParallelGroup* tp = nullptr,
             bool positions = true);
@@ -221,10 +223,11 @@ class TransformerBlock final : public Layer {
 // stages; ZeRO 2/3, which rebind the Embedding's views bucket by bucket / layer by layer),
 // parallel::TiedEmbedding gives the head a copy of wte and of its gradient (use_copy) and keeps
 // the two in step.
-// Vocabulary-parallel (tp): the weight is this rank's V/T rows (its own, split along dim 0, or
-// the tied embedding's rows: the same tokens), the output its slice of the logits (B, T, V/T),
-// columns [r V/T, (r+1) V/T) (SoftmaxCrossEntropy with the same group takes them); backward
-// all-reduces dx.
+// Vocabulary-parallel (tp): the weight is this rank's P = ceil(V / T) rows (its own, split along
+// dim 0, or the tied embedding's rows: the same tokens), the output its slice of the logits
+// (B, T, P), columns [r P, (r+1) P) (SoftmaxCrossEntropy with the same group takes them);
+// backward all-reduces dx. A padding row's logit is -inf: softmax gives it probability 0, so
+// its gradient is 0 and the loss, the argmax and sampling are those of the V real tokens.
 class LMHead final : public Layer, public TiedWeight {
  public:
   // vocab is the full vocabulary; a tied head must have the embedding's group.
@@ -258,12 +261,14 @@ class LMHead final : public Layer, public TiedWeight {
  private:
   const Tensor& weight() const;
   const Tensor& weight_grad() const;
+  int64_t real_columns() const;  // this rank's logits of real tokens (the rest are padding)
   int64_t embed_, vocab_;
   TensorParallelGroup* tp_;
   int64_t local_vocab_;
   const Embedding* tied_;
   bool copy_ = false;
   Tensor w_, dw_;
+  Tensor padding_mask_;  // 0 per real token, -inf per padding row, in the logits' dtype and device
 };
 
 }  // namespace strata::layers

@@ -18,13 +18,14 @@ Model::Model(std::vector<LayerPtr> layers, Shape input_shape, int num_classes, T
     trainable_.push_back(std::any_of(specs.begin(), specs.end(), [](const ParamSpec& s) { return s.trainable; }));
   }
   // A classifier's output is (K); a language model's (T, V), its classes the vocabulary; with
-  // tp, this rank's slice (T, V / T).
+  // tp, this rank's slice (T, ceil(V / T)) (the last slices padded).
   const Shape& out = shapes_.back();
   const bool sequence = !shapes_.front().empty() && out.size() == 2 && out[0] == shapes_.front()[0];
   if (tp_) {
-    STRATA_REQUIRE(sequence && out[1] * tp_->size() == num_classes, "the tensor-parallel model's output shape is ",
-                   shape_str(out), " but a vocabulary slice of ", num_classes, " tokens over --tp ", tp_->size(),
-                   " needs [", shapes_.front().empty() ? 0 : shapes_.front()[0], ", ", num_classes / tp_->size(), "]");
+    const int64_t slice = rows_per_piece(num_classes, tp_->size());
+    STRATA_REQUIRE(sequence && out[1] == slice, "the tensor-parallel model's output shape is ", shape_str(out),
+                   " but a vocabulary slice of ", num_classes, " tokens over --tp ", tp_->size(), " needs [",
+                   shapes_.front().empty() ? 0 : shapes_.front()[0], ", ", slice, "]");
     return;
   }
   STRATA_REQUIRE(out == Shape{num_classes} || (sequence && out[1] == num_classes), "the model's output shape is ",

@@ -21,6 +21,10 @@ void check_split(const Shape& local, const TensorSplit& split) {
                " of a shard ", shape_str(local));
   STRATA_CHECK(local[split.dim] % split.segments == 0, "a shard ", shape_str(local), " does not hold ", split.segments,
                " equal segments along dimension ", split.dim);
+  if (split.extent > 0)
+    STRATA_CHECK(split.dim == 0 && split.segments == 1 && split.replicas == 1 &&
+                     local[0] == rows_per_piece(split.extent, split.parts),
+                 "a shard ", shape_str(local), " of ", split.extent, " rows padded over ", split.parts, " pieces");
 }
 
 // Copies the shard's runs: for each outer index (the dimensions before `dim`) and segment, the
@@ -41,6 +45,8 @@ void copy_runs(const Tensor& full, const TensorSplit& split, const Tensor& local
   const int64_t piece = s[split.dim] / split.segments;  // rows of one segment this rank holds
   const int64_t segment = piece * split.pieces();       // rows of one segment in the full tensor
   const int64_t run = piece * inner;                    // contiguous elements per copy
+  // Padding rows (the shard's tail, with extent) are copied from nowhere: zeroed in the shard.
+  const int64_t stored = stored_elements(s, split);
   // Same dtype on the host: plain memcpy per run; otherwise ops::copy converts per run.
   const bool host = full.device().is_cpu() && local.device().is_cpu() && full.dtype() == local.dtype();
   const size_t esize = dtype_size(local.dtype());
@@ -48,14 +54,16 @@ void copy_runs(const Tensor& full, const TensorSplit& split, const Tensor& local
     for (int64_t g = 0; g < split.segments; ++g) {
       const int64_t at_local = (o * split.segments + g) * run;
       const int64_t at_full = ((o * split.segments + g) * segment + split.piece() * piece) * inner;
-      if (host) {
+      const int64_t n = std::clamp<int64_t>(stored - at_local, 0, run);
+      if (n > 0 && host) {
         char* l = static_cast<char*>(local.raw()) + at_local * esize;
         char* f = static_cast<char*>(full.raw()) + at_full * esize;
-        to_local ? std::memcpy(l, f, run * esize) : std::memcpy(f, l, run * esize);
-      } else {
-        const Tensor l = local.view(at_local, {run}), f = full.view(at_full, {run});
+        to_local ? std::memcpy(l, f, n * esize) : std::memcpy(f, l, n * esize);
+      } else if (n > 0) {
+        const Tensor l = local.view(at_local, {n}), f = full.view(at_full, {n});
         to_local ? ops::copy(f, l) : ops::copy(l, f);
       }
+      if (to_local && n < run) ops::fill(local.view(at_local + n, {run - n}), 0.0f);
     }
 }
 
@@ -104,6 +112,7 @@ std::vector<Box> shard_boxes(const Shape& local, const TensorSplit& split, int64
   check_split(local, split);
   STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
                shape_str(local));
+  end = std::max(begin, std::min(end, stored_elements(local, split)));
   std::vector<Box> boxes;
   std::vector<int64_t> prefix;
   decompose(local, prefix, begin, end, boxes);
@@ -131,6 +140,7 @@ std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const Te
   check_split(local, split);
   STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
                shape_str(local));
+  end = std::max(begin, std::min(end, stored_elements(local, split)));
   std::vector<std::pair<int64_t, int64_t>> runs;
   const auto add = [&](int64_t at, int64_t n) {
     if (!runs.empty() && runs.back().first + runs.back().second == at)
@@ -157,11 +167,30 @@ std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const Te
   return runs;
 }
 
+TensorSplit row_split(int parts, int index, int64_t rows) {
+  TensorSplit split{parts, index, 0, 1, 1, 0};
+  if (rows % parts != 0) split.extent = rows;
+  return split;
+}
+
+int64_t rows_per_piece(int64_t rows, int parts) { return (rows + parts - 1) / parts; }
+
 Shape full_shape(const Shape& local, const TensorSplit& split) {
   check_split(local, split);
   Shape full = local;
-  if (split.split()) full[split.dim] *= split.pieces();
+  if (split.extent > 0)
+    full[0] = split.extent;
+  else if (split.split())
+    full[split.dim] *= split.pieces();
   return full;
+}
+
+int64_t stored_elements(const Shape& local, const TensorSplit& split) {
+  check_split(local, split);
+  const int64_t numel = shape_numel(local);
+  if (split.extent == 0) return numel;
+  const int64_t rows = std::clamp<int64_t>(split.extent - split.index * local[0], 0, local[0]);
+  return local[0] == 0 ? 0 : numel / local[0] * rows;
 }
 
 void take_shard(const Tensor& full, const TensorSplit& split, const Tensor& local) {

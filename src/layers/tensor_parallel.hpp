@@ -31,12 +31,17 @@ class TensorParallelGroup {
 // attention when the group has more ranks than kv heads: Megatron's replication), so the
 // block is cut into parts / replicas pieces and rank `index` holds piece index / replicas; the
 // replicas' values are equal (their gradients are summed by the layer).
+// extent > 0: the full tensor has `extent` rows along dimension 0, fewer than the pieces hold
+// (a vocabulary that tp does not divide, Megatron's padded vocabulary): every rank holds
+// ceil(extent / parts) rows and the rows past `extent` are padding, zero and outside the full
+// tensor, so the last pieces are shorter. Only whole rows (dim 0, one segment, no replicas).
 struct TensorSplit {
   int parts = 1;
   int index = 0;
   int dim = 0;
   int segments = 1;
   int replicas = 1;
+  int64_t extent = 0;
   bool split() const { return parts > 1; }
   int pieces() const { return parts / replicas; }  // distinct pieces of each block
   int piece() const { return index / replicas; }   // the one this rank holds
@@ -44,8 +49,17 @@ struct TensorSplit {
   bool primary() const { return index % replicas == 0; }
 };
 
+// Rows [0, rows) of a tensor cut into `parts` pieces of whole rows, this rank's piece `index`:
+// even pieces, or ceil(rows / parts) each with the last ones padded (extent = rows).
+TensorSplit row_split(int parts, int index, int64_t rows);
+// The rows a piece of row_split(parts, *, rows) holds, padding included: ceil(rows / parts).
+int64_t rows_per_piece(int64_t rows, int parts);
+
 // The full tensor's shape for a shard of shape `local`.
 Shape full_shape(const Shape& local, const TensorSplit& split);
+// How many of the shard's first elements lie in the full tensor: all of them, or with padding
+// rows (extent) the rows before them. Padding is always the shard's tail.
+int64_t stored_elements(const Shape& local, const TensorSplit& split);
 // Copies between a full tensor and the shard `split` names (contiguous; any devices and float
 // dtypes, converted as ops::copy does; a plain memcpy per run on the host with one dtype):
 // take_shard fills `local` from `full`, put_shard writes `local` into its place in `full`.
@@ -53,10 +67,13 @@ Shape full_shape(const Shape& local, const TensorSplit& split);
 void take_shard(const Tensor& full, const TensorSplit& split, const Tensor& local);
 void put_shard(const Tensor& local, const TensorSplit& split, const Tensor& full);
 
+// With padding rows, take_shard zeroes them and put_shard leaves them out.
+
 // Where a part of a shard lies in the full tensor, for reading and writing it in place (a
 // parallel checkpoint: each rank its own hyperslabs of the file's full tensors). The part is
 // elements [begin, end) of the shard (of shape `local`) in its row-major order, e.g. a ZeRO
-// shard's overlap with the entry.
+// shard's overlap with the entry; of a padded shard, only its elements before
+// stored_elements() (padding has no place in the full tensor), a prefix of the part.
 struct Box {
   std::vector<int64_t> start, count;  // per dimension of the full tensor
 };

@@ -120,8 +120,6 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
     const int64_t t_size = tp->size();
     STRATA_REQUIRE(spec.heads % t_size == 0, "--heads (", spec.heads, ") must be divisible by --tp (", t_size,
                    "): each rank computes whole heads");
-    STRATA_REQUIRE(vocab % t_size == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ", t_size,
-                   " (each rank holds V / tp rows of wte); pass --vocab ", (vocab + t_size - 1) / t_size * t_size);
   } else {
     tp = nullptr;
   }
@@ -183,8 +181,6 @@ Model build_llama(const ModelSpec& spec, const Shape& input, int classes, Tensor
                    ") must be divisible by --tp (", t_size,
                    ") or divide it (each kv head then on tp / kv-heads ranks)");
     STRATA_REQUIRE(ffn % t_size == 0, "--ffn-hidden (", ffn, ") must be divisible by --tp (", t_size, ")");
-    STRATA_REQUIRE(vocab % t_size == 0, "the vocabulary (", vocab, " tokens) must be divisible by --tp ", t_size,
-                   " (each rank holds V / tp rows of wte); pass --vocab ", (vocab + t_size - 1) / t_size * t_size);
   } else {
     tp = nullptr;
   }

@@ -259,6 +259,11 @@ std::string plan_report(const Config& config, const layers::Model& model,
      << ", optimizer " << config.training.optimizer.name << ", " << parallel::device_kind_name(config.runtime.device)
      << " " << precision_name(config.layout.precision) << " (loss scale " << scaler.describe() << "):\n"
      << g.describe();
+  if (const int64_t vocab = model.num_classes(); tp > 1 && vocab % tp != 0) {
+    const int64_t rows = layers::rows_per_piece(vocab, tp);
+    os << "\n  vocabulary of " << vocab << " tokens padded to " << rows * tp << " for --tp " << tp << " (" << rows
+       << " rows per rank; the " << rows * tp - vocab << " padding rows' logits are -inf, not saved)";
+  }
   for (size_t vs = 0; vs < stages.size(); ++vs) {
     const parallel::StageRange r = stages[vs];
     int64_t trainable = 0;

@@ -20,6 +20,7 @@ Tensor iota(const Shape& shape) {
 
 // The full tensor's flat index of shard element `i` (row-major), by coordinates: along `dim`,
 // local coordinate c is segment c / piece, row c % piece of that segment's piece `index`.
+// A padded split's rows at or past `extent` are in no place of the full tensor: -1.
 int64_t full_index(const Shape& local, const TensorSplit& s, int64_t i) {
   std::vector<int64_t> coord(local.size());
   for (size_t d = local.size(); d-- > 0;) {
@@ -29,9 +30,12 @@ int64_t full_index(const Shape& local, const TensorSplit& s, int64_t i) {
   const int64_t piece = local[s.dim] / s.segments;
   const int64_t c = coord[s.dim];
   coord[s.dim] = (c / piece) * piece * s.parts + s.index * piece + c % piece;
+  if (s.extent > 0 && coord[s.dim] >= s.extent) return -1;
   int64_t flat = 0;
-  for (size_t d = 0; d < local.size(); ++d)
-    flat = flat * (d == static_cast<size_t>(s.dim) ? local[d] * s.parts : local[d]) + coord[d];
+  for (size_t d = 0; d < local.size(); ++d) {
+    const int64_t size = d != static_cast<size_t>(s.dim) ? local[d] : s.extent > 0 ? s.extent : local[d] * s.parts;
+    flat = flat * size + coord[d];
+  }
   return flat;
 }
 
@@ -109,6 +113,47 @@ TEST(TensorSplit, ReplicatedAndConvertingCopies) {
     EXPECT_EQ(back.data<float>()[i], static_cast<float>(full_index({4, 3}, s, i))) << i;
 }
 
+// A vocabulary that the parts do not divide (row_split): every piece holds ceil(rows / parts)
+// rows, the last pieces' rows past the full tensor are padding, zeroed by take_shard and left
+// out by put_shard; the real rows still rebuild the full tensor exactly.
+TEST(TensorSplit, PaddedRowsAreZeroAndLeftOut) {
+  struct Case {
+    int64_t rows;
+    int parts;
+  };
+  for (const Case c : {Case{7, 3}, Case{9, 4}, Case{13, 4}, Case{8, 4}}) {
+    EXPECT_EQ(rows_per_piece(c.rows, c.parts), (c.rows + c.parts - 1) / c.parts);
+    const Shape full_shape_{c.rows, 3};
+    const Shape local{rows_per_piece(c.rows, c.parts), 3};
+    const Tensor full = iota(full_shape_);
+    Tensor rebuilt = Tensor::zeros(full_shape_);
+    int64_t stored_total = 0;
+    for (int index = 0; index < c.parts; ++index) {
+      const TensorSplit s = row_split(c.parts, index, c.rows);
+      EXPECT_EQ(s.extent, c.rows % c.parts ? c.rows : 0);
+      ASSERT_EQ(shape_str(full_shape(local, s)), shape_str(full_shape_));
+      const Tensor shard = Tensor::empty(local);
+      ops::fill(shard, -1.0f);
+      take_shard(full, s, shard);
+      const int64_t stored = stored_elements(local, s);
+      stored_total += stored;
+      for (int64_t i = 0; i < shard.numel(); ++i) {
+        const int64_t at = full_index(local, s, i);
+        ASSERT_EQ(at >= 0, i < stored) << c.rows << " rows, piece " << index << " element " << i;
+        ASSERT_EQ(shard.data<float>()[i], at >= 0 ? static_cast<float>(at) : 0.0f)
+            << c.rows << " rows over " << c.parts << ", piece " << index << " element " << i;
+      }
+      ops::fill(shard.view(stored, {shard.numel() - stored}), 99.0f);  // padding must not land
+      put_shard(shard, s, rebuilt);
+    }
+    EXPECT_EQ(stored_total, full.numel());
+    for (int64_t i = 0; i < full.numel(); ++i) ASSERT_EQ(rebuilt.data<float>()[i], full.data<float>()[i]) << i;
+  }
+  // The rows must be whole pieces of the padded split.
+  EXPECT_THROW(full_shape({2, 3}, row_split(3, 0, 7)), Error);
+  EXPECT_THROW(full_shape({3, 3}, TensorSplit{3, 0, 1, 1, 1, 7}), Error);  // rows only
+}
+
 TEST(TensorSplit, ShapeMismatchesAreRefused) {
   const Tensor full = iota({8, 4});
   EXPECT_THROW(take_shard(full, {2, 0, 0, 1}, Tensor::empty({4, 2})), Error);  // wrong dimension split
@@ -133,14 +178,18 @@ TEST(TensorSplit, BoxesAndRunsOfAPart) {
       {{2, 6, 5}, {2, 0, 1, 3}},
       {{2, 3, 4}, {4, 3, 2, 2}},
       {{3, 2, 4}, {2, 1, 0, 1}},
+      {{3, 4}, row_split(3, 1, 7)},  // padded rows (a vocabulary tp does not divide): none here
+      {{3, 4}, row_split(3, 2, 7)},  // one real row, two padding rows
+      {{3, 2}, row_split(4, 3, 9)},  // only padding
   };
   for (const Case& c : cases) {
     const Shape full = full_shape(c.local, c.split);
     const int64_t n = shape_numel(c.local);
     for (int64_t begin = 0; begin <= n; ++begin)
       for (int64_t end = begin; end <= n; ++end) {
-        std::vector<int64_t> expected;
-        for (int64_t i = begin; i < end; ++i) expected.push_back(full_index(c.local, c.split, i));
+        std::vector<int64_t> expected;  // padding (-1) is the shard's tail and has no place
+        for (int64_t i = begin; i < end; ++i)
+          if (const int64_t at = full_index(c.local, c.split, i); at >= 0) expected.push_back(at);
         const auto where = [&] {
           return shape_str(c.local) + " [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
         };

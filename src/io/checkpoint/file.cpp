@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "core/ops.hpp"
 #include "io/checkpoint/directory.hpp"
 
 namespace strata::io {
@@ -231,13 +232,16 @@ void CheckpointReader::read_part(const std::string& name, const Shape& local, co
     if (n > 0) out.copy_from(shard.view(begin, {n}));
     return;
   }
-  if (n == 0) return;
+  // A padded shard's rows past the full tensor (its tail) are not in the file: zeros.
+  const int64_t stored = std::clamp<int64_t>(layers::stored_elements(local, split) - begin, 0, n);
+  if (stored < n) ops::fill(out.view(stored, {n - stored}), 0.0f);
+  if (stored == 0) return;
   h5::DataSet ds = open_tensor(name);
   STRATA_REQUIRE(dtype(name) == DType::F32, "checkpoint '", path_, "': tensor '", name, "' holds ",
                  dtype_name(dtype(name)), " but the model expects float32");
   h5::Space space(H5_CHECK(H5Dget_space(ds), "space of ", name));
   select_part(space, local, split, begin, end);
-  const auto size = static_cast<hsize_t>(n);
+  const auto size = static_cast<hsize_t>(stored);
   h5::Space mem(H5_CHECK(H5Screate_simple(1, &size, nullptr), "memory space"));
   H5_CHECK(H5Dread(ds, H5T_NATIVE_FLOAT, mem, space, H5P_DEFAULT, out.raw()), "reading part of ", name, " from ",
            path_);
