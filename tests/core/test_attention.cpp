@@ -426,7 +426,17 @@ TEST(Embedding, VocabularySlicesAddUpToTheWholeTable) {
   Tensor yr = Tensor::empty({B, T, D});
   EXPECT_THROW(ops::embedding_forward(tokens, wte.slice(0, rows), Tensor(), yr, 0, V), Error);
   tokens.data<int32_t>()[3] = 0;
-  EXPECT_THROW(ops::embedding_forward(tokens, wte.slice(0, rows), Tensor(), yr, V - rows + 1, V), Error);  // past V
+  EXPECT_THROW(ops::embedding_forward(tokens, wte.slice(0, rows), Tensor(), yr, -1, V), Error);
+  // A padded last slice (a vocabulary tp does not divide) ends past V: its rows past V are
+  // never looked up, and its real rows are as in the whole table.
+  const Tensor padded = Tensor::zeros({rows, D});
+  ops::copy(wte.slice(V - rows + 1, V), padded.slice(0, rows - 1));
+  Tensor whole = Tensor::empty({B, T, D}), tail = Tensor::empty({B, T, D});
+  const Tensor last = Tensor::zeros({V, D});
+  ops::copy(wte.slice(V - rows + 1, V), last.slice(V - rows + 1, V));
+  ops::embedding_forward(tokens, last, Tensor(), whole);
+  ops::embedding_forward(tokens, padded, Tensor(), tail, V - rows + 1, V);
+  EXPECT_TRUE(bit_equal(tail, whole));
 }
 
 TEST(Embedding, TokenOutsideTheVocabularyIsAnInputError) {
