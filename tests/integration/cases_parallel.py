@@ -410,10 +410,12 @@ def case_shm_two_signals(args):
     second = "error: a second stop signal: exiting at once, without saving (exit code 4)"
 
     # (1) Mid-training.
-    metrics = os.path.join(w, "metrics.jsonl")
+    # Names of its own in the work folder that every case shares (cases_cli's run writes
+    # metrics.jsonl there, and CTest runs the two side by side).
+    metrics = os.path.join(w, "shm-two-signals.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck1"), "--metrics", metrics],
+    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck-shm1"), "--metrics", metrics],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
         time.sleep(0.01)
@@ -442,7 +444,7 @@ def case_shm_two_signals(args):
     # name before the peer was stopped (a busy machine) tests nothing: up to 3 runs.
     for attempt in range(1, 4):
         cmd = mpirun + [("4096,4096" if f == "2048,2048" else f) for f in flags] + [
-            "--checkpoint-dir", os.path.join(w, "ck2")]
+            "--checkpoint-dir", os.path.join(w, "ck-shm2")]
         tested, rc, err, ranks, jobs = signal_while_named(args, cmd, env)
         left = remove_leftovers(ranks, jobs)
         if tested:
@@ -457,7 +459,7 @@ def case_shm_two_signals(args):
     # (3) Ctrl-C twice to mpirun.
     if os.path.exists(metrics):
         os.remove(metrics)
-    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck3"), "--metrics", metrics],
+    p = subprocess.Popen(mpirun + flags + ["--checkpoint-dir", os.path.join(w, "ck-shm3"), "--metrics", metrics],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0) and p.poll() is None:
         time.sleep(0.01)
