@@ -247,6 +247,16 @@ layers::ModelSpec tiny_gpt(float dropout, const std::string& attention, bool tie
   return s;
 }
 
+// MFU's numerator and the partition's costs: the shards' FLOPs add up to the whole model's,
+// layer by layer.
+void expect_shard_flops_add_up(World& world, const layers::Model& whole, const layers::Model& split) {
+  for (size_t i = 0; i < whole.size(); ++i) {
+    int64_t shards = split.layer(i).flops(split.shape(i));
+    MPI_Allreduce(MPI_IN_PLACE, &shards, 1, MPI_INT64_T, MPI_SUM, world.comm->comm());
+    EXPECT_EQ(shards, whole.layer(i).flops(whole.shape(i))) << whole.layer(i).name();
+  }
+}
+
 Tensor tokens(int shift, int vocab = kVocab) {
   Tensor t = Tensor::empty({kBatch, kSeq}, DType::I32);
   for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = static_cast<int32_t>((i * 7 + shift + i / 5) % vocab);
@@ -313,13 +323,7 @@ TEST(TensorParallelGpt, MatchesTheWholeModel) {
           // Per block: c_attn weight and bias, attn c_proj weight, c_fc weight and bias, mlp
           // c_proj weight; wte; lm_head when untied.
           EXPECT_EQ(split_entries, 6 * spec.layers + 1 + (tied ? 0 : 1));
-          // MFU's numerator and the partition's costs: the shards' FLOPs add up to the whole
-          // model's, layer by layer.
-          for (size_t i = 0; i < whole.size(); ++i) {
-            int64_t shards = split.layer(i).flops(split.shape(i));
-            MPI_Allreduce(MPI_IN_PLACE, &shards, 1, MPI_INT64_T, MPI_SUM, world.comm->comm());
-            EXPECT_EQ(shards, whole.layer(i).flops(whole.shape(i))) << whole.layer(i).name();
-          }
+          expect_shard_flops_add_up(world, whole, split);
 
           const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
           const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
@@ -407,11 +411,7 @@ TEST(TensorParallelLlama, MatchesTheWholeModelIncludingReplicatedKvHeads) {
           replicated += e.split.replicas > 1;
         }
         EXPECT_EQ(replicated, kv < t ? 2 * spec.layers : 0) << "k_proj and v_proj of each block";
-        for (size_t i = 0; i < whole.size(); ++i) {
-          int64_t shards = split.layer(i).flops(split.shape(i));
-          MPI_Allreduce(MPI_IN_PLACE, &shards, 1, MPI_INT64_T, MPI_SUM, world.comm->comm());
-          EXPECT_EQ(shards, whole.layer(i).flops(whole.shape(i))) << whole.layer(i).name();
-        }
+        expect_shard_flops_add_up(world, whole, split);
 
         const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
         const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
