@@ -112,7 +112,7 @@ std::vector<Box> shard_boxes(const Shape& local, const TensorSplit& split, int64
   check_split(local, split);
   STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
                shape_str(local));
-  end = std::max(begin, std::min(end, stored_elements(local, split)));
+  end = begin + stored_part(local, split, begin, end);
   std::vector<Box> boxes;
   std::vector<int64_t> prefix;
   decompose(local, prefix, begin, end, boxes);
@@ -140,7 +140,7 @@ std::vector<std::pair<int64_t, int64_t>> shard_runs(const Shape& local, const Te
   check_split(local, split);
   STRATA_CHECK(0 <= begin && begin <= end && end <= shape_numel(local), "elements [", begin, ", ", end, ") of a shard ",
                shape_str(local));
-  end = std::max(begin, std::min(end, stored_elements(local, split)));
+  end = begin + stored_part(local, split, begin, end);
   std::vector<std::pair<int64_t, int64_t>> runs;
   const auto add = [&](int64_t at, int64_t n) {
     if (!runs.empty() && runs.back().first + runs.back().second == at)
@@ -191,6 +191,10 @@ int64_t stored_elements(const Shape& local, const TensorSplit& split) {
   if (split.extent == 0) return numel;
   const int64_t rows = std::clamp<int64_t>(split.extent - split.index * local[0], 0, local[0]);
   return local[0] == 0 ? 0 : numel / local[0] * rows;
+}
+
+int64_t stored_part(const Shape& local, const TensorSplit& split, int64_t begin, int64_t end) {
+  return std::clamp<int64_t>(stored_elements(local, split) - begin, 0, end - begin);
 }
 
 void take_shard(const Tensor& full, const TensorSplit& split, const Tensor& local) {

@@ -60,6 +60,8 @@ Shape full_shape(const Shape& local, const TensorSplit& split);
 // How many of the shard's first elements lie in the full tensor: all of them, or with padding
 // rows (extent) the rows before them. Padding is always the shard's tail.
 int64_t stored_elements(const Shape& local, const TensorSplit& split);
+// Of the part [begin, end) of the shard, how many (its first ones) lie in the full tensor.
+int64_t stored_part(const Shape& local, const TensorSplit& split, int64_t begin, int64_t end);
 // Copies between a full tensor and the shard `split` names (contiguous; any devices and float
 // dtypes, converted as ops::copy does; a plain memcpy per run on the host with one dtype):
 // take_shard fills `local` from `full`, put_shard writes `local` into its place in `full`.

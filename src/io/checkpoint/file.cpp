@@ -233,7 +233,7 @@ void CheckpointReader::read_part(const std::string& name, const Shape& local, co
     return;
   }
   // A padded shard's rows past the full tensor (its tail) are not in the file: zeros.
-  const int64_t stored = std::clamp<int64_t>(layers::stored_elements(local, split) - begin, 0, n);
+  const int64_t stored = layers::stored_part(local, split, begin, end);
   if (stored < n) ops::fill(out.view(stored, {n - stored}), 0.0f);
   if (stored == 0) return;
   h5::DataSet ds = open_tensor(name);

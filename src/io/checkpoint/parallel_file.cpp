@@ -84,7 +84,7 @@ void ParallelCheckpointFile::write(const std::string& name, const Shape& local, 
     const h5::Space space = h5::space_of(full, name);
     const h5::DataSet ds = h5::create_dataset(file_, name, H5T_IEEE_F32LE, space);
     // A padded shard's tail (rows past the full tensor) is not written.
-    const int64_t stored = std::clamp<int64_t>(layers::stored_elements(local, split) - begin, 0, n);
+    const int64_t stored = layers::stored_part(local, split, begin, end);
     const hsize_t mem_size = static_cast<hsize_t>(std::max<int64_t>(stored, 1));
     h5::Space mem(H5_CHECK(H5Screate_simple(1, &mem_size, nullptr), "memory space"));
     if (stored == 0) {
