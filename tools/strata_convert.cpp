@@ -1,4 +1,4 @@
-// strata-convert: Hugging Face GPT-2 checkpoints in and out (docs/formats.md, "Hugging Face").
+// strata-convert: Hugging Face GPT-2 and Llama checkpoints in and out (docs/formats.md, "Hugging Face").
 //   strata-convert import-hf --model-dir DIR --out FILE.h5
 //   strata-convert export-hf --checkpoint FILE.h5 --out DIR [--shard-size 5GB] [--dtype F32|BF16|F16]
 //                            [--tokenizer DATA|tokenizer.json|none]
@@ -21,7 +21,7 @@
 
 #include "core/error.hpp"
 #include "core/ops.hpp"
-#include "io/hf_gpt2.hpp"
+#include "io/hf_convert.hpp"
 
 namespace po = boost::program_options;
 using namespace strata;
@@ -84,7 +84,7 @@ int run(int argc, char** argv) {
   desc.add_options()
     ("help,h", "print this help and exit")
     ("model-dir", po::value(&model_dir), "import-hf: a Hugging Face model directory (config.json, safetensors)")
-    ("checkpoint", po::value(&checkpoint), "export-hf, logits: a Strata gpt checkpoint (.h5)")
+    ("checkpoint", po::value(&checkpoint), "export-hf, logits: a Strata gpt or llama checkpoint (.h5)")
     ("out", po::value(&out), "import-hf: the checkpoint to write; export-hf: the directory; logits: the file")
     ("shard-size", po::value(&shard_size)->default_value("5GB"), "export-hf: the largest safetensors shard")
     ("dtype", po::value(&dtype), "export-hf: F32 | BF16 | F16 (default: the checkpoint's precision)")
@@ -111,19 +111,19 @@ int run(int argc, char** argv) {
   if (command == "import-hf") {
     need("model-dir", model_dir);
     need("out", out);
-    io::import_hf_gpt2(model_dir, out);
+    io::import_hf(model_dir, out);
     std::printf("import-hf: %s -> %s in %.2f s\n", model_dir.c_str(), out.c_str(), seconds());
   } else if (command == "export-hf") {
     need("checkpoint", checkpoint);
     need("out", out);
-    const std::string tokenizer_note = io::export_hf_gpt2(checkpoint, out, parse_size(shard_size), dtype, tokenizer);
+    const std::string tokenizer_note = io::export_hf(checkpoint, out, parse_size(shard_size), dtype, tokenizer);
     std::printf("export-hf: %s -> %s in %.2f s; %s\n", checkpoint.c_str(), out.c_str(), seconds(),
                 tokenizer_note.c_str());
   } else if (command == "logits") {
     need("checkpoint", checkpoint);
     need("tokens", tokens);
     need("out", out);
-    const Tensor logits = io::gpt_checkpoint_logits(checkpoint, parse_tokens(tokens));
+    const Tensor logits = io::checkpoint_logits(checkpoint, parse_tokens(tokens));
     std::ofstream f(out, std::ios::binary);
     f.write(static_cast<const char*>(logits.raw()), static_cast<std::streamsize>(logits.nbytes()));
     STRATA_REQUIRE(f.good(), "cannot write --out '", out, "'");

@@ -27,6 +27,7 @@
 #include "core/ops.hpp"
 #include "io/checkpoint/directory.hpp"
 #include "io/checkpoint/file.hpp"
+#include "io/checkpoint/language_model.hpp"
 #include "io/checkpoint/run_state.hpp"
 #include "io/tokenizer.hpp"
 #include "io/tokens.hpp"
@@ -48,24 +49,6 @@ struct Options {
   uint64_t seed = 0;
   int threads = 1;
 };
-
-// The `config` attribute's "key = value" lines.
-std::map<std::string, std::string> parse_config_text(const std::string& text) {
-  const auto entries = io::config_entries(text);
-  return {entries.begin(), entries.end()};
-}
-
-int64_t to_int(const std::map<std::string, std::string>& config, const std::string& key, const std::string& path) {
-  const auto it = config.find(key);
-  STRATA_REQUIRE(it != config.end(), "checkpoint ", path, " records no '", key, "' in its config attribute");
-  try {
-    size_t used = 0;
-    const int64_t v = std::stoll(it->second, &used);
-    if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
-  STRATA_THROW_INPUT("checkpoint ", path, ": config ", key, " = '", it->second, "' is not an integer");
-}
 
 // The checkpoint file: CKPT itself, or a checkpoint directory's newest complete one.
 std::string checkpoint_file(const std::string& spec) {
@@ -118,43 +101,10 @@ int run(const Options& o) {
   ops::set_num_threads(o.threads);
   const io::CheckpointReader reader(checkpoint_file(o.checkpoint));
   const std::string& path = reader.path();
-  STRATA_REQUIRE(reader.has_attr("config"), "checkpoint ", path,
-                 " records no config attribute (the options of the run that saved it): cannot rebuild its model");
-  const std::map<std::string, std::string> config = parse_config_text(reader.attr_string("config"));
-  const auto model_it = config.find("model");
-  const std::string model_name = model_it != config.end() ? model_it->second : reader.attr_string("model");
-  layers::ModelSpec spec;
-  spec.name = model_name;
-  STRATA_REQUIRE(layers::is_language_model(spec), "checkpoint ", path, " holds a '", model_name,
-                 "' model; strata-sample generates text with gpt and llama models (or their presets)");
-  const bool llama = layers::is_llama(spec);
-
-  // The shapes the tensors have: positions (wpe's rows; a Llama's from its --seq-len, rotary
-  // positions having no table) and the padded vocabulary (wte's).
-  for (const char* t : {"model/wte/weight", "model/wpe/weight"})
-    STRATA_REQUIRE(reader.has(t) || (llama && std::string(t) == "model/wpe/weight"), "checkpoint ", path,
-                   " has no tensor ", t, " (is it a gpt checkpoint?)");
-  const int64_t vocab = reader.shape("model/wte/weight").at(0);
-  const int64_t positions = llama ? to_int(config, "seq-len", path) : reader.shape("model/wpe/weight").at(0);
-  STRATA_REQUIRE(positions > 0 || layers::resolve_preset(spec).seq_len > 0, "checkpoint ", path,
-                 ": its run took the context from its data (--seq-len 0); give the model's context in a checkpoint "
-                 "saved with --seq-len");
-  spec.layers = static_cast<int>(to_int(config, "layers", path));
-  spec.heads = static_cast<int>(to_int(config, "heads", path));
-  spec.embed = to_int(config, "embed", path);
-  spec.seq_len = positions > 0 ? positions : layers::resolve_preset(spec).seq_len;
-  spec.vocab = vocab;
-  if (llama) {
-    spec.kv_heads = static_cast<int>(to_int(config, "kv-heads", path));
-    spec.ffn_hidden = to_int(config, "ffn-hidden", path);
-    if (const auto it = config.find("rope-theta"); it != config.end()) spec.rope_theta = std::stod(it->second);
-    if (const auto it = config.find("rope-scaling"); it != config.end()) spec.rope_scaling = std::stod(it->second);
-  }
-  if (const auto it = config.find("tie-embeddings"); it != config.end()) spec.tie_embeddings = it->second == "true";
-  if (const auto it = config.find("attention"); it != config.end()) spec.attention = it->second;
-  if (const auto it = config.find("activation"); it != config.end()) spec.activation = it->second;
-  if (const auto it = config.find("norm-eps"); it != config.end()) spec.norm_eps = std::stof(it->second);
-  const int64_t classes = reader.has_attr("num_classes") ? reader.attr_int("num_classes") : vocab;
+  const io::LanguageModel m = io::language_model_of(reader);
+  const layers::ModelSpec& spec = m.spec;
+  const std::map<std::string, std::string>& config = m.config;
+  const int64_t classes = m.classes;
   const layers::Model model = layers::build_model(spec, {spec.seq_len}, static_cast<int>(classes));
   const layers::ParameterStore store(model, 0);
   for (const layers::ParamEntry& e : store.entries()) io::read_model_value(reader, e.name, e.trainable, store.value(e));

@@ -1,6 +1,6 @@
 // Hugging Face GPT-2 (transformers' GPT2LMHeadModel) <-> Strata's gpt model: the options
-// (config.json <-> the checkpoint's `config` attribute), the tensor names and layouts, and the two
-// streaming conversions strata-convert runs (one tensor in memory at a time).
+// (config.json <-> the checkpoint's `config` attribute) and the tensor names and layouts
+// (hf_convert.hpp runs the conversions).
 //
 // The map (HF name -> Strata name; HF's Conv1D stores weights (in, out), Strata's Linear (out, in),
 // so those are transposed; the fused c_attn is q | k | v along the outputs in both):
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "core/tensor.hpp"
+#include "io/hf_convert.hpp"
 
 namespace strata::io {
 
@@ -45,38 +45,9 @@ Gpt2Options parse_hf_gpt2_config(const std::string& text, const std::string& whe
 // ("float32", "bfloat16" or "float16") and bos/eos at the tokenizer's end-of-text `eot` (-1: none).
 std::string hf_gpt2_config_json(const Gpt2Options& o, const std::string& dtype, int32_t eot = -1);
 
-// One tensor of the map, for these options.
-struct Gpt2Tensor {
-  std::string hf, strata;  // "transformer.h.0.attn.c_attn.weight", "h0/attn/c_attn/weight"
-  Shape hf_shape;          // Strata's shape is hf_shape reversed when transposed, else the same
-  bool transposed = false;
-};
+// The model options as a checkpoint's `config` attribute records them (train's flags).
+std::string gpt2_strata_config(const Gpt2Options& o);
 // Every weight of the model, in HF's order (embeddings, blocks, ln_f, untied lm_head).
-std::vector<Gpt2Tensor> gpt2_tensor_map(const Gpt2Options& o);
-
-// A (rows, cols) host f32 tensor -> its (cols, rows) transpose (a new tensor).
-Tensor transpose_2d(const Tensor& m);
-
-// import-hf: the model directory `dir` (config.json; model.safetensors, or the shards named by
-// model.safetensors.index.json) -> the Strata checkpoint `out` (model tensors, f32, and the
-// model options in its `config` attribute, format_version 1: a model without training state,
-// for --init-from). Prints one line per shard. Input error (one line) on bad input.
-void import_hf_gpt2(const std::string& dir, const std::string& out);
-
-// export-hf: the Strata gpt checkpoint `checkpoint` -> `dir` (created): config.json and
-// model.safetensors, or shards of at most `shard_bytes` each (a tensor larger than that gets a
-// shard of its own, as transformers does) with model.safetensors.index.json. dtype "F32",
-// "BF16" or "F16"; empty: the checkpoint's precision (fp32 -> F32, bf16 -> BF16, fp16 -> F16).
-// With a Hugging Face tokenizer also tokenizer.json, tokenizer_config.json (AutoTokenizer loads
-// the directory) and config.json's bos/eos ids at its end-of-text token. `tokenizer`: token data
-// (a file, directory or glob of token shards) or a tokenizer.json; "" takes the training data the
-// checkpoint's config names when it is there and holds one (else no tokenizer files); "none":
-// none. Returns the line that says which tokenizer went with it (or why none).
-std::string export_hf_gpt2(const std::string& checkpoint, const std::string& dir, uint64_t shard_bytes,
-                           const std::string& dtype, const std::string& tokenizer = "");
-
-// The logits (T, V) of the gpt checkpoint's model over `tokens` (positions 0..T-1, T at most its
-// seq_len), computed by the full forward in eval mode on the CPU: what interop tests compare.
-Tensor gpt_checkpoint_logits(const std::string& checkpoint, const std::vector<int32_t>& tokens);
+std::vector<HfTensor> gpt2_tensor_map(const Gpt2Options& o);
 
 }  // namespace strata::io

@@ -171,8 +171,7 @@ Model build_llama(const ModelSpec& spec, const Shape& input, int classes, Tensor
   const int64_t vocab = spec.vocab > 0 ? spec.vocab : classes;
   STRATA_REQUIRE(vocab >= classes, "--vocab ", vocab, " is smaller than the data's vocabulary of ", classes, " tokens");
   STRATA_REQUIRE(vocab <= INT32_MAX, "--vocab ", vocab, " is too large");
-  // Llama's rule when not given: 2/3 of 4D, rounded up to a multiple of 256.
-  const int64_t ffn = spec.ffn_hidden > 0 ? spec.ffn_hidden : (8 * spec.embed / 3 + 255) / 256 * 256;
+  const int64_t ffn = llama_ffn_hidden(spec);
   if (tp != nullptr && tp->size() > 1) {
     const int t_size = tp->size();
     STRATA_REQUIRE(spec.heads % t_size == 0, "--heads (", spec.heads, ") must be divisible by --tp (", t_size,
@@ -271,6 +270,10 @@ bool ties_embeddings_by_default(const std::string& model) {
   for (const LlamaPreset& p : kLlamaPresets)
     if (model == p.name) return p.tied;
   return model != "llama";
+}
+
+int64_t llama_ffn_hidden(const ModelSpec& spec) {
+  return spec.ffn_hidden > 0 ? spec.ffn_hidden : (8 * spec.embed / 3 + 255) / 256 * 256;
 }
 
 ModelSpec resolve_preset(const ModelSpec& spec) {

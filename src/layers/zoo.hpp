@@ -48,6 +48,9 @@ const std::vector<std::string>& gpt_presets();
 // (and kv_heads, ffn_hidden, norm_eps, rope_theta, rope_scaling) set by resolve_preset likewise.
 const std::vector<std::string>& llama_presets();
 ModelSpec resolve_preset(const ModelSpec& spec);
+// A llama's SwiGLU hidden size: ffn_hidden, or Llama's rule when 0 (2/3 of 4 embed, rounded up
+// to a multiple of 256).
+int64_t llama_ffn_hidden(const ModelSpec& spec);
 // True for "gpt", "llama" and their presets: a language model, which reads token windows.
 bool is_language_model(const ModelSpec& spec);
 // True for "llama" and its presets.

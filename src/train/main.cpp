@@ -34,8 +34,9 @@ using namespace strata;
 namespace {
 
 // The options that shape a model: what --init-from takes from the checkpoint when not given.
-constexpr const char* kModelOptions[] = {"model", "hidden",  "depth", "width",          "layers",     "heads",
-                                         "embed", "seq-len", "vocab", "tie-embeddings", "activation", "norm-eps"};
+constexpr const char* kModelOptions[] = {
+    "model", "hidden",         "depth",      "width",    "layers",   "heads",      "embed",      "seq-len",
+    "vocab", "tie-embeddings", "activation", "norm-eps", "kv-heads", "ffn-hidden", "rope-theta", "rope-scaling"};
 
 // --init-from (fine-tuning, --eval-only) without --model: the model options the checkpoint
 // recorded (its `config` attribute), as if given after the others; with a --model other than the

@@ -1,4 +1,4 @@
-"""strata-convert against Hugging Face transformers (GPT-2), one case per CTest test:
+"""strata-convert against Hugging Face transformers (GPT-2, Llama), one case per CTest test:
 
 - fixture (Debian's python: numpy, h5py, torch): tests/fixtures/hf/ (made by transformers with
   tools/interop/make_gpt2_fixtures.py) -> import-hf -> `train --eval-only` gives transformers'
@@ -14,6 +14,14 @@
   (tanh GELU tied; exact GELU untied) -> export-hf -> from_pretrained logits equal Strata's within
   1e-5, the exact one's config says "gelu"; import -> export is bit-identical (safetensors' own
   reader).
+- llama_fixture (Debian's python): tests/fixtures/hf/llama-tiny/ (a LlamaForCausalLM with
+  grouped-query attention and Llama 3.1's rope scaling, made by tools/interop/make_llama_fixtures.py)
+  -> import-hf -> logits and `train --eval-only` loss (1 rank, tp 2) equal transformers' within
+  1e-5; the imported tensors are the safetensors' by name, untransposed; export-hf gives them back
+  bit for bit.
+- llama_live (label interop): a random Llama (GQA, tied and untied) made now -> import -> logits
+  equal transformers'; Strata-trained llamas (tp 2, kv heads 1 and 2, rope scaling) -> export-hf ->
+  from_pretrained logits equal Strata's within 1e-5.
 """
 import argparse
 import json
@@ -88,6 +96,15 @@ def strata_name(hf):
         name = f"h{m.group(1)}.{m.group(2)}"
     conv1d = re.search(r"(c_attn|c_proj|c_fc)\.weight$", name) is not None
     return name.replace(".", "/"), conv1d
+
+
+def llama_strata_name(hf):
+    """HF Llama name -> Strata name (nothing is transposed)."""
+    name = hf.removeprefix("model.").replace("embed_tokens.", "wte.")
+    m = re.match(r"layers\.(\d+)\.(.*)", name)
+    if m:
+        return f"layers.{m.group(1)}/" + m.group(2).replace(".", "/")
+    return name.replace(".", "/")
 
 
 def assert_imported(hf_tensors, ckpt):
@@ -447,6 +464,100 @@ def case_live(a):
         assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5), diff
 
 
+# ---- llama ---------------------------------------------------------------------------------------
+
+
+def case_llama_fixture(a):
+    w, src = a.workdir, os.path.join(FIXTURES, "llama-tiny")
+    ref = json.load(open(os.path.join(FIXTURES, "llama-reference.json")))
+    ids, t, windows, vocab = ref["ids"], ref["t"], ref["windows"], ref["vocab"]
+    ck = os.path.join(w, "llama-tiny.h5")
+    ok([a.convert, "import-hf", "--model-dir", src, "--out", ck])
+    hf_tensors = read_model_dir(src)
+    tensors, attrs = read_checkpoint(ck)
+    assert attrs["model"] == "llama" and "kv-heads = 2" in attrs["config"] and "rope-scaling = 8" in attrs["config"], attrs
+    assert sorted(tensors) == sorted(llama_strata_name(k) for k in hf_tensors), sorted(tensors)
+    for k, (dtype, shape, raw) in hf_tensors.items():
+        assert np.array_equal(tensors[llama_strata_name(k)], as_f32(dtype, shape, raw)), k
+    want_logits = np.load(os.path.join(FIXTURES, "llama-logits.npy"))
+    mine = strata_logits(a, ck, ids[:t], vocab)
+    print(f"llama-tiny: max |Strata - transformers| logits {np.abs(mine - want_logits).max():.3g}")
+    assert np.allclose(mine, want_logits, rtol=1e-5, atol=1e-5)
+    data = write_tokens(os.path.join(w, "llama-tokens.h5"), ids, vocab)
+    got = eval_loss(a, ck, data, windows, tag="llama-eval")
+    got_tp = eval_loss(a, ck, data, windows, 2, ["--tp", "2"], "llama-eval-tp")
+    print(f"llama-tiny: transformers loss {ref['loss']:.8f}, Strata {got:.8f} (tp 2 {got_tp:.8f})")
+    assert rel(got, ref["loss"]) <= 1e-5 and rel(got_tp, ref["loss"]) <= 1e-5
+    back = os.path.join(w, "llama-back")
+    shutil.rmtree(back, ignore_errors=True)
+    ok([a.convert, "export-hf", "--checkpoint", ck, "--out", back])
+    assert read_model_dir(back) == hf_tensors
+    exported = json.load(open(os.path.join(back, "config.json")))
+    assert exported["num_key_value_heads"] == 2 and exported["rope_scaling"]["factor"] == 8, exported
+
+
+def case_llama_live(a):
+    try:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        print(f"SKIP: {sys.executable} lacks transformers ({e})")
+        sys.exit(SKIP)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    w = a.workdir
+    vocab, t = 127, 16
+    ids = np.random.default_rng(5).integers(0, vocab, 4 * t + 1).tolist()
+    data = write_tokens(os.path.join(w, "llama-tokens.h5"), ids, vocab)
+
+    def hf_logits(model_dir):
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids[:t]])).logits[0].numpy()
+
+    # 1. Random Llamas (multi-query and grouped-query, tied and untied) -> import -> logits.
+    for kv, tie in ((1, True), (2, False)):
+        torch.manual_seed(11 + kv)
+        config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                             num_attention_heads=6, num_key_value_heads=kv, max_position_embeddings=t,
+                             rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=tie, initializer_range=0.1,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.2)
+        src = os.path.join(w, f"random-llama-{kv}")
+        shutil.rmtree(src, ignore_errors=True)
+        model.save_pretrained(src, safe_serialization=True)
+        ck = os.path.join(w, f"random-llama-{kv}.h5")
+        ok([a.convert, "import-hf", "--model-dir", src, "--out", ck])
+        theirs, mine = hf_logits(src), strata_logits(a, ck, ids[:t], vocab)
+        print(f"random llama (kv heads {kv}, tied {tie}): max |Strata - transformers| logits "
+              f"{np.abs(mine - theirs).max():.3g}")
+        assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+
+    # 2. Strata-trained llamas (tp 2; kv heads 1 replicated over tp, and 2 split) -> export-hf ->
+    # from_pretrained gives Strata's logits.
+    for kv, scaling, tie in ((1, "0", "true"), (2, "8", "false")):
+        run_dir = os.path.join(w, f"ck-llama-{kv}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ok([a.mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", a.train, "--model", "llama", "--layers", "2",
+            "--heads", "4", "--kv-heads", kv, "--embed", "32", "--ffn-hidden", "64", "--seq-len", t, "--vocab", vocab,
+            "--rope-theta", "10000", "--rope-scaling", scaling, "--tie-embeddings", tie, "--norm-eps", "1e-4",
+            "--data", data, "--steps", "6", "--global-batch", "4", "--optimizer", "adamw", "--lr", "0.01", "--tp", "2",
+            "--checkpoint-dir", run_dir])
+        trained = os.path.join(run_dir, "step-00000006.h5")
+        out = os.path.join(w, f"hf-llama-{kv}")
+        shutil.rmtree(out, ignore_errors=True)
+        ok([a.convert, "export-hf", "--checkpoint", trained, "--out", out])
+        theirs, mine = hf_logits(out), strata_logits(a, trained, ids[:t], vocab)
+        diff = np.abs(mine - theirs).max()
+        print(f"trained llama (kv heads {kv}, rope scaling {scaling}, tied {tie}): max |Strata - transformers| "
+              f"logits {diff:.3g}")
+        assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5), diff
+
+
 def main():
     cases = {k[5:]: v for k, v in globals().items() if k.startswith("case_")}
     p = argparse.ArgumentParser()
@@ -458,7 +569,7 @@ def main():
     p.add_argument("--workdir", required=True)
     p.add_argument("--interop-python", help="live: the python with transformers (re-runs this file with it)")
     a = p.parse_args()
-    if a.case == "live" and a.interop_python:  # run again by that python, without this flag
+    if a.case in ("live", "llama_live") and a.interop_python:  # run again by that python, without this flag
         if not os.path.exists(a.interop_python):
             print(f"SKIP: STRATA_INTEROP_PYTHON {a.interop_python} does not exist")
             sys.exit(SKIP)

@@ -1,8 +1,9 @@
 // safetensors: what the writer writes the reader reads back (F32 exactly, BF16/F16 rounded to
 // nearest even and widened exactly), the header as the format defines it, and damaged files
-// refused with one line; the GPT-2 map's shapes and transpose.
+// refused with one line; the GPT-2 and Llama maps' shapes, the transpose, and Llama's config.json.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include "core/dtype.hpp"
 #include "expect_error.hpp"
 #include "io/hf_gpt2.hpp"
+#include "io/hf_llama.hpp"
 #include "io/safetensors.hpp"
 
 namespace strata::io {
@@ -86,10 +88,10 @@ TEST(HfGpt2, MapAndTranspose) {
   o.embed = 8;
   o.layers = 2;
   o.heads = 2;
-  const std::vector<Gpt2Tensor> tied = gpt2_tensor_map(o);
+  const std::vector<HfTensor> tied = gpt2_tensor_map(o);
   EXPECT_EQ(tied.size(), 2u + 2 * 12 + 2);
   o.tie_embeddings = false;
-  const std::vector<Gpt2Tensor> untied = gpt2_tensor_map(o);
+  const std::vector<HfTensor> untied = gpt2_tensor_map(o);
   EXPECT_EQ(untied.back().hf, "lm_head.weight");
   EXPECT_EQ(untied[4].hf, "transformer.h.0.attn.c_attn.weight");
   EXPECT_EQ(untied[4].strata, "h0/attn/c_attn/weight");
@@ -106,6 +108,52 @@ TEST(HfGpt2, MapAndTranspose) {
                              "config.json");
       },
       {"'reorder_and_upcast_attn' is true"});
+}
+
+// A Llama 3.2-style config.json (transformers 4's rope keys, and 5's rope_parameters) -> the
+// options, the name map (grouped-query k/v of kv_heads x head_dim rows, nothing transposed) and
+// back; what Strata's llama does not compute is one line naming the key.
+TEST(HfLlama, ConfigMapAndRefusals) {
+  const std::string v4 = R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","vocab_size":100,
+    "hidden_size":32,"intermediate_size":80,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+    "max_position_embeddings":64,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":true,
+    "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+                    "original_max_position_embeddings":8192},"hidden_act":"silu","attention_bias":false})";
+  const LlamaOptions o = parse_hf_llama_config(v4, "config.json");
+  EXPECT_EQ(o.kv_heads, 2);
+  EXPECT_EQ(o.ffn_hidden, 80);
+  EXPECT_EQ(o.positions, 64);
+  EXPECT_DOUBLE_EQ(o.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(o.rope_scaling, 32.0);
+  EXPECT_TRUE(o.tie_embeddings);
+  const std::string v5 = R"({"model_type":"llama","vocab_size":100,"hidden_size":32,"intermediate_size":80,
+    "num_hidden_layers":2,"num_attention_heads":4,"rope_parameters":{"rope_type":"default","rope_theta":10000.0}})";
+  const LlamaOptions o5 = parse_hf_llama_config(v5, "config.json");
+  EXPECT_DOUBLE_EQ(o5.rope_theta, 10000.0);
+  EXPECT_EQ(o5.rope_scaling, 0);
+  EXPECT_EQ(o5.kv_heads, 4);
+  EXPECT_FALSE(o5.tie_embeddings);  // LlamaConfig's default
+
+  const std::vector<HfTensor> map = llama_tensor_map(o);
+  EXPECT_EQ(map.size(), 1u + 2 * 9 + 1);  // tied: no lm_head
+  EXPECT_EQ(map[2].hf, "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_EQ(map[2].strata, "layers.0/self_attn/k_proj/weight");
+  EXPECT_EQ(map[2].hf_shape, (Shape{16, 32}));  // 2 kv heads of 8
+  EXPECT_TRUE(std::none_of(map.begin(), map.end(), [](const HfTensor& t) { return t.transposed; }));
+  EXPECT_EQ(parse_hf_llama_config(hf_llama_config_json(o, "float32"), "out").rope_scaling, 32.0);
+
+  const auto refused = [&](const std::string& edit, const std::string& message) {
+    std::string text = v4;
+    text.insert(text.size() - 1, "," + edit);
+    test::expect_input_error([&] { parse_hf_llama_config(text, "config.json"); }, {message});
+  };
+  refused(R"("mlp_bias":true)", "'mlp_bias' is true");
+  refused(R"("hidden_act":"gelu")", "'hidden_act' is 'gelu'");
+  refused(R"("head_dim":16)", "'head_dim' is 16");
+  refused(R"("num_key_value_heads":3)", "'num_key_value_heads' (3) must divide 'num_attention_heads' (4)");
+  refused(R"("rope_scaling":{"rope_type":"yarn","factor":4.0})", "rope_type 'yarn' is not supported");
+  refused(R"("rope_scaling":{"rope_type":"llama3","factor":8.0,"high_freq_factor":2.0})",
+          "differs from Llama 3.1's low_freq_factor 1, high_freq_factor 4");
 }
 
 }  // namespace
