@@ -1,7 +1,7 @@
-// bench_gpt_step: tokens/s of full GPT training steps (zero grads, forward, cross-entropy over
-// every position, backward, AdamW step) on one fixed batch of random tokens, one process; the
-// counterpart of bench/torch_gpt_step.py (same model, batch, optimizer, warm-up and timing:
-// median of several timed windows). Two more modes, for bench/run_gpt_vs_torch.sh:
+// bench_gpt_step: tokens/s of full GPT (or Llama: --model llama) training steps (zero grads, forward, cross-entropy
+// over every position, backward, AdamW step) on one fixed batch of random tokens, one process; the counterpart of
+// bench/torch_gpt_step.py (same model, batch, optimizer, warm-up and timing: median of several timed windows). Two more
+// modes, for bench/run_gpt_vs_torch.sh:
 //   --attention-only  one causal attention forward+backward (Strata's flash or plain op) on
 //                     random (B, H, T, Dh) tensors: median time, and with --memory the peak
 //                     memory of one call (the allocator's high-water mark and the resident set's).
@@ -36,7 +36,9 @@ using bench::median;
 using bench::seconds_since;
 
 struct Options {
-  int layers = 4, heads = 4;
+  std::string model = "gpt";  // gpt | llama
+  int layers = 4, heads = 4, kv_heads = 0;
+  int64_t ffn_hidden = 0;
   int64_t embed = 256, seq_len = 256, batch = 8, vocab = 8192;
   std::string attention = "flash";
   int threads = 1;
@@ -59,7 +61,10 @@ Options parse(int argc, char** argv) {
   // clang-format off
   desc.add_options()
     ("help,h", "print this help")
+    ("model", bench::po::value(&o.model)->default_value(o.model), "gpt | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)")
     ("layers", bench::po::value(&o.layers)->default_value(o.layers), "transformer blocks")
+    ("kv-heads", bench::po::value(&o.kv_heads)->default_value(o.kv_heads), "llama: key/value heads (0: --heads)")
+    ("ffn-hidden", bench::po::value(&o.ffn_hidden)->default_value(o.ffn_hidden), "llama: the SwiGLU hidden size (0: Llama's rule)")
     ("heads", bench::po::value(&o.heads)->default_value(o.heads), "attention heads")
     ("embed", bench::po::value(&o.embed)->default_value(o.embed), "model width D")
     ("seq-len", bench::po::value(&o.seq_len)->default_value(o.seq_len), "tokens per window T")
@@ -91,6 +96,7 @@ Options parse(int argc, char** argv) {
   bench::require(o.steps > 0 && o.windows > 0 && o.threads > 0 && o.reps > 0 && o.warmup >= 0,
                  "steps, windows, threads, reps must be > 0", desc);
   bench::require(o.attention == "flash" || o.attention == "plain", "--attention must be flash or plain", desc);
+  bench::require(o.model == "gpt" || o.model == "llama", "--model must be gpt or llama", desc);
   return o;
 }
 
@@ -134,7 +140,11 @@ double flops_per_token(int64_t params, const Options& o) {
 // random tokens: x a window, y the same stream shifted by one.
 std::unique_ptr<bench::StepBench> make_bench(const Options& o) {
   layers::ModelSpec spec;
-  spec.name = "gpt";
+  spec.name = o.model;
+  spec.kv_heads = o.kv_heads;
+  spec.ffn_hidden = o.ffn_hidden;
+  spec.rope_theta = 10000;  // as torch_models.Llama
+  spec.tie_embeddings = true;
   spec.layers = o.layers;
   spec.heads = o.heads;
   spec.embed = o.embed;
@@ -172,9 +182,9 @@ int run_steps(const Options& o) {
   const int64_t tokens = o.batch * o.seq_len;
   const double fpt = flops_per_token(params, o);
   std::printf(
-      "strata bench_gpt_step: gpt L%d H%d D%lld T%lld V%lld, %s attention, batch %lld (%lld tokens/step), AdamW, "
+      "strata bench_gpt_step: %s L%d H%d D%lld T%lld V%lld, %s attention, batch %lld (%lld tokens/step), AdamW, "
       "threads %d, %lld parameters; train's step (StageEngine)\n",
-      o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
+      o.model.c_str(), o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
       static_cast<long long>(o.vocab), o.attention.c_str(), static_cast<long long>(o.batch),
       static_cast<long long>(tokens), ops::num_threads(), static_cast<long long>(params));
   double first_loss = 0;

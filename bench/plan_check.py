@@ -59,13 +59,14 @@ def run(args, flags, ranks=2):
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout
 
 
-def modelled(args, common, flags, tflops):
+def modelled(args, common, flags, tflops, rows):
     """The dry run's step-time model of the layout on 2 ranks (planned from one process): total,
-    compute, bubble, dp, tp, pp and the TFLOP/s it used (tflops 0: `train` measures its GEMM)."""
-    out = run(args, common + flags + ["--dry-run", "--world", "2", "--plan-tflops", str(tflops), "--plan-gbps",
-                                      str(args.gbps)], ranks=1)
+    compute, bubble, dp, tp, pp, the TFLOP/s and the half-rate rows it used (0: `train` measures
+    its GEMMs)."""
+    out = run(args, common + flags + ["--dry-run", "--world", "2", "--plan-tflops", str(tflops), "--plan-rows",
+                                      str(rows), "--plan-gbps", str(args.gbps)], ranks=1)
     m = re.search(r"step-time model: (\S+) s per step \(compute / bubble / dp / tp / pp: (\S+) / (\S+) / (\S+) / "
-                  r"(\S+) / (\S+)\) at (\S+) TFLOP/s", out)
+                  r"(\S+) / (\S+)\) at (\S+) TFLOP/s \(half that below (\S+) rows\)", out)
     assert m, out
     return [float(v) for v in m.groups()]
 
@@ -105,15 +106,15 @@ def main():
     common = ["--model", "gpt", "--layers", "4", "--heads", "4", "--embed", "256", "--seq-len", "128", "--vocab",
               "8192", "--optimizer", "adamw", "--lr", "1e-4", "--global-batch", "16", "--threads", "1", "--seed", "1",
               "--data", token_file(work)]
-    tflops = modelled(a, common, [], 0)[6]  # measured once, then given to every prediction
+    tflops, half_rows = modelled(a, common, [], 0, 0)[6:8]  # measured once, then given to every prediction
     print(f"GPT 4 x 256, T 128, vocabulary 8192, 16 sequences per step, 2 ranks of 1 thread; model at {tflops:.3g} "
-          f"TFLOP/s (measured GEMM) and {a.gbps:g} GB/s; measured: median step of {a.steps} steps' windows after the "
-          "first\n")
+          f"TFLOP/s, half that below {half_rows:.3g} rows (measured GEMMs) and {a.gbps:g} GB/s; measured: median step of "
+          f"{a.steps} steps' windows after the first\n")
     print("| layout | modelled s | compute / bubble / dp / tp / pp | measured s | measured / modelled |")
     print("|---|---:|---|---:|---:|")
     rows = []
     for name, flags in LAYOUTS:
-        m = modelled(a, common, flags, tflops)
+        m = modelled(a, common, flags, tflops, half_rows)
         t = measured(a, common, flags, work)
         rows.append((name, m[0], t))
         print(f"| {name} | {m[0]:.3g} | {' / '.join(f'{v:.3g}' for v in m[1:6])} | {t:.3f} | {t / m[0]:.2f} |",

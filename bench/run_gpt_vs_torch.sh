@@ -23,6 +23,10 @@
 #   cmake --build build --target bench_gpt_step
 #   bash bench/run_gpt_vs_torch.sh                  # about 10 minutes on 2 idle cores
 #   REPS=5 THREADS="1" ATTN_T="256 1024" bash bench/run_gpt_vs_torch.sh
+#   MODEL_KIND=llama bash bench/run_gpt_vs_torch.sh  # the Llama of the same size: steps only
+# MODEL_KIND=llama: section 2 for a Llama (4 layers, width 256, 4 heads over 2 kv heads, SwiGLU
+# of 768, rotary theta 10000, tied head; torch_models.Llama on the torch sides); the attention
+# sections (the same op) are left out unless ATTN_T is given.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,14 +35,20 @@ WARMUP="${WARMUP:-2}"
 STEPS="${STEPS:-2}"
 WINDOWS="${WINDOWS:-3}"
 THREADS="${THREADS:-1 2}"
-ATTN_T="${ATTN_T:-256 512 1024 2048}"
+MODEL_KIND="${MODEL_KIND:-gpt}"
+if [[ "$MODEL_KIND" == llama ]]; then ATTN_T="${ATTN_T:-}"; else ATTN_T="${ATTN_T:-256 512 1024 2048}"; fi
 ATTN_REPS="${ATTN_REPS:-2}"      # processes per (side, T), order rotating
 ATTN_CALLS="${ATTN_CALLS:-3}"    # timed calls per process (median)
 ATTN_BATCH="${ATTN_BATCH:-8}"
 MEMORY_T="${MEMORY_T:-2048}"
 PYTHON="${PYTHON:-/usr/bin/python3}"
 VENV_PYTHON="$here/.venv/bin/python"
-MODEL=(--layers 4 --heads 4 --embed 256 --seq-len 256 --batch 8 --vocab 8192)
+case "$MODEL_KIND" in
+  gpt) MODEL=(--layers 4 --heads 4 --embed 256 --seq-len 256 --batch 8 --vocab 8192) ;;
+  llama) MODEL=(--model llama --layers 4 --heads 4 --kv-heads 2 --embed 256 --ffn-hidden 768 --seq-len 256 --batch 8
+                --vocab 8192) ;;
+  *) echo "run_gpt_vs_torch.sh: MODEL_KIND must be gpt or llama, found '$MODEL_KIND'" >&2; exit 2 ;;
+esac
 TOKENS=2048  # per step: batch x seq-len
 
 source "$here/lib.sh"
@@ -95,7 +105,7 @@ rotated() {
 }
 cpu="$(cpu_model)"
 
-echo "GPT: Strata vs PyTorch, one process per run"
+echo "$MODEL_KIND: Strata vs PyTorch, one process per run"
 echo "strata: $bin"
 echo "torch:  ${label[debian]} ($PYTHON)${venv_version:+; ${label[venv]} ($VENV_PYTHON)}"
 echo "cpu:    $cpu, $(nproc) cores; OPENBLAS_CORETYPE=$(best_blas_core); load average before: $(load_average)"
@@ -161,6 +171,7 @@ printf '%s\n' "${rows[@]}"
 echo
 
 # ---- 3. attention alone ---------------------------------------------------------------------
+if [[ -n "$ATTN_T" ]]; then
 tenv=("${run_env[@]}")
 attn_sides=(strata-flash strata-plain)
 [[ -n "$venv_version" ]] && attn_sides+=(venv)
@@ -241,5 +252,6 @@ for side in "${attn_sides[@]}"; do
 done
 echo "$mem_line"
 echo
+fi
 echo "cpu: $cpu; load average after: $(load_average)"
 warn_if_busy 2

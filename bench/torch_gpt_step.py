@@ -5,7 +5,8 @@ eps 1e-5, GPT-2 init, no dropout), same batch of random tokens, F.cross_entropy 
 position (mean), torch.optim.AdamW(betas=(0.9, 0.95), eps=1e-8) with Strata's parameter groups
 (weight decay 0.1 on the Linear weights) and torch's default implementation for CPU tensors
 (foreach=None, fused=None: the single-tensor loop), zero_grad(set_to_none=True); same warm-up
-and timing (median of several timed windows).
+and timing (median of several timed windows). --model llama: torch_models.Llama, Strata's llama
+(RMSNorm, rotate-half rotary positions, SwiGLU, grouped-query attention, tied head).
 
 --attention sdpa (default where torch has it, >= 2.0) calls F.scaled_dot_product_attention
 (is_causal=True); math writes out softmax(q k^T / sqrt(Dh) + mask) v, which is all torch 1.13
@@ -55,7 +56,12 @@ def flops_per_token(params, a):
 
 def run_steps(a):
     torch.manual_seed(a.seed)
-    model = torch_models.Gpt(a.layers, a.heads, a.embed, a.seq_len, a.vocab, a.attention)
+    if a.model == "llama":
+        ffn = a.ffn_hidden or (8 * a.embed // 3 + 255) // 256 * 256  # Llama's rule, as Strata's
+        model = torch_models.Llama(a.layers, a.heads, a.kv_heads or a.heads, a.embed, ffn, a.seq_len, a.vocab,
+                                   a.attention)
+    else:
+        model = torch_models.Gpt(a.layers, a.heads, a.embed, a.seq_len, a.vocab, a.attention)
     model.train()
     opt = torch.optim.AdamW(model.param_groups(a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     stream = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1))
@@ -71,7 +77,7 @@ def run_steps(a):
     params = sum(p.numel() for p in model.parameters())  # the tied weight once
     fpt = flops_per_token(params, a)
     tokens = a.batch * a.seq_len
-    print(f"torch {torch.__version__} gpt_step: L{a.layers} H{a.heads} D{a.embed} T{a.seq_len} V{a.vocab}, "
+    print(f"torch {torch.__version__} {a.model} step: L{a.layers} H{a.heads} D{a.embed} T{a.seq_len} V{a.vocab}, "
           f"{a.attention} attention, batch {a.batch} ({tokens} tokens/step), AdamW "
           f"(foreach={opt.defaults.get('foreach')}, fused={opt.defaults.get('fused')}), "
           f"threads {torch.get_num_threads()}, {params} parameters")
@@ -165,6 +171,9 @@ def run_attention(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
+    p.add_argument("--ffn-hidden", type=int, default=0, help="llama: SwiGLU hidden size (0: Llama's rule)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--embed", type=int, default=256)

@@ -218,3 +218,96 @@ class Gpt(nn.Module):
         ids = {id(p) for p in decay}
         rest = [p for p in self.parameters() if id(p) not in ids]
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+# ---- Llama (bench/torch_gpt_step.py --model llama) -------------------------------------------
+# Strata's build_llama: wte (tied head), pre-norm blocks (RMSNorm eps 1e-5; q/k/v/o projections
+# without biases, rotary positions by rotate-half with theta 10000, grouped-query attention: each
+# kv head repeated for its group of query heads; SwiGLU MLP down(silu(gate(x)) * up(x))), a final
+# RMSNorm; no dropout. N(0, 0.02^2) init, o_proj and down_proj / sqrt(2 L).
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, embed, heads, kv_heads, attention):
+        super().__init__()
+        self.heads, self.kv_heads, self.dh = heads, kv_heads, embed // heads
+        self.q_proj = nn.Linear(embed, embed, bias=False)
+        self.k_proj = nn.Linear(embed, kv_heads * self.dh, bias=False)
+        self.v_proj = nn.Linear(embed, kv_heads * self.dh, bias=False)
+        self.o_proj = nn.Linear(embed, embed, bias=False)
+        self.attention = ATTENTIONS[attention]
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.dh).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.dh).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.dh).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return self.o_proj(self.attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, embed, heads, kv_heads, ffn, attention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(embed)
+        self.self_attn = LlamaAttention(embed, heads, kv_heads, attention)
+        self.post_attention_layernorm = RMSNorm(embed)
+        self.gate_proj = nn.Linear(embed, ffn, bias=False)
+        self.up_proj = nn.Linear(embed, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, embed, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, heads, kv_heads, embed, ffn, positions, vocab, attention, theta=10000.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, embed)
+        self.blocks = nn.ModuleList(LlamaBlock(embed, heads, kv_heads, ffn, attention) for _ in range(layers))
+        self.norm = RMSNorm(embed)
+        self.lm_head = nn.Linear(embed, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        dh = embed // heads
+        freqs = theta ** (-torch.arange(0, dh, 2, dtype=torch.float32) / dh)
+        angles = torch.outer(torch.arange(positions, dtype=torch.float32), freqs)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                continue
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x, self.cos[:t], self.sin[:t])
+        return self.lm_head(self.norm(x))
+
+    def param_groups(self, weight_decay):
+        """As Gpt's: decay on the Linear weights; the norms and the (tied) embedding without."""
+        decay = [m.weight for m in self.modules() if isinstance(m, nn.Linear) and m is not self.lm_head]
+        ids = {id(p) for p in decay}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]

@@ -3,7 +3,8 @@
 # from the result, docs/gpt.md), tokenizes Debian's
 # fortunes (byte-level BPE, 2048 ids) once into data/fortunes/, and trains a small GPT on 2 MPI
 # ranks on the CPU (docs/gpt.md).
-# Usage: bash scripts/gpt-job.sh [extra train flags, e.g. --steps 100]
+# Usage: bash scripts/gpt-job.sh [--config FILE] [extra train flags, e.g. --steps 100]
+# (--config first: another model on the same text, e.g. jobs/configs/llama-fortunes.ini)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -23,4 +24,6 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Debian's OpenBLAS (0.3.21) runs generic SSE3 kernels on CPUs newer than it; on AVX-512 CPUs
 # name its AVX-512 ones unless the environment already chose (train warns when it runs generic).
 if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512bw /proc/cpuinfo; then export OPENBLAS_CORETYPE=SkylakeX; fi
-mpirun -np 2 --oversubscribe --bind-to none ./build/train --config jobs/configs/gpt-fortunes.ini "$@"
+config=jobs/configs/gpt-fortunes.ini
+if [ "${1:-}" = --config ]; then config=$2; shift 2; fi
+mpirun -np 2 --oversubscribe --bind-to none ./build/train --config "$config" "$@"

@@ -40,14 +40,22 @@ strata_value() {
 
 # Copies rank 0's lines from its log FILE (from byte OFFSET, this run's start) into the job's
 # output, from the line 'preemption signal received' on: mpirun stops forwarding the ranks'
-# output at a scancel's SIGTERM while they save (docs/slurm.md). It ignores SIGTERM itself and
+# output at a scancel's SIGTERM while they save (docs/slurm.md), and sleeps until Slurm kills it.
+# It may have forwarded the first of them before it stopped: a line the job's output already
+# holds (the first looked for half a second after rank 0 wrote it) is not copied again. It ignores SIGTERM itself and
 # ends when the runner kills it or with the job.
 strata_follow_final_lines() {
   trap '' TERM INT
-  local line copying=0
+  local line copying=0 out
+  out=$(readlink -f "/proc/$$/fd/1" 2>/dev/null || true)
+  [ -f "$out" ] || out=/dev/null  # output to a pipe or terminal: nothing to compare with
   tail -c "+$(($2 + 1))" -F "$1" 2>/dev/null | while IFS= read -r line; do
     [[ "$line" == "preemption signal received"* ]] && copying=1
-    ((copying)) && printf '%s\n' "$line"
+    ((copying)) || continue
+    # mpirun forwards a line within milliseconds when it still forwards at all: the first may be
+    # on its way.
+    ((copying++ == 1)) && sleep 0.5
+    grep -qxF -- "$line" "$out" || printf '%s\n' "$line"
   done
 }
 

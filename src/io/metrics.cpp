@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -38,14 +39,20 @@ void MetricsWriter::append(const ProgressRecord& r) {
                   r.split->compute, r.split->comm, r.split->pipeline, r.split->data);
   if (r.mfu) std::snprintf(mfu, sizeof mfu, "%.4f", *r.mfu);
   if (r.tokens_per_s > 0) std::snprintf(tokens, sizeof tokens, ", \"tokens_per_s\": %.1f", r.tokens_per_s);
+  std::string straggler = "null";
+  if (r.straggler)  // the host as MPI names it: no quotes or backslashes to escape
+    straggler = detail::cat("{\"rank\": ", r.straggler->rank, ", \"host\": \"", r.straggler->host,
+                            "\", \"slower\": ", r.straggler->slower, ", \"cause\": \"", r.straggler->cause, "\"}");
   char json[4096];  // room for any finite double in %f (up to 317 characters each)
   std::snprintf(json, sizeof json,
                 "{\"step\": %lld, \"epoch\": %lld, \"loss\": %.6f, \"lr\": %.6g, \"samples_per_s\": %.1f%s, "
                 "\"step_time_s\": %.6f, \"split\": %s, \"tflops_per_rank\": %.6g, \"mfu\": %s, "
-                "\"dp_bytes_per_step\": %lld, \"tp_bytes_per_step\": %lld, \"peak_bytes\": %lld, \"eta_s\": %.1f}\n",
+                "\"dp_bytes_per_step\": %lld, \"tp_bytes_per_step\": %lld, \"peak_bytes\": %lld, \"eta_s\": %.1f, "
+                "\"straggler\": %s}\n",
                 static_cast<long long>(r.step), static_cast<long long>(r.epoch), r.loss, r.lr, r.samples_per_s, tokens,
                 r.step_time_s, split, r.tflops_per_rank, mfu, static_cast<long long>(r.dp_bytes_per_step),
-                static_cast<long long>(r.tp_bytes_per_step), static_cast<long long>(r.peak_bytes), r.eta_s);
+                static_cast<long long>(r.tp_bytes_per_step), static_cast<long long>(r.peak_bytes), r.eta_s,
+                straggler.c_str());
   write(json);
 }
 
@@ -116,7 +123,8 @@ class LineReader {
       if (*p_ == '{') {
         object(key + "/");
       } else if (*p_ == '"') {
-        label = text();
+        const std::string value = text();
+        if (prefix.empty()) label = value;  // a nested object's text (a straggler's host) is no scalar
       } else if (std::strncmp(p_, "null", 4) == 0) {
         p_ += 4;
       } else {
@@ -195,24 +203,62 @@ StepSplit average_split(const std::vector<RankWindow>& ranks) {
   return split;
 }
 
+std::optional<Straggler> find_straggler(const std::vector<RankWindow>& ranks, int64_t steps) {
+  const auto busy = [](const RankWindow& w) { return std::max(0.0, w.seconds - w.comm_s - w.pipeline_s); };
+  const auto data = [](const RankWindow& w) { return w.data_s; };
+  // The median over the other ranks of rank r's stage (-1 when it has none).
+  const auto median_of_others = [&](size_t r, auto value) {
+    std::vector<double> v;
+    for (size_t o = 0; o < ranks.size(); ++o)
+      if (o != r && ranks[o].stage == ranks[r].stage) v.push_back(value(ranks[o]));
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  };
+  // Below kStragglerSeconds a step, busy times are noise: the least a median is taken as.
+  const double floor = kStragglerSeconds * static_cast<double>(std::max<int64_t>(steps, 1));
+  std::optional<Straggler> worst;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const double median = median_of_others(r, busy);
+    if (median < 0) continue;  // alone in its stage
+    const double excess = busy(ranks[r]) - median, slower = excess / std::max(median, floor);
+    if (excess <= kStragglerShare * median || excess <= floor || (worst && slower <= worst->slower)) continue;
+    const double data_excess = ranks[r].data_s - median_of_others(r, data);
+    worst = Straggler{static_cast<int>(r), "", slower, data_excess > 0.5 * excess ? "data" : "compute"};
+  }
+  return worst;
+}
+
 std::string progress_line(const ProgressRecord& r, int64_t total_steps) {
-  char rate[64], time_split[128], mfu[32] = "", line[512];
+  char rate[64], line[512];
   if (r.tokens_per_s > 0)
     std::snprintf(rate, sizeof rate, "%.0f tokens/s", r.tokens_per_s);
   else
     std::snprintf(rate, sizeof rate, "%.0f samples/s", r.samples_per_s);
-  if (r.split)
-    std::snprintf(time_split, sizeof time_split, " (compute %.0f%%, comm %.0f%%, pipeline %.0f%%, data %.0f%%)",
-                  100 * r.split->compute, 100 * r.split->comm, 100 * r.split->pipeline, 100 * r.split->data);
-  else
-    std::snprintf(time_split, sizeof time_split, " (split n/a under NCCL)");
+  // Compute is the remainder, so the line names only the waits a step had (each >= 0.5%).
+  std::string waits;
+  if (r.split) {
+    for (const auto& [name, share] : {std::pair{"comm", r.split->comm}, std::pair{"pipeline", r.split->pipeline},
+                                      std::pair{"data", r.split->data}}) {
+      if (share < 0.005) continue;
+      char part[32];
+      std::snprintf(part, sizeof part, "%s%s %.0f%%", waits.empty() ? " (" : ", ", name, 100 * share);
+      waits += part;
+    }
+    if (!waits.empty()) waits += ")";
+  } else {
+    waits = " (split n/a under NCCL)";
+  }
+  char mfu[32] = "";
   if (r.mfu) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * *r.mfu);
-  std::snprintf(line, sizeof line,
-                "step %lld/%lld  epoch %lld  loss %.4f  lr %.4g  %s  %.1f ms/step%s%s  mem %s  eta %s",
+  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.3g  %s  %.1f ms%s%s  mem %s  eta %s",
                 static_cast<long long>(r.step), static_cast<long long>(total_steps), static_cast<long long>(r.epoch),
-                r.loss, r.lr, rate, 1e3 * r.step_time_s, time_split, mfu, log::format_bytes(r.peak_bytes).c_str(),
+                r.loss, r.lr, rate, 1e3 * r.step_time_s, waits.c_str(), mfu, log::format_bytes(r.peak_bytes).c_str(),
                 format_duration(r.eta_s).c_str());
-  return line;
+  if (!r.straggler) return line;
+  return detail::cat(line, "  slow: rank ", r.straggler->rank, " (", r.straggler->host, ") +",
+                     static_cast<int>(std::lround(100 * r.straggler->slower)), "% ", r.straggler->cause);
 }
 
 }  // namespace strata::io

@@ -25,6 +25,15 @@ struct StepSplit {
   double compute = 0, comm = 0, pipeline = 0, data = 0;
 };
 
+// A rank the others of its pipeline stage waited for, persistently (find_straggler).
+struct Straggler {
+  int rank = 0;
+  std::string host;
+  double slower = 0;  // its busy time (compute, its loader) over the median of its stage's others
+                      // (at least kStragglerSeconds a step), minus 1
+  std::string cause;  // "compute" | "data" (waiting for its loader)
+};
+
 struct ProgressRecord {
   int64_t step = 0, epoch = 0;
   double loss = 0, lr = 0, samples_per_s = 0;
@@ -37,6 +46,7 @@ struct ProgressRecord {
   int64_t tp_bytes_per_step = 0;   // on the tensor-parallel communicator (0 without --tp)
   int64_t peak_bytes = 0;          // the largest memory high-water mark of any rank (allocator + shared buffers)
   double eta_s = 0;                // to the end of training at the pace so far
+  std::optional<Straggler> straggler;
 };
 
 // An evaluation: of --val-data every --eval-every steps ("val"), at the end ("final", or
@@ -50,15 +60,29 @@ struct EvalRecord {
 };
 
 // One rank's logging window: its length and the time it spent blocked in collectives, on
-// pipeline messages and waiting for the loader (seconds).
+// pipeline messages and waiting for the loader (seconds), and its pipeline stage.
 struct RankWindow {
   double seconds = 0, comm_s = 0, pipeline_s = 0, data_s = 0;
+  int stage = 0;
 };
 // The shares of the windows averaged over the ranks; compute is the rest (never below 0).
 StepSplit average_split(const std::vector<RankWindow>& ranks);
+
+// A synchronous step goes at the pace of its busiest rank: the others wait for it in the
+// collectives. A rank is the straggler of a window when its busy time (the window less its
+// waits on others: compute, and its loader's) exceeds the median of its stage's other ranks (which
+// do the same work) by more than kStragglerShare of it and by more than kStragglerSeconds per step
+// (timer noise on tiny steps): then every other rank of the stage spent at least that share of
+// the step waiting. 15% is above the few percent identical ranks differ by on one machine (OS
+// jitter, a shared core) and below what a throttled core, a busy neighbour or a failing disk
+// costs. The cause is what its excess is mostly made of. Host left empty.
+constexpr double kStragglerShare = 0.15, kStragglerSeconds = 0.002;
+std::optional<Straggler> find_straggler(const std::vector<RankWindow>& ranks, int64_t steps);
+
 // The console line of a record: "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s
-// 0.2 ms/step (compute 3%, comm 51%, pipeline 36%, data 10%)  MFU 3.4%  mem 3.1 MiB  eta 0m00s"
-// (tokens/s for a language model; "split n/a under NCCL" without a split; no MFU unknown).
+// 0.2 ms (comm 51%, pipeline 36%, data 10%)  MFU 3.4%  mem 3.1 MiB  eta 0m00s" (tokens/s for a
+// language model; the waits only, compute being the rest; "split n/a under NCCL" without a
+// split; no MFU unknown; "  slow: rank 3 (node2) +45% compute" after a straggler).
 std::string progress_line(const ProgressRecord& record, int64_t total_steps);
 
 // The TensorBoard scalars of one of MetricsWriter's JSON lines, at its "step": every number under

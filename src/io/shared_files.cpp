@@ -45,20 +45,14 @@ void agree_or_throw(MPI_Comm comm, const std::string& problem, const std::string
   const auto first = std::find(all.begin(), all.end(), 1);
   if (first == all.end()) return;
   const int lowest = static_cast<int>(first - all.begin());
-  char host[MPI_MAX_PROCESSOR_NAME] = {};
-  int length = 0;
-  MPI_CHECK(MPI_Get_processor_name(host, &length));
-  std::vector<char> hosts(static_cast<size_t>(size) * MPI_MAX_PROCESSOR_NAME);
-  MPI_CHECK(
-      MPI_Allgather(host, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, hosts.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm));
+  const std::vector<std::string> hosts = parallel::host_names(comm);
   const std::string reason = broadcast(comm, problem, lowest);
   if (lowest == 0) STRATA_THROW_INPUT(reason);  // rank 0's own error: nothing to compare with
   std::string ranks;
   int count = 0;
   for (int r = 0; r < size; ++r) {
     if (all[static_cast<size_t>(r)] == 0) continue;
-    ranks += detail::cat(count++ == 0 ? "" : ", ", r, " (host ",
-                         &hosts[static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME], ")");
+    ranks += detail::cat(count++ == 0 ? "" : ", ", r, " (host ", hosts[static_cast<size_t>(r)], ")");
   }
   if (count == 1) STRATA_THROW_INPUT(what, ": rank ", ranks, " does not see what rank 0 sees: ", reason, "; ", advice);
   STRATA_THROW_INPUT(what, ": ranks ", ranks, " do not see what rank 0 sees; rank ", lowest, ": ", reason, "; ",

@@ -253,6 +253,11 @@ std::vector<GradientPiece> TransformerBlock::gradient_pieces(int64_t max_element
 
 int64_t TransformerBlock::flops(const Shape& input) const { return attn_->flops(input) + mlp_->flops(input); }
 
+int64_t TransformerBlock::tp_all_reduced_elements(const Shape& input, bool recomputed) const {
+  if (!attn_->tensor_parallel()) return 0;
+  return (recomputed ? 6 : 4) * shape_numel(input) + attn_->kv_replica_elements(input);
+}
+
 void TransformerBlock::set_index(int index) {
   Layer::set_index(index);
   ln_1_->set_index(index * 1024 + 1);

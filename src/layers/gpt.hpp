@@ -128,6 +128,10 @@ class CausalSelfAttention final : public Layer {
   int64_t heads() const { return heads_; }                                          // all of the layer's heads
   int64_t kv_heads() const { return kv_heads_; }
   const std::vector<float>& rope() const { return rope_; }  // empty: no rotary positions
+  // Backward's all-reduce of replicated kv heads' gradients, per sample of `input` (0 unless tp
+  // exceeds the kv heads): k and v of every kv head over the sequence.
+  int64_t kv_replica_elements(const Shape& input) const;
+  bool tensor_parallel() const { return tp_ != nullptr; }
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
@@ -194,7 +198,10 @@ class TransformerBlock final : public Layer {
   int64_t flops(const Shape& input) const override;
   void set_index(int index) override;
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
-  bool is_tensor_parallel_block() const override { return true; }
+  // With tp: the attention's and the MLP's outputs in forward and their inputs' gradients in
+  // backward (4 all-reduces of the input's size, 6 when the forward runs again), and replicated kv
+  // heads' gradients in backward.
+  int64_t tp_all_reduced_elements(const Shape& input, bool recomputed) const override;
   int64_t heads() const { return attn_->heads(); }
   float ln_eps() const;                                  // both LayerNorms' (GPT-2's block)
   Activation activation() const { return activation_; }  // the MLP's (GPT-2's block)

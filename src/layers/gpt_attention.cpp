@@ -109,6 +109,10 @@ int64_t CausalSelfAttention::flops(const Shape& input) const {
   return in_proj + c_proj_.flops(merged) + t * t * embed_ / heads_ * local_heads_;
 }
 
+int64_t CausalSelfAttention::kv_replica_elements(const Shape& input) const {
+  return kv_replicas_ > 1 ? 2 * kv_heads_ * input.at(0) * (embed_ / heads_) : 0;
+}
+
 void CausalSelfAttention::set_index(int index) {
   Layer::set_index(index);  // keys the attention dropout
   resid_drop_.set_index(index * 1024 + 1);

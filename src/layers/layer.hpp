@@ -154,11 +154,10 @@ class Layer {
   virtual TiedWeight* tied_weight() { return nullptr; }
   // Whether the input is i32 token ids (B, T...) rather than activations (a token embedding).
   virtual bool takes_token_ids() const { return false; }
-  // Whether this is one of the model's repeated blocks whose tensor-parallel form all-reduces its
-  // activations (micro-batch x input shape) twice in forward and twice in backward, twice more
-  // when recomputed (a transformer block: attention and MLP). The layout search counts
-  // tensor-parallel traffic by these.
-  virtual bool is_tensor_parallel_block() const { return false; }
+  // The elements one sample's forward and backward all-reduce over the tensor-parallel group in
+  // this layer (`recomputed`: its forward runs twice), as built for its group; the layout search
+  // counts tensor-parallel traffic by these. 0 for a layer that is not split.
+  virtual int64_t tp_all_reduced_elements(const Shape& input, bool recomputed) const { return 0; }
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }
   // The pieces of at most about max_elements each (at least one row of a weight, or a whole

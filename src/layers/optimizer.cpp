@@ -71,20 +71,41 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::state() const {
   return {};
 }
 
+int64_t wsd_decay_steps(const LrScheduleConfig& c) { return c.decay_steps > 0 ? c.decay_steps : c.total_steps / 5; }
+
+namespace {
+
+// A decay's factor at `progress` in [0, 1] of it: 1 at its start, 0 at its end.
+double decay_factor(const std::string& shape, double progress) {
+  if (shape == "linear") return 1.0 - progress;
+  if (shape == "sqrt") return 1.0 - std::sqrt(progress);
+  if (shape == "cosine") return 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+  STRATA_THROW_INPUT("--lr-decay-shape must be linear, sqrt or cosine, found '", shape, "'");
+}
+
+}  // namespace
+
 float learning_rate(const LrScheduleConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr * static_cast<float>(step + 1) / static_cast<float>(c.warmup_steps);
-  const int64_t s = step - c.warmup_steps;
   if (c.kind == "constant") return c.lr;
   if (c.kind == "step") {
     if (c.step_size <= 0) return c.lr;
-    return c.lr * std::pow(c.gamma, static_cast<float>(s / c.step_size));
+    return c.lr * std::pow(c.gamma, static_cast<float>((step - c.warmup_steps) / c.step_size));
   }
-  if (c.kind == "cosine") {
-    const int64_t span = std::max<int64_t>(c.total_steps - c.warmup_steps, 1);
-    const double t = std::min<double>(static_cast<double>(s) / static_cast<double>(span), 1.0);
-    return static_cast<float>(c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(std::numbers::pi * t)));
+  // The decaying kinds: lr until the decay starts (right after warm-up but for wsd), then down to
+  // min_lr at total_steps, held there after.
+  int64_t decay_start = c.warmup_steps;
+  std::string shape = c.kind;
+  if (c.kind == "wsd") {
+    decay_start = std::max(c.warmup_steps, c.total_steps - wsd_decay_steps(c));
+    shape = c.decay_shape;
+  } else if (c.kind != "cosine" && c.kind != "linear") {
+    STRATA_THROW_INPUT("--lr-schedule must be constant, step, cosine, linear or wsd, found '", c.kind, "'");
   }
-  STRATA_THROW_INPUT("--lr-schedule must be constant, step or cosine, found '", c.kind, "'");
+  if (step < decay_start) return c.lr;
+  const int64_t span = std::max<int64_t>(c.total_steps - decay_start, 1);
+  const double progress = std::min<double>(static_cast<double>(step - decay_start) / static_cast<double>(span), 1.0);
+  return static_cast<float>(c.min_lr + (c.lr - c.min_lr) * decay_factor(shape, progress));
 }
 
 double clip_by_global_norm(const Tensor& grads, double sum_squares, float max_norm) {

@@ -59,14 +59,22 @@ class Optimizer {
 };
 
 struct LrScheduleConfig {
-  std::string kind = "constant";  // constant | step | cosine
+  std::string kind = "constant";  // constant | step | cosine | linear | wsd
   float lr = 0.01f;
   int64_t warmup_steps = 0;  // linear warm-up from lr/warmup to lr, for every kind
-  int64_t total_steps = 0;   // cosine: decays to min_lr at this step
+  int64_t total_steps = 0;   // cosine, linear, wsd: decays to min_lr at this step
   int64_t step_size = 0;     // step: multiply by gamma every step_size steps
   float gamma = 0.1f;
   float min_lr = 0.0f;
+  // wsd (warmup-stable-decay): the steps of the final decay (0: the last fifth of the run) and
+  // its shape: linear | sqrt (1 - sqrt of the decay's progress) | cosine.
+  int64_t decay_steps = 0;
+  std::string decay_shape = "linear";
 };
+
+// The steps a wsd schedule decays over: decay_steps, or a fifth of the run (Hägele et al. 2024,
+// "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", find 20% enough).
+int64_t wsd_decay_steps(const LrScheduleConfig& c);
 
 // The learning rate at optimizer step `step` (0-based).
 float learning_rate(const LrScheduleConfig& c, int64_t step);

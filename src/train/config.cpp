@@ -193,18 +193,20 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("global-batch", po::value(&c.layout.global_batch)->default_value(64), "samples per optimizer step, all ranks together")
     ("micro-batch", po::value(&c.layout.micro_batch)->default_value(0), "samples per forward/backward (0: global batch / replicas, no accumulation); gradients accumulate over global / (micro x replicas) micro-batches")
     ("optimizer", po::value(&c.training.optimizer.name)->default_value("sgd"), "sgd | adamw")
-    ("lr", po::value(&c.training.lr_schedule.lr)->default_value(0.05f, "0.05"), "peak learning rate")
+    ("lr", po::value(&c.training.lr_schedule.lr)->default_value(0.05f, "0.05 for sgd, 0.001 for adamw"), "peak learning rate")
     ("momentum", po::value(&c.training.optimizer.momentum)->default_value(0.9f, "0.9"), "sgd momentum")
     ("nesterov", po::value(&c.training.optimizer.nesterov)->default_value(false), "sgd Nesterov momentum")
     ("weight-decay", po::value(&c.training.optimizer.weight_decay)->default_value(0.0f), "L2 (sgd) or decoupled (adamw) weight decay")
     ("beta1", po::value(&c.training.optimizer.beta1)->default_value(0.9, "0.9"), "adamw beta1")
     ("beta2", po::value(&c.training.optimizer.beta2)->default_value(0.999, "0.999"), "adamw beta2")
     ("eps", po::value(&c.training.optimizer.eps)->default_value(1e-8f, "1e-08"), "adamw epsilon")
-    ("lr-schedule", po::value(&c.training.lr_schedule.kind)->default_value("constant"), "constant | step | cosine")
+    ("lr-schedule", po::value(&c.training.lr_schedule.kind)->default_value("constant"), "constant | step | cosine | linear (decay to --min-lr over the run after warm-up) | wsd (warmup-stable-decay: --lr until the last --lr-decay-steps, then down to --min-lr)")
     ("warmup-steps", po::value(&c.training.lr_schedule.warmup_steps)->default_value(0), "linear warm-up steps")
     ("lr-step-size", po::value(&c.training.lr_schedule.step_size)->default_value(0), "step schedule: steps between decays")
     ("lr-gamma", po::value(&c.training.lr_schedule.gamma)->default_value(0.1f, "0.1"), "step schedule: decay factor")
-    ("min-lr", po::value(&c.training.lr_schedule.min_lr)->default_value(0.0f), "cosine schedule: final learning rate")
+    ("min-lr", po::value(&c.training.lr_schedule.min_lr)->default_value(0.0f), "cosine, linear and wsd schedules: final learning rate")
+    ("lr-decay-steps", po::value(&c.training.lr_schedule.decay_steps)->default_value(0), "wsd schedule: the steps of its final decay (0: the last fifth of the run)")
+    ("lr-decay-shape", po::value(&c.training.lr_schedule.decay_shape)->default_value("linear"), "wsd schedule: the decay's shape: linear | sqrt (1 - sqrt of its progress) | cosine")
     ("clip-grad", po::value(&c.training.clip_grad)->default_value(0.0f), "clip the global gradient norm to this (0: off)")
     ("seed", po::value(&seed)->default_value(0), "seed of initialisation, shuffling and dropout")
     ("shuffle", po::value(&c.data.shuffle)->default_value(true), "shuffle the training data every epoch")
@@ -258,6 +260,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("log-file", po::value(&c.monitor.log_file)->default_value(""), "rank 0 also appends every line it logs to this file (a job's run directory: the lines of a final save reach it even when mpirun stops forwarding output at a cancel)")
     ("setup-timeout", po::value(&c.runtime.setup_timeout)->default_value(1800.0), "seconds from option parsing to the first step (devices, communicators, data, model, checkpoint) before a rank still in setup says so and the job ends (exit 5)")
     ("debug-setup-sleep", po::value(&c.debug.setup_sleep)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many seconds in setup")
+    ("debug-slow-ms", po::value(&c.debug.faults.slow_ms)->default_value(0.0), "testing aid: --debug-fail-rank sleeps this many ms after every step's backward (a straggler)")
     ("bench-stage-ms", po::value(&c.debug.stage_ms)->default_value(0.0), "benchmark aid: every pipeline stage also sleeps this many ms per micro-batch forward, twice that per backward (compute that needs no core: bench/pipeline_bubble.py --sleep-ms)");
   // clang-format on
 
@@ -339,6 +342,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   c.model.hidden = parse_int_list(hidden, "--hidden");
   // Unless given, the model's own tying: GPT-2 and Llama 3.2 tie, Llama 3.1 and --model llama do not.
   if (vm["tie-embeddings"].defaulted()) c.model.tie_embeddings = layers::ties_embeddings_by_default(c.model.name);
+  // Unless given, the optimizer's own: SGD's 0.05 would make AdamW diverge; 1e-3 is PyTorch's AdamW default.
+  if (vm["lr"].defaulted() && c.training.optimizer.name == "adamw") c.training.lr_schedule.lr = 1e-3f;
   STRATA_REQUIRE(seed >= 0, "--seed must be in [0, 2^63 - 1], found ", seed);
   c.training.seed = static_cast<uint64_t>(seed);
   c.checkpoint.read_only = c.eval_only;
@@ -361,9 +366,11 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
 
   for (const auto& [name, value] : vm)
     if (name != "help") {
-      // --tie-embeddings' default is the model's (above): the value in effect, not the flag's default.
-      c.effective.emplace_back(
-          name, name == "tie-embeddings" ? (c.model.tie_embeddings ? "true" : "false") : any_to_string(value.value()));
+      // --tie-embeddings' and --lr's defaults depend on other options (above): the values in effect.
+      std::string effective = any_to_string(value.value());
+      if (name == "tie-embeddings") effective = c.model.tie_embeddings ? "true" : "false";
+      if (name == "lr") effective = any_to_string(boost::any(c.training.lr_schedule.lr));
+      c.effective.emplace_back(name, effective);
       if (!value.defaulted()) c.given.emplace_back(name, any_to_string(value.value()));
     }
   return c;
@@ -457,8 +464,7 @@ parallel::EngineSettings engine_settings(const Config& config, int dp) {
   settings.scaler = layers::LossScaler::from_flags(config.training.loss_scale, precision_name(config.layout.precision),
                                                    config.training.loss_scale_init, config.training.loss_scale_window);
   settings.stand_in_ms = config.debug.stage_ms;
-  settings.faults = {config.debug.faults.fail_step, config.debug.faults.fail_rank, config.debug.faults.overflow_step,
-                     config.debug.faults.mismatch_step};
+  settings.faults = config.debug.faults;
   return settings;
 }
 

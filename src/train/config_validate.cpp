@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/zoo.hpp"
@@ -14,16 +15,12 @@ namespace strata::train {
 
 namespace {
 
-// Upper bounds of the numeric options (docs/training.md, "Valid ranges"): far above any real
-// run, low enough that products such as steps x global batch (the loader's sample positions)
-// and the buffers a value sizes (prefetched batches, threads) stay within int64 and memory.
-constexpr int64_t kMaxSteps = int64_t{1} << 36;      // steps and step counts: 6.9e10
-constexpr int64_t kMaxEpochs = int64_t{1} << 20;     // 1,048,576
-constexpr int64_t kMaxBatch = int64_t{1} << 24;      // samples per step: 16,777,216
-constexpr int64_t kMaxRanks = int64_t{1} << 20;      // --world, and --pp, --tp, --virtual-stages
-constexpr int64_t kMaxModelSize = int64_t{1} << 24;  // a width, depth or hidden size
-constexpr int64_t kMaxPrefetch = 64;                 // each prefetched batch is a batch in memory
-constexpr double kMaxBucketMb = 65536;               // 64 GiB per all-reduce bucket
+// Upper bounds of the other numeric options (docs/options.md), low enough that
+// the buffers a value sizes (prefetched batches, buckets) stay within memory.
+using limits::kMaxBatch, limits::kMaxEpochs, limits::kMaxModelSize, limits::kMaxSteps;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;  // --world, and --pp, --tp, --virtual-stages
+constexpr int64_t kMaxPrefetch = 64;             // each prefetched batch is a batch in memory
+constexpr double kMaxBucketMb = 65536;           // 64 GiB per all-reduce bucket
 
 // One line naming the flag, the valid range and the value found. NaN fails every comparison,
 // and a finite upper bound refuses inf.
@@ -90,11 +87,16 @@ void validate(const Config& c) {
   require_in("--timeout", c.runtime.timeout, 1.0, 86400.0);
   require_in("--setup-timeout", c.runtime.setup_timeout, 1.0, 86400.0);
   require_in("--debug-setup-sleep", c.debug.setup_sleep, 0.0, 86400.0);
+  require_in("--debug-slow-ms", c.debug.faults.slow_ms, 0.0, 60000.0);
   STRATA_REQUIRE(c.training.optimizer.name == "sgd" || c.training.optimizer.name == "adamw",
                  "--optimizer must be sgd or adamw, found '", c.training.optimizer.name, "'");
-  STRATA_REQUIRE(c.training.lr_schedule.kind == "constant" || c.training.lr_schedule.kind == "step" ||
-                     c.training.lr_schedule.kind == "cosine",
-                 "--lr-schedule must be constant, step or cosine, found '", c.training.lr_schedule.kind, "'");
+  const std::string& kind = c.training.lr_schedule.kind;
+  STRATA_REQUIRE(kind == "constant" || kind == "step" || kind == "cosine" || kind == "linear" || kind == "wsd",
+                 "--lr-schedule must be constant, step, cosine, linear or wsd, found '", kind, "'");
+  const std::string& shape = c.training.lr_schedule.decay_shape;
+  STRATA_REQUIRE(shape == "linear" || shape == "sqrt" || shape == "cosine",
+                 "--lr-decay-shape must be linear, sqrt or cosine, found '", shape, "'");
+  require_in("--lr-decay-steps", c.training.lr_schedule.decay_steps, int64_t{0}, kMaxSteps);
   STRATA_REQUIRE(c.training.lr_schedule.kind != "step" || c.training.lr_schedule.step_size > 0,
                  "--lr-schedule step needs --lr-step-size > 0, found ", c.training.lr_schedule.step_size);
   STRATA_REQUIRE(c.training.optimizer.beta1 >= 0 && c.training.optimizer.beta1 < 1 && c.training.optimizer.beta2 >= 0 &&

@@ -186,19 +186,24 @@ DeepSpeedOptions read_deepspeed_config(const std::string& path) {
   }
 
   if (const auto type = text("scheduler.type")) {
-    STRATA_REQUIRE(*type == "WarmupLR" || *type == "WarmupCosineLR", where("scheduler.type"), " ", *type,
-                   " is not supported (WarmupLR and WarmupCosineLR are; WarmupDecayLR's linear decay is not a "
-                   "Strata schedule: use --lr-schedule cosine)");
+    STRATA_REQUIRE(*type == "WarmupLR" || *type == "WarmupCosineLR" || *type == "WarmupDecayLR",
+                   where("scheduler.type"), " ", *type,
+                   " is not supported (WarmupLR, WarmupDecayLR and WarmupCosineLR are)");
     set_int("warmup-steps", "scheduler.params.warmup_num_steps");
     // Strata warms up linearly from lr / warmup; DeepSpeed's default warm-up is logarithmic.
     if (const auto kind = text("scheduler.params.warmup_type"); !kind || *kind != "linear")
       out.unsupported.push_back("scheduler.params.warmup_type (" + kind.value_or("log, the default") +
                                 "; Strata warms up linearly)");
-    if (*type == "WarmupLR") {
-      options["lr-schedule"] = "constant";
+    if (*type == "WarmupLR" || *type == "WarmupDecayLR") {
+      // WarmupDecayLR: after warm-up, linearly from warmup_max_lr down to warmup_min_lr at total_num_steps.
+      options["lr-schedule"] = *type == "WarmupLR" ? "constant" : "linear";
       set_real("lr", "scheduler.params.warmup_max_lr");
-      if (const auto min = number("scheduler.params.warmup_min_lr"); min && *min != 0)
+      if (*type == "WarmupDecayLR") {
+        set_int("steps", "scheduler.params.total_num_steps");
+        set_real("min-lr", "scheduler.params.warmup_min_lr");
+      } else if (const auto min = number("scheduler.params.warmup_min_lr"); min && *min != 0) {
         used.erase("scheduler.params.warmup_min_lr");
+      }
     } else {
       options["lr-schedule"] = "cosine";
       set_int("steps", "scheduler.params.total_num_steps");

@@ -64,6 +64,7 @@ void Monitor::start(parallel::StageEngine& engine, const layers::Model& model,
     }
   for (const int64_t flops : parallel::all_gather_values(grid_.mpi_world(), {mine}))
     flops_per_sample_ += static_cast<double>(flops);
+  hosts_ = parallel::host_names(grid_.mpi_world().comm());
   if (!settings_.trace.empty())
     trace_ = std::make_unique<parallel::TraceSession>(
         grid_.mpi_world(), settings_.trace, settings_.trace_first, settings_.trace_last,
@@ -136,7 +137,7 @@ void Monitor::log_progress(int64_t step, int64_t epoch, float lr, double seconds
   const auto us = [](double s) { return static_cast<int64_t>(s * 1e6); };
   const std::vector<int64_t> all = parallel::all_gather_values(
       grid_.mpi_world(), {us(seconds), us(comm_now - comm_wait_before_), us(pipeline_now - pipeline_wait_before_),
-                          us(data_wait_s_), peak_bytes()});
+                          us(data_wait_s_), peak_bytes(), grid_.stage()});
   pipeline_wait_before_ = pipeline_now;
   comm_wait_before_ = comm_now;
   data_wait_s_ = 0;
@@ -145,9 +146,9 @@ void Monitor::log_progress(int64_t step, int64_t epoch, float lr, double seconds
   std::vector<io::RankWindow> windows;
   int64_t peak = 0;
   for (int r = 0; r < ranks; ++r) {
-    const int64_t* v = all.data() + 5 * r;
+    const int64_t* v = all.data() + 6 * r;
     windows.push_back({static_cast<double>(v[0]) * 1e-6, static_cast<double>(v[1]) * 1e-6,
-                       static_cast<double>(v[2]) * 1e-6, static_cast<double>(v[3]) * 1e-6});
+                       static_cast<double>(v[2]) * 1e-6, static_cast<double>(v[3]) * 1e-6, static_cast<int>(v[5])});
     peak = std::max(peak, v[4]);
   }
   io::ProgressRecord record;
@@ -160,7 +161,16 @@ void Monitor::log_progress(int64_t step, int64_t epoch, float lr, double seconds
   const int64_t targets = engine_->targets_per_sample();
   if (targets > 1) record.tokens_per_s = record.samples_per_s * static_cast<double>(targets);
   // NCCL's waits order streams and return at once: the host's wait measures nothing there.
-  if (grid_.transport() != parallel::Transport::Nccl || ranks == 1) record.split = io::average_split(windows);
+  if (grid_.transport() != parallel::Transport::Nccl || ranks == 1) {
+    record.split = io::average_split(windows);
+    // Named once it is the straggler of two windows running (one slow window is noise).
+    const std::optional<io::Straggler> straggler = io::find_straggler(windows, timed_steps_);
+    if (straggler && straggler->rank == last_straggler_) {
+      record.straggler = straggler;
+      record.straggler->host = hosts_.at(static_cast<size_t>(straggler->rank));
+    }
+    last_straggler_ = straggler ? straggler->rank : -1;
+  }
   record.tflops_per_rank = flops_per_sample_ * record.samples_per_s / ranks / 1e12;
   if (peak_flops_ > 0) record.mfu = record.tflops_per_rank * 1e12 / peak_flops_;
   record.dp_bytes_per_step = last_dp_bytes_;

@@ -107,6 +107,9 @@ class Monitor {
   Clock::time_point window_start_, run_start_;
   int64_t last_dp_bytes_ = 0, last_tp_bytes_ = 0;  // the last step's
   bool evaluated_ = false;                         // an evaluation ran (its buffers count in mem)
+  // Rank 0: every rank's host, and the straggler of the last window (-1: none), for "persistently".
+  std::vector<std::string> hosts_;
+  int last_straggler_ = -1;
 };
 
 }  // namespace strata::train

@@ -152,8 +152,9 @@ std::string step_time_line(const Config& config, const layers::Model& model,
   char line[300];
   std::snprintf(line, sizeof line,
                 "  step-time model: %.3g s per step (compute / bubble / dp / tp / pp: %.3g / %.3g / %.3g / %.3g / "
-                "%.3g) at %.3g TFLOP/s and %g GB/s per rank, communication not overlapped",
-                t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12, config.plan.gbps);
+                "%.3g) at %.3g TFLOP/s (half that below %.3g rows) and %g GB/s per rank, communication not overlapped",
+                t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12,
+                rates.half_rate_rows, config.plan.gbps);
   return line;
 }
 

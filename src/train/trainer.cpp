@@ -1,5 +1,6 @@
 #include "train/trainer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -85,7 +86,11 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
     total = config_.training.steps > 0 ? config_.training.steps : config_.training.epochs * per_epoch;
     if (config_.training.steps > 0 && config_.training.epochs > 0)
       total = std::min(config_.training.steps, config_.training.epochs * per_epoch);
-    config_.training.lr_schedule.total_steps = total;  // cosine decays over the whole run
+    layers::LrScheduleConfig& schedule = config_.training.lr_schedule;
+    schedule.total_steps = total;  // cosine, linear and wsd decay to --min-lr at the run's end
+    STRATA_REQUIRE(schedule.kind != "wsd" || schedule.warmup_steps + layers::wsd_decay_steps(schedule) <= total,
+                   "--lr-schedule wsd: --warmup-steps ", schedule.warmup_steps, " and --lr-decay-steps ",
+                   layers::wsd_decay_steps(schedule), " do not fit in the run's ", total, " steps");
     expected.samples = train_data_->size();
     expected.total_steps = total;
   }
@@ -106,10 +111,15 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
             " classes\n", model_->summary());
   log::info(plan_report(config_, *model_, engine_->map().stages(), planned));
   monitor_->start(*engine_, *model_, planned, position_.total_steps, position_.start_step, window_loss, window_steps);
-  if (train_data_)
-    log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
-              config_.layout.global_batch, " (", layout.micro_batches, " micro-batch(es) of ", layout.micro,
-              " per replica); training ", position_.total_steps, " steps");
+  if (!train_data_) return;
+  log::info("data: ", train_data_->size(), " training samples, ", sampler_->steps_per_epoch(), " steps per epoch of ",
+            config_.layout.global_batch, " (", layout.micro_batches, " micro-batch(es) of ", layout.micro,
+            " per replica); training ", position_.total_steps, " steps");
+  const bool lr_given =
+      std::any_of(config_.given.begin(), config_.given.end(), [](const auto& kv) { return kv.first == "lr"; });
+  log::info("optimizer ", config_.training.optimizer.name, ", lr ", config_.training.lr_schedule.lr,
+            lr_given ? "" : detail::cat(" (", config_.training.optimizer.name, "'s default; --lr sets it)"), ", ",
+            config_.training.lr_schedule.kind, " schedule");
 }
 
 void Trainer::restore(const io::RunState& saved) {

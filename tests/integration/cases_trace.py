@@ -64,8 +64,10 @@ def check_trace(path, ranks, steps, pipeline=True):
 
 
 def progress_lines(out):
-    return re.findall(r"^step (\d+)/\d+ .*\(compute (\d+)%, comm (\d+)%, pipeline (\d+)%, data (\d+)%\)"
-                      r"(?:  MFU ([0-9.]+)%)?  mem ([0-9.]+) (KiB|MiB|GiB)", out, re.M)
+    """(step, {wait: percent}, MFU or '', memory) of each progress line; compute is the rest."""
+    lines = re.findall(r"^step (\d+)/\d+ .* ms(?: \(([a-z0-9%, ]+)\))?(?:  MFU ([0-9.]+)%)?  mem ([0-9.]+) (KiB|MiB|GiB)",
+                       out, re.M)
+    return [(step, {k: int(v) for k, v in re.findall(r"(\w+) (\d+)%", waits)}, mfu, mem) for step, waits, mfu, mem, _ in lines]
 
 
 def case_trace(args):
@@ -105,12 +107,16 @@ def case_trace(args):
     lines = progress_lines(out)
     assert [int(l[0]) for l in lines] == [4, 8, 12], out
     for l in lines:
-        assert abs(sum(int(x) for x in l[1:5]) - 100) <= 2, l
-        assert l[5], l  # MFU against the GEMM rate measured at start (CPU); 0.0% on a loaded machine
+        assert l[2], l  # MFU against the GEMM rate measured at start (CPU); 0.0% on a loaded machine
     with open(metrics) as f:
         records = [json.loads(line) for line in f if '"eval"' not in line]
     assert [r["step"] for r in records] == [4, 8, 12], records
-    for r in records:
+    for r, l in zip(records, lines):
+        # The line names the waits of --metrics' split that round to 1% or more (pipeline always: pp 2);
+        # --metrics holds 4 decimals, so a share at a rounding boundary may go either way.
+        waits = {k: 100 * v for k, v in r["split"].items() if k != "compute"}
+        assert "pipeline" in l[1] and all(abs(l[1][k] - waits[k]) <= 0.51 for k in l[1]), (l, r)
+        assert all(v < 0.51 for k, v in waits.items() if k not in l[1]), (l, r)
         assert abs(sum(r["split"].values()) - 1) < 1e-3 and r["split"]["pipeline"] > 0, r
         assert r["step_time_s"] > 0 and r["tflops_per_rank"] > 0 and r["mfu"] is not None and r["peak_bytes"] > 0, r
         # The model's FLOP rate per rank: 6 x forward multiply-adds per sample x samples/s over 4 ranks.

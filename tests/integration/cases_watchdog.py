@@ -1,6 +1,8 @@
 """The watchdog (docs/reliability.md, "Deadlines and the watchdog"): a stopped rank ends the job
 within --timeout + 10 s with the rank and the operation named; ranks whose collectives differ
-are reported (first differing collective, both sides), not left to hang."""
+are reported (first differing collective, both sides), not left to hang. A slow rank is named
+(stragglers)."""
+import json
 import os
 import re
 import signal
@@ -143,3 +145,68 @@ def case_watchdog_setup_deadline(args):
         for bad in ("Traceback", "core dumped", "Segmentation", "terminate called"):
             assert bad not in p.stdout + p.stderr, p.stderr
         print(f"{ranks} ranks: exit 5 after {took:.1f} s; {len(lines)} rank(s) reported")
+
+
+def straggler_lines(out):
+    """(step, rank, host, percent, cause) of the progress lines that name a slow rank."""
+    return [(int(m[0]), int(m[1]), m[2], int(m[3]), m[4]) for m in
+            re.findall(r"^step (\d+)/\d+ .*  slow: rank (\d+) \((\S+)\) \+(\d+)% (compute|data)$", out, re.M)]
+
+
+def case_stragglers(args):
+    """A rank slower than the others of its stage is named on the progress line and in --metrics
+    once it is the straggler of two windows running: rank 1 of dp 4 sleeping 20 ms per step
+    (--debug-slow-ms); rank 3 of pp 2 x dp 2 likewise, compared with its stage's other rank only;
+    rank 1 of dp 2 stopped and continued in bursts from outside (SIGSTOP 40 ms of every 80 ms), as
+    a throttled or shared core would, on steps of mostly compute; a run without a slow rank names
+    none."""
+    data = write_dataset(os.path.join(args.workdir, "straggler.h5"), 1024, (1, 28, 28), 10, seed=5)
+    env = dict(os.environ, **MPI_ENV)
+
+    def train(name, ranks, flags, bursts_of=None, log_every=5):
+        metrics = os.path.join(args.workdir, f"straggler-{name}.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", args.train, "--model", "mlp",
+               "--data", data, "--log-every", str(log_every), "--threads", "1", "--metrics", metrics, *flags]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            if bursts_of is not None:
+                pid = rank_pids(p.pid, ranks)[bursts_of]
+                while p.poll() is None:  # 40 ms stopped of every 80 ms until the run ends
+                    try:
+                        os.kill(pid, signal.SIGSTOP)
+                        time.sleep(0.04)
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.04)
+            out, err = p.communicate(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        assert p.returncode == 0, f"{' '.join(cmd)}\n{out}\n{err}"
+        records = [json.loads(l) for l in open(metrics) if '"eval"' not in l]
+        named = straggler_lines(out)
+        flagged = [r["straggler"] for r in records if r["straggler"]]
+        assert [(n[1], n[2], n[4]) for n in named] == [(f["rank"], f["host"], f["cause"]) for f in flagged], (out, records)
+        print(f"{name}: named on {len(named)} of {len(records)} progress lines{f', e.g. {named[-1]}' if named else ''}")
+        return named
+
+    small = ["--hidden", "256", "--global-batch", "64", "--steps", "40"]
+    slow = ["--debug-fail-rank", "1", "--debug-slow-ms", "20"]
+    named = train("dp 4, rank 1 sleeping 20 ms a step", 4, small + slow)
+    assert named and all(n[1] == 1 and n[4] == "compute" and n[3] >= 50 for n in named), named
+    assert named[0][0] == 10, f"named first at step {named[0][0]}, not after two windows (5 and 10)"
+
+    named = train("pp 2 x dp 2, rank 3 sleeping 20 ms a step", 4, small + ["--pp", "2", "--debug-fail-rank", "3",
+                                                                           "--debug-slow-ms", "20"])
+    assert named and all(n[1] == 3 for n in named), named
+
+    named = train("dp 2, rank 1 stopped 40 ms of every 80", 2,
+                  ["--hidden", "1024,1024", "--global-batch", "256", "--steps", "60"], bursts_of=1)
+    assert named and all(n[1] == 1 for n in named), named
+
+    # Two ranks on the two cores, windows of 10 steps: what any machine's jitter stays within.
+    assert not train("dp 2 without a slow rank", 2, small, log_every=10)

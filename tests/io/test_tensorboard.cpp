@@ -273,5 +273,14 @@ TEST(MetricsWriter, NullFieldsAreNoScalars) {
   EXPECT_EQ(e.scalars, (std::vector<TensorBoardScalar>{{"final/loss", 0.5f}, {"final/x/y/z", -1e-3f}}));
 }
 
+// A straggler's numbers are scalars; its host and cause (text inside an object) are not, and do
+// not become the line's label.
+TEST(MetricsWriter, StragglerNumbersAreScalars) {
+  const TensorBoardEvent e = tensorboard_event(
+      R"({"step": 5, "loss": 0.5, "straggler": {"rank": 3, "host": "node2", "slower": 0.5, "cause": "compute"}})");
+  EXPECT_EQ(e.scalars,
+            (std::vector<TensorBoardScalar>{{"loss", 0.5f}, {"straggler/rank", 3.0f}, {"straggler/slower", 0.5f}}));
+}
+
 }  // namespace
 }  // namespace strata::io

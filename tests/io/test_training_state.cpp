@@ -153,6 +153,32 @@ TEST(TrainingState, MissingRequiredAttributeIsAnInputErrorNamingIt) {
   test::expect_input_error([&] { read_run_state(r); }, {"step_in_epoch"});
 }
 
+// A file's numbers are held to the ranges the options have (a file from before manifests has only
+// these checks): one line naming the attribute, its range and the value found.
+TEST(TrainingState, AttributesOutOfRangeAreRefusedNamingThem) {
+  test::TempDir dir;
+  const auto expect_refused = [&](const std::string& attr, auto value, const std::string& message) {
+    const std::string path = dir / (attr + ".h5");
+    {
+      CheckpointWriter w(path);
+      RunState s = known_state();
+      s.optimizer_step = s.step;
+      write_run_state(w, s);
+      w.set_attr(attr, value);
+      w.commit();
+    }
+    test::expect_input_error([&] { read_run_state(CheckpointReader(path)); }, {message});
+  };
+  expect_refused("global_batch", int64_t{1} << 62,
+                 "attribute global_batch must be in [1, 16777216], found 4611686018427387904");
+  expect_refused("global_batch", int64_t{0}, "attribute global_batch must be in [1, 16777216], found 0");
+  expect_refused("optimizer_step", known_state().step + 1, "attribute optimizer_step must be in [0, ");
+  expect_refused("num_classes", int64_t{-3}, "attribute num_classes must be in [0, 16777216], found -3");
+  expect_refused("loss_scale", 0.0, "attribute loss_scale must be positive and finite, found 0");
+  expect_refused("loss_scale_good_steps", int64_t{-1}, "attribute loss_scale_good_steps must be in [0, ");
+  expect_refused("log_window_steps", int64_t{-2}, "attribute log_window_steps must be in [0, ");
+}
+
 // ---- read_model_value ----------------------------------------------------------------------
 
 // A checkpoint with fc1/weight (model and master), fc1/bias (model only), fc2/weight (model,
@@ -238,20 +264,24 @@ TEST(Metrics, AppendWritesOneJsonLinePerRecord) {
   b.step_time_s = 0.1;
   b.split = StepSplit{0.5, 0.25, 0.125, 0.125};
   b.mfu = 0.123456;
+  b.straggler = Straggler{3, "node2", 0.5, "compute"};
   w.append(a);
   w.append(b);
   EXPECT_EQ(read_all(path),
             "{\"step\": 3, \"epoch\": 1, \"loss\": 0.123457, \"lr\": 0.001, \"samples_per_s\": 1234.6, "
             "\"step_time_s\": 0.012500, \"split\": null, \"tflops_per_rank\": 0.5, \"mfu\": null, "
-            "\"dp_bytes_per_step\": 4096, \"tp_bytes_per_step\": 512, \"peak_bytes\": 1048576, \"eta_s\": 61.0}\n"
+            "\"dp_bytes_per_step\": 4096, \"tp_bytes_per_step\": 512, \"peak_bytes\": 1048576, \"eta_s\": 61.0, "
+            "\"straggler\": null}\n"
             "{\"step\": 4, \"epoch\": 2, \"loss\": 2.500000, \"lr\": 0.05, \"samples_per_s\": 10.0, "
             "\"tokens_per_s\": 10240.0, \"step_time_s\": 0.100000, \"split\": {\"compute\": 0.5000, \"comm\": 0.2500, "
             "\"pipeline\": 0.1250, \"data\": 0.1250}, \"tflops_per_rank\": 0, \"mfu\": 0.1235, "
-            "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0}\n");
+            "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0, "
+            "\"straggler\": {\"rank\": 3, \"host\": \"node2\", \"slower\": 0.5, \"cause\": \"compute\"}}\n");
 }
 
 // The split is each rank's share averaged over the ranks (compute the rest), and the console
-// line carries every field: tokens/s for a language model, n/a without a split, MFU when known.
+// line carries every field: tokens/s for a language model, the waits (compute is the rest), n/a
+// without a split, MFU when known.
 TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
   const StepSplit split = average_split({{1.0, 0.5, 0.0, 0.1}, {2.0, 0.0, 1.0, 0.2}});
   EXPECT_DOUBLE_EQ(split.comm, 0.25);
@@ -267,8 +297,10 @@ TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
   r.peak_bytes = 3205184;
   r.eta_s = 3725;
   EXPECT_EQ(progress_line(r, 12),
-            "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s  0.2 ms/step (compute 3%, comm 51%, "
-            "pipeline 36%, data 10%)  MFU 3.4%  mem 3.06 MiB  eta 1h02m");
+            "step 8/12  epoch 0  loss 1.0566  lr 0.05  196385 samples/s  0.2 ms (comm 51%, pipeline 36%, data 10%)"
+            "  MFU 3.4%  mem 3.06 MiB  eta 1h02m");
+  r.split = StepSplit{0.996, 0.004, 0.0, 0.0};  // nothing but compute: no parenthesis
+  EXPECT_NE(progress_line(r, 12).find("  0.2 ms  MFU 3.4%"), std::string::npos);
   r.tokens_per_s = 12.5e6;
   r.split.reset();
   r.mfu.reset();
@@ -279,8 +311,40 @@ TEST(Metrics, ProgressLineAndTheSplitOverRanks) {
   r.peak_bytes = int64_t{3} << 30;
   r.eta_s = 61;
   EXPECT_EQ(progress_line(r, 12),
-            "step 8/12  epoch 0  loss 1.0566  lr 0.05  12500000 tokens/s  0.2 ms/step (split n/a under NCCL)  mem "
+            "step 8/12  epoch 0  loss 1.0566  lr 0.05  12500000 tokens/s  0.2 ms (split n/a under NCCL)  mem "
             "3.00 GiB  eta 1m01s");
+}
+
+// The straggler: the rank whose busy time (the window less its waits on others) exceeds the
+// median of its stage's other ranks by more than 15% and 2 ms per step; its cause what its excess
+// is made of; ranks of other stages (other work) are not compared with it.
+TEST(Metrics, StragglerIsTheBusiestRankOfItsStage) {
+  // 10 steps of 1 s windows: rank 2 computes 0.6 s where the others compute 0.4 s and wait.
+  std::vector<RankWindow> w{{1.0, 0.6, 0, 0}, {1.0, 0.6, 0, 0}, {1.0, 0.4, 0, 0}, {1.0, 0.6, 0, 0}};
+  std::optional<Straggler> s = find_straggler(w, 10);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->rank, 2);
+  EXPECT_NEAR(s->slower, 0.5, 1e-12);  // 0.6 against 0.4
+  EXPECT_EQ(s->cause, "compute");
+  w[2] = {1.0, 0.4, 0, 0.19};  // its excess is its loader's
+  EXPECT_EQ(find_straggler(w, 10)->cause, "data");
+  w[2] = {1.0, 0.55, 0, 0};  // 0.45 against 0.4: 12.5%, within the noise
+  EXPECT_FALSE(find_straggler(w, 10));
+  w[2] = {1.0, 0.4, 0, 0};
+  EXPECT_FALSE(find_straggler(w, 200));  // 0.2 s over 200 steps: 1 ms a step, timer noise
+  // Two stages of different work (pp 2 x dp 2): stage 1's ranks are busier than stage 0's by
+  // their layers, not by a fault; a slow rank of stage 1 is compared with stage 1's other rank.
+  const std::vector<RankWindow> pp{{1.0, 0.7, 0, 0, 0}, {1.0, 0.7, 0, 0, 0}, {1.0, 0.4, 0, 0, 1}, {1.0, 0.4, 0, 0, 1}};
+  EXPECT_FALSE(find_straggler(pp, 10));
+  std::vector<RankWindow> slow = pp;
+  slow[3].comm_s = 0.1;  // 0.9 s busy against its stage peer's 0.6
+  EXPECT_EQ(find_straggler(slow, 10)->rank, 3);
+  EXPECT_FALSE(find_straggler({{1.0, 0.0, 0, 0}}, 10));  // alone: nothing to compare with
+
+  ProgressRecord r = progress(8, 0, 1.05663, 0.05, 196385.4);
+  r.step_time_s = 0.000163;
+  r.straggler = Straggler{3, "node2", 0.4512, "compute"};
+  EXPECT_TRUE(progress_line(r, 12).ends_with("  slow: rank 3 (node2) +45% compute")) << progress_line(r, 12);
 }
 
 TEST(Metrics, EmptyPathWritesNothing) {
@@ -299,7 +363,8 @@ TEST(Metrics, DropAfterRemovesOnlyLaterSteps) {
     std::ostringstream os;
     os << "{\"step\": " << step << ", \"epoch\": 0, \"loss\": 1.000000, \"lr\": 0.1, \"samples_per_s\": 100.0, "
        << "\"step_time_s\": 0.000000, \"split\": null, \"tflops_per_rank\": 0, \"mfu\": null, "
-       << "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0}\n";
+       << "\"dp_bytes_per_step\": 0, \"tp_bytes_per_step\": 0, \"peak_bytes\": 0, \"eta_s\": 0.0, \"straggler\": "
+          "null}\n";
     return os.str();
   };
   ASSERT_EQ(all, line_of(10) + line_of(20) + line_of(30) + line_of(40));

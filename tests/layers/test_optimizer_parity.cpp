@@ -121,6 +121,8 @@ TEST_P(ScheduleParity, MatchesTorchScheduler) {
   if (io::h5::has_attr(c, "step_size")) cfg.step_size = int_attr(c, "step_size");
   if (io::h5::has_attr(c, "gamma")) cfg.gamma = static_cast<float>(num_attr(c, "gamma"));
   if (io::h5::has_attr(c, "min_lr")) cfg.min_lr = static_cast<float>(num_attr(c, "min_lr"));
+  if (io::h5::has_attr(c, "decay_steps")) cfg.decay_steps = int_attr(c, "decay_steps");
+  if (io::h5::has_attr(c, "decay_shape")) cfg.decay_shape = io::h5::read_attr_string(c, "decay_shape");
 
   auto check = [&](const std::vector<double>& want, const char* which) {
     ASSERT_FALSE(want.empty());
@@ -138,7 +140,7 @@ TEST_P(ScheduleParity, MatchesTorchScheduler) {
 
 INSTANTIATE_TEST_SUITE_P(Torch, ScheduleParity,
                          ::testing::Values("constant", "step", "constant_warmup", "step_warmup", "cosine",
-                                           "cosine_warmup"),
+                                           "cosine_warmup", "linear", "linear_warmup", "wsd", "wsd_sqrt", "wsd_cosine"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 TEST(ScheduleParity, UnknownKindIsAnInputError) {

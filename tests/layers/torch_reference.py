@@ -574,6 +574,36 @@ def optim_cases(root):
         lambda o: lrs_sched.SequentialLR(o, [warm(o, w), lrs_sched.CosineAnnealingLR(o, T_max=total - w, eta_min=min_lr)],
                                          milestones=[w]), total + 1, lr), np.float64)
 
+    # Linear decay and warmup-stable-decay (wsd) with a linear decay: torch's own compositions
+    # (LinearLR from 1 to min_lr / lr, after a ConstantLR for wsd's stable phase).
+    lr, w, total, min_lr, decay = 0.1, 4, 20, 0.01, 6
+    for name, cfg, make in (
+            ("linear", dict(kind="linear", lr=lr, total_steps=total, min_lr=min_lr),
+             lambda o: lrs_sched.LinearLR(o, start_factor=1.0, end_factor=min_lr / lr, total_iters=total)),
+            ("linear_warmup", dict(kind="linear", lr=lr, warmup_steps=w, total_steps=total, min_lr=min_lr),
+             lambda o: lrs_sched.SequentialLR(o, [warm(o, w), lrs_sched.LinearLR(o, 1.0, min_lr / lr, total - w)],
+                                              milestones=[w])),
+            ("wsd", dict(kind="wsd", lr=lr, warmup_steps=w, total_steps=total, min_lr=min_lr, decay_steps=decay,
+                         decay_shape="linear"),
+             lambda o: lrs_sched.SequentialLR(o, [warm(o, w), lrs_sched.ConstantLR(o, factor=1.0, total_iters=0),
+                                                  lrs_sched.LinearLR(o, 1.0, min_lr / lr, decay)],
+                                              milestones=[w, total - decay]))):
+        c = sg.create_group(name)
+        set_attrs(c, reference="torch", **cfg)
+        put(c, "lr", torch_lrs(make, total + 3, lr), np.float64)
+    # wsd's other decay shapes, and its default decay (the last fifth of the run): the formula of
+    # Hägele et al. 2024 (1 - sqrt of the decay's progress) and the half cosine, written out.
+    total = 30
+    for name, shape, factor in (("wsd_sqrt", "sqrt", lambda p: 1 - math.sqrt(p)),
+                                ("wsd_cosine", "cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p)))):
+        start = total - total // 5
+        lrs = [lr * (s + 1) / w if s < w else lr if s < start else
+               min_lr + (lr - min_lr) * factor(min((s - start) / (total - start), 1.0)) for s in range(total + 3)]
+        c = sg.create_group(name)
+        set_attrs(c, reference="formula", kind="wsd", lr=lr, warmup_steps=w, total_steps=total, min_lr=min_lr,
+                  decay_shape=shape)
+        put(c, "lr", lrs, np.float64)
+
     cg = root.create_group("clip")
     for name, scale, max_norm in (("clip_active", 1.0, 1.5), ("clip_inactive", 0.05, 10.0)):
         shapes = [(3, 4), (5,), (2, 3, 3)]

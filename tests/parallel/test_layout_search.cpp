@@ -9,6 +9,7 @@
 #include "layers/zoo.hpp"
 #include "parallel/pipeline/partition.hpp"
 #include "parallel/plan/layout_search.hpp"
+#include "parallel/plan/memory_plan.hpp"
 
 namespace strata::parallel {
 namespace {
@@ -47,12 +48,12 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
   double slowest = 0;
   StepTime expected;
   for (const StageRange& r : stages) {
-    double macs = 0, trainable = 0, blocks = 0;
+    double macs = 0, trainable = 0;
     for (size_t i = r.begin; i < r.end; ++i) {
       macs += static_cast<double>(model.layer(i).flops(model.shape(i)));
       for (const layers::ParamSpec& p : model.layer(i).param_specs())
         trainable += static_cast<double>(shape_numel(p.shape));
-      blocks += model.layer(i).is_tensor_parallel_block();
+      EXPECT_EQ(model.layer(i).tp_all_reduced_elements(model.shape(i), false), 0);  // built without tp
     }
     StepTime s;
     s.compute_s = 6 * macs * 16 / 1e9;
@@ -62,7 +63,6 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
     // Stage 0 sends its output forward, stage 1 its input's gradient back: not the logits.
     const Shape& sent = &r == &stages.front() ? model.shape(r.end) : model.shape(r.begin);
     s.pp_s = 2.0 * static_cast<double>(shape_numel(sent)) * 4 * 4 / 1e6;
-    EXPECT_GT(blocks, 0);
     if (s.total() > slowest) {
       slowest = s.total();
       expected = s;
@@ -89,9 +89,29 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
   // Recomputation adds a forward: 4/3 of the compute; tensor parallelism costs all-reduces.
   c.recompute = layers::Recompute::Block;
   EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 32, rates).compute_s, expected.compute_s * 4 / 3);
-  c.recompute = layers::Recompute::None;
-  c.layout.tp = 2;
-  EXPECT_GT(estimate_step_time(model, stages, c, 32, rates).tp_s, 0);
+}
+
+// Tensor parallelism's traffic: each block all-reduces its input's size twice in forward and twice
+// in backward (6 times recomputed), over 2 (tp - 1) / tp of ring bandwidth; a Llama whose kv heads
+// tp replicates adds backward's sum of their gradients (k and v of every kv head: 2 G Dh per token).
+TEST(LayoutSearch, TensorParallelTrafficByHand) {
+  PlannedTensorParallel group(2);
+  layers::ModelSpec llama = tiny_gpt();
+  llama.name = "llama";
+  llama.kv_heads = 1;
+  for (const layers::ModelSpec& spec : {tiny_gpt(), llama})
+    for (const layers::Recompute recompute : {layers::Recompute::None, layers::Recompute::Block}) {
+      const layers::Model model = gpt_for(spec)(2, recompute, &group);
+      const std::vector<StageRange> stages = partition_layers(model, 1, "balanced");
+      LayoutChoice c;
+      c.layout.tp = 2;
+      c.layout.micro = 4;
+      c.layout.micro_batches = 2;  // 8 samples per step
+      c.recompute = recompute;
+      const double per_token = (recompute == layers::Recompute::None ? 4 : 6) * 32 + (spec.kv_heads == 1 ? 2 * 8 : 0);
+      const double expected = 2.0 * 1 / 2 * spec.layers * per_token * 16 * 4 * 8 / 1e6;
+      EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 8, Rates{1e9, 1e6}).tp_s, expected) << spec.name;
+    }
 }
 
 TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {

@@ -169,6 +169,10 @@ TEST(Config, EnumeratedOptionsParsed) {
   EXPECT_EQ(b.layout.precision, DType::F16);
   EXPECT_EQ(parse_valid({"--comm", "mpi"}).runtime.comm, Transport::Mpi);
   EXPECT_EQ(parse_valid({"--lr-schedule", "step", "--lr-step-size", "10"}).training.lr_schedule.kind, "step");
+  const Config wsd = parse_valid({"--lr-schedule", "wsd", "--lr-decay-steps", "30", "--lr-decay-shape", "sqrt"});
+  EXPECT_EQ(wsd.training.lr_schedule.kind, "wsd");
+  EXPECT_EQ(wsd.training.lr_schedule.decay_steps, 30);
+  EXPECT_EQ(wsd.training.lr_schedule.decay_shape, "sqrt");
 }
 
 TEST(Config, EnumNamesRoundTrip) {
@@ -186,8 +190,21 @@ TEST(Config, BadEnumsAreOneLineInputErrors) {
                             "pipeline schedule: expected \"gpipe\", \"1f1b\" or \"interleaved\", got \"zero-bubble\"");
   expect_rejected_with_data({"--precision", "fp64"}, "--precision must be fp32, bf16 or fp16, found 'fp64'");
   expect_rejected_with_data({"--optimizer", "adam"}, "--optimizer must be sgd or adamw, found 'adam'");
-  expect_rejected_with_data({"--lr-schedule", "linear"},
-                            "--lr-schedule must be constant, step or cosine, found 'linear'");
+  expect_rejected_with_data({"--lr-schedule", "exponential"},
+                            "--lr-schedule must be constant, step, cosine, linear or wsd, found 'exponential'");
+  expect_rejected_with_data({"--lr-schedule", "wsd", "--lr-decay-shape", "exp"},
+                            "--lr-decay-shape must be linear, sqrt or cosine, found 'exp'");
+}
+
+// The learning rate's default is the optimizer's (SGD's 0.05 diverges AdamW), a given --lr wins,
+// and the run's printout holds the value in effect.
+TEST(Config, LearningRateDefaultsPerOptimizer) {
+  EXPECT_FLOAT_EQ(parse_valid({}).training.lr_schedule.lr, 0.05f);
+  const Config adamw = parse_valid({"--optimizer", "adamw"});
+  EXPECT_FLOAT_EQ(adamw.training.lr_schedule.lr, 1e-3f);
+  EXPECT_EQ(effective(adamw, "lr"), "0.001");
+  EXPECT_FLOAT_EQ(parse_valid({"--optimizer", "adamw", "--lr", "0.01"}).training.lr_schedule.lr, 0.01f);
+  expect_rejected_with_data({"--optimizer", "adamw", "--min-lr", "0.002"}, "--min-lr must be in [0, --lr 0.001]");
 }
 
 TEST(Config, ValidateRules) {
@@ -216,6 +233,7 @@ TEST(Config, ValidateRules) {
       {{"--prefetch", "0"}, "--prefetch must be in [1, 64], found 0"},
       {{"--save-every=-1"}, "--save-every must be in [0, 68719476736], found -1"},
       {{"--lr-schedule", "step"}, "--lr-schedule step needs --lr-step-size > 0, found 0"},
+      {{"--lr-decay-steps=-1"}, "--lr-decay-steps must be in [0, 68719476736], found -1"},
       {{"--beta1", "1"}, "--beta1 and --beta2 must be in [0, 1), found 1 and 0.999"},
       {{"--eps", "0"}, "--eps must be in (0, 1], found 0"},
       {{"--dropout", "1"}, "--dropout must be in [0, 1), found 1"},
@@ -409,7 +427,8 @@ std::string printed(const Args& args) {
 
 TEST(Config, HelpShowsDefaultsAsWritten) {
   const std::string help = printed({"--help"});
-  for (const char* shown : {"--lr arg (=0.05)", "--momentum arg (=0.9)", "--lr-gamma arg (=0.1)", "--eps arg (=1e-08)"})
+  for (const char* shown : {"--lr arg (=0.05 for sgd, 0.001 for adamw)", "--momentum arg (=0.9)",
+                            "--lr-gamma arg (=0.1)", "--eps arg (=1e-08)"})
     EXPECT_NE(help.find(shown), std::string::npos) << shown;
   // A float's binary value (0.050000000745...) would show a run of zeros or nines after the point.
   EXPECT_FALSE(std::regex_search(help, std::regex(R"(\.\d*(00000|99999)\d)"))) << "a float's binary value shown";
@@ -538,11 +557,25 @@ TEST(Config, DeepSpeedUnmappedKeysAreListed) {
                             "not supported: fp16.fp16_master_weights_and_grads, fp16.hysteresis");
 }
 
+// WarmupDecayLR: linear warm-up to warmup_max_lr, then linearly down to warmup_min_lr at
+// total_num_steps: --lr-schedule linear.
+TEST(Config, DeepSpeedWarmupDecayIsTheLinearSchedule) {
+  const TempFile ds(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 300,
+    "warmup_min_lr": 0.0001, "warmup_max_lr": 0.002, "warmup_num_steps": 20, "warmup_type": "linear"}}})");
+  const Config c = parse_valid({"--deepspeed-config", ds.path()});
+  EXPECT_TRUE(c.deepspeed_unsupported.empty());
+  EXPECT_EQ(c.training.lr_schedule.kind, "linear");
+  EXPECT_FLOAT_EQ(c.training.lr_schedule.lr, 0.002f);
+  EXPECT_FLOAT_EQ(c.training.lr_schedule.min_lr, 0.0001f);
+  EXPECT_EQ(c.training.lr_schedule.warmup_steps, 20);
+  EXPECT_EQ(c.training.steps, 1);  // the command line's --steps (parse_valid's) wins over total_num_steps
+}
+
 TEST(Config, DeepSpeedValuesStrataCannotReproduceAreOneLine) {
   const TempFile both(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})");
   expect_rejected_with_data({"--deepspeed-config", both.path()}, "fp16.enabled and bf16.enabled are both true");
-  const TempFile decay(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}})");
-  expect_rejected_with_data({"--deepspeed-config", decay.path()}, "WarmupDecayLR is not supported");
+  const TempFile cycle(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}})");
+  expect_rejected_with_data({"--deepspeed-config", cycle.path()}, "OneCycle is not supported");
   const TempFile lamb(R"({"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}})");
   expect_rejected_with_data({"--deepspeed-config", lamb.path()}, "must be Adam, AdamW or SGD, found 'Lamb'");
   const TempFile broken("{\"train_batch_size\": 16,\n  \"fp16\": {\n");

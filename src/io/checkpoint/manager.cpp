@@ -116,10 +116,7 @@ RunState CheckpointManager::load(const std::string& path, parallel::StateGather&
   };
   state.load_model(read);
   state.load_optimizer(read);
-  const int64_t saved_batch = saved.global_batch;
-  STRATA_REQUIRE(saved.step >= 0 && saved.epoch >= 0 && saved.step_in_epoch >= 0 && saved_batch > 0, "checkpoint ",
-                 path, " has a bad position: step ", saved.step, ", epoch ", saved.epoch, ", step_in_epoch ",
-                 saved.step_in_epoch, ", global_batch ", saved_batch, " (expected steps >= 0 and a positive batch)");
+  const int64_t saved_batch = saved.global_batch;  // read_run_state held the position to the options' ranges
   STRATA_REQUIRE(expected.samples == 0 || saved.step_in_epoch * saved_batch <= expected.samples, "checkpoint ", path,
                  " is at step ", saved.step_in_epoch, " of an epoch of batches of ", saved_batch, ", beyond the ",
                  expected.samples, " samples of --data");

@@ -61,12 +61,12 @@ StepTime estimate_step_time(const layers::Model& model, const std::vector<StageR
       if (e.trainable) trainable += shape_numel(e.shape);
     const double dp_share = 2.0 * (layout.dp - 1) / layout.dp * (Ownership::shards_params(layout.zero) ? 1.5 : 1.0);
     t.dp_s = dp_share * 4.0 * static_cast<double>(trainable) / rates.bytes_per_s;
-    double block_bytes = 0;
+    int64_t tp_elements = 0;  // per sample
     for (size_t i = r.begin; i < r.end; ++i)
-      if (model.layer(i).is_tensor_parallel_block())
-        block_bytes += static_cast<double>(layout.micro * shape_numel(model.shape(i))) * dtype_bytes;
-    const double all_reduces = choice.recompute == layers::Recompute::None ? 4.0 : 6.0;
-    t.tp_s = 2.0 * (layout.tp - 1) / layout.tp * all_reduces * block_bytes * layout.micro_batches / rates.bytes_per_s;
+      tp_elements +=
+          model.layer(i).tp_all_reduced_elements(model.shape(i), choice.recompute != layers::Recompute::None);
+    t.tp_s = 2.0 * (layout.tp - 1) / layout.tp * static_cast<double>(tp_elements) * dtype_bytes * samples /
+             rates.bytes_per_s;
     // What the stage sends per micro-batch: its output forward (not the last stage: its output
     // is the logits, which go nowhere) and its input's gradient back (not the first).
     int64_t sent = 0;

@@ -41,6 +41,19 @@ std::vector<CpuSet> gather_cpus(MPI_Comm node) {
 
 }  // namespace
 
+std::vector<std::string> host_names(MPI_Comm comm) {
+  int size = 1;
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  MPI_CHECK(MPI_Get_processor_name(host, &length));
+  std::vector<char> all(static_cast<size_t>(size) * MPI_MAX_PROCESSOR_NAME);
+  MPI_CHECK(MPI_Allgather(host, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm));
+  std::vector<std::string> names;
+  for (int r = 0; r < size; ++r) names.emplace_back(&all[static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME]);
+  return names;
+}
+
 std::string mpi_error_string(const char* call, int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;

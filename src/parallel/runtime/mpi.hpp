@@ -74,6 +74,9 @@ class MpiRuntime {
   std::string nodes_;
 };
 
+// Every rank's host name (MPI_Get_processor_name), indexed by rank of `comm`: collective over it.
+std::vector<std::string> host_names(MPI_Comm comm);
+
 // The ranks of `comm` that share a node, as a new communicator (the caller frees it): MPI's
 // MPI_COMM_TYPE_SHARED, or, with STRATA_RANKS_PER_NODE=k in the environment, every k consecutive
 // world ranks, so that one machine runs a cluster's code paths (no shared memory between the

@@ -1,6 +1,8 @@
 #include "parallel/stage/engine.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -11,6 +13,7 @@ namespace strata::parallel {
 
 void FaultInjection::after_backward(int64_t step, int rank) const {
   if (step == fail_step && rank == fail_rank) STRATA_THROW("injected failure at step ", step, " (--debug-fail-step)");
+  if (slow_ms > 0 && rank == fail_rank) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(slow_ms));
 }
 
 void FaultInjection::before_agreement(int64_t step, int rank, Communicator& world) const {
