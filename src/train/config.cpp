@@ -158,7 +158,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   int64_t seed = 0;  // read signed, so that -1 is refused rather than wrapped to 2^64 - 1
   // Enumerated options, read as text and parsed below.
   std::string schedule = "1f1b", device = "cpu", comm = "auto", precision = "fp32", device_memory = "0",
-              trace_steps = "1:10";
+              trace_steps = "1:10", layout = "given";
   po::options_description desc("Usage: train [options]   (mpirun -np N train ... for N ranks)\nOptions");
   // clang-format off
   desc.add_options()
@@ -226,6 +226,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("prefetch", po::value(&c.data.prefetch)->default_value(2), "batches the loader prepares ahead")
     ("log-all-ranks", po::value(&c.monitor.log_all_ranks)->default_value(false)->implicit_value(true), "every rank prints, prefixed with its rank (default: rank 0 only)")
     ("pp", po::value(&c.layout.pp)->default_value(1), "pipeline stages; the world is pp x dp x tp (dp = ranks / (pp x tp))")
+    ("layout", po::value(&layout)->default_value("given"), "given (--tp, --pp, --zero, --micro-batch and --recompute as set) | auto (the planner's fastest layout that fits --device-memory on the ranks this job got, chosen at start and so at every resume; printed with the runner-up)")
     ("tp", po::value(&c.layout.tp)->default_value(1), "tensor parallelism: each layer of a gpt model split over this many consecutive ranks (whole heads, vocabulary slices; Megatron-style)")
     ("partition", po::value(&c.layout.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
     ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b | interleaved (1F1B over --virtual-stages chunks per rank; Megatron's)")
@@ -359,6 +360,12 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   // chunk.
   STRATA_REQUIRE(c.layout.virtual_stages == 1 || c.layout.pp >= 2, "--virtual-stages ", c.layout.virtual_stages,
                  " needs --pp 2 or more (one pipeline rank has no bubble to fill), found --pp ", c.layout.pp);
+  STRATA_REQUIRE(layout == "given" || layout == "auto", "--layout must be given or auto, found '", layout, "'");
+  c.layout.auto_layout = layout == "auto";
+  if (c.layout.auto_layout)
+    for (const char* flag : {"tp", "pp", "zero", "micro-batch", "recompute", "schedule", "virtual-stages"})
+      STRATA_REQUIRE(vm[flag].defaulted(), "--layout auto chooses --tp, --pp, --zero, --micro-batch and --recompute; ",
+                     "leave out --", flag, " (or give the layout and not --layout auto)");
   c.layout.precision = parse_precision(precision);
   c.plan.device_memory = parse_bytes(device_memory, "--device-memory");
   parse_step_range(trace_steps, c.monitor.trace_first, c.monitor.trace_last);

@@ -46,6 +46,7 @@ struct LayoutSettings {
   float bucket_mb = 25;          // gradient all-reduce bucket size
   DType precision = DType::F32;  // --precision fp32 | bf16 | fp16: parameters and activations
   int64_t gradient_accumulation = 0;  // a --deepspeed-config's gradient_accumulation_steps (0: not given)
+  bool auto_layout = false;           // --layout auto: tp, pp, ZeRO, micro-batch, recompute by the planner
 };
 
 // How long and how the model is optimised.

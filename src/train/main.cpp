@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
       log::info("run directory: ", config->run_dir, " (every option's value in its config.ini)");
     if (mpi.rank() == config->debug.faults.fail_rank && config->debug.setup_sleep > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(config->debug.setup_sleep));
+    if (config->layout.auto_layout && !config->plan.search) train::choose_layout(*config, MPI_COMM_WORLD);
     if (config->plan.dry_run)
       train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
     else

@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "core/log.hpp"
 #include "core/ops.hpp"
@@ -17,6 +18,7 @@
 #include "layers/zoo.hpp"
 #include "parallel/data/batch_split.hpp"
 #include "parallel/plan/layout_search.hpp"
+#include "parallel/runtime/mpi.hpp"
 #include "parallel/runtime/process_grid.hpp"
 
 namespace strata::train {
@@ -72,8 +74,9 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   return os.str();
 }
 
-// --dry-run --plan: the search's table, the fastest layouts first, each with its command.
-std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
+// Every layout of `world_size` ranks for the configuration's model, the fitting ones fastest first.
+parallel::SearchResult search(const Config& config, const Shape& input, int classes, int world_size,
+                              const parallel::Rates& rates) {
   parallel::SearchSpace space;
   space.world = world_size;
   space.global_batch = config.layout.global_batch;
@@ -81,13 +84,49 @@ std::string plan_layouts(const Config& config, const Shape& input, int classes, 
   space.base = layout_of(config, 1);
   space.partition = config.layout.partition;
   space.can_recompute = layers::is_language_model(config.model);
-  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
   const auto model_for = [&](int, layers::Recompute recompute, layers::TensorParallelGroup* group) {
     layers::ModelSpec spec = config.model;
     spec.recompute = recompute_flag(recompute);
     return layers::build_model(spec, input, classes, group);
   };
-  const parallel::SearchResult r = parallel::search_layouts(space, rates, model_for);
+  return parallel::search_layouts(space, rates, model_for);
+}
+
+std::string layout_text(const parallel::LayoutChoice& c) {
+  const parallel::Layout& l = c.layout;
+  return detail::cat("tp ", l.tp, ", pp ", l.pp, ", dp ", l.dp, ", zero ", l.zero, ", micro-batch ", l.micro,
+                     ", recompute ", recompute_flag(c.recompute));
+}
+
+// The training sample's shape and the classes, from the data (or, for a language model without
+// --data, --seq-len and --vocab): all that planning needs.
+std::pair<Shape, int> planning_shapes(const Config& config) {
+  const layers::ModelSpec spec = layers::resolve_preset(config.model);
+  const bool language_model = layers::is_language_model(config.model);
+  const int64_t seq_len = language_model ? (config.model.seq_len > 0 ? config.model.seq_len : spec.seq_len) : 0;
+  Shape input;
+  int64_t classes = 0;
+  if (!config.data.train.empty() || !config.data.val.empty()) {
+    const bool train = !config.data.train.empty();
+    const auto data =
+        io::open_samples(train ? config.data.train : config.data.val, train ? "--data" : "--val-data", seq_len);
+    input = data->input_shape();
+    classes = data->num_classes();
+  } else {
+    STRATA_REQUIRE(language_model && spec.vocab > 0 && seq_len > 0, "--dry-run without --data needs a GPT with ",
+                   "--vocab and --seq-len (a preset gives both), found --model ", config.model.name, ", --vocab ",
+                   spec.vocab, ", --seq-len ", seq_len);
+    input = {seq_len};
+    classes = spec.vocab;
+  }
+  STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
+  return {input, static_cast<int>(classes)};
+}
+
+// --dry-run --plan: the search's table, the fastest layouts first, each with its command.
+std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
+  const parallel::SearchResult r = search(config, input, classes, world_size, rates);
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
      << "recompute; 1F1B), " << r.fitting.size() << " fit "
@@ -332,30 +371,63 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
       "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
 }
 
-void dry_run(const Config& config, MPI_Comm world) {
+int planning_world(const Config& config, MPI_Comm world) {
   int world_size = 0;
   MPI_Comm_size(world, &world_size);
-  if (config.plan.world > 0) world_size = config.plan.world;
+  return config.plan.dry_run && config.plan.world > 0 ? config.plan.world : world_size;
+}
+
+void choose_layout(Config& config, MPI_Comm world) {
+  const int world_size = planning_world(config, world);
+  int rank = 0;
+  MPI_Comm_rank(world, &rank);
+  // Rank 0 alone: the GEMM rates it times would differ from another rank's, and so might the choice.
+  int64_t chosen[5] = {};
+  parallel::agree(world, [&] {
+    if (rank != 0) return;
+    const auto [input, classes] = planning_shapes(config);
+    const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
+    const parallel::SearchResult r = search(config, input, classes, world_size, rates);
+    STRATA_REQUIRE(!r.fitting.empty(), "--layout auto: no layout of ", world_size, " ranks fits ",
+                   log::format_bytes(config.plan.device_memory), " per rank; the smallest, ", layout_text(r.smallest),
+                   ", needs ", log::format_bytes(r.smallest.bytes), " on its fullest rank: add ranks or memory");
+    const parallel::LayoutChoice& best = r.fitting.front();
+    const parallel::Layout& l = best.layout;
+    chosen[0] = l.tp;
+    chosen[1] = l.pp;
+    chosen[2] = l.zero;
+    chosen[3] = l.micro;
+    chosen[4] = static_cast<int64_t>(best.recompute);
+    char times[160];
+    std::snprintf(times, sizeof times, "%.3g s a step by the step-time model, %s on its fullest rank",
+                  best.time.total(), log::format_bytes(best.bytes).c_str());
+    std::string runner_up = "none (the only layout that fits)";
+    if (r.fitting.size() > 1) {
+      const parallel::LayoutChoice& next = r.fitting[1];
+      char next_times[96];
+      std::snprintf(next_times, sizeof next_times, " (%.3g s, %s)", next.time.total(),
+                    log::format_bytes(next.bytes).c_str());
+      runner_up = layout_text(next) + next_times;
+    }
+    log::info("--layout auto: ", layout_text(best), " (the fastest of ", r.fitting.size(), " layouts of ", world_size,
+              " ranks that fit",
+              config.plan.device_memory > 0 ? " " + log::format_bytes(config.plan.device_memory) : "", ": ", times,
+              "); runner-up: ", runner_up);
+  });
+  MPI_Bcast(chosen, 5, MPI_INT64_T, 0, world);
+  config.layout.tp = static_cast<int>(chosen[0]);
+  config.layout.pp = static_cast<int>(chosen[1]);
+  config.layout.zero = static_cast<int>(chosen[2]);
+  config.layout.micro_batch = chosen[3];
+  config.model.recompute = recompute_flag(static_cast<layers::Recompute>(chosen[4]));
+  config.layout.schedule = parallel::ScheduleKind::OneFOneB;  // what the search assumes
+  config.layout.virtual_stages = 1;
+}
+
+void dry_run(const Config& config, MPI_Comm world) {
+  const int world_size = planning_world(config, world);
   // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
-  const layers::ModelSpec spec = layers::resolve_preset(config.model);
-  const bool language_model = layers::is_language_model(config.model);
-  const int64_t seq_len = language_model ? (config.model.seq_len > 0 ? config.model.seq_len : spec.seq_len) : 0;
-  Shape input;
-  int64_t classes = 0;
-  if (!config.data.train.empty() || !config.data.val.empty()) {
-    const bool train = !config.data.train.empty();
-    const auto data =
-        io::open_samples(train ? config.data.train : config.data.val, train ? "--data" : "--val-data", seq_len);
-    input = data->input_shape();
-    classes = data->num_classes();
-  } else {
-    STRATA_REQUIRE(language_model && spec.vocab > 0 && seq_len > 0, "--dry-run without --data needs a GPT with ",
-                   "--vocab and --seq-len (a preset gives both), found --model ", config.model.name, ", --vocab ",
-                   spec.vocab, ", --seq-len ", seq_len);
-    input = {seq_len};
-    classes = spec.vocab;
-  }
-  STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
+  const auto [input, classes] = planning_shapes(config);
   if (config.plan.search) {
     log::info(plan_layouts(config, input, static_cast<int>(classes), world_size),
               "\n--dry-run: not training (planned from shapes, nothing allocated)");

@@ -46,6 +46,12 @@ parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device);
 // (plan_ranks) needs more, naming the fullest rank, its parts and the largest.
 void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ranks);
 
+// --layout auto: sets the configuration's tp, pp, ZeRO stage, micro-batch and recomputation to
+// the planner's fastest layout that fits --device-memory on the world's ranks (--world for a dry
+// run), as --plan ranks them; rank 0 searches and prints it with the runner-up, every rank takes
+// it. Input error (one line) when none fits. Collective over `world`.
+void choose_layout(Config& config, MPI_Comm world);
+
 // --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
 // --seq-len), builds the model and prints the plan for --world ranks (default: the job's).
 // Collective over `world`: every rank checks, rank 0 prints.

@@ -3,10 +3,11 @@ line before allocating, holds a CPU rank to it while training, and the same mode
 the same cap once tensor and pipeline parallelism divide it, with the 1-rank result."""
 import os
 import re
+import shutil
 
 from cases_gpt import SGD, UNTIED, assert_close, gpt_run, tokenize
 from cases_tensor_parallel import GPT4
-from harness import expect_bad_input, train_ranks
+from harness import expect_bad_input, read_model, train_ranks
 
 
 def case_memory_cap(args):
@@ -123,3 +124,46 @@ def case_plan_matches_peak(args):
         print(f"{name:32s} planned {planned} measured {measured} error {', '.join(f'{e:+.1%}' for e in errors)}")
         worst = max(worst, max(abs(e) for e in errors))
     assert worst <= 0.05, f"the plan is {worst:.1%} off the measured high-water mark"
+
+
+def case_layout_auto(args):
+    """--layout auto: the planner's fastest layout for the world the job got, printed with the
+    runner-up. A 4-rank run stopped at step 20 resumes on 2 ranks (the job lost half its ranks),
+    each run choosing again, and ends where the uninterrupted 4-rank run ends (SGD, each /model
+    tensor within 1e-5); with --device-memory the choice fits it; nothing fitting, or a layout flag
+    beside it, is one line, exit 2."""
+    data = tokenize(args, "byte")
+    flags = GPT4 + UNTIED + SGD + ["--layout", "auto", "--data", data[0], "--global-batch", "16", "--seed", "3",
+                                   "--log-every", "10", "--bucket-mb", "0.01"]
+    choice = r"^--layout auto: tp (\d+), pp (\d+), dp (\d+), zero (\d), micro-batch (\d+), recompute (\w+) " \
+             r"\(the fastest of \d+ layouts of (\d+) ranks that fit.*\); runner-up: tp \d+"
+
+    def chosen(out, ranks):
+        m = re.search(choice, out, re.M)
+        assert m and int(m[7]) == ranks and int(m[1]) * int(m[2]) * int(m[3]) == ranks, out
+        return m.groups()[:6]
+
+    whole = os.path.join(args.workdir, "ck-auto-whole")
+    split = os.path.join(args.workdir, "ck-auto-split")
+    for d in (whole, split):
+        shutil.rmtree(d, ignore_errors=True)
+    four = chosen(train_ranks(args, 4, flags + ["--steps", "40", "--checkpoint-dir", whole]), 4)
+    train_ranks(args, 4, flags + ["--steps", "20", "--save-every", "20", "--checkpoint-dir", split])
+    out = train_ranks(args, 2, flags + ["--steps", "40", "--checkpoint-dir", split, "--resume", "auto"])
+    two = chosen(out, 2)
+    assert "resuming from" in out and "at step 20" in out, out
+    worst = assert_close(read_model(os.path.join(split, "step-00000040.h5")),
+                         read_model(os.path.join(whole, "step-00000040.h5")), "4 ranks -> 2 ranks, --layout auto")
+    print(f"4 ranks chose tp {four[0]} pp {four[1]} dp {four[2]} zero {four[3]} micro {four[4]}; after the resume 2 "
+          f"ranks chose tp {two[0]} pp {two[1]} dp {two[2]} zero {two[3]} micro {two[4]}; worst difference {worst:.3g}")
+
+    # A cap the fastest layout exceeds: the choice is one that fits it.
+    dry = GPT4 + UNTIED + SGD + ["--layout", "auto", "--data", data[0], "--global-batch", "16", "--dry-run", "--world",
+                                 "4"]
+    out = train_ranks(args, 1, dry)
+    fastest_bytes = int(re.search(r"total (\d+) \([^)]*\)  <- fullest", out)[1])
+    out = train_ranks(args, 1, dry + ["--device-memory", str(fastest_bytes - 1)])
+    capped = int(re.search(r"total (\d+) \([^)]*\)  <- fullest", out)[1])
+    assert capped < fastest_bytes and chosen(out, 4), out
+    expect_bad_input(args, dry + ["--device-memory", "64KiB"], r"--layout auto: no layout of 4 ranks fits 64\.00 KiB")
+    expect_bad_input(args, dry + ["--zero", "1"], r"--layout auto chooses .*; leave out --zero")
