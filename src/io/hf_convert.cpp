@@ -79,31 +79,41 @@ struct HfModel {
 };
 
 HfModel gpt2_model(const Gpt2Options& o) {
-  HfModel m{"GPT2LMHeadModel", "gpt",       gpt2_tensor_map(o), gpt2_strata_config(o),
-            o.vocab,           o.positions, o.tie_embeddings};
-  m.shape_note = detail::cat("n_layer ", o.layers, ", tie_word_embeddings ", o.tie_embeddings ? "true" : "false");
-  m.config_json = [o](const std::string& dtype, int32_t eot) { return hf_gpt2_config_json(o, dtype, eot); };
-  // The original openai-community/gpt2 upload has no "transformer." prefix; older files keep the
-  // attention's mask buffers.
-  m.canonical = [](const std::string& name) -> std::string {
-    if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) return "";
-    if (name.starts_with("transformer.") || name.starts_with("lm_head.")) return name;
-    return "transformer." + name;
-  };
-  return m;
+  return HfModel{
+      .architecture = "GPT2LMHeadModel",
+      .strata_model = "gpt",
+      .tensors = gpt2_tensor_map(o),
+      .strata_config = gpt2_strata_config(o),
+      .vocab = o.vocab,
+      .context = o.positions,
+      .tie_embeddings = o.tie_embeddings,
+      .shape_note = detail::cat("n_layer ", o.layers, ", tie_word_embeddings ", o.tie_embeddings ? "true" : "false"),
+      .config_json = [o](const std::string& dtype, int32_t eot) { return hf_gpt2_config_json(o, dtype, eot); },
+      // The original openai-community/gpt2 upload has no "transformer." prefix; older files keep
+      // the attention's mask buffers.
+      .canonical = [](const std::string& name) -> std::string {
+        if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) return "";
+        if (name.starts_with("transformer.") || name.starts_with("lm_head.")) return name;
+        return "transformer." + name;
+      }};
 }
 
 HfModel llama_model(const LlamaOptions& o) {
-  HfModel m{"LlamaForCausalLM", "llama",         llama_tensor_map(o), llama_strata_config(o), o.vocab,
-            o.positions,        o.tie_embeddings};
-  m.shape_note =
-      detail::cat("num_hidden_layers ", o.layers, ", tie_word_embeddings ", o.tie_embeddings ? "true" : "false");
-  m.config_json = [o](const std::string& dtype, int32_t eot) { return hf_llama_config_json(o, dtype, eot); };
-  // Older files keep each attention's rotary frequencies (rotary_emb.inv_freq), computed, not weights.
-  m.canonical = [](const std::string& name) -> std::string {
-    return name.ends_with(".rotary_emb.inv_freq") ? "" : name;
-  };
-  return m;
+  return HfModel{
+      .architecture = "LlamaForCausalLM",
+      .strata_model = "llama",
+      .tensors = llama_tensor_map(o),
+      .strata_config = llama_strata_config(o),
+      .vocab = o.vocab,
+      .context = o.positions,
+      .tie_embeddings = o.tie_embeddings,
+      .shape_note =
+          detail::cat("num_hidden_layers ", o.layers, ", tie_word_embeddings ", o.tie_embeddings ? "true" : "false"),
+      .config_json = [o](const std::string& dtype, int32_t eot) { return hf_llama_config_json(o, dtype, eot); },
+      // Older files keep each attention's rotary frequencies (rotary_emb.inv_freq): computed, not weights.
+      .canonical = [](const std::string& name) -> std::string {
+        return name.ends_with(".rotary_emb.inv_freq") ? "" : name;
+      }};
 }
 
 HfModel model_of_config(const std::string& text, const std::string& where) {

@@ -392,9 +392,7 @@ std::vector<GradientPiece> LMHead::gradient_pieces(int64_t max_elements) const {
 const Tensor& LMHead::weight() const { return tied_ && !copy_ ? tied_->wte() : w_; }
 const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte() : dw_; }
 
-int64_t LMHead::real_columns() const {
-  return tp_ ? std::clamp<int64_t>(vocab_ - tp_->rank() * local_vocab_, 0, local_vocab_) : local_vocab_;
-}
+int64_t LMHead::real_columns() const { return tp_ ? real_rows(vocab_, tp_->size(), tp_->rank()) : local_vocab_; }
 
 // The real tokens' logits only: the group's sum is the whole model's, padding or not.
 int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * real_columns(); }

@@ -175,6 +175,11 @@ TensorSplit row_split(int parts, int index, int64_t rows) {
 
 int64_t rows_per_piece(int64_t rows, int parts) { return (rows + parts - 1) / parts; }
 
+int64_t real_rows(int64_t rows, int parts, int index) {
+  const int64_t per_piece = rows_per_piece(rows, parts);
+  return std::clamp<int64_t>(rows - index * per_piece, 0, per_piece);
+}
+
 Shape full_shape(const Shape& local, const TensorSplit& split) {
   check_split(local, split);
   Shape full = local;
@@ -189,8 +194,8 @@ int64_t stored_elements(const Shape& local, const TensorSplit& split) {
   check_split(local, split);
   const int64_t numel = shape_numel(local);
   if (split.extent == 0) return numel;
-  const int64_t rows = std::clamp<int64_t>(split.extent - split.index * local[0], 0, local[0]);
-  return local[0] == 0 ? 0 : numel / local[0] * rows;
+  // check_split made local[0] the rows_per_piece of the extent.
+  return local[0] == 0 ? 0 : numel / local[0] * real_rows(split.extent, split.parts, split.index);
 }
 
 int64_t stored_part(const Shape& local, const TensorSplit& split, int64_t begin, int64_t end) {

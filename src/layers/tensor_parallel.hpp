@@ -54,6 +54,8 @@ struct TensorSplit {
 TensorSplit row_split(int parts, int index, int64_t rows);
 // The rows a piece of row_split(parts, *, rows) holds, padding included: ceil(rows / parts).
 int64_t rows_per_piece(int64_t rows, int parts);
+// Of those, the ones piece `index` holds of the `rows` (the rest padding): its first ones.
+int64_t real_rows(int64_t rows, int parts, int index);
 
 // The full tensor's shape for a shard of shape `local`.
 Shape full_shape(const Shape& local, const TensorSplit& split);

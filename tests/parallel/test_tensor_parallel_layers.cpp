@@ -328,9 +328,10 @@ TEST(TensorParallelGpt, MatchesTheWholeModel) {
           const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
           const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
           ASSERT_EQ(shape_str(rs.logits.shape()), shape_str({kBatch, kSeq, slice}));
-          for (int64_t i = 0; i < rs.logits.numel(); ++i) {
-            if (i % slice >= real) ASSERT_EQ(rs.logits.data<float>()[i], -INFINITY) << "padding logit " << i;
-          }
+          for (int64_t i = 0; i < rs.logits.numel(); ++i)
+            if (i % slice >= real) {
+              ASSERT_EQ(rs.logits.data<float>()[i], -INFINITY) << "padding logit " << i;
+            }
           expect_close("logits", gather_columns(*world.comm, rs.logits, vocab),
                        rw.logits.reshape({kBatch * kSeq, vocab}), 1e-5);
           EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
