@@ -81,8 +81,10 @@ def stop_one_rank(args, data, ranks, layout, stopped):
     ours = [l for l in err.splitlines() if "watchdog:" in l]
     assert ours, f"no watchdog line\n{err}"
     line = ours[0]
-    # The first rank to notice waits for the stopped one or for a peer that waits for it (pp).
-    assert re.search(f"waiting (in turn )?for rank {stopped} \\(no sign of life", line), f"the stopped rank {stopped} is not named: {line}"
+    # The first rank to notice waits for the stopped one or for a peer that waits for it (pp); a
+    # peer blocked on the stopped rank shows no sign of life either and may be listed before it.
+    assert re.search(f"waiting (in turn )?for (rank \\d+ \\([^)]*\\), )*rank {stopped} \\(no sign of life", line), \
+        f"the stopped rank {stopped} is not named: {line}"
     assert re.search(r"#\d+ (all_reduce|all_gather|reduce|broadcast|send|recv|barrier|reduce_scatter)", line), line
     assert "flight recorder:" in err and "NOT completed" in err, f"no flight recorder dump\n{err}"
     print(f"{ranks} ranks {' '.join(layout) or 'dp'}: rank {stopped} stopped, job ended {elapsed:.1f} s later, "
