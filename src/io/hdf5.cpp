@@ -188,7 +188,10 @@ std::string attr_str(hid_t obj, const std::string& name) {
 }
 }  // namespace
 
-bool has_attr(hid_t obj, const std::string& name) { return H5Aexists(obj, name.c_str()) > 0; }
+bool has_attr(hid_t obj, const std::string& name) {
+  const Guard guard;  // the background checkpoint writer calls HDF5 at the same time
+  return H5Aexists(obj, name.c_str()) > 0;
+}
 
 std::vector<double> read_attr_numbers(hid_t obj, const std::string& name) {
   const Guard guard;
@@ -238,7 +241,10 @@ void put_attr(hid_t obj, const std::string& name, hid_t file_type, hid_t mem_typ
   H5_CHECK(H5Awrite(attr, mem_type, data), "writing attribute ", name);
 }
 
-Space scalar_space() { return Space(H5_CHECK(H5Screate(H5S_SCALAR), "creating a scalar dataspace")); }
+Space scalar_space() {
+  const Guard guard;
+  return Space(H5_CHECK(H5Screate(H5S_SCALAR), "creating a scalar dataspace"));
+}
 }  // namespace
 
 void write_attr(hid_t obj, const std::string& name, int64_t value) {
