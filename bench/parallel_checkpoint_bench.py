@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Checkpoint save and load of a GPT with 772 MB of state at 1, 2 and 4 ranks: --checkpoint-io
 rank0 (rank 0 gathers and writes) against parallel (every rank writes its part: parallel HDF5
-over MPI-IO) and the stall of --async-save, beside a plain sequential write (+fsync) and read of
-the same number of bytes on the same disk, in the same invocation.
+over MPI-IO), and the stall of --async-save in each (rank 0 writing in the background, or every
+rank its part), beside a plain sequential write (+fsync) and read of the same number of bytes on
+the same disk, in the same invocation.
 
 Usage: /usr/bin/python3 bench/parallel_checkpoint_bench.py --train build/train --data-tool build/strata-data
        [--dir /tmp/pckbench] [--saves 4] [--ranks 1,2,4]
@@ -14,7 +15,8 @@ state, two thirds of the bytes, is sharded: in parallel mode each rank writes it
 replica 0 the model. Save time: what each 'saved checkpoint' line reports (rank 0, from the
 start of the save to the commit: gather or parallel write, crc32s, fsync, manifest, rename),
 median over the saves after the first (which touches fresh pages). Held: the step's stall with
---async-save (its line's 'training held'). Load: wall time of a --resume run of one more step
+--async-save (its line's 'training held'; with every rank writing, rank 0's, from the start of
+the save to the step going on: the parts gathered, copied and the file's tensors created). Load: wall time of a --resume run of one more step
 minus a fresh run of one step (median of 3), the file's pages dropped from the page cache first;
 each rank reads only its parts (hyperslabs) after rank 0's whole-file crc32 check.
 """
@@ -70,16 +72,17 @@ def main():
             ["--zero", "1"] if ranks > 1 else [])
         row = {"ranks": ranks}
         for mode, flags in (("rank0", ["--checkpoint-io", "rank0"]), ("parallel", ["--checkpoint-io", "parallel"]),
-                            ("async", ["--checkpoint-io", "rank0", "--async-save"])):
+                            ("async", ["--checkpoint-io", "rank0", "--async-save"]),
+                            ("parallel-async", ["--checkpoint-io", "parallel", "--async-save"])):
             ck = os.path.join(a.dir, f"ck-{ranks}-{mode}")
             subprocess.run(["rm", "-rf", ck], check=True)
             _, out = run(launch + flags + ["--steps", str(a.saves), "--save-every", "1", "--checkpoint-dir", ck])
-            lines = re.findall(r"^saved checkpoint \S+ \((\S+) MiB in (\S+) s(?:, written in the background: "
-                               r"training held (\S+) s)?\)$", out, re.M)
+            lines = re.findall(r"^saved checkpoint \S+ \((\S+) MiB in (\S+) s(?:, written in the background(?: by "
+                               r"every rank)?: training held (\S+) s)?\)$", out, re.M)
             assert len(lines) == a.saves, out[-2000:]
             row[mode] = statistics.median(float(t) for _, t, _ in lines[1:])
-            if mode == "async":
-                row["held"] = statistics.median(float(h) for _, _, h in lines[1:])
+            if "async" in mode:  # the last save, at the end of training, is waited for
+                row[mode + " held"] = statistics.median(float(h) for _, _, h in lines[1:-1])
             last = os.path.join(ck, f"step-{a.saves:08d}.h5")
             nbytes = os.path.getsize(last)
             if mode == "parallel":
@@ -103,16 +106,18 @@ def main():
         f["model"].visititems(lambda n, o: params.append(o.size) if isinstance(o, h5py.Dataset) else None)
     print(f"GPT {sum(params) / 1e6:.1f} M parameters, AdamW: a {mb:.0f} MB checkpoint. Plain sequential write + fsync of the same bytes: "
           f"{pw:.2f} s ({mb / pw:.0f} MB/s); plain read (page cache dropped): {pr:.2f} s ({mb / pr:.0f} MB/s).\n")
-    print("| ranks | layout | rank0 save s | MB/s | parallel save s | MB/s | parallel / rank0 | --async-save held s "
-          "| held / rank0 save | save / plain write | load s | MB/s | load / plain read |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| ranks | layout | rank0 save s | MB/s | parallel save s | MB/s | parallel / rank0 | async rank0 held s "
+          "| held / rank0 save | async parallel held s | held / parallel save | save / plain write | load s | MB/s "
+          "| load / plain read |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         layout = "1 rank" if r["ranks"] == 1 else f"dp {r['ranks']}, ZeRO 1"
         best = min(r["rank0"], r["parallel"])
+        held, held_parallel = r["async held"], r["parallel-async held"]
         print(f"| {r['ranks']} | {layout} | {r['rank0']:.2f} | {mb / r['rank0']:.0f} | {r['parallel']:.2f} | "
-              f"{mb / r['parallel']:.0f} | {r['parallel'] / r['rank0']:.2f}x | {r['held']:.3f} | "
-              f"{100 * r['held'] / r['rank0']:.0f}% | {best / pw:.2f}x | {r['load']:.2f} | {mb / max(r['load'], 1e-9):.0f} "
-              f"| {r['load'] / pr:.2f}x |")
+              f"{mb / r['parallel']:.0f} | {r['parallel'] / r['rank0']:.2f}x | {held:.3f} | "
+              f"{100 * held / r['rank0']:.0f}% | {held_parallel:.3f} | {100 * held_parallel / r['parallel']:.0f}% | "
+              f"{best / pw:.2f}x | {r['load']:.2f} | {mb / max(r['load'], 1e-9):.0f} | {r['load'] / pr:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ class DataSource {
   virtual DType input_dtype() const = 0;
   // Per-sample target shape: {} (one class label) or {T} (one per position); always I32.
   virtual Shape target_shape() const { return {}; }
+  // Bytes per sample of the buffer the source keeps between reads of inputs (0: none), for
+  // the memory plan.
+  virtual int64_t kept_bytes_per_sample() const { return 0; }
   // The model's output width: classes, or the vocabulary.
   virtual int64_t num_classes() const = 0;
   // Reads global samples `indices` (any order, duplicates allowed) into x (B, input...) and y

@@ -173,6 +173,7 @@ const DatasetInfo& Dataset::info() const { return impl_->info; }
 int64_t Dataset::size() const { return impl_->info.num_samples; }
 const std::vector<int32_t>& Dataset::labels() const { return impl_->labels; }
 bool Dataset::in_memory() const { return impl_->in_memory; }
+int64_t Dataset::kept_bytes_per_sample() const { return static_cast<int64_t>(impl_->sample_bytes); }
 
 Dataset Dataset::open(const std::string& spec, const std::string& flag, const DatasetOptions& options) {
   const h5::Guard guard;

@@ -44,6 +44,8 @@ class Dataset final : public DataSource {
   const DatasetInfo& info() const;
   int64_t size() const override;
   const Shape& input_shape() const override { return info().sample_shape; }
+  // The raw samples of the last read (their stored dtype), before normalisation into x.
+  int64_t kept_bytes_per_sample() const override;
   DType input_dtype() const override { return DType::F32; }  // normalised
   int64_t num_classes() const override { return info().num_classes; }
   // All labels, read and validated at open.

@@ -4,9 +4,21 @@
 
 #include <numeric>
 
+#include "core/allocator.hpp"
 #include "core/trace.hpp"
 
 namespace strata::io {
+
+namespace {
+
+// (rows, sample...)
+Shape rows_of(int64_t rows, const Shape& sample) {
+  Shape shape{rows};
+  shape.insert(shape.end(), sample.begin(), sample.end());
+  return shape;
+}
+
+}  // namespace
 
 Loader::Loader(const DataSource& dataset, const BatchOrder& sampler, int64_t slice_begin, int64_t slice_size, int depth,
                bool read_inputs)
@@ -20,16 +32,24 @@ Loader::Loader(const DataSource& dataset, const BatchOrder& sampler, int64_t sli
                slice_begin, ", ", slice_begin + slice_size, ") outside a global batch of ", sampler.global_batch());
   STRATA_CHECK(dataset.size() == sampler.num_samples(), "sampler for ", sampler.num_samples(), " samples, dataset has ",
                dataset.size());
-  Shape x_shape{slice_size}, y_shape{slice_size};
-  x_shape.insert(x_shape.end(), dataset.input_shape().begin(), dataset.input_shape().end());
-  const Shape target = dataset.target_shape();
-  y_shape.insert(y_shape.end(), target.begin(), target.end());
+  const Shape x_shape = rows_of(slice_size, dataset.input_shape()),
+              y_shape = rows_of(slice_size, dataset.target_shape());
   slots_.resize(static_cast<size_t>(depth));
   for (Batch& b : slots_) {
     if (read_inputs) b.x = Tensor::empty(x_shape, dataset.input_dtype());
     b.y = Tensor::empty(y_shape, DType::I32);
   }
   thread_ = std::thread([this] { run(); });
+}
+
+int64_t Loader::planned_bytes(const Shape& input_shape, DType input_dtype, const Shape& target_shape, int64_t rows,
+                              int depth, bool read_inputs) {
+  const auto held = [](const Shape& shape, DType dtype) {
+    return static_cast<int64_t>(
+        HostCachingAllocator::size_class(static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype)));
+  };
+  return depth * ((read_inputs ? held(rows_of(rows, input_shape), input_dtype) : 0) +
+                  held(rows_of(rows, target_shape), DType::I32));
 }
 
 Loader::~Loader() {

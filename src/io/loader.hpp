@@ -33,6 +33,10 @@ class Loader {
   Loader(const DataSource& dataset, const BatchOrder& sampler, int64_t slice_begin, int64_t slice_size, int depth = 2,
          bool read_inputs = true);
   ~Loader();
+  // The bytes its buffers take for slices of `rows` samples of `dataset` (the host allocator's
+  // size classes), for the memory plan.
+  static int64_t planned_bytes(const Shape& input_shape, DType input_dtype, const Shape& target_shape, int64_t rows,
+                               int depth, bool read_inputs);
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 

@@ -73,7 +73,7 @@ struct RuntimeSettings {
   // aborts the job (watchdog.hpp).
   double timeout = 300;
   // Seconds from option parsing to the first step before a rank still in setup reports and
-  // exits (setup_deadline.hpp): loading data and checking a checkpoint whole may take long.
+  // exits (blocking_deadline.hpp): loading data and checking a checkpoint whole may take long.
   double setup_timeout = 1800;
 };
 

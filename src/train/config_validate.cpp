@@ -117,9 +117,6 @@ void validate(const Config& c) {
   STRATA_REQUIRE(c.checkpoint.io != "parallel" || io::ParallelCheckpointFile::available(),
                  "--checkpoint-io parallel needs a parallel HDF5 and this build's is serial (install "
                  "libhdf5-openmpi-dev and rebuild, or use --checkpoint-io rank0)");
-  STRATA_REQUIRE(c.checkpoint.io != "parallel" || !c.checkpoint.async,
-                 "--async-save writes from rank 0 on a background thread, --checkpoint-io parallel from every rank "
-                 "at the save step: choose one (--checkpoint-io auto takes --async-save's way)");
   STRATA_REQUIRE(c.checkpoint.resume == "none" || c.checkpoint.init_from.empty(),
                  "give --resume or --init-from, not both");
   STRATA_REQUIRE(c.layout.zero >= 0 && c.layout.zero <= 3, "--zero must be 0, 1, 2 or 3, found ", c.layout.zero);

@@ -4,7 +4,7 @@
 // or SIGINT during training: checkpoint at the next step boundary, exit 3 (kExitPreempted); a
 // second SIGTERM or SIGINT before that: exit 4 at once (kExitSecondSignal). A communication wait
 // past --timeout, a rank still in setup after --setup-timeout, or ranks whose collectives
-// differ: exit 5 (parallel/runtime/watchdog.hpp, parallel/runtime/setup_deadline.hpp).
+// differ: exit 5 (parallel/runtime/watchdog.hpp, parallel/runtime/blocking_deadline.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,8 +22,8 @@
 #include "core/log.hpp"
 #include "core/ops.hpp"
 #include "io/checkpoint/file.hpp"
+#include "parallel/runtime/blocking_deadline.hpp"
 #include "parallel/runtime/mpi.hpp"
-#include "parallel/runtime/setup_deadline.hpp"
 #include "train/config.hpp"
 #include "train/plan.hpp"
 #include "train/signals.hpp"
@@ -82,14 +82,15 @@ int main(int argc, char** argv) {
   parallel::MpiRuntime mpi(argc, argv);
   std::optional<train::Config> config;
   std::unique_ptr<train::Trainer> trainer;
-  std::optional<parallel::SetupDeadline> setup_deadline;  // from the options to the agreement on setup's end
+  std::optional<parallel::BlockingDeadline> setup_deadline;  // from the options to the agreement on setup's end
 
   train::install_preemption_handlers();  // a stop signal during setup exits at once
   const int setup = parallel::run_collectively(MPI_COMM_WORLD, [&] {
     config = train::parse_config(argc, argv, mpi.rank() == 0);
     if (!config) return;  // --help
     if (!config->checkpoint.init_from.empty()) config = with_model_of_checkpoint(*config, argc, argv, mpi.rank());
-    setup_deadline.emplace(mpi.rank(), config->runtime.setup_timeout);
+    setup_deadline.emplace(mpi.rank(), config->runtime.setup_timeout, "setup", "--setup-timeout",
+                           "a rank stopped, lost or much slower before the first step");
     log::set_all_ranks(config->monitor.log_all_ranks);
     for (const std::string& key : config->deepspeed_unsupported)
       if (mpi.rank() == 0)

@@ -10,9 +10,12 @@
 #include <tuple>
 #include <utility>
 
+#include "core/allocator.hpp"
 #include "core/log.hpp"
 #include "core/ops.hpp"
+#include "io/checkpoint/manager.hpp"
 #include "io/data_source.hpp"
+#include "io/loader.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/parameter_store.hpp"
 #include "layers/zoo.hpp"
@@ -20,6 +23,7 @@
 #include "parallel/plan/layout_search.hpp"
 #include "parallel/runtime/mpi.hpp"
 #include "parallel/runtime/process_grid.hpp"
+#include "parallel/stage/state_gather.hpp"
 
 namespace strata::train {
 
@@ -49,7 +53,7 @@ int fullest_rank(const std::vector<parallel::RankBytes>& ranks) {
 
 bool same_bytes(const parallel::RankBytes& a, const parallel::RankBytes& b) {
   return a.params == b.params && a.grads == b.grads && a.optimizer == b.optimizer && a.activations == b.activations &&
-         a.in_flight == b.in_flight;
+         a.in_flight == b.in_flight && a.runtime == b.runtime && a.between_steps == b.between_steps;
 }
 
 const char* recompute_flag(layers::Recompute r) {
@@ -74,10 +78,21 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   return os.str();
 }
 
+// What planning needs of the data: the training sample's shape and the classes, and what the
+// run holds around the model (the loader's batches of such samples, its checkpoints).
+struct PlanningShapes {
+  Shape input;
+  int classes = 0;
+  parallel::RuntimeSpec runtime;
+};
+
 // Every layout of `world_size` ranks for the configuration's model, the fitting ones fastest first.
-parallel::SearchResult search(const Config& config, const Shape& input, int classes, int world_size,
+parallel::SearchResult search(const Config& config, const PlanningShapes& shapes, int world_size,
                               const parallel::Rates& rates) {
+  const Shape& input = shapes.input;
+  const int classes = shapes.classes;
   parallel::SearchSpace space;
+  space.runtime = shapes.runtime;
   space.world = world_size;
   space.global_batch = config.layout.global_batch;
   space.device_bytes = config.plan.device_memory;
@@ -98,18 +113,17 @@ std::string layout_text(const parallel::LayoutChoice& c) {
                      ", recompute ", recompute_flag(c.recompute));
 }
 
-// The training sample's shape and the classes, from the data (or, for a language model without
-// --data, --seq-len and --vocab): all that planning needs.
-std::pair<Shape, int> planning_shapes(const Config& config) {
+// From the data (or, for a language model without --data, --seq-len and --vocab: token windows).
+PlanningShapes planning_shapes(const Config& config) {
   const layers::ModelSpec spec = layers::resolve_preset(config.model);
   const bool language_model = layers::is_language_model(config.model);
   const int64_t seq_len = language_model ? (config.model.seq_len > 0 ? config.model.seq_len : spec.seq_len) : 0;
+  std::unique_ptr<io::DataSource> train, val;
+  if (!config.data.train.empty()) train = io::open_samples(config.data.train, "--data", seq_len);
+  if (!config.data.val.empty()) val = io::open_samples(config.data.val, "--val-data", seq_len);
   Shape input;
   int64_t classes = 0;
-  if (!config.data.train.empty() || !config.data.val.empty()) {
-    const bool train = !config.data.train.empty();
-    const auto data =
-        io::open_samples(train ? config.data.train : config.data.val, train ? "--data" : "--val-data", seq_len);
+  if (const io::DataSource* data = train ? train.get() : val.get()) {
     input = data->input_shape();
     classes = data->num_classes();
   } else {
@@ -120,13 +134,13 @@ std::pair<Shape, int> planning_shapes(const Config& config) {
     classes = spec.vocab;
   }
   STRATA_REQUIRE(classes <= INT32_MAX, "the vocabulary of ", classes, " classes does not fit an int32 label");
-  return {input, static_cast<int>(classes)};
+  return {input, static_cast<int>(classes), runtime_spec(config, train.get(), val.get(), input)};
 }
 
 // --dry-run --plan: the search's table, the fastest layouts first, each with its command.
-std::string plan_layouts(const Config& config, const Shape& input, int classes, int world_size) {
+std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int world_size) {
   const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
-  const parallel::SearchResult r = search(config, input, classes, world_size, rates);
+  const parallel::SearchResult r = search(config, shapes, world_size, rates);
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
      << "recompute; 1F1B), " << r.fitting.size() << " fit "
@@ -258,8 +272,38 @@ parallel::GridLayout grid_layout(const Config& config, int world_size) {
   }
 }
 
+parallel::RuntimeSpec runtime_spec(const Config& config, const io::DataSource* train, const io::DataSource* val,
+                                   const Shape& windows) {
+  parallel::RuntimeSpec spec;
+  const bool cpu = config.runtime.device == DeviceKind::CPU;
+  spec.shared_memory = cpu && config.runtime.shared_memory;
+  // The data's buffers are host memory: on a GPU they are not the device's.
+  if (cpu) {
+    const io::DataSource* shapes = train ? train : val;
+    const Shape input = shapes ? shapes->input_shape() : windows, targets = shapes ? shapes->target_shape() : windows;
+    const DType dtype = shapes ? shapes->input_dtype() : DType::I32;
+    const int64_t kept = train ? train->kept_bytes_per_sample() : 0,
+                  evaluated_kept = val ? val->kept_bytes_per_sample() : kept;
+    spec.data_bytes = [=, depth = config.data.prefetch](int64_t rows, int64_t micro, bool first_stage) {
+      const auto held = [](int64_t bytes) {
+        return bytes > 0 ? static_cast<int64_t>(HostCachingAllocator::size_class(static_cast<size_t>(bytes))) : 0;
+      };
+      // Only the first stage reads inputs: the loader's x, the source's raw rows, evaluation's.
+      return io::Loader::planned_bytes(input, dtype, targets, rows, depth, first_stage) +
+             (first_stage ? held(rows * kept) + held(micro * evaluated_kept) : 0);
+    };
+  }
+  const io::CheckpointSettings& c = config.checkpoint;
+  if (!c.dir.empty() || !c.init_from.empty() || c.resume != "none")
+    spec.checkpoints = !c.async || c.dir.empty()   ? parallel::Checkpoints::Synchronous
+                       : io::writes_in_parallel(c) ? parallel::Checkpoints::AsyncParallel
+                                                   : parallel::Checkpoints::AsyncRank0;
+  return spec;
+}
+
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
-                                            const std::vector<parallel::StageRange>& stages, int world_size) {
+                                            const std::vector<parallel::StageRange>& stages, int world_size,
+                                            const parallel::RuntimeSpec& runtime) {
   const parallel::GridLayout g = grid_layout(config, world_size);
   const parallel::Layout layout = layout_of(config, g.size(parallel::Axis::Data));
   // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
@@ -267,15 +311,17 @@ std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::
   parallel::PlannedTensorParallel tp(config.layout.tp);
   layers::Model planning =
       layers::build_model(config.model, model.shape(0), classes, config.layout.tp > 1 ? &tp : nullptr);
-  std::vector<int64_t> activations;
-  for (int s = 0; s < config.layout.pp; ++s)
-    activations.push_back(parallel::plan_activations(planning, stages, s, layout).peak);
-  std::vector<parallel::RankBytes> ranks;
-  for (int k = 0; k < world_size; ++k) {
-    // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
-    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout));
-    ranks.back().activations = activations[static_cast<size_t>(g.stage(k))];
+  std::vector<parallel::ActivationBytes> activations;
+  int64_t message_bytes = 0;  // the pipeline group's mailboxes take its largest message
+  for (int s = 0; s < config.layout.pp; ++s) {
+    activations.push_back(parallel::plan_activations(planning, stages, s, layout));
+    message_bytes = std::max(message_bytes, activations.back().message_bytes);
   }
+  std::vector<parallel::RankBytes> ranks;
+  // Every tensor-parallel rank holds equal shards: the model built for tp rank 0 plans them all.
+  for (int k = 0; k < world_size; ++k)
+    ranks.push_back(parallel::plan_rank(model, stages, g.stage(k), g.replica(k), layout,
+                                        activations[static_cast<size_t>(g.stage(k))], message_bytes, runtime));
   return ranks;
 }
 
@@ -317,22 +363,22 @@ std::string plan_report(const Config& config, const layers::Model& model,
   }
 
   if (config.checkpoint.async) {
-    // StateGather's full f32 tensors: every parameter and buffer, and per trainable element each
-    // optimizer state plus, below f32, the master weights.
-    int64_t elements = 0, trainable = 0;
-    for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, 0, model.size())) {
-      elements += shape_numel(e.full_shape());
-      if (e.trainable) trainable += shape_numel(e.full_shape());
+    // Where rank 0 writes alone it holds every tensor until written, a sum worth its own line.
+    if (!io::writes_in_parallel(config.checkpoint)) {
+      const int64_t bytes =
+          parallel::StateGather::snapshot_bytes(model, config.training.optimizer, config.layout.precision, false);
+      os << "\n  --async-save: rank 0 holds the checkpoint's tensors in host memory until they are written: " << bytes
+         << " bytes (" << log::format_bytes(bytes) << ")";
+    } else {
+      os << "\n  --async-save: every rank holds a copy of its part of the checkpoint until it has written it (in "
+            "runtime)";
     }
-    const int states =
-        layers::Optimizer::state_tensors(config.training.optimizer) + (config.layout.precision == DType::F32 ? 0 : 1);
-    const int64_t bytes = (elements + trainable * states) * static_cast<int64_t>(sizeof(float));
-    os << "\n  --async-save: rank 0 holds the checkpoint's tensors in host memory until they are written: " << bytes
-       << " bytes (" << log::format_bytes(bytes) << ")";
   }
   const int fullest = fullest_rank(ranks);
   os << "\n  bytes per rank (params include non-trained buffers; activations: the step's high-water mark of what "
-        "the stage's layers allocate, with the micro-batches the schedule keeps in flight):";
+        "the stage's layers allocate, with the micro-batches the schedule keeps in flight; runtime: the allocators' "
+        "rounding, shared-memory transport, the loader's batches"
+     << (config.checkpoint.async ? ", --async-save's copies" : "") << "):";
   for (int first = 0; first < world_size;) {
     int last = first;  // ranks of one stage with the same bytes share a line
     while (last + 1 < world_size && g.stage(last + 1) == g.stage(first) &&
@@ -340,8 +386,10 @@ std::string plan_report(const Config& config, const layers::Model& model,
       ++last;
     const parallel::RankBytes& b = ranks[static_cast<size_t>(first)];
     os << "\n  " << ranks_str(first, last, g) << ": params " << b.params << ", grads " << b.grads << ", optimizer "
-       << b.optimizer << ", activations " << b.activations << " (" << b.in_flight << " in flight), total " << b.total()
-       << " (" << log::format_bytes(b.total()) << ")" << (fullest >= first && fullest <= last ? "  <- fullest" : "");
+       << b.optimizer << ", activations " << b.activations << " (" << b.in_flight << " in flight)"
+       << (b.between_steps > b.activations ? detail::cat(", checkpoint transfers ", b.between_steps) : std::string())
+       << ", runtime " << b.runtime << ", total " << b.total() << " (" << log::format_bytes(b.total()) << ")"
+       << (fullest >= first && fullest <= last ? "  <- fullest" : "");
     first = last + 1;
   }
   return os.str();
@@ -358,7 +406,9 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
   const std::pair<const char*, int64_t> parts[] = {{"parameters", worst.params},
                                                    {"gradients", worst.grads},
                                                    {"optimizer state", worst.optimizer},
-                                                   {"activations", worst.activations}};
+                                                   {"activations", worst.activations},
+                                                   {"checkpoint transfers", worst.between_steps},
+                                                   {"runtime", worst.runtime}};
   const auto largest = *std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& a, const auto& b) { return a.second < b.second; });
   STRATA_THROW_INPUT(
@@ -366,8 +416,12 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
       " is too small: ", ranks_str(fullest, fullest, g), " needs ", log::format_bytes(worst.total()),
       " by the plan (parameters ", log::format_bytes(worst.params), ", gradients ", log::format_bytes(worst.grads),
       ", optimizer state ", log::format_bytes(worst.optimizer), ", activations of stage ", g.stage(fullest), " ",
-      log::format_bytes(worst.activations), " with ", worst.in_flight, " micro-batches in flight); the largest part, ",
-      largest.first, " (", log::format_bytes(largest.second),
+      log::format_bytes(worst.activations), " with ", worst.in_flight, " micro-batches in flight",
+      worst.between_steps > worst.activations
+          ? ", checkpoint transfers " + log::format_bytes(worst.between_steps) + " where they are gone"
+          : std::string(),
+      ", runtime ", log::format_bytes(worst.runtime), "); the largest part, ", largest.first, " (",
+      log::format_bytes(largest.second),
       "), does not fit: run the same command with --dry-run --plan --world N for the layouts of N ranks that fit");
 }
 
@@ -385,9 +439,8 @@ void choose_layout(Config& config, MPI_Comm world) {
   int64_t chosen[5] = {};
   parallel::agree(world, [&] {
     if (rank != 0) return;
-    const auto [input, classes] = planning_shapes(config);
     const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
-    const parallel::SearchResult r = search(config, input, classes, world_size, rates);
+    const parallel::SearchResult r = search(config, planning_shapes(config), world_size, rates);
     STRATA_REQUIRE(!r.fitting.empty(), "--layout auto: no layout of ", world_size, " ranks fits ",
                    log::format_bytes(config.plan.device_memory), " per rank; the smallest, ", layout_text(r.smallest),
                    ", needs ", log::format_bytes(r.smallest.bytes), " on its fullest rank: add ranks or memory");
@@ -427,9 +480,9 @@ void choose_layout(Config& config, MPI_Comm world) {
 void dry_run(const Config& config, MPI_Comm world) {
   const int world_size = planning_world(config, world);
   // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
-  const auto [input, classes] = planning_shapes(config);
+  const PlanningShapes shapes = planning_shapes(config);
   if (config.plan.search) {
-    log::info(plan_layouts(config, input, static_cast<int>(classes), world_size),
+    log::info(plan_layouts(config, shapes, world_size),
               "\n--dry-run: not training (planned from shapes, nothing allocated)");
     return;
   }
@@ -437,13 +490,14 @@ void dry_run(const Config& config, MPI_Comm world) {
   grid_layout(config, world_size);
   parallel::PlannedTensorParallel tp(config.layout.tp);
   const layers::Model model =
-      layers::build_model(config.model, input, static_cast<int>(classes), config.layout.tp > 1 ? &tp : nullptr);
+      layers::build_model(config.model, shapes.input, shapes.classes, config.layout.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =
       parallel::partition_layers(model, config.layout.pp, config.layout.partition, config.layout.virtual_stages);
   const std::vector<parallel::RankBytes> ranks =
-      plan_ranks(config, model, static_cast<int>(classes), stages, world_size);
+      plan_ranks(config, model, shapes.classes, stages, world_size, shapes.runtime);
   const std::string report = plan_report(config, model, stages, ranks);
-  log::info("model ", config.model.name, ", input ", shape_str(input), ", ", classes, " classes\n", model.summary());
+  log::info("model ", config.model.name, ", input ", shape_str(shapes.input), ", ", shapes.classes, " classes\n",
+            model.summary());
   log::info(report, "\n", step_time_line(config, model, stages, world_size),
             "\n--dry-run: not training (planned from shapes, nothing allocated)");
   check_fits(config, ranks);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "io/data_source.hpp"
 #include "layers/model.hpp"
 #include "parallel/pipeline/partition.hpp"
 #include "parallel/plan/grid_layout.hpp"
@@ -23,12 +24,21 @@ namespace strata::train {
 // (Input errors when the sizes do not fit the world).
 parallel::GridLayout grid_layout(const Config& config, int world_size);
 
+// What the run holds around its model and step (parallel::RuntimeSpec): the shared-memory
+// transport on a CPU, the data's buffers (the loader's batches of `train`, the sources' read
+// buffers, evaluation's of `val` or else `train`; with neither, token windows of `windows`), and
+// the checkpoints it reads or writes.
+parallel::RuntimeSpec runtime_spec(const Config& config, const io::DataSource* train, const io::DataSource* val,
+                                   const Shape& windows);
+
 // Every rank's bytes in a world of `world_size` ranks (pp x dp x tp, tp fastest): parameters,
 // gradients and optimizer state from the layout's arithmetic (parallel::plan_rank), activations
 // from running each stage on meta tensors (parallel::plan_activations) on another model built
-// like `model` (for `classes`). Computed once per run: the report and the check take it.
+// like `model` (for `classes`), and what `runtime` holds. Computed once per run: the report and
+// the check take it.
 std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::Model& model, int classes,
-                                            const std::vector<parallel::StageRange>& stages, int world_size);
+                                            const std::vector<parallel::StageRange>& stages, int world_size,
+                                            const parallel::RuntimeSpec& runtime);
 
 // The plan's text for the world of `ranks` (plan_ranks).
 std::string plan_report(const Config& config, const layers::Model& model,

@@ -57,7 +57,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
       parallel::partition_layers(*model_, grid_->pp_size(), config_.layout.partition, config_.layout.virtual_stages);
   // A layout that cannot fit is refused before anything is allocated; on the CPU the allocator
   // then holds each rank to the cap (device memory is the GPU's to refuse).
-  const std::vector<parallel::RankBytes> planned = plan_ranks(config_, *model_, classes, stages, grid_->world().size());
+  const std::vector<parallel::RankBytes> planned =
+      plan_ranks(config_, *model_, classes, stages, grid_->world().size(),
+                 runtime_spec(config_, train_data_.get(), val_data_.get(), shape_source.input_shape()));
   check_fits(config_, planned);
   parallel::cap_host_memory(device, config_.plan.device_memory);
   const parallel::EngineSettings settings = engine_settings(config_, grid_->dp_size());
@@ -200,6 +202,7 @@ TrainEnd Trainer::train() {
       save_at_stop(done);
       return TrainEnd::Preempted;
     }
+    checkpoints_->poll();  // a background save every rank has written is finished, before a new one starts
     checkpoints_->save_if_due(
         done, total, [&] { return run_state(done); }, engine_->state());
   }
@@ -211,7 +214,7 @@ TrainEnd Trainer::train() {
 void Trainer::save_at_stop(int64_t done) {
   log::info("preemption signal received: stopping after step ", done,
             config_.checkpoint.dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "");
-  if (checkpoints_->writes()) checkpoints_->save(run_state(done), engine_->state(), /*wait=*/true, /*at_stop=*/true);
+  if (checkpoints_->writes()) checkpoints_->save(run_state(done), engine_->state(), /*wait=*/true);
   grid_->world().barrier();  // no rank exits (ending the job) before rank 0 has committed
 }
 

@@ -1,7 +1,8 @@
-"""--async-save: rank 0 writes checkpoints on a background thread while training goes on. Its
-checkpoints equal synchronous ones (every dataset and attribute but the recorded options), and a
-preemption while writes are in flight leaves a complete `latest` (the stall of a save step is
-measured by bench/checkpoint_bench.py)."""
+"""--async-save: checkpoints are written in the background while training goes on, by rank 0
+(--checkpoint-io rank0) or by every rank its own part (parallel, the default where HDF5 is
+parallel). Its checkpoints equal synchronous ones (every dataset and attribute but the recorded
+options), and a preemption while writes are in flight leaves a complete `latest` (the stall of
+a save step is measured by bench/checkpoint_bench.py)."""
 import os
 import re
 import shutil
@@ -34,55 +35,61 @@ def assert_same_checkpoint(a, b, what):
 
 def saves(out):
     """(path, seconds, seconds training held or None) of each 'saved checkpoint' line."""
-    found = re.findall(r"^saved checkpoint (\S+) \(\S+ \S+ in (\S+) s(?:, written in the background: training held "
-                       r"(\S+) s)?\)$", out, re.M)
+    found = re.findall(r"^saved checkpoint (\S+) \(\S+ \S+ in (\S+) s(?:, written in the background(?: by every "
+                       r"rank)?: training held (\S+) s)?\)$", out, re.M)
     return [(p, float(t), float(h) if h else None) for p, t, h in found]
 
 
 def case_async_save_equivalence(args):
-    """The same runs with and without --async-save (dp 2 with ZeRO 1, 2 pipeline stages, dp 2 in
-    bf16; AdamW, a save every 5 of 40 steps, --keep 3): the same loss lines and the same
-    checkpoints, bit for bit; the async run's save lines say how long training was held; the
-    host copy --dry-run counts is the checkpoint's tensor bytes."""
+    """The same runs with and without --async-save, rank 0 writing in the background or every
+    rank its part (dp 2 with ZeRO 1, 2 pipeline stages, dp 2 in bf16; AdamW, a save every 5 of 40
+    steps, --keep 3): the same loss lines and the same checkpoints, bit for bit; the async runs'
+    save lines say how long training was held; the host copy --dry-run counts for rank 0's
+    background write is the checkpoint's tensor bytes."""
     w = args.workdir
     data = write_dataset(os.path.join(w, "async.h5"), n=2048, shape=(1, 8, 8), seed=7)
     common = RESUME_MLP + ["--optimizer", "adamw", "--data", data, "--global-batch", "32", "--seed", "3",
                            "--steps", "40", "--save-every", "5", "--keep", "3", "--log-every", "5"]
     layouts = (("dp2-zero1", ["--zero", "1"]), ("pp2", ["--pp", "2", "--micro-batch", "8"]),
                ("dp2-bf16", ["--precision", "bf16"]))  # bf16: the f32 master weights are saved too
+    modes = {"sync": [], "async": ["--async-save", "--checkpoint-io", "rank0"],
+             "async-parallel": ["--async-save", "--checkpoint-io", "parallel"]}
     for name, layout in layouts:
         outs, dirs = {}, {}
-        for mode in ("sync", "async"):
+        for mode, flags in modes.items():
             dirs[mode] = os.path.join(w, f"ck-async-{name}-{mode}")
             shutil.rmtree(dirs[mode], ignore_errors=True)
-            flags = common + layout + ["--checkpoint-dir", dirs[mode]] + (["--async-save"] if mode == "async" else [])
-            outs[mode] = train_ranks(args, 2, flags)
+            outs[mode] = train_ranks(args, 2, common + layout + ["--checkpoint-dir", dirs[mode]] + flags)
         losses = {m: re.findall(r"^step \d+/40 .* loss (\S+)", outs[m], re.M) for m in outs}
-        assert len(losses["sync"]) == 8 and losses["sync"] == losses["async"], losses
+        assert len(losses["sync"]) == 8 and all(losses[m] == losses["sync"] for m in modes), losses
         kept = {m: sorted(n for n in os.listdir(dirs[m]) if n.endswith(".h5")) for m in dirs}
-        assert kept["sync"] == kept["async"] == [f"step-{s:08d}.h5" for s in (30, 35, 40)], kept
-        for n in kept["sync"]:
-            assert_same_checkpoint(os.path.join(dirs["async"], n), os.path.join(dirs["sync"], n), f"{name}: {n}")
-        assert open(os.path.join(dirs["async"], "latest")).read().strip() == "step-00000040.h5"
-        background = saves(outs["async"])
-        assert len(background) == 8 and all(h is not None for _, _, h in background), outs["async"]
+        assert all(kept[m] == [f"step-{s:08d}.h5" for s in (30, 35, 40)] for m in modes), kept
+        for mode in ("async", "async-parallel"):
+            for n in kept["sync"]:
+                assert_same_checkpoint(os.path.join(dirs[mode], n), os.path.join(dirs["sync"], n), f"{name} {mode}: {n}")
+            assert open(os.path.join(dirs[mode], "latest")).read().strip() == "step-00000040.h5"
+            background = saves(outs[mode])[:-1]  # the last, at the end of training, is waited for
+            assert len(background) == 7 and all(h is not None for _, _, h in background), outs[mode]
         assert all(h is None for _, _, h in saves(outs["sync"])), outs["sync"]
+        held = {m: max(h for _, _, h in saves(outs[m])[:-1]) for m in ("async", "async-parallel")}
         # --dry-run counts the host copy rank 0 keeps: every tensor of the checkpoint.
-        plan = train_ranks(args, 2, common + layout + ["--async-save", "--dry-run"])
+        plan = train_ranks(args, 2, common + layout + modes["async"] + ["--dry-run"])
         planned = int(re.search(r"--async-save: rank 0 holds .*: (\d+) bytes", plan).group(1))
         with h5py.File(os.path.join(dirs["async"], kept["async"][-1]), "r") as f:
             stored = []
             f.visititems(lambda n, o: stored.append(o.nbytes) if isinstance(o, h5py.Dataset) else None)
         assert planned == sum(stored), (name, planned, sum(stored))
-        print(f"{name}: 8 saves, losses and the 3 kept checkpoints identical with --async-save; "
-              f"--dry-run's host copy {planned} bytes = the checkpoint's tensors")
+        print(f"{name}: 8 saves, losses and the 3 kept checkpoints identical with --async-save by rank 0 and by every "
+              f"rank (training held at most {held['async']:.3f} s and {held['async-parallel']:.3f} s); --dry-run's "
+              f"host copy {planned} bytes = the checkpoint's tensors")
 
 
 def case_async_save_preempt(args):
-    """SIGTERM while background writes are in flight (a 12 MiB checkpoint every step): the job
-    stops at the next step boundary, waits for the write in flight, saves its own checkpoint
-    (every rank its part: the stop's save takes the parallel way) and exits 3; `latest` names it, no .tmp is left, every checkpoint passes h5py's crc32 check, and
-    --resume auto ends bit-identical to an uninterrupted run."""
+    """SIGTERM while background writes are in flight (a 12 MiB checkpoint every step), by rank 0
+    and by every rank: the job stops at the next step boundary, finishes the write in flight,
+    saves its own checkpoint synchronously and exits 3; `latest` names it, no .tmp is left, every
+    checkpoint passes h5py's crc32 check, and --resume auto ends bit-identical to an
+    uninterrupted run."""
     w = args.workdir
     data = write_dataset(os.path.join(w, "async-preempt.h5"), n=2048, shape=(1, 32, 32), seed=7)
     steps = 200
@@ -92,17 +99,22 @@ def case_async_save_preempt(args):
     for d in (ref_ck, ck):
         shutil.rmtree(d, ignore_errors=True)
     train_ranks(args, 2, common + ["--checkpoint-dir", ref_ck])
-    p, ranks = start_two_ranks(args, common + ["--checkpoint-dir", ck, "--save-every", "1", "--keep", "4", "--async-save"],
-                               os.path.join(w, "async-preempt-metrics.jsonl"))
+    for io, says in (("rank0", "rank 0 writes them in the background"),
+                     ("parallel", "every rank writes its own part in the background")):
+        shutil.rmtree(ck, ignore_errors=True)
+        preempt_async(args, common, ck, ref_ck, steps, io, says)
+
+
+def preempt_async(args, common, ck, ref_ck, steps, io, says):
+    p, ranks = start_two_ranks(args, common + ["--checkpoint-dir", ck, "--save-every", "1", "--keep", "4", "--async-save",
+                                               "--checkpoint-io", io],
+                               os.path.join(args.workdir, "async-preempt-metrics.jsonl"))
     os.kill(ranks[0], signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 3, f"exit code {p.returncode}\n{out}\n{err}"
     step = int(re.search(r"stopping after step (\d+)", out).group(1))
     assert 10 <= step < steps, step
-    # The stop signal's save takes the fastest way, every rank writing its part, synchronously
-    # (auto: the periodic saves were rank 0's, in the background).
-    assert "rank 0 writes them in the background (--checkpoint-io rank0; after a stop signal every rank writes its " \
-           "part)" in out, out
+    assert f"checkpoints: {says}" in out, out
     final = saves(out)[-1]
     assert final[0].endswith(f"step-{step:08d}.h5") and final[2] is None, final
     latest = open(os.path.join(ck, "latest")).read().strip()
@@ -117,5 +129,5 @@ def case_async_save_preempt(args):
     assert_same_model(read_model(os.path.join(ck, f"step-{steps:08d}.h5")),
                       read_model(os.path.join(ref_ck, f"step-{steps:08d}.h5")),
                       "async saves every step, preempted + resumed vs uninterrupted", rtol=0.0)
-    print(f"SIGTERM during async writes: stopped after step {step}, `latest` {latest}, 4 kept checkpoints whole, "
-          "resumed run identical to the uninterrupted one")
+    print(f"--checkpoint-io {io}: SIGTERM during background writes: stopped after step {step}, `latest` {latest}, "
+          "4 kept checkpoints whole, resumed run identical to the uninterrupted one")

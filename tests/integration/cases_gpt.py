@@ -249,7 +249,7 @@ def case_gpt_dry_run(args):
     stays small (max RSS < 300 MB, where allocating gpt2-1.5b's state would take ~25 GB)."""
     published = {"gpt2-124m": 124439808, "gpt2-350m": 354823168, "gpt2-774m": 774030080, "gpt2-1.5b": 1557611200}
     row = re.compile(r"ranks? (\d+)(?:-(\d+))? \(stage \d+, replicas? [\d-]+\): params (\d+), grads (\d+), "
-                     r"optimizer (\d+), activations (\d+) \((\d+) in flight\), total (\d+)")
+                     r"optimizer (\d+), activations (\d+) \((\d+) in flight\), runtime \d+, total (\d+)")
     for preset, count in published.items():
         cmd = [args.train, "--model", preset, "--dry-run", "--world", "8", "--pp", "2", "--zero", "1",
                "--optimizer", "adamw", "--precision", "bf16", "--global-batch", "64", "--micro-batch", "4"]

@@ -14,7 +14,9 @@ cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
 (strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_llama.py (--model llama), cases_recompute.py (--recompute), cases_memory.py
 (--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal) and cases_watchdog.py (a stopped rank, differing
-collectives) and cases_trace.py (--trace, the progress split) and cases_docs.py (the commands of docs/migration.md and docs/troubleshooting.md), on the helpers
+collectives) and cases_trace.py (--trace, the progress split) and cases_netns.py (ranks in two network namespaces: equivalence,
+a cut link) and cases_elastic.py (jobs/lib/run.sh continuing on the nodes left) and cases_docs.py (the commands of
+docs/migration.md and docs/troubleshooting.md), on the helpers
 of harness.py; this script only dispatches.
 """
 import cases_accuracy
@@ -24,9 +26,11 @@ import cases_checkpoint_validation
 import cases_cli
 import cases_data
 import cases_docs
+import cases_elastic
 import cases_gpt
 import cases_llama
 import cases_memory
+import cases_netns
 import cases_parallel
 import cases_parallel_io
 import cases_recompute
@@ -41,4 +45,6 @@ if __name__ == "__main__":
                   cases_parallel_io,
                   cases_accuracy,
                   cases_gpt, cases_sample,
-                  cases_tensor_parallel, cases_llama, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_docs])
+                  cases_tensor_parallel, cases_llama, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_netns,
+                  cases_elastic,
+                  cases_docs])

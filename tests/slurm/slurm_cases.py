@@ -13,6 +13,13 @@ CNN, from a work directory where `jobs` and `build` link to the source's and the
   cancel                     plain scancel with mpirun and with srun: the job ends, is never
                              requeued, the final save's lines are in the run's train.log and
                              once in the job's log, and `latest` names a complete checkpoint
+  elastic_lost_node          STRATA_ELASTIC through sbatch and srun: the job's 2 tasks as 2
+                             simulated nodes of 1 rank; node sim1's rank SIGKILLed after a
+                             checkpoint -> srun ends the step, the script names sim1 and runs
+                             train again on 1 rank in the same allocation -> COMPLETED, the final
+                             model within 1e-5 of an uninterrupted job's; then a job stopped
+                             (scancel) and resubmitted into its checkpoints with 1 task continues
+                             there, --layout auto, no conversion
 
 Requeued jobs wait ~120 s for eligibility (Slurm's BeginTime); 2 s after the requeue the tests
 move it to now with `scontrol update StartTime=now`, as an operator can (see requeue_now)."""
@@ -20,6 +27,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -272,6 +280,114 @@ def cancel(args):
     return 0
 
 
+GPT = ["--model", "gpt", "--layers", "2", "--heads", "4", "--embed", "32", "--seq-len", "16", "--threads", "1",
+       "--vocab", "260", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1", "--dropout", "0.1",
+       "--tie-embeddings", "false", "--data", "byte-train.h5", "--val-data", "byte-val.h5", "--global-batch", "16",
+       "--seed", "3", "--log-every", "10", "--bucket-mb", "0.01", "--steps", "100", "--save-every", "20",
+       "--timeout", "5", "--layout", "auto"]
+
+
+def train_pid(job, rank, timeout=60):
+    """The pid of the job's train process of world rank `rank` (srun's SLURM_PROCID), from /proc."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() != "train":
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            if env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_PROCID") == str(rank).encode():
+                return int(entry)
+        time.sleep(0.2)
+    raise AssertionError(f"job {job}: no train process of rank {rank}")
+
+
+def elastic_lost_node(args):
+    """Elastic jobs (docs/slurm.md): a node lost mid-run, and a job resubmitted with fewer tasks.
+    One Slurm node cannot lose a node and keep the batch shell, so the job's 2 tasks are 2 simulated
+    nodes of 1 rank (STRATA_RANKS_PER_NODE=1): SIGKILL of rank 1 is node sim1's loss; srun reports
+    the task killed and ends the step, and the script, STRATA_ELASTIC=1, runs train again with
+    `srun --ntasks=1` in the same allocation, --layout auto, --resume auto."""
+    c = Cluster(args, "elastic")
+    build = os.path.join(c.work, "build")
+    sh([os.path.join(build, "strata-data"), "tokenize", "--input", "/usr/share/common-licenses/GPL-3",
+        "/usr/share/common-licenses/Apache-2.0", "--out", os.path.join(c.work, "byte"), "--tokenizer", "byte"])
+    env = dict(c.env, STRATA_LAUNCHER="srun")
+
+    def submit(flags, extra_env=None, sbatch=()):
+        return c.sbatch(["--chdir", c.work] + list(sbatch) + ["jobs/fashion-mnist.sbatch"] + GPT + flags,
+                        dict(env, **(extra_env or {})))
+
+    def final(job):
+        return all_tensors(os.path.join(c.run_dir(job), "checkpoints", "step-00000100.h5"))
+
+    t0 = time.monotonic()
+    alone = submit([])
+    assert c.wait_gone(alone) == "COMPLETED", c.report(alone)
+    want = final(alone)
+    print(f"uninterrupted: job {alone} (2 tasks) in {time.monotonic() - t0:.1f} s")
+
+    # A node lost mid-run. --bench-stage-ms only sleeps: the same result, the job lasts past the kill.
+    t0 = time.monotonic()
+    job = submit(["--bench-stage-ms", "10"], {"STRATA_ELASTIC": "1", "STRATA_RANKS_PER_NODE": "1"})
+    c.wait(job, lambda: "saved checkpoint" in c.train_log(job), "the first checkpoint")
+    os.kill(train_pid(job, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    c.wait(job, lambda: "strata: train exited" in c.log(job), "the end of the first launch")
+    ended = time.monotonic() - killed
+    assert c.wait_gone(job) == "COMPLETED", c.report(job)
+    log = c.log(job)
+    assert ended <= 5 + 10, f"the launch ended {ended:.1f} s after the SIGKILL (--timeout 5)\n{log}"
+    code = re.search(r"^strata: train exited (\d+) ", log, re.M)[1]
+    assert re.search(r"^srun: error: \S+: task 1: Killed$", log, re.M), log
+    lost = re.findall(r"^strata: lost node (.*)$", log, re.M)
+    m = re.fullmatch(r"sim1 \(rank 1\): continuing on 1 node\(s\), 1 rank\(s\) from step (\d+)", lost[0]) \
+        if len(lost) == 1 else None
+    assert m, log
+    step = int(m[1])
+    assert f"resuming from runs/strata-fmnist-{job}/checkpoints/step-{step:08d}.h5 at step {step}" in log, log
+    assert re.findall(r"^--layout auto: .* layouts of (\d+) ranks? that fit", log, re.M) == ["2", "1"], log
+    assert log.rstrip().endswith("strata: finished") and "requeueing" not in log, log
+    worst = max_relative_difference(final(job), want)
+    assert worst <= 1e-5, f"node lost vs uninterrupted: worst /model difference {worst:.3g}"
+    print(f"node sim1 lost: job {job}: srun ended the step {ended:.1f} s after the SIGKILL (exit {code}), the "
+          f"script continued on 1 rank from step {step}, COMPLETED in {time.monotonic() - t0:.1f} s; "
+          f"worst /model difference from the uninterrupted job {worst:.2g}")
+
+    # Fewer tasks at the next submission: stopped by scancel (saves), resubmitted with 1 task into
+    # its checkpoints; --layout auto plans for 1 rank and --resume auto continues, no conversion.
+    t0 = time.monotonic()
+    first = submit(["--bench-stage-ms", "10"])
+    c.wait(first, lambda: re.search(r"^step [3-9]0/100", c.train_log(first), re.M), "step 30")
+    sh(["scancel", first], env=c.env)
+    assert c.wait_gone(first) == "CANCELLED", c.report(first)
+    saved = re.findall(r"^saved checkpoint \S+/step-(\d+)\.h5", c.train_log(first), re.M)
+    second = submit(["--checkpoint-dir", f"runs/strata-fmnist-{first}/checkpoints"], sbatch=["--ntasks-per-node=1"])
+    assert c.wait_gone(second) == "COMPLETED", c.report(second)
+    log = c.log(second)
+    step = int(saved[-1])
+    assert f"resuming from runs/strata-fmnist-{first}/checkpoints/step-{step:08d}.h5 at step {step}" in log, log
+    assert re.search(r"^--layout auto: .* layouts of 1 rank", log, re.M), log
+    got = all_tensors(os.path.join(c.run_dir(first), "checkpoints", "step-00000100.h5"))
+    worst = max_relative_difference(got, want)
+    assert worst <= 1e-5, f"resubmitted with 1 task vs uninterrupted: worst /model difference {worst:.3g}"
+    print(f"resubmitted with fewer tasks: job {first} (2 tasks) cancelled at step {step}, job {second} (1 task) "
+          f"continued it, {time.monotonic() - t0:.1f} s; worst /model difference {worst:.2g}")
+    return 0
+
+
+def max_relative_difference(got, want):
+    """The worst max |a - b| / max |b| over the /model tensors (cases_gpt.assert_close's measure)."""
+    names = [n for n in want if n.startswith("model/")]
+    assert names and sorted(names) == sorted(n for n in got if n.startswith("model/")), (sorted(got), sorted(want))
+    return max(float(np.abs(got[n].astype(np.float64) - want[n]).max() / max(np.abs(want[n]).max(), 1e-30))
+               for n in names)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("case")
@@ -283,7 +399,7 @@ def main():
     try:
         return {"setup": setup, "cleanup": cleanup, "complete_srun_mpirun": complete_srun_mpirun,
                 "preempt_requeue": preempt_requeue, "time_limit_requeue": time_limit_requeue,
-                "cancel": cancel}[args.case](args)
+                "cancel": cancel, "elastic_lost_node": elastic_lost_node}[args.case](args)
     finally:
         for job, env in SUBMITTED:
             sh(["scancel", job], check=False, env=env)

@@ -1,6 +1,10 @@
 #include "io/checkpoint/manager.hpp"
 
+#include <chrono>
+#include <future>
 #include <optional>
+#include <thread>
+#include <vector>
 
 #include "core/log.hpp"
 #include "core/trace.hpp"
@@ -8,11 +12,43 @@
 #include "io/checkpoint/parallel_file.hpp"
 #include "io/shared_files.hpp"
 #include "layers/parameter_store.hpp"
+#include "parallel/runtime/blocking_deadline.hpp"
 #include "parallel/runtime/host_values.hpp"
 #include "parallel/runtime/mpi.hpp"
 #include "parallel/runtime/watchdog.hpp"
 
 namespace strata::io {
+
+namespace {
+
+// Saves make blocking MPI calls the watchdog cannot see (libhdf5's, in a parallel write): a rank
+// or link lost during one ends the job after the checkpoint deadline instead of hanging it.
+parallel::BlockingDeadline save_deadline(const std::string& what) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return {rank, parallel::watchdog::kCheckpointTimeoutS, what, "the checkpoint deadline",
+          "a rank stopped or lost, a link cut, or the filesystem stalled"};
+}
+
+}  // namespace
+
+bool writes_in_parallel(const CheckpointSettings& settings) {
+  return settings.io == "parallel" || (settings.io == "auto" && ParallelCheckpointFile::available());
+}
+
+struct CheckpointManager::Pending {
+  RunState run;
+  // Shared with the thread: a rank that gives up on its write (an error elsewhere) leaves the
+  // file to the thread, which no longer needs MPI.
+  std::shared_ptr<ParallelCheckpointFile> file;
+  std::future<void> written;  // this rank's part in the file
+  std::thread thread;
+  ~Pending() {
+    if (thread.joinable()) thread.detach();
+  }
+};
+
+CheckpointManager::~CheckpointManager() = default;
 
 CheckpointManager::CheckpointManager(const CheckpointSettings& settings, parallel::ProcessGrid& grid)
     : settings_(settings), grid_(grid), rank_(grid.world().rank()) {
@@ -25,18 +61,15 @@ CheckpointManager::CheckpointManager(const CheckpointSettings& settings, paralle
     saver_ = std::make_unique<CheckpointSaver>(settings_.dir, settings_.keep, settings_.async,
                                                parallel::watchdog::kCheckpointTimeoutS);
   });
-  // auto: every rank writes its part where HDF5 is parallel; --async-save's background thread
-  // is rank 0's (no MPI there), but a stop signal's save waits anyway, so it goes in parallel.
+  // auto: every rank writes its part where HDF5 is parallel (with --async-save, each from a
+  // thread of its own); a stop signal's save takes that way too when the build allows it.
   if (writes()) {
-    const bool automatic = settings_.io == "auto" && ParallelCheckpointFile::available();
-    parallel_io_ = settings_.io == "parallel" || (automatic && !settings_.async);
-    parallel_io_at_stop_ = parallel_io_ || automatic;
-    log::info(
-        "checkpoints: ",
-        parallel_io_
-            ? "every rank writes its own part (--checkpoint-io parallel: parallel HDF5 over MPI-IO)"
-            : detail::cat("rank 0 writes them", settings_.async ? " in the background" : "", " (--checkpoint-io rank0",
-                          parallel_io_at_stop_ ? "; after a stop signal every rank writes its part" : "", ")"));
+    parallel_io_ = writes_in_parallel(settings_);
+    log::info("checkpoints: ",
+              parallel_io_ ? detail::cat("every rank writes its own part", settings_.async ? " in the background" : "",
+                                         " (--checkpoint-io parallel: parallel HDF5 over MPI-IO)")
+                           : detail::cat("rank 0 writes them", settings_.async ? " in the background" : "",
+                                         " (--checkpoint-io rank0)"));
     // Every rank reads and writes where rank 0 does (multi-node: a shared filesystem), checked
     // now rather than at the first resume; each throws alike on every rank.
     require_shared_directory(world, settings_.dir, "--checkpoint-dir");
@@ -140,22 +173,40 @@ void CheckpointManager::save_if_due(int64_t done, int64_t total, const std::func
     save(run(), state, /*wait=*/false);
 }
 
-void CheckpointManager::save(const RunState& run, parallel::StateGather& state, bool wait, bool at_stop) {
+void CheckpointManager::save(const RunState& run, parallel::StateGather& state, bool wait) {
   // rank0: rank 0 writes the whole file (or hands it to its background thread) while the others
   // wait in the next collective. parallel: every rank writes its part, rank 0 finishes the file.
   const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
+  finish_pending();
+  const parallel::BlockingDeadline deadline = save_deadline(detail::cat("the checkpoint save of step ", run.step));
   const trace::Span span(trace::Track::Checkpoint, detail::cat("save checkpoint of step ", run.step));
   STRATA_CHECK(rank_ != 0 || saver_, "checkpoint of step ", run.step, " without a checkpoint directory");
-  const bool in_parallel = at_stop ? parallel_io_at_stop_ : parallel_io_;
+  const bool in_parallel = parallel_io_;
+  const bool deferred = in_parallel && settings_.async && !wait;
   if (saver_) saver_->begin(run.step, in_parallel);
   std::optional<ParallelCheckpointFile::Written> written;
   if (in_parallel) {
-    ParallelCheckpointFile file(checkpoint_path(settings_.dir, run.step), grid_.mpi_world().comm());
+    auto file = std::make_shared<ParallelCheckpointFile>(checkpoint_path(settings_.dir, run.step),
+                                                         grid_.mpi_world().comm(), deferred);
     state.write_parts(
         [&](const std::string& name, const layers::ParamEntry& e, int64_t begin, int64_t end, const Tensor& values) {
-          file.write(state_tensor(name, e.name), e.shape, e.split, begin, end, values);
+          file->write(state_tensor(name, e.name), e.shape, e.split, begin, end, values);
         });
-    written = file.close();
+    if (deferred) {  // training goes on while every rank writes its part; poll() finishes the file
+      file->close_metadata();
+      pending_ = std::make_unique<Pending>();
+      pending_->run = run;
+      pending_->file = file;
+      std::packaged_task<void()> task([file] {
+        const trace::Span write(trace::Track::Writer, "write checkpoint part");
+        file->write_deferred();
+      });
+      pending_->written = task.get_future();
+      pending_->thread = std::thread(std::move(task));
+      if (saver_) saver_->handed_over();
+      return;
+    }
+    written = file->close();
   } else {
     state.gather([&](const std::string& name, const layers::ParamEntry& e, const Tensor& full) {
       saver_->add(state_tensor(name, e.name), full);
@@ -164,10 +215,35 @@ void CheckpointManager::save(const RunState& run, parallel::StateGather& state, 
   if (!saver_) return;
   const auto attributes = [run](CheckpointWriter& writer) { write_run_state(writer, run); };
   if (written)
-    saver_->finish_parallel(*written, attributes);
+    saver_->finish_parallel(*written, attributes, wait);
   else
-    saver_->finish(attributes);
-  if (wait) saver_->wait();
+    saver_->finish(attributes, wait);
+}
+
+void CheckpointManager::poll() {
+  if (!pending_) return;  // the same on every rank: set and cleared by collective saves
+  const bool written = pending_->written.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  std::vector<double> writing{written ? 0.0 : 1.0};
+  parallel::all_reduce_sum(grid_.world(), writing);
+  if (writing[0] == 0) finish_pending();
+}
+
+void CheckpointManager::finish_pending() {
+  if (!pending_) return;
+  const std::unique_ptr<Pending> pending = std::move(pending_);
+  const parallel::watchdog::AtLeast io_deadline(parallel::watchdog::kCheckpointTimeoutS);
+  const parallel::BlockingDeadline deadline =
+      save_deadline(detail::cat("the background checkpoint save of step ", pending->run.step));
+  const trace::Span span(trace::Track::Checkpoint, detail::cat("finish checkpoint of step ", pending->run.step));
+  parallel::agree(grid_.mpi_world().comm(), [&] {
+    const auto timeout = std::chrono::duration<double>(parallel::watchdog::kCheckpointTimeoutS);
+    STRATA_CHECK(pending->written.wait_for(timeout) == std::future_status::ready, "this rank's part of ",
+                 pending->file->path(), " was not written within ", parallel::watchdog::kCheckpointTimeoutS, " s");
+    pending->thread.join();
+    pending->written.get();  // rethrows the write's error
+  });
+  const ParallelCheckpointFile::Written written = pending->file->close();
+  if (saver_) saver_->finish_parallel(written, [run = pending->run](CheckpointWriter& w) { write_run_state(w, run); });
 }
 
 void CheckpointManager::note_unchecked(const CheckpointReader& reader) const {

@@ -33,6 +33,10 @@ struct CheckpointSettings {
   bool read_only = false;       // --eval-only: nothing is written
 };
 
+// --checkpoint-io resolved: whether every rank writes its own part of a checkpoint (parallel,
+// or auto where this build's HDF5 is parallel) rather than rank 0 all of it.
+bool writes_in_parallel(const CheckpointSettings& settings);
+
 // What a resumed run state must agree with.
 struct ResumeExpectations {
   std::string optimizer;     // the same optimizer (its state is loaded)
@@ -43,6 +47,7 @@ struct ResumeExpectations {
 
 class CheckpointManager {
  public:
+  ~CheckpointManager();
   // Collective over the grid's world: rank 0 locks and checks the directory, every rank checks
   // that it sees rank 0's files; --init-from is checked whole by rank 0 and opened by every rank.
   CheckpointManager(const CheckpointSettings& settings, parallel::ProcessGrid& grid);
@@ -62,12 +67,20 @@ class CheckpointManager {
   // Collective: the full training state (StateGather) goes to rank 0's CheckpointSaver, which
   // commits it, moves `latest` and applies --keep; with --async-save in the background unless
   // `wait` (a stop signal, the end of training). With --checkpoint-io parallel every rank writes
-  // its own part of the file instead and rank 0 finishes it; `at_stop` (a stop signal's save)
-  // takes that way whenever the build and flags allow it: it is the fastest, and nothing is
-  // left to a background thread.
-  void save(const RunState& run, parallel::StateGather& state, bool wait, bool at_stop = false);
+  // its own part of the file instead and rank 0 finishes it (with --async-save: each rank keeps
+  // a copy of its part and writes it on a thread of its own; poll() finishes the file once all
+  // have). A save first finishes the one in flight.
+  void save(const RunState& run, parallel::StateGather& state, bool wait);
+  // Collective, at a step boundary: finishes a background parallel save once every rank has
+  // written its part (one small all-reduce per step while one is in flight; none otherwise).
+  void poll();
 
  private:
+  // A parallel save whose ranks write their parts in the background (--async-save).
+  struct Pending;
+  // Collective: waits (deadline: kCheckpointTimeoutS) for every rank's part of the pending save,
+  // then finishes it (rank 0's saver commits it, in its background thread).
+  void finish_pending();
   // One line on stdout when a checkpoint has no manifest (docs/checkpoints.md).
   void note_unchecked(const CheckpointReader& reader) const;
   RunState load(const std::string& path, parallel::StateGather& state, const ResumeExpectations& expected);
@@ -79,8 +92,9 @@ class CheckpointManager {
   // last write is done).
   std::unique_ptr<DirectoryLock> lock_;
   std::unique_ptr<CheckpointSaver> saver_;
-  bool parallel_io_ = false, parallel_io_at_stop_ = false;  // --checkpoint-io, resolved
+  bool parallel_io_ = false;  // --checkpoint-io, resolved
   std::unique_ptr<CheckpointReader> init_from_;
+  std::unique_ptr<Pending> pending_;  // destroyed first: its thread may still use the file
 };
 
 }  // namespace strata::io

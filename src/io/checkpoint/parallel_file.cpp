@@ -2,10 +2,13 @@
 #include "io/checkpoint/parallel_file.hpp"
 
 #include <fcntl.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "io/checkpoint/file.hpp"
 #include "io/checkpoint/manifest.hpp"
@@ -30,8 +33,9 @@ bool ParallelCheckpointFile::available() {
 #endif
 }
 
-ParallelCheckpointFile::ParallelCheckpointFile(std::string path, MPI_Comm comm)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), comm_(comm) {
+ParallelCheckpointFile::ParallelCheckpointFile(std::string path, MPI_Comm comm, bool deferred)
+    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), comm_(comm), deferred_(deferred) {
+  MPI_Comm_rank(comm_, &rank_);
 #ifndef STRATA_PARALLEL_HDF5
   STRATA_THROW("a parallel checkpoint write needs a parallel HDF5; this build's is serial");
 #else
@@ -49,9 +53,7 @@ ParallelCheckpointFile::ParallelCheckpointFile(std::string path, MPI_Comm comm)
 
 ParallelCheckpointFile::~ParallelCheckpointFile() {
   file_.reset();  // collective: errors are agreed, so every rank is unwinding (or closing) here alike
-  int rank = 0;
-  MPI_Comm_rank(comm_, &rank);
-  if (!closed_ && rank == 0) std::remove(tmp_path_.c_str());  // never throws; a missing file is fine
+  if (!closed_ && rank_ == 0) std::remove(tmp_path_.c_str());  // never throws; a missing file is fine
 }
 
 void ParallelCheckpointFile::collective(const std::function<void()>& step) {
@@ -59,9 +61,7 @@ void ParallelCheckpointFile::collective(const std::function<void()>& step) {
     parallel::agree(comm_, step);
   } catch (...) {
     (void)file_.release();
-    int rank = 0;
-    MPI_Comm_rank(comm_, &rank);
-    if (rank == 0) std::remove(tmp_path_.c_str());
+    if (rank_ == 0) std::remove(tmp_path_.c_str());
     closed_ = true;
     MPI_Barrier(comm_);  // removed before any rank can end the job on this error
     throw;
@@ -93,6 +93,16 @@ void ParallelCheckpointFile::write(const std::string& name, const Shape& local, 
     } else {
       select_part(space, local, split, begin, end);
     }
+    if (deferred_) {  // where the runs go: the dataset's place plus their offsets in it
+      const haddr_t at = H5Dget_offset(ds);
+      STRATA_CHECK(stored == 0 || at != HADDR_UNDEF, "checkpoint tensor '", name, "' has no place in ", tmp_path_);
+      kept_.push_back({n > 0 ? Tensor::empty({n}) : Tensor(), {}});
+      if (n > 0) kept_.back().values.copy_from(part);  // the state moves on; the file gets this step's values
+      for (const auto& [offset, length] : layers::shard_runs(local, split, begin, end))
+        kept_.back().at.emplace_back(static_cast<int64_t>(at) + offset * static_cast<int64_t>(sizeof(float)),
+                                     length * static_cast<int64_t>(sizeof(float)));
+      return;
+    }
     h5::PList dxpl(H5_CHECK(H5Pcreate(H5P_DATASET_XFER), "transfer property list"));
 #ifdef STRATA_PARALLEL_HDF5
     H5_CHECK(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE), "collective transfer");
@@ -101,28 +111,66 @@ void ParallelCheckpointFile::write(const std::string& name, const Shape& local, 
     H5_CHECK(H5Dwrite(ds, H5T_NATIVE_FLOAT, mem, space, dxpl, n > 0 ? part.raw() : &none), "writing ", name, " to ",
              tmp_path_);
   });
-  // The checksum of each run this rank wrote, in the full tensor's order.
+  // Each run this rank writes, in the full tensor's order, with its checksum (deferred: once written).
   const auto* data = n > 0 ? static_cast<const char*>(part.raw()) : nullptr;
   for (const auto& [offset, length] : layers::shard_runs(local, split, begin, end)) {
     const int64_t bytes = length * static_cast<int64_t>(sizeof(float));
-    runs_.push_back(
-        {index, offset * static_cast<int64_t>(sizeof(float)), bytes, crc32_of(data, static_cast<size_t>(bytes))});
+    runs_.push_back({index, offset * static_cast<int64_t>(sizeof(float)), bytes,
+                     deferred_ ? 0 : crc32_of(data, static_cast<size_t>(bytes))});
     data += bytes;
   }
 }
 
-ParallelCheckpointFile::Written ParallelCheckpointFile::close() {
+void ParallelCheckpointFile::close_metadata() {
+  STRATA_CHECK(deferred_, "close_metadata() of a checkpoint written at once");
   collective([&] {
     const h5::Guard guard;
     H5_CHECK(H5Fclose(file_.release()), "closing ", tmp_path_);
   });
-  // Each rank's data on the disk, not in its node's cache, before rank 0 renames the file into
-  // place: an fsync on every rank. Not H5Fflush's MPI_File_sync: a rank whose metadata write
-  // fails (a full disk) leaves that call before its barrier and the others wait there forever.
-  collective([&] { fsync_path(tmp_path_, O_RDONLY); });
+}
+
+void ParallelCheckpointFile::write_deferred() {
+  STRATA_CHECK(deferred_ && !file_.valid(), "write_deferred() before close_metadata()");
+  const int fd = ::open(tmp_path_.c_str(), O_WRONLY);
+  STRATA_CHECK(fd >= 0, "cannot open '", tmp_path_, "' to write this rank's part: ", std::strerror(errno));
+  try {
+    size_t run = 0;
+    for (Kept& k : kept_) {
+      const char* data = k.values.defined() ? static_cast<const char*>(k.values.raw()) : nullptr;
+      for (const auto& [at, bytes] : k.at) {
+        for (int64_t done = 0; done < bytes;) {
+          const ssize_t n = ::pwrite(fd, data + done, static_cast<size_t>(bytes - done), static_cast<off_t>(at + done));
+          STRATA_CHECK(n > 0, "writing this rank's part of '", tmp_path_, "' failed: ", std::strerror(errno));
+          done += n;
+        }
+        runs_.at(run++).crc32 = crc32_of(data, static_cast<size_t>(bytes));
+        data += bytes;
+      }
+      k.values = Tensor();  // back to the allocator as soon as it is in the file
+    }
+    STRATA_CHECK(::fsync(fd) == 0, "fsync of '", tmp_path_, "' failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+ParallelCheckpointFile::Written ParallelCheckpointFile::close() {
+  if (!deferred_) {
+    collective([&] {
+      const h5::Guard guard;
+      H5_CHECK(H5Fclose(file_.release()), "closing ", tmp_path_);
+    });
+    // Each rank's data on the disk, not in its node's cache, before rank 0 renames the file into
+    // place: an fsync on every rank (write_deferred's own, deferred). Not H5Fflush's
+    // MPI_File_sync: a rank whose metadata write fails (a full disk) leaves that call before its
+    // barrier and the others wait there forever.
+    collective([&] { fsync_path(tmp_path_, O_RDONLY); });
+  }
   // Every rank's runs to rank 0 (after every rank has closed the file).
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm_, &rank);
+  const int rank = rank_;
+  int size = 1;
   MPI_Comm_size(comm_, &size);
   std::vector<int64_t> mine;
   for (const Run& r : runs_) mine.insert(mine.end(), {r.tensor, r.offset, r.length, r.crc32});

@@ -8,7 +8,10 @@
 // into each tensor's crc32 (zlib's crc32_combine, in the full tensor's order) after checking
 // that the parts cover every element exactly once. Rank 0 then finishes the file as any other
 // (CheckpointWriter's Reopen: crc32 and root attributes, fsync, manifest, rename), so a crash
-// before that leaves PATH.tmp, never a PATH that is not whole.
+// before that leaves PATH.tmp, never a PATH that is not whole. Deferred (--async-save), the
+// collective part creates the tensors at the save step and each rank writes its values into
+// their places from a thread of its own while training goes on (no MPI on that thread: the MPI
+// thread level stays FUNNELED).
 #pragma once
 
 #include <mpi.h>
@@ -31,7 +34,9 @@ class ParallelCheckpointFile {
 
   // Collective over `comm`: creates PATH.tmp (replacing a stale one) with the MPI-IO driver.
   // Errors are agreed: every rank throws alike (parallel::agree), so none is left waiting.
-  ParallelCheckpointFile(std::string path, MPI_Comm comm);
+  // `deferred`: write() creates each tensor and keeps a copy of this rank's part; the values
+  // reach the file later, through write_deferred() (in the background: no MPI, no HDF5).
+  ParallelCheckpointFile(std::string path, MPI_Comm comm, bool deferred = false);
   // Closes the file if it is still open (collectively: every rank gets here alike, errors being
   // agreed) and, on rank 0, removes PATH.tmp unless close() has run.
   ~ParallelCheckpointFile();
@@ -48,9 +53,17 @@ class ParallelCheckpointFile {
     std::vector<std::pair<std::string, uint32_t>> crc32;  // rank 0: every tensor's, in write order
     int64_t bytes = 0;                                    // the tensors' bytes
   };
+  // Deferred, collective: closes HDF5's side of the file. Every tensor has its place in it (a
+  // parallel HDF5 allocates contiguous datasets at creation) and none of its values yet.
+  void close_metadata();
+  // Deferred, after close_metadata(), on any one thread: writes the kept parts into their places
+  // with pwrite, checksums them and syncs them to the disk; the copies go back to the allocator.
+  void write_deferred();
+
   // Collective: closes the file and syncs every rank's writes to the disk (fsync); rank
   // 0 gets each tensor's crc32 (an internal error when the ranks' parts leave a gap or overlap).
-  // PATH.tmp stays for rank 0 to finish (CheckpointWriter::Reopen).
+  // Deferred: after write_deferred() on every rank. PATH.tmp stays for rank 0 to finish
+  // (CheckpointWriter::Reopen).
   Written close();
 
   const std::string& path() const { return path_; }
@@ -65,12 +78,19 @@ class ParallelCheckpointFile {
   struct Run {  // a contiguous run of one tensor in the full tensor's order, in bytes
     int64_t tensor, offset, length, crc32;
   };
+  struct Kept {  // deferred: a part's values and where in the file each of its runs goes
+    Tensor values;
+    std::vector<std::pair<int64_t, int64_t>> at;  // (file offset, bytes), in the part's order
+  };
 
   std::string path_, tmp_path_;
   MPI_Comm comm_;
+  int rank_ = 0;  // in comm_ (asked once: the destructor may run on a writing thread, without MPI)
+  bool deferred_;
   h5::File file_;
   std::vector<std::pair<std::string, int64_t>> tensors_;  // name, bytes
-  std::vector<Run> runs_;                                 // this rank's
+  std::vector<Run> runs_;                                 // this rank's (deferred: crc32 set by write_deferred)
+  std::vector<Kept> kept_;                                // deferred: this rank's parts, in runs_' order
   bool closed_ = false;
 };
 

@@ -54,21 +54,27 @@ void CheckpointSaver::add(const std::string& name, const Tensor& t) {
     save_->writer->write_tensor(name, t);
 }
 
-void CheckpointSaver::finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes) {
+void CheckpointSaver::finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes,
+                                      bool wait) {
   STRATA_CHECK(save_ && save_->in_parallel, "parallel checkpoint finished without begin(step, true)");
   save_->crc32 = written.crc32;
   save_->bytes = written.bytes;
-  finish(std::move(attributes));
+  finish(std::move(attributes), wait);
 }
 
-void CheckpointSaver::finish(Attributes attributes) {
+void CheckpointSaver::handed_over() {
+  STRATA_CHECK(save_, "checkpoint handed over without begin()");
+  save_->handed_over = now_s();
+}
+
+void CheckpointSaver::finish(Attributes attributes, bool wait) {
   STRATA_CHECK(save_, "checkpoint finished without begin()");
-  if (!async_ || save_->in_parallel) {
+  if (!async_ || wait) {
     const std::unique_ptr<Save> save = std::move(save_);
     complete(*save, attributes, *written_, keep_, false);
     return;
   }
-  save_->handed_over = now_s();
+  if (save_->handed_over == 0) save_->handed_over = now_s();
   // The thread owns what it touches: the save, the attributes and the list of written files.
   std::packaged_task<void()> task([save = std::shared_ptr<Save>(std::move(save_)), attributes = std::move(attributes),
                                    written = written_, keep = keep_] {
@@ -112,8 +118,8 @@ void CheckpointSaver::complete(Save& save, const Attributes& attributes, std::ve
   std::string held;
   if (background) {
     char text[96];
-    std::snprintf(text, sizeof text, ", written in the background: training held %.3f s",
-                  save.handed_over - save.started);
+    std::snprintf(text, sizeof text, ", written in the background%s: training held %.3f s",
+                  save.in_parallel ? " by every rank" : "", save.handed_over - save.started);
     held = text;
   }
   log::info("saved checkpoint ", save.path, " (", took, held, ")");

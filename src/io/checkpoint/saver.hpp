@@ -39,14 +39,18 @@ class CheckpointSaver {
 
   // Starts the checkpoint of `step` (DIR/step-NNNNNNNN.h5), after the previous write is done.
   // `in_parallel`: every rank writes its tensors (ParallelCheckpointFile, into the same
-  // PATH.tmp) and finish_parallel() completes it, synchronously whatever async() says.
+  // PATH.tmp) and finish_parallel() completes it.
   void begin(int64_t step, bool in_parallel = false);
   // Stores `t` (host) under `name`: written now, or kept for the background write.
   void add(const std::string& name, const Tensor& t);
-  // Writes `attributes` and commits (now, or on the background thread).
-  void finish(Attributes attributes);
-  // After ParallelCheckpointFile::close(): the tensors' crc32s and `attributes`, then commit.
-  void finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes);
+  // Writes `attributes` and commits: now (`wait`, or not async), or on the background thread.
+  void finish(Attributes attributes, bool wait = false);
+  // After ParallelCheckpointFile::close(): the tensors' crc32s and `attributes`, then commit,
+  // as finish().
+  void finish_parallel(const ParallelCheckpointFile::Written& written, Attributes attributes, bool wait = false);
+  // Training goes on from now while the ranks write their parts (a background parallel save):
+  // the stall the save's line reports ends here rather than at finish.
+  void handed_over();
   // Until the write in flight (if any) is complete; rethrows its error. An error after
   // `timeout_s` (the write goes on: a later wait() may still see it end).
   void wait();

@@ -240,6 +240,12 @@ NodeSharedMemory* MpiCommunicator::node_group() {
   return shared_.get();
 }
 
+bool MpiCommunicator::node_local() {
+  if (shared_checked_) return shared_ != nullptr;
+  if (one_node_ < 0) one_node_ = use_shared_memory_ && NodeSharedMemory::one_node(comm_);
+  return one_node_ == 1;
+}
+
 Tensor MpiCommunicator::allocate(int64_t numel, DType dtype, Device device) {
   if (NodeSharedMemory* group = device.is_cpu() ? node_group() : nullptr) {
     std::string why_not;

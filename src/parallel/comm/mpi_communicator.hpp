@@ -73,8 +73,8 @@ class MpiCommunicator final : public Communicator {
   // Whether `t` lies in shared memory from allocate(), so its all-reduce, reduce and all-gather skip MPI.
   bool in_shared_memory(const Tensor& t) const;
   // Whether this group's CPU buffers and messages go through shared memory: every rank on one
-  // node (split_by_node) and shared memory allowed. Collective the first time.
-  bool node_local() { return node_group() != nullptr; }
+  // node (split_by_node) and shared memory allowed. Collective the first time; maps nothing.
+  bool node_local();
 
   // Operations started and not yet seen complete (for tests and diagnostics).
   int in_flight() const;
@@ -105,6 +105,7 @@ class MpiCommunicator final : public Communicator {
   bool use_shared_memory_;                    // the constructor's choice
   bool shared_checked_ = false;               // allocate() or reserve_messages() has looked for a one-node group
   std::unique_ptr<NodeSharedMemory> shared_;  // set when it found one
+  int one_node_ = -1;                         // node_local(): -1 not yet asked
 };
 
 }  // namespace strata::parallel

@@ -24,8 +24,9 @@ namespace strata::parallel {
 
 class NodeSharedMemory {
  public:
-  // Collective over `comm`: nullptr unless every rank of it is on this node (and there are
-  // at least two).
+  // Collective over `comm`: whether it has two or more ranks, all on this node.
+  static bool one_node(MPI_Comm comm);
+  // Collective over `comm`: nullptr unless one_node(comm).
   static std::unique_ptr<NodeSharedMemory> create(MPI_Comm comm);
   ~NodeSharedMemory();
   NodeSharedMemory(const NodeSharedMemory&) = delete;
@@ -49,6 +50,12 @@ class NodeSharedMemory {
   // through mailboxes of `slots` slots per sender, fewer if they would exceed 64 MiB per rank.
   // False (on every rank alike, `why_not` saying why) if the segments could not be made.
   bool enable_messages(int64_t max_bytes, int slots, std::string& why_not);
+  // This rank's bytes of shared memory, for the plan: the counters segment every group maps
+  // (create), a buffer of `bytes` from allocate(), and the inbox enable_messages makes in a group
+  // of `size` ranks (0 if it would not fit).
+  static int64_t counters_bytes();
+  static int64_t buffer_bytes(int64_t bytes);
+  static int64_t mailbox_bytes(int64_t max_bytes, int slots, int size);
   // Starts sending `t` (a CPU tensor) to `peer`, or receiving into `t` from it, through the
   // mailboxes; nullptr when they are not enabled or `t` does not fit a slot (then MPI carries
   // it: both sides decide by the size alone). Messages from one peer with one tag are

@@ -47,6 +47,9 @@ class SegmentRegistry final : public Allocator {
   size_t peak_in_use() const override;
 
   void add(Mapping m);
+  // A segment of this rank's that no tensor holds (a group's counters, its inbox), mapped
+  // (+bytes) or unmapped (-bytes): counted like the buffers, as the cap counts them.
+  void count(int64_t bytes);
   // The mapping of `group` that holds [p, p + bytes), if any.
   bool find(uint64_t group, const void* p, size_t bytes, Mapping& out) const;
 

@@ -65,25 +65,52 @@ class MessageWork final : public Work {
 }  // namespace
 
 using shm_detail::map_segments;
+using shm_detail::registry;
 using shm_detail::relax;
+
+namespace {
+
+// A slot's payload (the largest message, in cache lines) and how many slots per sender fit.
+struct MailboxShape {
+  int64_t capacity = 0, stride = 0;
+  int slots = 0;  // 0: one slot would exceed kMailboxLimit
+  int64_t bytes(int size) const {
+    const int64_t page = sysconf(_SC_PAGESIZE);
+    return slots == 0 ? 0 : (stride * slots * size + page - 1) / page * page;
+  }
+};
+
+MailboxShape mailbox_shape(int64_t max_bytes, int slots, int size) {
+  MailboxShape m;
+  m.capacity = (std::max<int64_t>(max_bytes, 1) + 63) / 64 * 64;
+  m.stride = kSlotHeader + m.capacity;
+  const int64_t fit = kMailboxLimit / (m.stride * size);
+  m.slots = static_cast<int>(std::min<int64_t>(std::max(slots, 1), fit));
+  return m;
+}
+
+}  // namespace
+
+int64_t NodeSharedMemory::mailbox_bytes(int64_t max_bytes, int slots, int size) {
+  return mailbox_shape(max_bytes, slots, size).bytes(size);
+}
 
 bool NodeSharedMemory::enable_messages(int64_t max_bytes, int slots, std::string& why_not) {
   STRATA_CHECK(inboxes_.empty(), "enable_messages called twice");
-  int64_t capacity = (std::max<int64_t>(max_bytes, 1) + 63) / 64 * 64;
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &capacity, 1, MPI_INT64_T, MPI_MAX, comm_));
-  const int64_t stride = kSlotHeader + capacity;
-  const int64_t fit = kMailboxLimit / (stride * size_);
-  if (fit < 1) {
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &max_bytes, 1, MPI_INT64_T, MPI_MAX, comm_));
+  const MailboxShape shape = mailbox_shape(max_bytes, slots, size_);
+  const int64_t stride = shape.stride, capacity = shape.capacity;
+  const int n = shape.slots;
+  if (n < 1) {
     why_not = strata::detail::cat("a message of ", capacity, " bytes does not fit the ", kMailboxLimit >> 20,
                                   " MiB of mailboxes per rank");
     return false;
   }
-  const int n = static_cast<int>(std::min<int64_t>(std::max(slots, 1), fit));
-  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t bytes = (static_cast<size_t>(stride * n * size_) + page - 1) / page * page;
+  const auto bytes = static_cast<size_t>(shape.bytes(size_));
   int64_t serial = 0;
   std::vector<char*> at = map_segments(comm_, rank_, size_, bytes, serial, why_not);
   if (at.empty()) return false;
+  registry().count(static_cast<int64_t>(bytes));
   // Fresh tmpfs pages are zero: every slot starts free. Construct the headers of the own inbox.
   for (int64_t k = 0; k < int64_t{n} * size_; ++k) new (at[static_cast<size_t>(rank_)] + k * stride) Slot();
   MPI_CHECK(MPI_Barrier(comm_));  // nobody writes a peer's slot before the peer made it an object

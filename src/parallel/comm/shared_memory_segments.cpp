@@ -124,6 +124,12 @@ void SegmentRegistry::add(Mapping m) {
   mappings_.emplace(own, std::move(m));
 }
 
+void SegmentRegistry::count(int64_t bytes) {
+  std::lock_guard lock(mutex_);
+  in_use_ = static_cast<size_t>(static_cast<int64_t>(in_use_) + bytes);
+  peak_ = std::max(peak_, in_use_);
+}
+
 bool SegmentRegistry::find(uint64_t group, const void* p, size_t bytes, Mapping& out) const {
   std::lock_guard lock(mutex_);
   const char* c = static_cast<const char*>(p);
@@ -223,24 +229,30 @@ using shm_detail::map_segments;
 using shm_detail::registry;
 using shm_detail::SegmentRegistry;
 
-std::unique_ptr<NodeSharedMemory> NodeSharedMemory::create(MPI_Comm comm) {
-  int rank = 0, size = 0;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+bool NodeSharedMemory::one_node(MPI_Comm comm) {
+  int size = 0;
   MPI_CHECK(MPI_Comm_size(comm, &size));
   MPI_Comm node = split_by_node(comm);
   int node_size = 0;
   MPI_CHECK(MPI_Comm_size(node, &node_size));
   MPI_CHECK(MPI_Comm_free(&node));
-  if (size < 2 || !all_ok(comm, node_size == size)) return nullptr;
+  return size >= 2 && all_ok(comm, node_size == size);
+}
+
+std::unique_ptr<NodeSharedMemory> NodeSharedMemory::create(MPI_Comm comm) {
+  int rank = 0, size = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  if (!one_node(comm)) return nullptr;
   // Before the first name exists: a process that must exit from a signal handler unlinks them.
   register_exit_cleanup(unlink_shared_segments_for_exit);
 
   std::unique_ptr<NodeSharedMemory> group(new NodeSharedMemory(comm, rank, size));
   int64_t serial = 0;
   std::string why_not;
-  const std::vector<char*> at =
-      map_segments(comm, rank, size, static_cast<size_t>(sysconf(_SC_PAGESIZE)), serial, why_not);
+  const std::vector<char*> at = map_segments(comm, rank, size, static_cast<size_t>(counters_bytes()), serial, why_not);
   if (at.empty()) return nullptr;
+  registry().count(counters_bytes());
   group->own_counters_ = at[static_cast<size_t>(rank)];
   new (group->own_counters_) Counters();  // the page is zero already; this makes it an object
   for (char* p : at) group->counters_.push_back(reinterpret_cast<Counters*>(p));
@@ -256,14 +268,22 @@ NodeSharedMemory::~NodeSharedMemory() {
     while (!sends_.empty()) wait_for(*sends_.back());  // not yet in a slot: would be lost
   } catch (...) {                                      // destructors do not throw; the job is failing anyway
   }
-  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  for (Counters* c : counters_) munmap(c, page);
+  for (Counters* c : counters_) munmap(c, static_cast<size_t>(counters_bytes()));
   for (char* p : inboxes_) munmap(p, inbox_bytes_);
+  // Only this rank's own segments were counted (create, enable_messages).
+  registry().count(
+      -((counters_.empty() ? 0 : counters_bytes()) + (inboxes_.empty() ? 0 : static_cast<int64_t>(inbox_bytes_))));
+}
+
+int64_t NodeSharedMemory::counters_bytes() { return sysconf(_SC_PAGESIZE); }
+
+int64_t NodeSharedMemory::buffer_bytes(int64_t bytes) {
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  return std::max<int64_t>((bytes + page - 1) / page, 1) * page;
 }
 
 Tensor NodeSharedMemory::allocate(int64_t numel, DType dtype, std::string& why_not) {
-  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t bytes = std::max<size_t>((static_cast<size_t>(numel) * dtype_size(dtype) + page - 1) / page, 1) * page;
+  const auto bytes = static_cast<size_t>(buffer_bytes(numel * static_cast<int64_t>(dtype_size(dtype))));
   int64_t serial = 0;
   std::vector<char*> at = map_segments(comm_, rank_, size_, bytes, serial, why_not);
   if (at.empty()) return Tensor();

@@ -50,11 +50,17 @@ PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micr
   input_grads_.assign(v, std::vector<Tensor>(m));
   input_shapes_ = input_shapes;
   output_shapes_ = output_shapes;
-  // The largest message a neighbour sends (one stage hands its chunks' messages over in memory).
+  // The largest message this stage sends or receives (one stage hands its chunks' messages over
+  // in memory): a chunk's input and its gradient, its output and that gradient. Not the pipe's
+  // own input or output (a language model's logits would make every slot vocabulary-sized).
   int64_t largest_message = 0;
-  for (size_t c = 0; c < v && stages_ > 1; ++c)
-    for (const Shape& shape : {input_shapes[c], output_shapes[c]})
-      largest_message = std::max(largest_message, shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype)));
+  for (int c = 0; c < virtual_stages && stages_ > 1; ++c) {
+    const auto bytes = [&](const Shape& shape) { return shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype)); };
+    if (!first_virtual_stage(c))
+      largest_message = std::max(largest_message, bytes(input_shapes[static_cast<size_t>(c)]));
+    if (!last_virtual_stage(c))
+      largest_message = std::max(largest_message, bytes(output_shapes[static_cast<size_t>(c)]));
+  }
   // Every stage receives what its neighbours send; GPipe has up to m messages in flight per
   // direction, 1F1B up to P. Interleaved (v >= 2, so m >= P and v*m >= 2P) at most 2P per
   // sender whatever the timing: 2P - 1, or 2P for P = 2, where one neighbour sends both
@@ -63,7 +69,11 @@ PipelineExecutor::PipelineExecutor(Communicator& pp, ScheduleKind kind, int micr
   int in_flight = std::min(micro_batches, stages_);
   if (kind == ScheduleKind::GPipe) in_flight = micro_batches;
   if (virtual_stages > 1) in_flight = 2 * stages_;
-  if (stages_ > 1 && device.is_cpu()) pp.reserve_messages(largest_message, in_flight + 1);
+  if (stages_ > 1) {
+    mailbox_bytes_ = largest_message;
+    mailbox_slots_ = in_flight + 1;
+  }
+  if (stages_ > 1 && device.is_cpu()) pp.reserve_messages(mailbox_bytes_, mailbox_slots_);
 }
 
 Tensor PipelineExecutor::message_part(const Tensor& t) const {

@@ -93,6 +93,10 @@ class PipelineExecutor {
   // The most (micro-batch, chunk) pairs forwarded but not yet backwarded at once, over all
   // steps so far.
   int peak_in_flight() const { return peak_in_flight_; }
+  // What the executor asks of the pipeline group's mailboxes on a CPU (Communicator::reserve_messages):
+  // its largest message and slots per sender; 0 and 0 without a pipeline.
+  int64_t mailbox_bytes() const { return mailbox_bytes_; }
+  int mailbox_slots() const { return mailbox_slots_; }
   // The last recorded step's events (this stage's).
   const std::vector<TimelineEvent>& timeline() const { return timeline_; }
   // Collective over `pp` (the MPI communicator of this executor's group): stage 0 receives
@@ -121,6 +125,8 @@ class PipelineExecutor {
   std::vector<std::vector<Tensor>> outputs_, input_grads_;  // what this stage sends
   std::vector<WorkPtr> sends_;
   int peak_in_flight_ = 0;
+  int64_t mailbox_bytes_ = 0;
+  int mailbox_slots_ = 0;
   std::vector<TimelineEvent> timeline_;
 };
 

@@ -122,17 +122,21 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
           // from one to the next: test_memory_plan), so 2P of them plan any m at a fraction of
           // the time; the step's other bytes take the real m.
           layout.micro_batches = std::min(micro_batches, 2 * pp);
-          std::vector<int64_t> activations;  // per stage; the same for every ZeRO stage
-          for (int s = 0; s < pp; ++s) activations.push_back(plan_activations(*model, stages, s, layout).peak);
+          std::vector<ActivationBytes> activations;  // per stage; the same for every ZeRO stage
+          int64_t message_bytes = 0;
+          for (int s = 0; s < pp; ++s) {
+            activations.push_back(plan_activations(*model, stages, s, layout));
+            message_bytes = std::max(message_bytes, activations.back().message_bytes);
+          }
           layout.micro_batches = micro_batches;
           for (int zero = 0; zero <= (dp > 1 ? Ownership::kMaxStage : 0); ++zero) {
             layout.zero = zero;
             choice.bytes = 0;
-            for (int s = 0; s < pp; ++s) {  // replica 0 holds the largest shard
-              RankBytes b = plan_rank(*model, stages, s, 0, layout);
-              b.activations = activations[static_cast<size_t>(s)];
-              choice.bytes = std::max(choice.bytes, b.total());
-            }
+            for (int s = 0; s < pp; ++s)  // replica 0 holds the largest shard
+              choice.bytes =
+                  std::max(choice.bytes, plan_rank(*model, stages, s, 0, layout, activations[static_cast<size_t>(s)],
+                                                   message_bytes, space.runtime)
+                                             .total());
             choice.time = estimate_step_time(*model, stages, choice, space.global_batch, rates);
             ++result.tried;
             if (!smallest || choice.bytes < smallest->bytes) smallest = choice;

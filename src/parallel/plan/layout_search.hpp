@@ -57,6 +57,7 @@ struct SearchSpace {
   std::string partition = "balanced";
   bool can_recompute = false;  // the model has blocks to recompute (GPT)
   int max_tp = 8;              // tensor parallelism stays within a node's GPUs
+  RuntimeSpec runtime;         // what the run holds besides (memory_plan.hpp), in each layout's bytes
 };
 
 // The model for one tensor-parallel width and recomputation, built with `group` (a

@@ -7,11 +7,13 @@
 #include "core/allocator.hpp"
 #include "layers/loss.hpp"
 #include "layers/parameter_store.hpp"
+#include "parallel/comm/shared_memory.hpp"
 #include "parallel/data/bucket_reducer.hpp"
 #include "parallel/data/gradient_ring.hpp"
 #include "parallel/data/zero.hpp"
 #include "parallel/pipeline/executor.hpp"
 #include "parallel/stage/stage_map.hpp"
+#include "parallel/stage/state_gather.hpp"
 #include "parallel/stage/step.hpp"
 #include "parallel/stage/tied_embedding.hpp"
 
@@ -19,8 +21,17 @@ namespace strata::parallel {
 
 namespace {
 
-// Parameter, gradient and optimizer bytes of one (virtual) stage's DataParallel.
-RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, const Layout& layout) {
+// The bytes a buffer of `bytes` occupies beyond them: the allocators' size class or, for one
+// the data-parallel group may share (`shared`: NodeSharedMemory::allocate's whole pages), the
+// larger of the two (the plan assumes one node; a group across nodes takes size classes).
+int64_t rounding(int64_t bytes, bool shared) {
+  const auto size_class = static_cast<int64_t>(HostCachingAllocator::size_class(static_cast<size_t>(bytes)));
+  return (shared ? std::max(size_class, NodeSharedMemory::buffer_bytes(bytes)) : size_class) - bytes;
+}
+
+// Parameter, gradient and optimizer bytes of one (virtual) stage's DataParallel; `runtime` gets
+// the rounding of each of its buffers, `shared` telling whether the dp group may share them.
+RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, const Layout& layout, bool shared) {
   const std::vector<layers::ParamEntry> entries = layers::ParameterStore::layout(model, range.begin, range.end);
   const std::vector<layers::ParameterStore::LayerRange> ranges = layers::ParameterStore::layer_ranges(entries);
   const Ownership ownership(layout.zero, layout.dp, layers::ParameterStore::layout_numel(entries));
@@ -31,48 +42,117 @@ RankBytes plan_stage(const layers::Model& model, StageRange range, int replica, 
   constexpr auto f32 = static_cast<int64_t>(sizeof(float));
 
   RankBytes b;
-  b.params = (ownership.shards_params() ? shard.size : flat) * dtype_bytes +
-             layers::ParameterStore::buffers_numel(entries) * f32;
+  shared = shared && layout.dp > 1;
+  // Each buffer as allocated: its bytes in `part`, its rounding in b.runtime.
+  const auto add = [&](int64_t& part, int64_t bytes, bool in_group_memory = false) {
+    part += bytes;
+    b.runtime += rounding(bytes, shared && in_group_memory);
+  };
+  if (ownership.shards_params())
+    add(b.params, shard.size * dtype_bytes);
+  else
+    add(b.params, flat * dtype_bytes, true);
+  add(b.params, layers::ParameterStore::buffers_numel(entries) * f32);
   if (ownership.shards_params()) {  // ParameterGather's two windows
     const std::array<int64_t, 2> windows =
         ParameterGather::window_elements(ParameterGather::visits(model, range.begin, range.end, ranges));
-    b.params += (windows[0] + windows[1]) * dtype_bytes;
+    for (const int64_t w : windows) add(b.params, w * dtype_bytes);
   }
   if (ownership.shards_grads()) {  // GradientRing: the shard and the ring (largest tile + a bucket)
     // ZeRO 2 and 3 keep a tied embedding's gradient in the ring.
     const bool pinned = pins_tied_embedding(model, range.begin, range.end);
     const int64_t ring =
         ring_elements(gradient_tiles(model, entries, flat, layout.bucket_bytes), layout.bucket_bytes, pinned);
-    b.grads = (shard.size + ring) * f32;
+    add(b.grads, shard.size * f32);
+    add(b.grads, ring * f32, true);
   } else {
-    b.grads = flat * f32;
+    add(b.grads, flat * f32, true);
   }
   // ShardedOptimizer steps the whole padded buffer without ZeRO, its owned range with it.
   const int64_t stepped = ownership.shards_state() ? shard.numel() : flat;
-  b.optimizer = stepped * f32 * (layers::Optimizer::state_tensors(layout.optimizer) + (layout.dtype != DType::F32));
+  for (int k = 0; k < layers::Optimizer::state_tensors(layout.optimizer) + (layout.dtype != DType::F32); ++k)
+    add(b.optimizer, stepped * f32);
   return b;
+}
+
+RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
+                    const Layout& layout, bool shared) {
+  STRATA_CHECK(stages.size() == static_cast<size_t>(layout.pp * layout.virtual_stages), "plan: ", stages.size(),
+               " stages for pp ", layout.pp, " x ", layout.virtual_stages, " virtual stages");
+  RankBytes b;
+  // Chunk c of the rank is virtual stage c·P + stage, each with its own DataParallel.
+  for (int c = 0; c < layout.virtual_stages; ++c) {
+    const RankBytes chunk =
+        plan_stage(model, stages.at(static_cast<size_t>(c * layout.pp + stage)), replica, layout, shared);
+    b.params += chunk.params;
+    b.grads += chunk.grads;
+    b.optimizer += chunk.optimizer;
+    b.runtime += chunk.runtime;
+  }
+  const auto [tied_params, tied_grads] =
+      TiedEmbedding::planned_bytes(model, stages, layout.pp, stage, layout.zero, layout.dtype);
+  b.params += tied_params;
+  b.grads += tied_grads;
+  // Its weight and gradient (the head's stage) or its chunk (the embedding's) are separate buffers.
+  for (const int64_t bytes : {tied_params, tied_grads})
+    if (bytes > 0) b.runtime += rounding(bytes, false);
+  b.in_flight = peak_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+                                   .at(static_cast<size_t>(stage)));
+  return b;
+}
+
+// The copies a rank keeps of what it writes of a background parallel checkpoint
+// (StateGather::write_parts, ParallelCheckpointFile's deferred write): replica 0 its stage's
+// tensors (each tp rank its shard), every rank its ZeRO share of each optimizer state and, below
+// f32, of the master weights; one f32 block per tensor.
+int64_t part_bytes(const layers::Model& model, StageRange range, int replica, const Layout& layout) {
+  const std::vector<layers::ParamEntry> entries = layers::ParameterStore::layout(model, range.begin, range.end);
+  const Ownership ownership(layout.zero, layout.dp, layers::ParameterStore::layout_numel(entries));
+  const Shard owned = replica < ownership.state_owners() ? ownership.state(replica) : Shard{};
+  const int states = layers::Optimizer::state_tensors(layout.optimizer) + (layout.dtype != DType::F32);
+  const auto held = [](int64_t elements) {
+    return static_cast<int64_t>(HostCachingAllocator::size_class(static_cast<size_t>(elements) * sizeof(float)));
+  };
+  int64_t bytes = 0;
+  for (const layers::ParamEntry& e : entries) {
+    if (replica == 0) bytes += held(shape_numel(e.shape));
+    if (const int64_t o = layers::overlap(e, owned.begin, owned.end).size; e.trainable && o > 0)
+      bytes += states * held(o);
+  }
+  return bytes;
 }
 
 }  // namespace
 
 RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
                     const Layout& layout) {
-  STRATA_CHECK(stages.size() == static_cast<size_t>(layout.pp * layout.virtual_stages), "plan: ", stages.size(),
-               " stages for pp ", layout.pp, " x ", layout.virtual_stages, " virtual stages");
-  RankBytes b;
-  // Chunk c of the rank is virtual stage c·P + stage, each with its own DataParallel.
-  for (int c = 0; c < layout.virtual_stages; ++c) {
-    const RankBytes chunk = plan_stage(model, stages.at(static_cast<size_t>(c * layout.pp + stage)), replica, layout);
-    b.params += chunk.params;
-    b.grads += chunk.grads;
-    b.optimizer += chunk.optimizer;
+  return plan_rank(model, stages, stage, replica, layout, false);
+}
+
+RankBytes plan_rank(const layers::Model& model, const std::vector<StageRange>& stages, int stage, int replica,
+                    const Layout& layout, const ActivationBytes& activations, int64_t message_bytes,
+                    const RuntimeSpec& runtime) {
+  const bool shared = runtime.shared_memory && layout.cpu;
+  RankBytes b = plan_rank(model, stages, stage, replica, layout, shared);
+  b.activations = activations.peak;
+  if (shared) {  // each group of two or more maps its counters; the pipeline's its mailboxes too
+    for (const int size : {layout.dp, layout.pp})
+      if (size > 1) b.runtime += NodeSharedMemory::counters_bytes();
+    if (layout.pp > 1)
+      b.runtime += NodeSharedMemory::mailbox_bytes(message_bytes, activations.message_slots, layout.pp);
   }
-  const auto [tied_params, tied_grads] =
-      TiedEmbedding::planned_bytes(model, stages, layout.pp, stage, layout.zero, layout.dtype);
-  b.params += tied_params;
-  b.grads += tied_grads;
-  b.in_flight = peak_in_flight(make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
-                                   .at(static_cast<size_t>(stage)));
+  if (runtime.data_bytes)
+    b.runtime += runtime.data_bytes(layout.micro * layout.micro_batches, layout.micro, stage == 0);
+  if (runtime.checkpoints != Checkpoints::None) {
+    // Between steps only what the executor retains is left of the activations.
+    b.between_steps = activations.retained + StateGather::planned_bytes(model);
+    // Rank 0's snapshot (its tp peers are counted with it: more than they hold), or each rank's parts.
+    if (runtime.checkpoints == Checkpoints::AsyncRank0 && stage == 0 && replica == 0)
+      b.runtime += StateGather::snapshot_bytes(model, layout.optimizer, layout.dtype, true);
+    if (runtime.checkpoints == Checkpoints::AsyncParallel)
+      for (int c = 0; c < layout.virtual_stages; ++c)
+        b.runtime += part_bytes(model, stages.at(static_cast<size_t>(c * layout.pp + stage)), replica, layout);
+  }
   return b;
 }
 
@@ -232,6 +312,8 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   meta.reset_peak();
   executor.run_step(work);
   bytes.peak = static_cast<int64_t>(meta.peak_in_use() - base);
+  bytes.message_bytes = executor.mailbox_bytes();
+  bytes.message_slots = executor.mailbox_slots();
   return bytes;
 }
 

@@ -9,6 +9,9 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -41,6 +44,7 @@ struct Heartbeat {
 static_assert(sizeof(Heartbeat) == 64);
 Heartbeat* g_beats = nullptr;
 int g_world_size = 0, g_world_rank = 0;
+std::vector<std::string> g_hosts;  // every world rank's host, to name a rank on another node
 size_t g_beats_bytes = 0;
 
 int64_t now_ns() {
@@ -307,13 +311,18 @@ std::string report(uint64_t seq, double waited_s) {
                          " s; last started #", h.seq.load(), " ", std::string(h.op, strnlen(h.op, sizeof h.op)), " of ",
                          log::format_bytes(h.bytes), " on ", std::string(h.comm, strnlen(h.comm, sizeof h.comm)), ")");
     };
-    std::string stale, unknown;
+    std::string stale;
+    std::vector<std::pair<std::string, std::string>> unknown;  // (host, its ranks), hosts in first-seen order
     for (int w : r->channel->world_ranks) {
       if (w == g_world_rank || w < 0 || w >= g_world_size) continue;
-      if (g_beats[w].beat_ns.load(std::memory_order_relaxed) == 0)
-        unknown += detail::cat(unknown.empty() ? "" : ", ", w);
-      else if (const std::string q = quiet(w); !q.empty())
+      if (g_beats[w].beat_ns.load(std::memory_order_relaxed) == 0) {
+        const std::string host = static_cast<size_t>(w) < g_hosts.size() ? g_hosts[static_cast<size_t>(w)] : "?";
+        auto it = std::find_if(unknown.begin(), unknown.end(), [&](const auto& u) { return u.first == host; });
+        if (it == unknown.end()) it = unknown.insert(unknown.end(), {host, ""});
+        it->second += detail::cat(it->second.empty() ? "" : ", ", w);
+      } else if (const std::string q = quiet(w); !q.empty()) {
         stale += (stale.empty() ? "" : ", ") + q;
+      }
     }
     if (!stale.empty()) {
       waiting_for = "; waiting for " + stale;
@@ -324,7 +333,12 @@ std::string report(uint64_t seq, double waited_s) {
       waiting_for = stale.empty() ? "; every peer on this node is alive (waiting elsewhere)"
                                   : "; its peers on this node are alive, waiting in turn for " + stale;
     }
-    if (!unknown.empty()) waiting_for += "; ranks " + unknown + ": unknown (not on this node)";
+    if (!unknown.empty()) {
+      waiting_for += "; ranks";
+      for (size_t k = 0; k < unknown.size(); ++k)
+        waiting_for += detail::cat(k ? ", " : " ", unknown[k].second, " (", unknown[k].first, ")");
+      waiting_for += ": unknown (not on this node)";
+    }
   }
   char waited[32];
   std::snprintf(waited, sizeof waited, "%.1f", waited_s);
@@ -475,6 +489,7 @@ void sum_checking_fingerprints(Communicator& world, std::vector<double>& values)
 void open_heartbeats(MPI_Comm world, MPI_Comm node) {
   MPI_Comm_rank(world, &g_world_rank);
   MPI_Comm_size(world, &g_world_size);
+  g_hosts = host_names(world);
   int local = 0;
   MPI_Comm_rank(node, &local);
   // The node's first rank names the segment (its pid is unique on the node).

@@ -1,6 +1,9 @@
 // StateGather: full tensors to rank 0 (tensor by tensor, piece by piece) and back.
 #include "parallel/stage/state_gather.hpp"
 
+#include <algorithm>
+
+#include "core/allocator.hpp"
 #include "core/ops.hpp"
 #include "layers/parameter_store.hpp"
 
@@ -23,6 +26,34 @@ layers::TensorSplit with_index(layers::TensorSplit split, int index) {
 }
 
 }  // namespace
+
+namespace {
+
+int64_t held_f32(const Shape& shape) {
+  return static_cast<int64_t>(
+      HostCachingAllocator::size_class(static_cast<size_t>(shape_numel(shape)) * sizeof(float)));
+}
+
+}  // namespace
+
+int64_t StateGather::planned_bytes(const layers::Model& model) {
+  int64_t most = 0;
+  for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, 0, model.size()))
+    most = std::max(most, held_f32(e.full_shape()) + 3 * held_f32(e.shape));
+  return most;
+}
+
+int64_t StateGather::snapshot_bytes(const layers::Model& model, const layers::OptimizerConfig& optimizer, DType dtype,
+                                    bool size_classes) {
+  const int states = layers::Optimizer::state_tensors(optimizer) + (dtype == DType::F32 ? 0 : 1);
+  int64_t bytes = 0;
+  for (const layers::ParamEntry& e : layers::ParameterStore::layout(model, 0, model.size())) {
+    const Shape full = e.full_shape();
+    const int64_t one = size_classes ? held_f32(full) : shape_numel(full) * static_cast<int64_t>(sizeof(float));
+    bytes += one * (1 + (e.trainable ? states : 0));
+  }
+  return bytes;
+}
 
 StateGather::StateGather(ProcessGrid& grid, const layers::Model& model, std::vector<StageRange> stages,
                          std::vector<DataParallel*> mine)

@@ -29,6 +29,17 @@ class StateGather {
   using Read = std::function<void(const std::string& state, const layers::ParamEntry& e, int64_t begin, int64_t end,
                                   const Tensor& out)>;
 
+  // The most bytes a save or a resume holds at once on a rank of `model`'s layout beside the
+  // training state: one full f32 tensor and three of its shards (rank 0 assembling: a received
+  // shard beside its own value, gathered under ZeRO 3 and widened to f32), in the host
+  // allocator's size classes. For the memory plan.
+  static int64_t planned_bytes(const layers::Model& model);
+  // What --async-save's rank 0 holds until the write ends (--checkpoint-io rank0): every full
+  // f32 tensor of the checkpoint (parameters, buffers, each optimizer state and, below f32, the
+  // master weights); `size_classes`: as the host allocator holds them, else their bytes.
+  static int64_t snapshot_bytes(const layers::Model& model, const layers::OptimizerConfig& optimizer, DType dtype,
+                                bool size_classes);
+
   // `stages`: every (virtual) stage's layers, P x v of them for P pipeline ranks; `mine`: the
   // DataParallel of each of this rank's v chunks (virtual stage c·P + stage is chunk c).
   StateGather(ProcessGrid& grid, const layers::Model& model, std::vector<StageRange> stages,
