@@ -33,6 +33,8 @@ void set_num_threads(int threads) {
 
 int num_threads() { return omp_get_max_threads(); }
 
+void set_flush_denormals(bool on) { cpu::set_flush_denormals(on); }
+
 std::string blas_kernel_warning() { return cpu::blas_kernel_warning(); }
 
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }

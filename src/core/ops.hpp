@@ -21,6 +21,11 @@ namespace strata::ops {
 // OpenBLAS itself stays on one thread (one thread pool, see ops/cpu/cpu_ops.hpp). Call once at start.
 void set_num_threads(int threads);
 int num_threads();
+// Denormal floats flushed to zero, as operands and results, in the CPU kernels (x86's FTZ and DAZ)
+// on this thread, the OpenMP threads and threads started after: a denormal costs a microcode
+// assist of ~100 cycles per operation, which made a diverging run 2.7x slower per step. Call after
+// set_num_threads. Off unless called (IEEE gradual underflow, as PyTorch's default).
+void set_flush_denormals(bool on);
 // Empty, or one line when the CPU BLAS runs slower kernels than this CPU could: OpenBLAS
 // 0.3.21 (Debian 12) does not know CPUs newer than it (e.g. Emerald Rapids, model 207) and
 // falls back to its generic Prescott (SSE3) kernels, 3-4x slower GEMM than its AVX-512 ones.

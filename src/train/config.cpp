@@ -252,6 +252,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("loss-scale-init", po::value(&c.training.loss_scale_init)->default_value(65536.0), "dynamic loss scaling: initial scale")
     ("loss-scale-window", po::value(&c.training.loss_scale_window)->default_value(2000), "dynamic loss scaling: good steps before the scale doubles")
     ("tf32", po::value(&c.runtime.tf32)->default_value(false), "allow TF32 tensor cores for fp32 matrix products on the GPU")
+    ("flush-denormals", po::value(&c.runtime.flush_denormals)->default_value(true), "the CPU kernels flush denormal floats to zero (x86 FTZ and DAZ): each denormal costs ~100 cycles; false: IEEE gradual underflow")
     ("debug-overflow-step", po::value(&c.debug.faults.overflow_step)->default_value(-1), "testing aid: put an inf into rank 0's gradients at this step (1 = the first)")
     ("debug-fail-step", po::value(&c.debug.faults.fail_step)->default_value(-1), "testing aid: fail on purpose at this step (1 = the first) ...")
     ("debug-fail-rank", po::value(&c.debug.faults.fail_rank)->default_value(-1), "... on this rank")

@@ -69,6 +69,7 @@ struct RuntimeSettings {
   bool shared_memory = true;                            // one node: collectives and pipeline messages in shared memory
   int threads = 0;                                      // 0: cores / ranks on the node
   bool tf32 = false;                                    // allow TF32 tensor cores for f32 GPU matrix products
+  bool flush_denormals = true;                          // CPU kernels flush denormal floats to zero (FTZ, DAZ)
   // Seconds a rank waits for a communication operation during training before it reports and
   // aborts the job (watchdog.hpp).
   double timeout = 300;

@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
     });
     const int threads = config->runtime.threads > 0 ? config->runtime.threads : mpi.default_threads();
     ops::set_num_threads(threads);
+    ops::set_flush_denormals(config->runtime.flush_denormals);
     mpi.warn_if_oversubscribed(threads);
     // A short summary: what was given; every option's value is in the run directory's config.ini.
     log::info("options: ", train::given_options(*config), "\n  (", mpi.size(), " rank(s) on ", mpi.nodes(), ", ",

@@ -711,3 +711,34 @@ TEST(Ops, ChecksShapesAndDtypes) {
                                        Tensor::zeros({1, 1, 2, 2}), {2, 2, 0, 4, 4}),
                Error);  // argmax must be i32
 }
+
+// --flush-denormals: results below the smallest normal float become zero (FTZ) and denormal
+// operands count as zero (DAZ) on every thread of the kernels, and gradual underflow is back
+// when it is off. On x86 only (elsewhere the call changes nothing).
+TEST(Ops, FlushDenormals) {
+#if defined(__x86_64__) || defined(__i386__)
+  const int threads = ops::num_threads();
+  ops::set_num_threads(2);
+  const int64_t n = 1 << 20;                                           // large enough to be cut across the threads
+  const float tiny = std::numeric_limits<float>::denorm_min() * 1000;  // a denormal, ~1.4e-42
+  const auto scaled = [&](float value, float alpha) {
+    const Tensor x = Tensor::empty({n});
+    std::fill_n(x.data<float>(), n, value);
+    ops::scale(x, alpha);
+    return values(x);
+  };
+  const auto all_equal = [](const std::vector<double>& v, float want) {
+    return std::all_of(v.begin(), v.end(), [&](double f) { return f == static_cast<double>(want); });
+  };
+  ops::set_flush_denormals(true);
+  EXPECT_TRUE(all_equal(scaled(1e-20f, 1e-20f), 0.0f)) << "a denormal result not flushed";
+  EXPECT_TRUE(all_equal(scaled(tiny, 1e10f), 0.0f)) << "a denormal operand not taken as zero";
+  ops::set_flush_denormals(false);
+  const std::vector<double> gradual = scaled(1e-20f, 1e-20f);
+  EXPECT_TRUE(all_equal(gradual, 1e-20f * 1e-20f) && gradual[0] > 0) << "gradual underflow not restored";
+  EXPECT_TRUE(all_equal(scaled(tiny, 1e10f), tiny * 1e10f));
+  ops::set_num_threads(threads);
+#else
+  GTEST_SKIP() << "flush-to-zero is x86's MXCSR";
+#endif
+}

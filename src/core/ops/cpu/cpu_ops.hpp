@@ -43,6 +43,9 @@ void parallel_rows(int64_t rows, int64_t row_work, const F& f) {
 // The thread count of every CPU kernel: OpenMP's. OpenBLAS itself stays on one thread; GEMMs
 // are split across the OpenMP threads by sgemm() below.
 void set_num_threads(int threads);
+// Flush-to-zero and denormals-are-zero (x86's MXCSR; nothing elsewhere) on this thread and every
+// OpenMP thread; threads created later inherit it from their creator.
+void set_flush_denormals(bool on);
 
 // c (m, n) = alpha op(a) op(b) + beta c, row-major with leading dimensions, through OpenBLAS.
 // Outside a parallel region a large product is cut into one block of rows (or of columns,

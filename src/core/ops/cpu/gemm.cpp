@@ -1,6 +1,9 @@
 // CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm, split across the OpenMP threads),
 // bias add and bias gradient.
 #include <cblas.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,6 +16,20 @@ namespace strata::ops::cpu {
 void set_num_threads(int threads) {
   openblas_set_num_threads(1);  // one thread pool: see sgemm
   omp_set_num_threads(threads);
+}
+
+void set_flush_denormals(bool on) {
+#if defined(__x86_64__) || defined(__i386__)
+  const auto apply = [on] {
+    constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15: flush to zero; bit 6: denormals are zero
+    _mm_setcsr(on ? (_mm_getcsr() | kFtzDaz) : (_mm_getcsr() & ~kFtzDaz));
+  };
+  apply();
+#pragma omp parallel
+  apply();
+#else
+  (void)on;
+#endif
 }
 
 void sgemm_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
