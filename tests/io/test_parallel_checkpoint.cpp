@@ -1,7 +1,8 @@
 // ParallelCheckpointFile under mpiexec (2 and 4 ranks): every rank writes its part of tensors cut
 // the ways a training layout cuts them (tensor-parallel shards with segments, ZeRO ranges, both,
 // one owner), rank 0 finishes the file as CheckpointWriter does, and CheckpointReader reads back
-// the full tensors with their crc32 checked. Parts that leave a gap are an error that leaves no
+// the full tensors with their crc32 checked, written at once or deferred (--async-save: the
+// values copied at write(), written by each rank's own thread). Parts that leave a gap are an error that leaves no
 // file behind. (A full disk is tested through `train`, cases_parallel_io.py: after a failed
 // collective write the file cannot be closed, and the job ends.)
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.hpp"
@@ -73,9 +75,12 @@ class ParallelCheckpoint : public testing::Test {
     return c;
   }
 
-  // Writes the cuts into DIR/step-00000001.h5 (all but rank `skip`'s part of tensor 2).
-  ParallelCheckpointFile::Written write_all(const std::string& path, int skip = -1) {
-    ParallelCheckpointFile file(path, MPI_COMM_WORLD);
+  // Writes the cuts into DIR/step-00000001.h5 (all but rank `skip`'s part of tensor 2);
+  // `deferred`: as --async-save does, each rank's values from a thread of its own after the
+  // tensors exist, the shards they were copied from overwritten first.
+  ParallelCheckpointFile::Written write_all(const std::string& path, int skip = -1, bool deferred = false) {
+    ParallelCheckpointFile file(path, MPI_COMM_WORLD, deferred);
+    std::vector<Tensor> shards;
     int t = 0;
     for (Cut& cut : cuts()) {
       const Tensor full = full_value(t, cut.full);
@@ -86,8 +91,14 @@ class ParallelCheckpoint : public testing::Test {
       if (rank_ == skip && t == 2) cut.end = cut.begin;
       const int64_t n = cut.end - cut.begin;
       file.write(cut.name, local, cut.split, cut.begin, cut.end, n > 0 ? shard.view(cut.begin, {n}) : Tensor());
+      shards.push_back(shard);
       ++t;
     }
+    if (!deferred) return file.close();
+    file.close_metadata();
+    for (const Tensor& shard : shards) shard.fill_zero();  // training moved on: the file must have the copies
+    std::thread writer([&] { file.write_deferred(); });
+    writer.join();
     return file.close();
   }
 
@@ -95,9 +106,11 @@ class ParallelCheckpoint : public testing::Test {
   fs::path dir_;
 };
 
-TEST_F(ParallelCheckpoint, EveryRanksPartsMakeTheFullTensorsWithTheirCrc32) {
+class EitherWay : public ParallelCheckpoint, public testing::WithParamInterface<bool> {};
+
+TEST_P(EitherWay, EveryRanksPartsMakeTheFullTensorsWithTheirCrc32) {
   const std::string path = checkpoint_path(dir_.string(), 1);
-  const ParallelCheckpointFile::Written written = write_all(path);
+  const ParallelCheckpointFile::Written written = write_all(path, -1, /*deferred=*/GetParam());
   EXPECT_EQ(written.bytes, (48 + 48 + 35 + 48 + 3) * 4);
   if (rank_ == 0) {
     ASSERT_EQ(written.crc32.size(), 5u);
@@ -122,6 +135,8 @@ TEST_F(ParallelCheckpoint, EveryRanksPartsMakeTheFullTensorsWithTheirCrc32) {
   EXPECT_EQ(reader.attr_int("format_version"), kCheckpointFormatVersion);
   EXPECT_EQ(reader.attr_int("step"), 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(AtOnceOrDeferred, EitherWay, testing::Bool());
 
 // A deep directory (a path of 300+ characters, as on a project filesystem): Open MPI's
 // `lockedfile` component overflows a buffer with such a name when MPI-IO opens the file (an
