@@ -184,6 +184,10 @@ void check_dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& 
   STRATA_CHECK(x.ndim() >= 1, "dropout input must have a sample dimension, got ", x.str());
   STRATA_CHECK(p >= 0.0f && p <= 1.0f, "dropout probability must be in [0, 1], got ", p);
   STRATA_CHECK(key.first_sample >= 0, "first_sample must be >= 0, got ", key.first_sample);
+  STRATA_CHECK(key.sample_numel == 0 ||
+                   (key.part_offset >= 0 && x.dim(0) > 0 && key.part_offset + x.numel() / x.dim(0) <= key.sample_numel),
+               "a dropout part of ", x.numel() / std::max<int64_t>(x.dim(0), 1), " elements at ", key.part_offset,
+               " lies outside samples of ", key.sample_numel);
 }
 }  // namespace
 

@@ -76,6 +76,10 @@ struct DropoutKey {
   uint64_t key = 0;     // rng::derive_key(seed, kDropout) mixed with the layer's index
   uint64_t stream = 0;  // the optimizer step
   int64_t first_sample = 0;
+  // x holds a part of each sample (sequence parallelism: this rank's positions): the whole
+  // sample's elements and where the part starts in it, so element j of the part draws as the
+  // whole sample's element part_offset + j. 0, 0: x's samples are whole.
+  int64_t sample_numel = 0, part_offset = 0;
   // Attention only: the layer's heads and the first of those the op's q, k, v hold (a
   // tensor-parallel slice), so a mask does not depend on how heads are split. 0, 0: all of them.
   int64_t heads = 0, first_head = 0;

@@ -85,13 +85,21 @@ Shape Linear::output_shape(const Shape& input) const {
                  input.size() > 1 ? "..., " : "", in, "], found ", shape_str(input));
   Shape out = input;
   out.back() = local_out();
+  if (gathers_input()) out.at(0) *= tp_->size();  // per sample (T/tp, in) -> (T, out/tp)
+  if (scatters_output()) {
+    STRATA_REQUIRE(input.size() == 2 && input[0] % tp_->size() == 0, "layer ", name(), " (", describe(),
+                   ") cuts a sequence [T, ", in, "] into --tp ", tp_->size(), " parts, found ", shape_str(input));
+    out.at(0) /= tp_->size();
+  }
   return out;
 }
 
 // Per rank: its shard's multiply-adds; a piece held by several ranks (replicas) counts its share
-// on each, so the group's sum (MFU's numerator) counts the model's work once.
+// on each, so the group's sum (MFU's numerator) counts the model's work once. A map that gathers
+// the sequence works on all of it.
 int64_t Linear::flops(const Shape& input) const {
-  return shape_numel(input) / local_in() * local_in() * local_out() / replicas_;
+  const int64_t rows = shape_numel(input) / local_in() * (gathers_input() ? tp_->size() : 1);
+  return rows * local_in() * local_out() / replicas_;
 }
 
 // Shapes are this rank's shards; fan_in stays the full layer's (the full tensor is drawn).
@@ -115,28 +123,57 @@ void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
   bind_weight_and_bias(params, grads, has_bias_, w_, dw_, b_, db_);
 }
 
+bool Linear::gathers_input() const {
+  return mode_ == TensorParallelMode::Column && !local_input_grad_ && sequence_parallel_group(tp_) != nullptr;
+}
+bool Linear::scatters_output() const {
+  return mode_ == TensorParallelMode::Row && sequence_parallel_group(tp_) != nullptr;
+}
+
+void Linear::restore_input(Context& ctx, const Tensor& x) {
+  ctx.saved = {x.ndim() == 2 ? x : x.reshape({x.numel() / x.shape().back(), x.shape().back()})};
+}
+
 // Inputs (B, ..., in) are viewed as (B * ..., in): the map applies to the last dimension.
 Tensor Linear::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   const int64_t in = local_in(), out = local_out();
-  const Tensor x2 = x.ndim() == 2 ? x : x.reshape({x.numel() / in, in});
+  // Sequence parallelism: a column-parallel map takes the whole sequence, keeping only its part
+  // for backward (which gathers it again), Megatron's trade of a second all-gather for T/tp of
+  // the input kept.
+  const Tensor whole = gathers_input() ? gather_sequence(*tp_, x) : x;
+  const Tensor x2 = whole.ndim() == 2 ? whole : whole.reshape({whole.numel() / in, in});
   // x (N, in) @ W^T (in, out) -> y (N, out)
   Tensor y = Tensor::empty({x2.dim(0), out}, x.dtype(), x.device());
   ops::gemm(x2, false, w_, true, y);
-  // Row-parallel: the ranks' partial products summed before the (replicated) bias, so the bias
-  // is added once.
-  if (mode_ == TensorParallelMode::Row) tp_->all_reduce_sum(y);
-  if (has_bias_) ops::add_bias(y, b_);
-  if (info.mode == Mode::Train) ctx.saved = {x2};
-  if (x.ndim() == 2) return y;
-  ctx.input_shape = x.shape();
-  Shape shape = x.shape();
+  Shape shape = whole.shape();
   shape.back() = out;
+  // Row-parallel: the ranks' partial products summed before the (replicated) bias, so the bias
+  // is added once; sequence-parallel, each rank keeps the sum over its part of the sequence.
+  if (scatters_output()) {
+    STRATA_CHECK(x.ndim() == 3, "layer ", name(), ": a sequence-parallel map takes (B, T, in), found ", x.str());
+    y = scatter_sequence(*tp_, y.reshape(shape));
+    shape = y.shape();
+    y = y.reshape({y.numel() / out, out});
+  } else if (mode_ == TensorParallelMode::Row) {
+    tp_->all_reduce_sum(y);
+  }
+  if (has_bias_) ops::add_bias(y, b_);
+  if (info.mode == Mode::Train) restore_input(ctx, x);
+  if (whole.ndim() == 2) return y;
+  ctx.input_shape = x.shape();
   return y.reshape(shape);
 }
 
 Tensor Linear::backward(const Tensor& dy, Context& ctx) {
-  const Tensor x = ctx.saved.at(0);  // (N, in)
-  const Tensor dy2 = dy.ndim() == 2 ? dy : dy.reshape({x.dim(0), local_out()});
+  Tensor x = ctx.saved.at(0);  // (N, in): this rank's part of the sequence when gathers_input()
+  if (gathers_input()) {
+    x = gather_sequence(*tp_, x.reshape(ctx.input_shape));
+    x = x.reshape({x.numel() / local_in(), local_in()});
+  }
+  // Sequence-parallel row map: dy is this rank's part; the weight and the (replicated) bias take
+  // the whole sequence's, the same on every rank.
+  const Tensor dy_whole = scatters_output() ? gather_sequence(*tp_, dy) : dy;
+  const Tensor dy2 = dy_whole.ndim() == 2 ? dy_whole : dy_whole.reshape({x.dim(0), local_out()});
   if (gradient_sink() != nullptr) {
     write_linear_gradient_pieces(*gradient_sink(), gradient_pieces(gradient_piece_limit()), dy2, x);
   } else {
@@ -148,8 +185,15 @@ Tensor Linear::backward(const Tensor& dy, Context& ctx) {
     dx = Tensor::empty(x.shape(), x.dtype(), x.device());
     ops::gemm(dy2, false, w_, false, dx);  // dx (N, in) = dy W
     // Column-parallel: each rank's outputs contribute to every input feature; the sum is the
-    // input's gradient (identical on every rank, as the replicated layers below need).
-    if (mode_ == TensorParallelMode::Column && !local_input_grad_) tp_->all_reduce_sum(dx);
+    // input's gradient (identical on every rank, as the replicated layers below need), or with
+    // sequence parallelism each rank's part of it.
+    Shape whole = ctx.input_shape;
+    if (gathers_input()) {
+      whole.at(1) *= tp_->size();
+      dx = scatter_sequence(*tp_, dx.reshape(whole));
+    } else if (mode_ == TensorParallelMode::Column && !local_input_grad_) {
+      tp_->all_reduce_sum(dx);
+    }
     if (dy.ndim() != 2) dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();
@@ -373,18 +417,19 @@ Dropout::Dropout(std::string name, float p) : Layer(std::move(name)), p_(p) {
 
 std::string Dropout::describe() const { return detail::cat("dropout(", p_, ")"); }
 
-ops::DropoutKey Dropout::key(const StepInfo& info) const {
+ops::DropoutKey Dropout::key(const StepInfo& info, const Tensor& x) const {
   ops::DropoutKey k;
   k.key = rng::derive_key(rng::derive_key(info.seed, rng::kDropout), static_cast<uint64_t>(index()));
   k.stream = static_cast<uint64_t>(info.step);
   k.first_sample = info.first_sample;
+  if (sp_) set_sequence_part(*sp_, x, k.sample_numel, k.part_offset);
   return k;
 }
 
 Tensor Dropout::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
   if (info.mode == Mode::Eval || p_ == 0.0f) return x;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
-  ops::dropout_forward(x, y, p_, key(info));
+  ops::dropout_forward(x, y, p_, key(info, x));
   ctx.info = info;  // backward regenerates the same mask from the key
   return y;
 }
@@ -392,7 +437,7 @@ Tensor Dropout::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 Tensor Dropout::backward(const Tensor& dy, Context& ctx) {
   if (p_ == 0.0f) return dy;
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), dy.device());
-  ops::dropout_backward(dy, dx, p_, key(ctx.info));
+  ops::dropout_backward(dy, dx, p_, key(ctx.info, dy));
   ctx.clear();
   return dx;
 }
@@ -496,7 +541,13 @@ Tensor LayerNorm::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 Tensor LayerNorm::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-  ops::layer_norm_backward(x, dy, gamma_, ctx.saved.at(1), ctx.saved.at(2), dx, dgamma_, dbeta_);
+  if (sp_) {
+    sum_sequence_parallel_grads(*sp_, {dgamma_, dbeta_}, [&](const std::vector<Tensor>& g) {
+      ops::layer_norm_backward(x, dy, gamma_, ctx.saved.at(1), ctx.saved.at(2), dx, g[0], g[1]);
+    });
+  } else {
+    ops::layer_norm_backward(x, dy, gamma_, ctx.saved.at(1), ctx.saved.at(2), dx, dgamma_, dbeta_);
+  }
   ctx.clear();
   return dx;
 }

@@ -42,7 +42,18 @@ class Linear final : public Layer {
   void set_tensor_parallel(TensorParallelMode mode, TensorParallelGroup* tp, int segments = 1, int replicas = 1);
   // Column-parallel maps of one input (q, k, v; SwiGLU's gate and up) join their input gradients
   // with one all-reduce, made by the layer that owns them: backward then leaves dx local.
+  // With sequence parallelism (TensorParallelGroup::sequence_parallel) such an owner gathers
+  // the maps' input itself (one all-gather for all) and scatters their summed input gradient.
   void set_local_input_grad() { local_input_grad_ = true; }
+  // Sequence parallelism: a column-parallel map (not joined by an owner) takes this rank's part
+  // (B, T/tp, in) of the sequence and gathers the whole; a row-parallel one outputs this rank's
+  // part of the summed result (B, T/tp, out). Backward the other way round.
+  bool gathers_input() const;
+  bool scatters_output() const;
+  // What forward saved for backward is the input: an owner gathering the maps' input keeps its
+  // part instead and gives the maps the whole again before backward (x: (B, T, in) or (N, in)).
+  static void release_input(Context& ctx) { ctx.saved.clear(); }
+  static void restore_input(Context& ctx, const Tensor& x);
   TensorParallelMode tensor_parallel_mode() const { return mode_; }
   // This rank's output / input features: out/T for Column, in/T for Row, else the full sizes.
   int64_t local_out() const;
@@ -142,10 +153,14 @@ class Dropout final : public Layer {
   Shape output_shape(const Shape& input) const override { return input; }
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
+  // Runs on this rank's part of each sequence when `tp` is sequence-parallel: each element draws
+  // the whole sequence's mask at its position, so the masks do not depend on tp.
+  void set_sequence_parallel(TensorParallelGroup* tp) { sp_ = sequence_parallel_group(tp); }
 
  private:
-  ops::DropoutKey key(const StepInfo& info) const;
+  ops::DropoutKey key(const StepInfo& info, const Tensor& x) const;
   float p_;
+  TensorParallelGroup* sp_ = nullptr;
 };
 
 // (B, d1, d2, ...) -> (B, d1*d2*...)
@@ -189,11 +204,15 @@ class LayerNorm final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   float eps() const { return eps_; }
+  // Runs on this rank's part of the sequence when `tp` is sequence-parallel: the gradients of
+  // weight and bias are then summed over the group (sum_sequence_parallel_grads).
+  void set_sequence_parallel(TensorParallelGroup* tp) { sp_ = sequence_parallel_group(tp); }
 
  private:
   int64_t features_;
   float eps_;
   bool no_weight_decay_ = false;
+  TensorParallelGroup* sp_ = nullptr;
   Tensor gamma_, beta_, dgamma_, dbeta_;
 };
 

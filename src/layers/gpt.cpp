@@ -33,14 +33,19 @@ std::unique_ptr<Linear> gpt_linear(std::string name, int64_t in, int64_t out, do
 }
 
 // c_fc column-parallel, GELU on the local slice, c_proj row-parallel (Megatron's MLP: one
-// all-reduce, after c_proj); the dropout after it sees replicated values.
+// all-reduce, after c_proj); the dropout after it sees replicated values (sequence-parallel:
+// c_fc gathers the sequence, c_proj scatters it, the dropout sees this rank's part).
 std::vector<LayerPtr> mlp_layers(int64_t embed, float dropout, double proj_std, TensorParallelGroup* tp,
                                  Activation activation) {
   std::vector<LayerPtr> layers;
   layers.push_back(gpt_linear("c_fc", embed, 4 * embed, kGptInitStd, TensorParallelMode::Column, tp));
   layers.push_back(std::make_unique<ActivationLayer>("gelu", activation));
   layers.push_back(gpt_linear("c_proj", 4 * embed, embed, proj_std, TensorParallelMode::Row, tp));
-  if (dropout > 0) layers.push_back(std::make_unique<Dropout>("dropout", dropout));
+  if (dropout > 0) {
+    auto drop = std::make_unique<Dropout>("dropout", dropout);
+    drop->set_sequence_parallel(tp);
+    layers.push_back(std::move(drop));
+  }
   return layers;
 }
 
@@ -75,6 +80,11 @@ std::string Embedding::describe() const {
 Shape Embedding::output_shape(const Shape& input) const {
   STRATA_REQUIRE(input.size() == 1 && input[0] >= 1 && input[0] <= max_positions_, "layer ", name(), " (", describe(),
                  ") expects token sequences [T] with 1 <= T <= ", max_positions_, ", found ", shape_str(input));
+  if (TensorParallelGroup* sp = sequence_parallel_group(tp_)) {
+    STRATA_REQUIRE(input[0] % sp->size() == 0, "--sequence-parallel cuts each sequence into --tp ", sp->size(),
+                   " parts: the sequences' ", input[0], " tokens must be divisible by it");
+    return {input[0] / sp->size(), embed_};
+  }
   return {input[0], embed_};
 }
 
@@ -108,7 +118,10 @@ Tensor Embedding::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
     // Each token's row is on one rank, the others add zeros, and wpe is added once (rank 0):
     // the sum is wte[token] + wpe[t] exactly, as without tp.
     ops::embedding_forward(x, wte_, tp_->rank() == 0 ? wpe_ : Tensor(), y, first_token_, vocab_);
-    tp_->all_reduce_sum(y);
+    if (tp_->sequence_parallel())
+      y = scatter_sequence(*tp_, y);  // each rank its positions' sums
+    else
+      tp_->all_reduce_sum(y);
   } else {
     ops::embedding_forward(x, wte_, wpe_, y);
   }
@@ -127,10 +140,12 @@ std::vector<GradientPiece> Embedding::gradient_pieces(int64_t max_elements) cons
   return pieces;
 }
 
-Tensor Embedding::backward(const Tensor& dy, Context& ctx) {
+Tensor Embedding::backward(const Tensor& dy_part, Context& ctx) {
   // With tp, dy is replicated (the all-reduce's backward is the identity): dwte gets this
   // rank's rows, dwpe the same sum on every rank.
   const Tensor& tokens = ctx.saved.at(0);
+  // Sequence-parallel: every rank's rows take the gradients of all positions.
+  const Tensor dy = tp_ && tp_->sequence_parallel() ? gather_sequence(*tp_, dy_part) : dy_part;
   if (gradient_sink() == nullptr) {
     ops::embedding_backward(tokens, dy, dwte_, dwpe_, first_token_);
   } else {
@@ -191,8 +206,10 @@ BlockParts gpt_parts(int64_t embed, int64_t heads, float dropout, AttentionKind 
                      TensorParallelGroup* tp, Activation activation, float norm_eps) {
   auto ln_1 = std::make_unique<LayerNorm>("ln_1", embed, norm_eps);
   auto ln_2 = std::make_unique<LayerNorm>("ln_2", embed, norm_eps);
-  ln_1->set_no_weight_decay();
-  ln_2->set_no_weight_decay();
+  for (LayerNorm* ln : {ln_1.get(), ln_2.get()}) {
+    ln->set_no_weight_decay();
+    ln->set_sequence_parallel(tp);
+  }
   return {std::move(ln_1), std::make_unique<CausalSelfAttention>("attn", embed, heads, dropout, kind, proj_std, tp),
           std::move(ln_2),
           std::make_unique<Sequential>("mlp", mlp_layers(embed, dropout, proj_std, splitting(tp), activation))};
@@ -255,7 +272,13 @@ int64_t TransformerBlock::flops(const Shape& input) const { return attn_->flops(
 
 int64_t TransformerBlock::tp_all_reduced_elements(const Shape& input, bool recomputed) const {
   if (!attn_->tensor_parallel()) return 0;
-  return (recomputed ? 6 : 4) * shape_numel(input) + attn_->kv_replica_elements(input);
+  if (attn_->sequence_parallel() == 0)
+    return (recomputed ? 6 : 4) * shape_numel(input) + attn_->kv_replica_elements(input);
+  // Per region (attention, MLP) and whole sequence: forward an all-gather and a reduce-scatter,
+  // backward two all-gathers (the input again, the output's gradient) and a reduce-scatter; each
+  // moves half an all-reduce's bytes.
+  const int64_t whole = shape_numel(input) * attn_->sequence_parallel();
+  return (recomputed ? 7 : 5) * whole + attn_->kv_replica_elements(input);
 }
 
 void TransformerBlock::set_index(int index) {
@@ -369,6 +392,7 @@ Shape LMHead::output_shape(const Shape& input) const {
                  ") expects input of shape [..., ", embed_, "], found ", shape_str(input));
   Shape out = input;
   out.back() = local_vocab_;
+  if (const TensorParallelGroup* sp = sequence_parallel_group(tp_)) out.at(0) *= sp->size();  // the whole sequence
   return out;
 }
 
@@ -395,11 +419,19 @@ const Tensor& LMHead::weight_grad() const { return tied_ && !copy_ ? tied_->dwte
 int64_t LMHead::real_columns() const { return tp_ ? real_rows(vocab_, tp_->size(), tp_->rank()) : local_vocab_; }
 
 // The real tokens' logits only: the group's sum is the whole model's, padding or not.
-int64_t LMHead::flops(const Shape& input) const { return shape_numel(input) * real_columns(); }
+// Sequence-parallel: of the whole sequence, which it gathers.
+int64_t LMHead::flops(const Shape& input) const {
+  const TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  return shape_numel(input) * (sp ? sp->size() : 1) * real_columns();
+}
 
-Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+Tensor LMHead::forward(const Tensor& x_part, Context& ctx, const StepInfo& info) {
   const Tensor& w = weight();
   STRATA_CHECK(w.defined(), "layer ", name(), ": the ", tied_ ? "tied embedding's " : "", "weight is not bound");
+  // Sequence-parallel: the logits of every position, from the gathered sequence; backward gathers
+  // it again rather than keep it (as Linear's column-parallel maps do).
+  TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  const Tensor x = sp ? gather_sequence(*sp, x_part) : x_part;
   const Tensor x2 = x.reshape({x.numel() / embed_, embed_});
   Tensor y = Tensor::empty({x2.dim(0), local_vocab_}, x.dtype(), x.device());
   ops::gemm(x2, false, w, true, y);  // (N, D) @ (V, D)^T: with tp, this rank's columns of the logits
@@ -414,15 +446,17 @@ Tensor LMHead::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
     }
     ops::add_bias(y, padding_mask_);
   }
-  if (info.mode == Mode::Train) ctx.saved = {x2};
-  ctx.input_shape = x.shape();
+  if (info.mode == Mode::Train) ctx.saved = {x_part};
+  ctx.input_shape = x_part.shape();
   Shape out = x.shape();
   out.back() = local_vocab_;
   return y.reshape(out);
 }
 
 Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
-  const Tensor x2 = ctx.saved.at(0);
+  TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  const Tensor x = sp ? gather_sequence(*sp, ctx.saved.at(0)) : ctx.saved.at(0);
+  const Tensor x2 = x.reshape({x.numel() / embed_, embed_});
   const Tensor dy2 = dy.reshape({x2.dim(0), local_vocab_});
   if (gradient_sink() != nullptr) {
     write_linear_gradient_pieces(*gradient_sink(), gradient_pieces(gradient_piece_limit()), dy2, x2);
@@ -435,7 +469,11 @@ Tensor LMHead::backward(const Tensor& dy, Context& ctx) {
   if (ctx.input_grad) {
     dx = Tensor::empty(x2.shape(), x2.dtype(), x2.device());
     ops::gemm(dy2, false, weight(), false, dx);  // dx (N, D) = dy W
-    if (tp_) tp_->all_reduce_sum(dx);            // every vocabulary slice's share of dx
+    // Every vocabulary slice's share of dx, summed (sequence-parallel: this rank's positions').
+    if (sp)
+      dx = scatter_sequence(*sp, dx.reshape(x.shape()));
+    else if (tp_)
+      tp_->all_reduce_sum(dx);
     dx = dx.reshape(ctx.input_shape);
   }
   ctx.clear();

@@ -132,12 +132,16 @@ class CausalSelfAttention final : public Layer {
   // exceeds the kv heads): k and v of every kv head over the sequence.
   int64_t kv_replica_elements(const Shape& input) const;
   bool tensor_parallel() const { return tp_ != nullptr; }
+  // The parts each sequence is cut into (sequence parallelism), or 0.
+  int sequence_parallel() const { return tp_ && tp_->sequence_parallel() ? tp_->size() : 0; }
 
  private:
   ops::DropoutKey key(const StepInfo& info) const;
   // Separate projections (!fused): k and v's gradients (B, local kv heads, T, Dh) summed over the
   // ranks holding the same kv head (kv_replicas_ > 1), in place.
   void sum_kv_replicas(const Tensor& dk, const Tensor& dv) const;
+  // The whole sequence's length for a per-sample input (this rank's part when sequence-parallel).
+  int64_t sequence_length(const Shape& input) const;
   int64_t embed_, heads_, kv_heads_;
   TensorParallelGroup* tp_;
   int64_t local_heads_, first_head_, local_kv_heads_;  // the heads this rank computes
@@ -200,7 +204,9 @@ class TransformerBlock final : public Layer {
   std::vector<GradientPiece> gradient_pieces(int64_t max_elements) const override;  // ChildGradients
   // With tp: the attention's and the MLP's outputs in forward and their inputs' gradients in
   // backward (4 all-reduces of the input's size, 6 when the forward runs again), and replicated kv
-  // heads' gradients in backward.
+  // heads' gradients in backward. Sequence-parallel: all-gathers and reduce-scatters instead,
+  // counted as the all-reduces of equal bytes (5 of the whole sequence's size, 7 with the
+  // forward again: the backward gathers each region's input once more).
   int64_t tp_all_reduced_elements(const Shape& input, bool recomputed) const override;
   int64_t heads() const { return attn_->heads(); }
   float ln_eps() const;                                  // both LayerNorms' (GPT-2's block)

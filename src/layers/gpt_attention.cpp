@@ -68,6 +68,7 @@ CausalSelfAttention::CausalSelfAttention(std::string name, int64_t embed, int64_
       for (auto& l : in_proj_) l->set_local_input_grad();  // one all-reduce for the three
     }
     c_proj_.set_tensor_parallel(TensorParallelMode::Row, tp_);
+    resid_drop_.set_sequence_parallel(tp_);
   }
 }
 
@@ -99,18 +100,22 @@ std::vector<GradientPiece> CausalSelfAttention::gradient_pieces(int64_t max_elem
   return gradients_.pieces(max_elements);
 }
 
+int64_t CausalSelfAttention::sequence_length(const Shape& input) const {
+  const TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  return input.at(0) * (sp ? sp->size() : 1);
+}
+
 int64_t CausalSelfAttention::flops(const Shape& input) const {
-  const int64_t t = input.at(0);
+  const int64_t t = sequence_length(input);
   // Projections, then q k^T and p v over the causal half of the T x T scores (this rank's heads).
-  Shape merged = input;
-  merged.back() = c_proj_.local_in();
+  const Shape whole{t, embed_};
   int64_t in_proj = 0;
-  for (const auto& l : in_proj_) in_proj += l->flops(input);
-  return in_proj + c_proj_.flops(merged) + t * t * embed_ / heads_ * local_heads_;
+  for (const auto& l : in_proj_) in_proj += l->flops(l->gathers_input() ? input : whole);
+  return in_proj + c_proj_.flops({t, c_proj_.local_in()}) + t * t * embed_ / heads_ * local_heads_;
 }
 
 int64_t CausalSelfAttention::kv_replica_elements(const Shape& input) const {
-  return kv_replicas_ > 1 ? 2 * kv_heads_ * input.at(0) * (embed_ / heads_) : 0;
+  return kv_replicas_ > 1 ? 2 * kv_heads_ * sequence_length(input) * (embed_ / heads_) : 0;
 }
 
 void CausalSelfAttention::set_index(int index) {
@@ -130,9 +135,14 @@ ops::DropoutKey CausalSelfAttention::key(const StepInfo& info) const {
   return k;
 }
 
-Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
-  const int64_t b = x.dim(0), t = x.dim(1), h = local_heads_, hkv = local_kv_heads_, dh = embed_ / heads_;
+Tensor CausalSelfAttention::forward(const Tensor& x_in, Context& ctx, const StepInfo& info) {
   const size_t n_in = in_proj_.size();
+  // Sequence-parallel: x_in is this rank's part of the sequence. The fused c_attn gathers it
+  // itself; the separate projections share one gather, and keep only the part for backward.
+  TensorParallelGroup* gather = n_in > 1 ? sequence_parallel_group(tp_) : nullptr;
+  const Tensor x = gather ? gather_sequence(*gather, x_in) : x_in;
+  const int64_t b = x.dim(0), t = sequence_length({x_in.dim(1), embed_}), h = local_heads_, hkv = local_kv_heads_,
+                dh = embed_ / heads_;
   ctx.children.resize(n_in + 2);  // the input projections, c_proj, the residual dropout
   Context& proj_ctx = ctx.children[n_in];
   Context& drop_ctx = ctx.children[n_in + 1];
@@ -144,6 +154,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInf
   } else {
     const Tensor* out[] = {&q, &k, &v};
     for (size_t i = 0; i < 3; ++i) ops::split_heads(in_proj_[i]->forward(x, ctx.children[i], info), *out[i]);
+    if (gather && info.mode == Mode::Train)
+      for (size_t i = 0; i < 3; ++i) Linear::release_input(ctx.children[i]);
   }
   if (!rope_.empty()) {  // positions 0..T-1 of every sequence; in place
     ops::rope(q, q, rope_);
@@ -165,6 +177,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, Context& ctx, const StepInf
   const Tensor out = c_proj_.forward(merged, proj_ctx, info);
   if (train) {
     ctx.saved = {q, k, v, y, stats};
+    if (gather) ctx.saved.push_back(x_in);
     ctx.info = info;
   }
   return resid_drop_.forward(out, drop_ctx, info);
@@ -212,6 +225,11 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
     ctx.children[0].input_grad = ctx.input_grad;
     dx = gradients_.backward(*this, *in_proj_[0], [&] { return in_proj_[0]->backward(dqkv, ctx.children[0]); });
   } else {
+    TensorParallelGroup* gather = sequence_parallel_group(tp_);
+    if (gather) {  // the projections' input again (forward kept this rank's part)
+      const Tensor x = gather_sequence(*gather, ctx.saved.at(5));
+      for (size_t i = 0; i < 3; ++i) Linear::restore_input(ctx.children[i], x);
+    }
     if (kv_replicas_ > 1) sum_kv_replicas(dk, dv);
     const Tensor* grads[] = {&dq, &dk, &dv};
     for (size_t i = 3; i-- > 0;) {  // v_proj, k_proj, q_proj: the gradients' order down the layout
@@ -231,7 +249,12 @@ Tensor CausalSelfAttention::backward(const Tensor& dy, Context& ctx) {
         ops::axpy(share, dxi, dx);
       }
     }
-    if (dx.defined() && tp_) tp_->all_reduce_sum(dx);  // every rank's heads' share of dx (the maps left it local)
+    // Every rank's heads' share of dx (the maps left it local), summed; sequence-parallel, the
+    // sum of this rank's positions.
+    if (dx.defined() && gather)
+      dx = scatter_sequence(*gather, dx);
+    else if (dx.defined() && tp_)
+      tp_->all_reduce_sum(dx);
   }
   ctx.clear();
   return dx;

@@ -155,8 +155,9 @@ class Layer {
   // Whether the input is i32 token ids (B, T...) rather than activations (a token embedding).
   virtual bool takes_token_ids() const { return false; }
   // The elements one sample's forward and backward all-reduce over the tensor-parallel group in
-  // this layer (`recomputed`: its forward runs twice), as built for its group; the layout search
-  // counts tensor-parallel traffic by these. 0 for a layer that is not split.
+  // this layer (`recomputed`: its forward runs twice), as built for its group, an all-gather or a
+  // reduce-scatter counting as half an all-reduce of its whole tensor (the bytes each rank
+  // sends); the layout search counts tensor-parallel traffic by these. 0 for a layer that is not split.
   virtual int64_t tp_all_reduced_elements(const Shape& input, bool recomputed) const { return 0; }
   // Forward multiply-adds per sample, for partitioning and reports.
   virtual int64_t flops(const Shape& input) const { return 0; }

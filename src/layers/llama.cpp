@@ -72,7 +72,12 @@ Tensor RMSNorm::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
 Tensor RMSNorm::backward(const Tensor& dy, Context& ctx) {
   const Tensor x = ctx.saved.at(0);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-  ops::rms_norm_backward(x, dy, gamma_, ctx.saved.at(1), dx, dgamma_);
+  if (sp_)
+    sum_sequence_parallel_grads(*sp_, {dgamma_}, [&](const std::vector<Tensor>& g) {
+      ops::rms_norm_backward(x, dy, gamma_, ctx.saved.at(1), dx, g[0]);
+    });
+  else
+    ops::rms_norm_backward(x, dy, gamma_, ctx.saved.at(1), dx, dgamma_);
   ctx.clear();
   return dx;
 }
@@ -129,18 +134,29 @@ std::vector<GradientPiece> SwiGLU::gradient_pieces(int64_t max_elements) const {
 
 // The three maps, plus the gate's element-wise product (not counted: flops are multiply-adds of maps).
 int64_t SwiGLU::flops(const Shape& input) const {
-  Shape hidden = input;
-  hidden.back() = gate_.local_out();
-  return gate_.flops(input) + up_.flops(input) + down_.flops(hidden);
+  const TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  const Shape whole{input.at(0) * (sp ? sp->size() : 1), embed_};  // the maps' rows: the whole sequence
+  const Shape hidden{whole[0], gate_.local_out()};
+  return gate_.flops(whole) + up_.flops(whole) + down_.flops(hidden);
 }
 
-Tensor SwiGLU::forward(const Tensor& x, Context& ctx, const StepInfo& info) {
+Tensor SwiGLU::forward(const Tensor& x_in, Context& ctx, const StepInfo& info) {
   ctx.children.resize(3);
+  // Sequence-parallel: one gather for gate and up, which keep only this rank's part for backward.
+  TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  const Tensor x = sp ? gather_sequence(*sp, x_in) : x_in;
   const Tensor g = gate_.forward(x, ctx.children[0], info);  // (B, T, F/T)
   const Tensor u = up_.forward(x, ctx.children[1], info);
   Tensor a = Tensor::empty(g.shape(), g.dtype(), g.device());
   ops::swiglu_forward(g, u, a);
-  if (info.mode == Mode::Train) ctx.saved = {g, u};
+  if (info.mode == Mode::Train) {
+    ctx.saved = {g, u};
+    if (sp) {
+      Linear::release_input(ctx.children[0]);
+      Linear::release_input(ctx.children[1]);
+      ctx.saved.push_back(x_in);
+    }
+  }
   return down_.forward(a, ctx.children[2], info);
 }
 
@@ -151,13 +167,23 @@ Tensor SwiGLU::backward(const Tensor& dy, Context& ctx) {
   Tensor dg = Tensor::empty(g.shape(), g.dtype(), g.device());
   Tensor du = Tensor::empty(u.shape(), u.dtype(), u.device());
   ops::swiglu_backward(g, u, da, dg, du);
+  TensorParallelGroup* sp = sequence_parallel_group(tp_);
+  if (sp) {
+    const Tensor x = gather_sequence(*sp, ctx.saved.at(2));
+    Linear::restore_input(ctx.children[0], x);
+    Linear::restore_input(ctx.children[1], x);
+  }
   ctx.children[1].input_grad = ctx.input_grad;
   ctx.children[0].input_grad = ctx.input_grad;
   Tensor dx = gradients_.backward(*this, up_, [&] { return up_.backward(du, ctx.children[1]); });
   const Tensor dxg = gradients_.backward(*this, gate_, [&] { return gate_.backward(dg, ctx.children[0]); });
   if (dx.defined()) {
     ops::axpy(1.0f, dxg, dx);
-    if (tp_) tp_->all_reduce_sum(dx);  // every rank's hidden slice's share of dx
+    // Every rank's hidden slice's share of dx, summed (sequence-parallel: its positions').
+    if (sp)
+      dx = scatter_sequence(*sp, dx);
+    else if (tp_)
+      tp_->all_reduce_sum(dx);
   }
   ctx.clear();
   return dx;

@@ -43,10 +43,13 @@ class RMSNorm final : public Layer {
   Tensor forward(const Tensor& x, Context& ctx, const StepInfo& info) override;
   Tensor backward(const Tensor& dy, Context& ctx) override;
   float eps() const { return eps_; }
+  // As LayerNorm's: on this rank's part of the sequence, the weight's gradient summed over `tp`.
+  void set_sequence_parallel(TensorParallelGroup* tp) { sp_ = sequence_parallel_group(tp); }
 
  private:
   int64_t features_;
   float eps_;
+  TensorParallelGroup* sp_ = nullptr;
   Tensor gamma_, dgamma_;
 };
 

@@ -211,3 +211,65 @@ void put_shard(const Tensor& local, const TensorSplit& split, const Tensor& full
 }
 
 }  // namespace strata::layers
+
+namespace strata::layers {
+
+// The collectives move contiguous blocks, one per rank, while rank r's part of a (B, T, ...)
+// tensor is B runs (its positions in each sample): the parts are laid out as (size, B, T/size,
+// ...) for the wire, which is merge_heads' and split_heads' (B', H, T', Dh) <-> (B', T', H Dh)
+// permutation with B' = 1, H = size, T' = B and Dh = a part of a sample.
+Tensor gather_sequence(TensorParallelGroup& tp, const Tensor& part) {
+  const int64_t t = tp.size(), b = part.dim(0), per_sample = part.numel() / std::max<int64_t>(b, 1);
+  Shape shape = part.shape();
+  shape.at(1) *= t;
+  Tensor whole = Tensor::empty(shape, part.dtype(), part.device());
+  if (b == 1) {
+    tp.all_gather(part, whole);
+    return whole;
+  }
+  const Tensor wire = Tensor::empty({1, t, b, per_sample}, part.dtype(), part.device());
+  tp.all_gather(part, wire);
+  ops::merge_heads(wire, whole.reshape({1, b, t * per_sample}));
+  return whole;
+}
+
+Tensor scatter_sequence(TensorParallelGroup& tp, const Tensor& whole) {
+  const int64_t t = tp.size(), b = whole.dim(0);
+  STRATA_CHECK(whole.ndim() >= 2 && whole.dim(1) % t == 0, "a sequence of ", whole.str(), " cut into ", t, " parts");
+  Shape shape = whole.shape();
+  shape.at(1) /= t;
+  Tensor part = Tensor::empty(shape, whole.dtype(), whole.device());
+  if (b == 1) {
+    tp.reduce_scatter_sum(whole, part);
+    return part;
+  }
+  const int64_t per_sample = part.numel() / b;
+  const Tensor wire = Tensor::empty({1, t, b, per_sample}, whole.dtype(), whole.device());
+  ops::split_heads(whole.reshape({1, b, t * per_sample}), wire);
+  tp.reduce_scatter_sum(wire, part);
+  return part;
+}
+
+void sum_sequence_parallel_grads(TensorParallelGroup& tp, const std::vector<Tensor>& grads,
+                                 const std::function<void(const std::vector<Tensor>& stand_ins)>& backward) {
+  int64_t total = 0;
+  for (const Tensor& g : grads) total += g.numel();
+  const Tensor all = Tensor::zeros({total}, grads.at(0).dtype(), grads.at(0).device());
+  std::vector<Tensor> stand_ins;
+  int64_t at = 0;
+  for (const Tensor& g : grads) {
+    stand_ins.push_back(all.view(at, g.shape()));
+    at += g.numel();
+  }
+  backward(stand_ins);
+  tp.all_reduce_sum(all);
+  for (size_t i = 0; i < grads.size(); ++i) ops::axpy(1.0f, stand_ins[i], grads[i]);
+}
+
+void set_sequence_part(const TensorParallelGroup& tp, const Tensor& x, int64_t& sample_numel, int64_t& part_offset) {
+  const int64_t part = x.numel() / std::max<int64_t>(x.dim(0), 1);
+  sample_numel = part * tp.size();
+  part_offset = part * tp.rank();
+}
+
+}  // namespace strata::layers

@@ -5,6 +5,7 @@
 // stack does not depend on the transport.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -21,7 +22,43 @@ class TensorParallelGroup {
   virtual void all_reduce_sum(const Tensor& t) = 0;
   // out (size() x in.numel() elements): block r is rank r's `in`.
   virtual void all_gather(const Tensor& in, const Tensor& out) = 0;
+  // out (in.numel() / size() elements): block rank() of the sum over the group's ranks of `in`.
+  virtual void reduce_scatter_sum(const Tensor& in, const Tensor& out) = 0;
+
+  // Megatron's sequence parallelism (Korthikanti et al. 2022; --sequence-parallel): between the
+  // tensor-parallel regions (the attention's and the MLP's maps, the vocabulary-parallel embedding
+  // and head) the activations (B, T, D) are cut along T, rank r holding positions
+  // [r T/size, (r+1) T/size), so the norms, dropouts and residual adds run on T/size of the
+  // sequence and keep T/size of their activations. A region all-gathers its input along T
+  // (gather_sequence) where it would have taken the replicated whole, and reduce-scatters its
+  // output (scatter_sequence) where it would have all-reduced it; backward the other way round.
+  // The layers built with this group read it at construction.
+  bool sequence_parallel() const { return sequence_parallel_ && size() > 1; }
+  void set_sequence_parallel(bool on) { sequence_parallel_ = on; }
+
+ private:
+  bool sequence_parallel_ = false;
 };
+
+// The group if its layers cut the sequence (TensorParallelGroup::sequence_parallel), else null.
+inline TensorParallelGroup* sequence_parallel_group(TensorParallelGroup* tp) {
+  return tp != nullptr && tp->sequence_parallel() ? tp : nullptr;
+}
+// (B, T/size, ...) parts of the group's ranks -> the whole (B, T, ...), every rank's part in its
+// place (positions [r T/size, (r+1) T/size) from rank r).
+Tensor gather_sequence(TensorParallelGroup& tp, const Tensor& part);
+// (B, T, ...) on every rank -> this rank's part (B, T/size, ...) of their sum.
+Tensor scatter_sequence(TensorParallelGroup& tp, const Tensor& whole);
+// Sequence parallelism: a replicated layer (a norm) that saw only this rank's part of the sequence
+// has only that part's share of its parameters' gradients. backward(stand_ins) accumulates them
+// into zeroed stand-ins of `grads` (same shapes); one all-reduce sums those over the group and
+// they are added to `grads`, the same bits on every rank (per micro-batch, so accumulation over
+// micro-batches and gradients streamed piece by piece stay right).
+void sum_sequence_parallel_grads(TensorParallelGroup& tp, const std::vector<Tensor>& grads,
+                                 const std::function<void(const std::vector<Tensor>& stand_ins)>& backward);
+// The dropout key's part of each sample this rank holds of a sequence-parallel (B, T/size, ...)
+// tensor `x` (ops::DropoutKey::sample_numel, part_offset).
+void set_sequence_part(const TensorParallelGroup& tp, const Tensor& x, int64_t& sample_numel, int64_t& part_offset);
 
 // Which part of a full tensor a rank holds. parts == 1: all of it (a replicated parameter:
 // LayerNorm, the bias of a row-parallel Linear, wpe). Otherwise dimension `dim` of the full

@@ -133,12 +133,17 @@ Model build_gpt(const ModelSpec& spec, const Shape& input, int classes, TensorPa
   const Embedding* wte = embedding.get();
   if (spec.tie_embeddings) embedding->set_tied_head();
   b.add(std::move(embedding));
-  if (spec.dropout > 0) b.add<Dropout>("drop", spec.dropout);
+  if (spec.dropout > 0) {
+    auto drop = std::make_unique<Dropout>("drop", spec.dropout);
+    drop->set_sequence_parallel(tp);
+    b.add(std::move(drop));
+  }
   for (int i = 0; i < spec.layers; ++i)
     b.add<TransformerBlock>(numbered("h", static_cast<size_t>(i)), spec.embed, spec.heads, spec.dropout, kind, proj_std,
                             tp, recompute, activation, spec.norm_eps);
   auto ln_f = std::make_unique<LayerNorm>("ln_f", spec.embed, spec.norm_eps);
   ln_f->set_no_weight_decay();
+  ln_f->set_sequence_parallel(tp);
   b.add(std::move(ln_f));
   b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
   return Model(b.take(), input, static_cast<int>(vocab), tp);
@@ -195,16 +200,21 @@ Model build_llama(const ModelSpec& spec, const Shape& input, int classes, Tensor
   const Embedding* wte = embedding.get();
   if (spec.tie_embeddings) embedding->set_tied_head();
   b.add(std::move(embedding));
+  const auto norm = [&](std::string name) {
+    auto n = std::make_unique<RMSNorm>(std::move(name), spec.embed, eps);
+    n->set_sequence_parallel(tp);
+    return n;
+  };
   for (int i = 0; i < spec.layers; ++i) {
     AttentionOptions options{kv_heads, rope, /*fused=*/false};
-    BlockParts parts{std::make_unique<RMSNorm>("input_layernorm", spec.embed, eps),
+    BlockParts parts{norm("input_layernorm"),
                      std::make_unique<CausalSelfAttention>("self_attn", spec.embed, spec.heads, 0.0f, kind, kGptInitStd,
                                                            tp, std::move(options)),
-                     std::make_unique<RMSNorm>("post_attention_layernorm", spec.embed, eps),
+                     norm("post_attention_layernorm"),
                      std::make_unique<SwiGLU>("mlp", spec.embed, ffn, kGptInitStd, tp)};
     b.add(std::make_unique<TransformerBlock>("layers." + std::to_string(i), std::move(parts), recompute));
   }
-  b.add<RMSNorm>("norm", spec.embed, eps);
+  b.add(norm("norm"));
   b.add<LMHead>("lm_head", spec.embed, vocab, spec.tie_embeddings ? wte : nullptr, tp);
   return Model(b.take(), input, static_cast<int>(vocab), tp);
 }

@@ -228,6 +228,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("pp", po::value(&c.layout.pp)->default_value(1), "pipeline stages; the world is pp x dp x tp (dp = ranks / (pp x tp))")
     ("layout", po::value(&layout)->default_value("given"), "given (--tp, --pp, --zero, --micro-batch and --recompute as set) | auto (the planner's fastest layout that fits --device-memory on the ranks this job got, chosen at start and so at every resume; printed with the runner-up)")
     ("tp", po::value(&c.layout.tp)->default_value(1), "tensor parallelism: each layer of a gpt model split over this many consecutive ranks (whole heads, vocabulary slices; Megatron-style)")
+    ("sequence-parallel", po::value(&c.layout.sequence_parallel)->default_value(false)->implicit_value(true), "with --tp: Megatron's sequence parallelism, the norms, dropouts and residual adds on T/tp of each sequence (all-gather before and reduce-scatter after each tensor-parallel region instead of all-reduces): about tp times fewer activations; no effect with --tp 1")
     ("partition", po::value(&c.layout.partition)->default_value("balanced"), "stage cuts: 'balanced' (by estimated compute) or layer indices '3,7'")
     ("schedule", po::value(&schedule)->default_value("1f1b"), "pipeline schedule: gpipe | 1f1b | interleaved (1F1B over --virtual-stages chunks per rank; Megatron's)")
     ("virtual-stages", po::value(&c.layout.virtual_stages)->default_value(1), "--schedule interleaved: chunks of layers per pipeline rank (the model is cut into pp x this many stages, rank s holding stages s, s + pp, ...)")
@@ -364,8 +365,10 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
   STRATA_REQUIRE(layout == "given" || layout == "auto", "--layout must be given or auto, found '", layout, "'");
   c.layout.auto_layout = layout == "auto";
   if (c.layout.auto_layout)
-    for (const char* flag : {"tp", "pp", "zero", "micro-batch", "recompute", "schedule", "virtual-stages"})
-      STRATA_REQUIRE(vm[flag].defaulted(), "--layout auto chooses --tp, --pp, --zero, --micro-batch and --recompute; ",
+    for (const char* flag :
+         {"tp", "sequence-parallel", "pp", "zero", "micro-batch", "recompute", "schedule", "virtual-stages"})
+      STRATA_REQUIRE(vm[flag].defaulted(),
+                     "--layout auto chooses --tp, --sequence-parallel, --pp, --zero, --micro-batch and --recompute; ",
                      "leave out --", flag, " (or give the layout and not --layout auto)");
   c.layout.precision = parse_precision(precision);
   c.plan.device_memory = parse_bytes(device_memory, "--device-memory");
@@ -452,6 +455,7 @@ parallel::Layout layout_of(const Config& config, int dp) {
   layout.pp = config.layout.pp;
   layout.dp = dp;
   layout.tp = config.layout.tp;
+  layout.sequence_parallel = config.layout.sequence_parallel;
   layout.zero = config.layout.zero;
   layout.dtype = config.layout.precision;
   layout.optimizer = config.training.optimizer;

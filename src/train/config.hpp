@@ -36,10 +36,11 @@ struct DataSettings {
 // How the world splits the work (train::layout_of makes the parallel::Layout of it).
 struct LayoutSettings {
   int64_t global_batch = 64;
-  int64_t micro_batch = 0;  // 0: global batch / data-parallel ranks
-  int pp = 1;               // pipeline stages; dp = world size / (tp * pp)
-  int tp = 1;               // tensor-parallel ranks per layer (Megatron-style; gpt models)
-  int virtual_stages = 1;   // --virtual-stages: chunks per pipeline rank (interleaved)
+  int64_t micro_batch = 0;         // 0: global batch / data-parallel ranks
+  int pp = 1;                      // pipeline stages; dp = world size / (tp * pp)
+  int tp = 1;                      // tensor-parallel ranks per layer (Megatron-style; gpt models)
+  bool sequence_parallel = false;  // --sequence-parallel: with tp, the sequence cut between the tp regions
+  int virtual_stages = 1;          // --virtual-stages: chunks per pipeline rank (interleaved)
   parallel::ScheduleKind schedule = parallel::ScheduleKind::OneFOneB;  // --schedule
   std::string partition = "balanced";                                  // or cut points "3,7"
   int zero = 0;                  // ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)

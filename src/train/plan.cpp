@@ -63,8 +63,8 @@ const char* recompute_flag(layers::Recompute r) {
 // The train command of a layout: the flags given, less the planning and layout ones, plus the layout's.
 std::string layout_command(const Config& config, const parallel::LayoutChoice& c, int world) {
   static const std::set<std::string> replaced{
-      "dry-run", "plan", "world", "plan-tflops", "plan-gbps", "plan-rows", "plan-top",
-      "tp",      "pp",   "zero",  "micro-batch", "recompute", "schedule",  "virtual-stages"};
+      "dry-run",           "plan", "world", "plan-tflops", "plan-gbps", "plan-rows", "plan-top",      "tp",
+      "sequence-parallel", "pp",   "zero",  "micro-batch", "recompute", "schedule",  "virtual-stages"};
   std::ostringstream os;
   os << "mpirun -np " << world << " ./build/train";
   for (const auto& [name, value] : config.given)
@@ -73,8 +73,8 @@ std::string layout_command(const Config& config, const parallel::LayoutChoice& c
   if (config.data.train.empty()) os << " --data DATA";
   if (config.training.steps == 0 && config.training.epochs == 0) os << " --steps STEPS";
   const parallel::Layout& l = c.layout;
-  os << " --tp " << l.tp << " --pp " << l.pp << " --zero " << l.zero << " --micro-batch " << l.micro << " --recompute "
-     << recompute_flag(c.recompute);
+  os << " --tp " << l.tp << (l.sequence_parallel ? " --sequence-parallel" : "") << " --pp " << l.pp << " --zero "
+     << l.zero << " --micro-batch " << l.micro << " --recompute " << recompute_flag(c.recompute);
   return os.str();
 }
 
@@ -110,7 +110,7 @@ parallel::SearchResult search(const Config& config, const PlanningShapes& shapes
 std::string layout_text(const parallel::LayoutChoice& c) {
   const parallel::Layout& l = c.layout;
   return detail::cat("tp ", l.tp, ", pp ", l.pp, ", dp ", l.dp, ", zero ", l.zero, ", micro-batch ", l.micro,
-                     ", recompute ", recompute_flag(c.recompute));
+                     ", recompute ", recompute_flag(c.recompute), l.sequence_parallel ? ", sequence-parallel" : "");
 }
 
 // From the data (or, for a language model without --data, --seq-len and --vocab: token windows).
@@ -142,8 +142,9 @@ std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int
   const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
   const parallel::SearchResult r = search(config, shapes, world_size, rates);
   std::ostringstream os;
-  os << "--plan: " << r.tried << " layouts of " << world_size << " ranks tried (tp x pp x dp, ZeRO 0-3, micro-batch, "
-     << "recompute; 1F1B), " << r.fitting.size() << " fit "
+  os << "--plan: " << r.tried << " layouts of " << world_size
+     << " ranks tried (tp with and without sequence parallelism x pp x dp, ZeRO 0-3, micro-batch, recompute; 1F1B), "
+     << r.fitting.size() << " fit "
      << (config.plan.device_memory > 0 ? log::format_bytes(config.plan.device_memory) + " per rank"
                                        : std::string("(no --device-memory)"))
      << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan.gbps
@@ -152,18 +153,23 @@ std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int
   if (r.fitting.empty()) {
     const parallel::LayoutChoice& s = r.smallest;
     const parallel::Layout& l = s.layout;
-    os << "\n  none fits: the smallest, tp " << l.tp << " pp " << l.pp << " dp " << l.dp << " zero " << l.zero
-       << " micro-batch " << l.micro << " recompute " << recompute_flag(s.recompute) << ", needs "
-       << log::format_bytes(s.bytes) << " on its fullest rank; add ranks or memory";
+    os << "\n  none fits: the smallest, tp " << l.tp << (l.sequence_parallel ? " sequence-parallel" : "") << " pp "
+       << l.pp << " dp " << l.dp << " zero " << l.zero << " micro-batch " << l.micro << " recompute "
+       << recompute_flag(s.recompute) << ", needs " << log::format_bytes(s.bytes)
+       << " on its fullest rank; add ranks or memory";
     return os.str();
   }
   // One row per layout that differs in more than its ZeRO stage: the fastest stage of each
   // (of equally fast ones, the least memory), the others named in the row.
   std::vector<const parallel::LayoutChoice*> rows;
-  std::map<std::tuple<int, int, int, int64_t, int>, std::string> also;
+  std::map<std::tuple<int, bool, int, int, int64_t, int>, std::string> also;
+  const auto key_of = [](const parallel::LayoutChoice& c) {
+    const parallel::Layout& l = c.layout;
+    return std::tuple(l.tp, l.sequence_parallel, l.pp, l.dp, l.micro, static_cast<int>(c.recompute));
+  };
   for (const parallel::LayoutChoice& c : r.fitting) {
     const parallel::Layout& l = c.layout;
-    const auto key = std::tuple(l.tp, l.pp, l.dp, l.micro, static_cast<int>(c.recompute));
+    const auto key = key_of(c);
     if (auto [it, first] = also.emplace(key, ""); first)
       rows.push_back(&c);
     else
@@ -174,18 +180,17 @@ std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int
      << std::min<size_t>(rows.size(), config.plan.top)
      << " (--plan-top N for more); matrix products at half rate below " << std::setprecision(3) << rates.half_rate_rows
      << " rows (--plan-rows):";
-  os << "\n     tp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
+  os << "\n     tp sp  pp  dp zero micro recompute  fullest rank  step s  (compute / bubble / dp / tp / pp)";
   const size_t shown = std::min<size_t>(rows.size(), config.plan.top);
   for (size_t k = 0; k < shown; ++k) {
     const parallel::LayoutChoice& c = *rows[k];
     char row[200];
-    std::snprintf(row, sizeof row,
-                  "\n  %zu. %3d %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)", k + 1,
-                  c.layout.tp, c.layout.pp, c.layout.dp, c.layout.zero, static_cast<long long>(c.layout.micro),
-                  recompute_flag(c.recompute), log::format_bytes(c.bytes).c_str(), c.time.total(), c.time.compute_s,
-                  c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
-    const std::string& others =
-        also[std::tuple(c.layout.tp, c.layout.pp, c.layout.dp, c.layout.micro, static_cast<int>(c.recompute))];
+    std::snprintf(
+        row, sizeof row, "\n  %zu. %3d %-2s %3d %3d %4d %5lld %-9s %12s  %8.3g  (%.3g / %.3g / %.3g / %.3g / %.3g)",
+        k + 1, c.layout.tp, c.layout.sequence_parallel ? "sp" : "", c.layout.pp, c.layout.dp, c.layout.zero,
+        static_cast<long long>(c.layout.micro), recompute_flag(c.recompute), log::format_bytes(c.bytes).c_str(),
+        c.time.total(), c.time.compute_s, c.time.bubble_s, c.time.dp_s, c.time.tp_s, c.time.pp_s);
+    const std::string& others = also[key_of(c)];
     os << row << (others.empty() ? "" : "  (slower or larger: zero " + others + ")") << "\n     "
        << layout_command(config, c, world_size);
   }
@@ -309,6 +314,7 @@ std::vector<parallel::RankBytes> plan_ranks(const Config& config, const layers::
   // Activations from running each stage on meta tensors (once per stage: replicas and tp ranks
   // run the same shapes), on a model built for it.
   parallel::PlannedTensorParallel tp(config.layout.tp);
+  tp.set_sequence_parallel(config.layout.sequence_parallel);
   layers::Model planning =
       layers::build_model(config.model, model.shape(0), classes, config.layout.tp > 1 ? &tp : nullptr);
   std::vector<parallel::ActivationBytes> activations;
@@ -337,8 +343,10 @@ std::string plan_report(const Config& config, const layers::Model& model,
                                      config.training.loss_scale_init, config.training.loss_scale_window);
   std::ostringstream os;
   os << "plan: " << pp << " stage(s) x " << dp << " replica(s)"
-     << (tp > 1 ? detail::cat(" x ", tp, " tensor-parallel ranks") : std::string()) << ", schedule "
-     << parallel::to_string(config.layout.schedule)
+     << (tp > 1 ? detail::cat(" x ", tp, " tensor-parallel ranks",
+                              config.layout.sequence_parallel ? " (sequence-parallel)" : "")
+                : std::string())
+     << ", schedule " << parallel::to_string(config.layout.schedule)
      << (config.layout.virtual_stages > 1 ? detail::cat(" (", config.layout.virtual_stages, " chunks per rank)")
                                           : std::string())
      << ", " << layout.micro_batches << " micro-batch(es) of " << layout.micro << ", zero " << config.layout.zero
@@ -436,7 +444,7 @@ void choose_layout(Config& config, MPI_Comm world) {
   int rank = 0;
   MPI_Comm_rank(world, &rank);
   // Rank 0 alone: the GEMM rates it times would differ from another rank's, and so might the choice.
-  int64_t chosen[5] = {};
+  int64_t chosen[6] = {};
   parallel::agree(world, [&] {
     if (rank != 0) return;
     const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
@@ -451,6 +459,7 @@ void choose_layout(Config& config, MPI_Comm world) {
     chosen[2] = l.zero;
     chosen[3] = l.micro;
     chosen[4] = static_cast<int64_t>(best.recompute);
+    chosen[5] = l.sequence_parallel ? 1 : 0;
     char times[160];
     std::snprintf(times, sizeof times, "%.3g s a step by the step-time model, %s on its fullest rank",
                   best.time.total(), log::format_bytes(best.bytes).c_str());
@@ -467,12 +476,13 @@ void choose_layout(Config& config, MPI_Comm world) {
               config.plan.device_memory > 0 ? " " + log::format_bytes(config.plan.device_memory) : "", ": ", times,
               "); runner-up: ", runner_up);
   });
-  MPI_Bcast(chosen, 5, MPI_INT64_T, 0, world);
+  MPI_Bcast(chosen, 6, MPI_INT64_T, 0, world);
   config.layout.tp = static_cast<int>(chosen[0]);
   config.layout.pp = static_cast<int>(chosen[1]);
   config.layout.zero = static_cast<int>(chosen[2]);
   config.layout.micro_batch = chosen[3];
   config.model.recompute = recompute_flag(static_cast<layers::Recompute>(chosen[4]));
+  config.layout.sequence_parallel = chosen[5] != 0;
   config.layout.schedule = parallel::ScheduleKind::OneFOneB;  // what the search assumes
   config.layout.virtual_stages = 1;
 }
@@ -489,6 +499,7 @@ void dry_run(const Config& config, MPI_Comm world) {
   // The grid's checks first (the sizes fit the world), then the model's (heads and vocabulary divide by --tp).
   grid_layout(config, world_size);
   parallel::PlannedTensorParallel tp(config.layout.tp);
+  tp.set_sequence_parallel(config.layout.sequence_parallel);
   const layers::Model model =
       layers::build_model(config.model, shapes.input, shapes.classes, config.layout.tp > 1 ? &tp : nullptr);
   const std::vector<parallel::StageRange> stages =

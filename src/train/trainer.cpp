@@ -51,6 +51,7 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
   // data (a subset without the highest labels) may not show.
   classes_ = std::max(shape_source.num_classes(), checkpoints_->init_from_classes());
   const int64_t classes = classes_;
+  if (grid_->tensor_parallel()) grid_->tensor_parallel()->set_sequence_parallel(config_.layout.sequence_parallel);
   model_ = std::make_unique<layers::Model>(
       layers::build_model(config_.model, shape_source.input_shape(), classes, grid_->tensor_parallel()));
   const std::vector<parallel::StageRange> stages =

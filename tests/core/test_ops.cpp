@@ -154,6 +154,21 @@ TEST(Ops, DropoutMaskIsAFunctionOfTheGlobalSample) {
   Tensor y2 = Tensor::empty({4, f});
   ops::dropout_forward(x.slice(2, 6), y2, p, {key.key, key.stream, 102});
   expect_close(y2, std::vector<double>(want.begin() + 2 * f, want.end()));
+  // A part of every sample (sequence parallelism: elements [20, 30) of each of the 50) draws the
+  // whole samples' mask at its place.
+  const int64_t part = 10, at = 20;
+  Tensor xp = Tensor::empty({n, part}), yp = Tensor::empty({n, part});
+  std::vector<double> want_part;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t j = 0; j < part; ++j) {
+      xp.data<float>()[s * part + j] = x.data<float>()[s * f + at + j];
+      want_part.push_back(want[s * f + at + j]);
+    }
+  ops::DropoutKey part_key = key;
+  part_key.sample_numel = f;
+  part_key.part_offset = at;
+  ops::dropout_forward(xp, yp, p, part_key);
+  expect_close(yp, want_part);
   // Backward regenerates the same mask.
   Tensor dx = Tensor::empty({n, f});
   ops::dropout_backward(x, dx, p, key);

@@ -44,7 +44,8 @@ def case_memory_cap(args):
     assert command, out
     printed = command.group(7).split()[4:]
     assert "--data" in printed and "--device-memory" in printed and "--plan" not in printed, printed
-    layout = re.search(r"--tp \d+ --pp \d+ --zero \d+ --micro-batch \d+ --recompute \w+$", command.group(7)).group(0)
+    layout = re.search(r"--tp \d+(?: --sequence-parallel)? --pp \d+ --zero \d+ --micro-batch \d+ --recompute \w+$",
+                       command.group(7)).group(0)
     # --dry-run of that layout prints the step-time model --plan ranked it by, the same numbers.
     out = train_ranks(args, 1, printed + rate + ["--dry-run", "--world", "4"])
     model_line = re.search(r"step-time model: (\S+) s per step \(compute / bubble / dp / tp / pp: (\S+) / (\S+) / "
@@ -91,6 +92,9 @@ PLAN_LAYOUTS = [
     ("small: pp 2 x dp 2, zero 3, bf16", 4, small(["--pp", "2", "--zero", "3", "--precision", "bf16",
                                                    "--micro-batch", "2"])),
     ("small: tp 2 x dp 2, recompute block", 4, small(["--tp", "2", "--recompute", "block"])),
+    ("tp 2, sequence-parallel", 2, ["--tp", "2", "--sequence-parallel"]),
+    ("small: tp 2 x pp 2, sequence-parallel", 4, small(["--tp", "2", "--pp", "2", "--micro-batch", "4",
+                                                         "--sequence-parallel"])),
 ]
 
 
@@ -134,7 +138,8 @@ def case_layout_auto(args):
     data = tokenize(args, "byte")
     flags = GPT4 + UNTIED + SGD + ["--layout", "auto", "--data", data[0], "--global-batch", "16", "--seed", "3",
                                    "--log-every", "10", "--bucket-mb", "0.01"]
-    choice = r"^--layout auto: tp (\d+), pp (\d+), dp (\d+), zero (\d), micro-batch (\d+), recompute (\w+) " \
+    choice = r"^--layout auto: tp (\d+), pp (\d+), dp (\d+), zero (\d), micro-batch (\d+), recompute (\w+)" \
+             r"(?:, sequence-parallel)? " \
              r"\(the fastest of \d+ layouts of (\d+) ranks that fit.*\); runner-up: tp \d+"
 
     def chosen(out, ranks):
@@ -188,6 +193,8 @@ def draw_run(rng, ranks, data):
                4: [[], ["--zero", "3"], ["--pp", "2"], ["--pp", "2", "--zero", "2"], ["--tp", "2"],
                    ["--tp", "2", "--zero", "1"], ["--tp", "2", "--pp", "2"], ["--pp", "4"]]}
     layout = pick([l for l in layouts[ranks] if kind != "mlp" or "--tp" not in l])
+    if "--tp" in layout:
+        layout = layout + pick([[], ["--sequence-parallel"]])
     flags = model + layout + ["--micro-batch", pick(["1", "2", "4"]), "--precision", pick(["fp32", "bf16"]),
                               "--optimizer", pick(["sgd", "adamw"]), "--lr", "0.01", "--bucket-mb",
                               pick(["0.01", "25"]), "--data", source[0], "--val-data", source[1], "--global-batch",
@@ -198,7 +205,8 @@ def draw_run(rng, ranks, data):
 
 def case_plan_promise(args):
     """The plan is a promise (issue #37 item 4): for randomly drawn models (GPT, Llama, MLP) and
-    layouts of 2 and 4 ranks (ZeRO 0-3, pp with every schedule, tp, their products, recompute,
+    layouts of 2 and 4 ranks (ZeRO 0-3, pp with every schedule, tp with and without sequence
+    parallelism, their products, recompute,
     bf16, SGD or AdamW, checkpoints synchronous or in the background, evaluation every 2 steps),
     --device-memory = the fullest rank's plan + 1% trains to the end, and the plan - 1% is refused
     before anything is allocated (exit 2, one line). Also for --layout auto: the layout it chooses

@@ -12,7 +12,7 @@ preemption, export), cases_checkpoint_validation.py (manifests, fallback, the di
 cases_parallel_io.py (--checkpoint-io parallel),
 cases_accuracy.py (Fashion-MNIST, mixed precision), cases_gpt.py (the
 GPT language model: layouts, resume, learning, bad inputs, torch export) and cases_sample.py
-(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_llama.py (--model llama), cases_recompute.py (--recompute), cases_memory.py
+(strata-sample on a tiny trained GPT) cases_tensor_parallel.py (--tp), cases_sequence_parallel.py (--sequence-parallel), cases_llama.py (--model llama), cases_recompute.py (--recompute), cases_memory.py
 (--device-memory) and cases_data.py (damaged data files, flag ranges, a second signal) and cases_watchdog.py (a stopped rank, differing
 collectives) and cases_trace.py (--trace, the progress split) and cases_netns.py (ranks in two network namespaces: equivalence,
 a cut link) and cases_elastic.py (jobs/lib/run.sh continuing on the nodes left) and cases_docs.py (the commands of
@@ -35,6 +35,7 @@ import cases_parallel
 import cases_parallel_io
 import cases_recompute
 import cases_sample
+import cases_sequence_parallel
 import cases_tensor_parallel
 import cases_trace
 import cases_watchdog
@@ -45,6 +46,6 @@ if __name__ == "__main__":
                   cases_parallel_io,
                   cases_accuracy,
                   cases_gpt, cases_sample,
-                  cases_tensor_parallel, cases_llama, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_netns,
+                  cases_tensor_parallel, cases_sequence_parallel, cases_llama, cases_recompute, cases_memory, cases_watchdog, cases_trace, cases_netns,
                   cases_elastic,
                   cases_docs])

@@ -287,67 +287,72 @@ StepResult step(const layers::Model& model, const layers::SoftmaxCrossEntropy& l
 
 // Also with a vocabulary that tp does not divide (61 = 64 - 3, prime: tp 2 pads 1 row, tp 4
 // pads 3): the padding rows stay zero, their logits -inf, and everything else is as above.
+// With sequence parallelism as well (the activations between the regions cut along T: the
+// dropout masks, the norms' summed gradients, the gathers and scatters).
 TEST(TensorParallelGpt, MatchesTheWholeModel) {
   World world;
   const int t = world.tp.size();
-  for (const int vocab : {kVocab, kVocab - 3})
-    for (const float dropout : {0.0f, 0.1f})
-      for (const std::string attention : {"flash", "plain"})
-        for (const bool tied : {true, false}) {
-          if (vocab != kVocab && dropout == 0.0f) continue;  // the padded paths do not depend on dropout
-          SCOPED_TRACE(detail::cat("vocab ", vocab, ", dropout ", dropout, ", ", attention,
-                                   tied ? ", tied" : ", untied", ", tp ", t));
-          const Tensor x = tokens(0, vocab), y = tokens(1, vocab);
-          const int64_t slice = (vocab + t - 1) / t,
-                        real = std::clamp<int64_t>(vocab - world.tp.rank() * slice, 0, slice);
-          const layers::ModelSpec spec = tiny_gpt(dropout, attention, tied);
-          const layers::Model whole = layers::build_model(spec, {kSeq}, vocab);
-          const layers::Model split = layers::build_model(spec, {kSeq}, vocab, &world.tp);
-          EXPECT_EQ(split.tensor_parallel(), &world.tp);
-          EXPECT_EQ(split.num_classes(), vocab);
-          EXPECT_EQ(shape_str(split.shape(split.size())), shape_str({kSeq, slice}));
-          const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
+  for (const bool sequence_parallel : {false, true})
+    for (const int vocab : {kVocab, kVocab - 3})
+      for (const float dropout : {0.0f, 0.1f})
+        for (const std::string attention : {"flash", "plain"})
+          for (const bool tied : {true, false}) {
+            if (vocab != kVocab && dropout == 0.0f) continue;  // the padded paths do not depend on dropout
+            SCOPED_TRACE(detail::cat("vocab ", vocab, ", dropout ", dropout, ", ", attention,
+                                     tied ? ", tied" : ", untied", ", tp ", t,
+                                     sequence_parallel ? ", sequence-parallel" : ""));
+            world.tp.set_sequence_parallel(sequence_parallel);
+            const Tensor x = tokens(0, vocab), y = tokens(1, vocab);
+            const int64_t slice = (vocab + t - 1) / t,
+                          real = std::clamp<int64_t>(vocab - world.tp.rank() * slice, 0, slice);
+            const layers::ModelSpec spec = tiny_gpt(dropout, attention, tied);
+            const layers::Model whole = layers::build_model(spec, {kSeq}, vocab);
+            const layers::Model split = layers::build_model(spec, {kSeq}, vocab, &world.tp);
+            EXPECT_EQ(split.tensor_parallel(), &world.tp);
+            EXPECT_EQ(split.num_classes(), vocab);
+            EXPECT_EQ(shape_str(split.shape(split.size())), shape_str({kSeq, slice}));
+            const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
 
-          // Initial values: every shard is exactly its slice of the whole model's tensor.
-          std::map<std::string, const ParamEntry*> by_name;
-          for (const ParamEntry& e : ws.entries()) by_name[e.name] = &e;
-          ASSERT_EQ(ss.entries().size(), ws.entries().size());
-          int64_t split_entries = 0;
-          for (const ParamEntry& e : ss.entries()) {
-            ASSERT_TRUE(by_name.count(e.name)) << e.name;
-            const ParamEntry& we = *by_name[e.name];
-            ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
-            EXPECT_TRUE(same_bits(ss.value(e), shard_of(ws.value(we), e.split, e.shape))) << e.name;
-            split_entries += e.split.split();
-          }
-          // Per block: c_attn weight and bias, attn c_proj weight, c_fc weight and bias, mlp
-          // c_proj weight; wte; lm_head when untied.
-          EXPECT_EQ(split_entries, 6 * spec.layers + 1 + (tied ? 0 : 1));
-          expect_shard_flops_add_up(world, whole, split);
-
-          const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
-          const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
-          ASSERT_EQ(shape_str(rs.logits.shape()), shape_str({kBatch, kSeq, slice}));
-          for (int64_t i = 0; i < rs.logits.numel(); ++i)
-            if (i % slice >= real) {
-              ASSERT_EQ(rs.logits.data<float>()[i], -INFINITY) << "padding logit " << i;
+            // Initial values: every shard is exactly its slice of the whole model's tensor.
+            std::map<std::string, const ParamEntry*> by_name;
+            for (const ParamEntry& e : ws.entries()) by_name[e.name] = &e;
+            ASSERT_EQ(ss.entries().size(), ws.entries().size());
+            int64_t split_entries = 0;
+            for (const ParamEntry& e : ss.entries()) {
+              ASSERT_TRUE(by_name.count(e.name)) << e.name;
+              const ParamEntry& we = *by_name[e.name];
+              ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
+              EXPECT_TRUE(same_bits(ss.value(e), shard_of(ws.value(we), e.split, e.shape))) << e.name;
+              split_entries += e.split.split();
             }
-          expect_close("logits", gather_columns(*world.comm, rs.logits, vocab),
-                       rw.logits.reshape({kBatch * kSeq, vocab}), 1e-5);
-          EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
-          worst()["loss(rel)"] = std::max(worst()["loss(rel)"], std::abs(rs.loss - rw.loss) / std::abs(rw.loss));
-          EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
-          EXPECT_EQ(rs.correct, rw.correct);
+            // Per block: c_attn weight and bias, attn c_proj weight, c_fc weight and bias, mlp
+            // c_proj weight; wte; lm_head when untied.
+            EXPECT_EQ(split_entries, 6 * spec.layers + 1 + (tied ? 0 : 1));
+            expect_shard_flops_add_up(world, whole, split);
 
-          for (const ParamEntry& e : ss.entries()) {
-            const Tensor g = ss.grad(e);
-            expect_close("gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
-            if (!e.split.split()) {
-              EXPECT_TRUE(same_on_every_rank(*world.comm, g))
-                  << e.name << ": a replicated gradient differs across ranks";
+            const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
+            const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
+            ASSERT_EQ(shape_str(rs.logits.shape()), shape_str({kBatch, kSeq, slice}));
+            for (int64_t i = 0; i < rs.logits.numel(); ++i)
+              if (i % slice >= real) {
+                ASSERT_EQ(rs.logits.data<float>()[i], -INFINITY) << "padding logit " << i;
+              }
+            expect_close("logits", gather_columns(*world.comm, rs.logits, vocab),
+                         rw.logits.reshape({kBatch * kSeq, vocab}), 1e-5);
+            EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
+            worst()["loss(rel)"] = std::max(worst()["loss(rel)"], std::abs(rs.loss - rw.loss) / std::abs(rw.loss));
+            EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
+            EXPECT_EQ(rs.correct, rw.correct);
+
+            for (const ParamEntry& e : ss.entries()) {
+              const Tensor g = ss.grad(e);
+              expect_close("gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
+              if (!e.split.split()) {
+                EXPECT_TRUE(same_on_every_rank(*world.comm, g))
+                    << e.name << ": a replicated gradient differs across ranks";
+              }
             }
           }
-        }
   if (world_rank() == 0)
     for (const auto& [what, w] : worst())
       std::printf("[ worst   ] %s: max |diff| / max |ref| = %.2e\n", what.c_str(), w);
@@ -379,56 +384,60 @@ TEST(TensorParallelLlama, MatchesTheWholeModelIncludingReplicatedKvHeads) {
   World world;
   const int t = world.tp.size();
   const Tensor x = tokens(0), y = tokens(1);
-  for (const int kv : {8, 2, 1})
-    for (const std::string attention : {"flash", "plain"})
-      for (const bool tied : {false, true}) {
-        SCOPED_TRACE(detail::cat("kv heads ", kv, ", ", attention, tied ? ", tied" : ", untied", ", tp ", t));
-        layers::ModelSpec spec;
-        spec.name = "llama";
-        spec.layers = 2;
-        spec.heads = 8;
-        spec.kv_heads = kv;
-        spec.embed = 64;
-        spec.ffn_hidden = 96;
-        spec.rope_theta = 100;  // pairs turn visibly over 16 positions
-        spec.attention = attention;
-        spec.tie_embeddings = tied;
-        const layers::Model whole = layers::build_model(spec, {kSeq}, kVocab);
-        const layers::Model split = layers::build_model(spec, {kSeq}, kVocab, &world.tp);
-        const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
-        // Larger weights than the init's 0.02 so that attention is far from uniform: the same
-        // values in both (the whole model's, sliced).
-        std::map<std::string, const ParamEntry*> by_name;
-        for (const ParamEntry& e : ws.entries()) {
-          by_name[e.name] = &e;
-          if (!e.name.ends_with("norm/weight")) ops::scale(ws.value(e), 10.0f);
-        }
-        ASSERT_EQ(ss.entries().size(), ws.entries().size());
-        int64_t replicated = 0;
-        for (const ParamEntry& e : ss.entries()) {
-          ASSERT_TRUE(by_name.count(e.name)) << e.name;
-          const ParamEntry& we = *by_name[e.name];
-          ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
-          ss.value(e).copy_from(shard_of(ws.value(we), e.split, e.shape));
-          replicated += e.split.replicas > 1;
-        }
-        EXPECT_EQ(replicated, kv < t ? 2 * spec.layers : 0) << "k_proj and v_proj of each block";
-        expect_shard_flops_add_up(world, whole, split);
+  for (const bool sequence_parallel : {false, true})
+    for (const int kv : {8, 2, 1})
+      for (const std::string attention : {"flash", "plain"})
+        for (const bool tied : {false, true}) {
+          SCOPED_TRACE(detail::cat("kv heads ", kv, ", ", attention, tied ? ", tied" : ", untied", ", tp ", t,
+                                   sequence_parallel ? ", sequence-parallel" : ""));
+          world.tp.set_sequence_parallel(sequence_parallel);
+          layers::ModelSpec spec;
+          spec.name = "llama";
+          spec.layers = 2;
+          spec.heads = 8;
+          spec.kv_heads = kv;
+          spec.embed = 64;
+          spec.ffn_hidden = 96;
+          spec.rope_theta = 100;  // pairs turn visibly over 16 positions
+          spec.attention = attention;
+          spec.tie_embeddings = tied;
+          const layers::Model whole = layers::build_model(spec, {kSeq}, kVocab);
+          const layers::Model split = layers::build_model(spec, {kSeq}, kVocab, &world.tp);
+          const layers::ParameterStore ws(whole, kSeed), ss(split, kSeed);
+          // Larger weights than the init's 0.02 so that attention is far from uniform: the same
+          // values in both (the whole model's, sliced).
+          std::map<std::string, const ParamEntry*> by_name;
+          for (const ParamEntry& e : ws.entries()) {
+            by_name[e.name] = &e;
+            if (!e.name.ends_with("norm/weight")) ops::scale(ws.value(e), 10.0f);
+          }
+          ASSERT_EQ(ss.entries().size(), ws.entries().size());
+          int64_t replicated = 0;
+          for (const ParamEntry& e : ss.entries()) {
+            ASSERT_TRUE(by_name.count(e.name)) << e.name;
+            const ParamEntry& we = *by_name[e.name];
+            ASSERT_EQ(shape_str(e.full_shape()), shape_str(we.shape)) << e.name;
+            ss.value(e).copy_from(shard_of(ws.value(we), e.split, e.shape));
+            replicated += e.split.replicas > 1;
+          }
+          EXPECT_EQ(replicated, kv < t ? 2 * spec.layers : 0) << "k_proj and v_proj of each block";
+          expect_shard_flops_add_up(world, whole, split);
 
-        const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
-        const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
-        expect_close("llama-logits", gather_columns(*world.comm, rs.logits, kVocab),
-                     rw.logits.reshape({kBatch * kSeq, kVocab}), 1e-5);
-        EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
-        EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
-        for (const ParamEntry& e : ss.entries()) {
-          const Tensor g = ss.grad(e);
-          expect_close("llama-gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
-          if (!e.split.split()) {
-            EXPECT_TRUE(same_on_every_rank(*world.comm, g)) << e.name << ": a replicated gradient differs across ranks";
+          const StepResult rw = step(whole, layers::SoftmaxCrossEntropy(), x, y);
+          const StepResult rs = step(split, layers::SoftmaxCrossEntropy(&world.tp), x, y);
+          expect_close("llama-logits", gather_columns(*world.comm, rs.logits, kVocab),
+                       rw.logits.reshape({kBatch * kSeq, kVocab}), 1e-5);
+          EXPECT_NEAR(rs.loss, rw.loss, 1e-6 * std::abs(rw.loss));
+          EXPECT_TRUE(same_double_on_every_rank(rs.loss)) << "the loss differs across tp ranks";
+          for (const ParamEntry& e : ss.entries()) {
+            const Tensor g = ss.grad(e);
+            expect_close("llama-gradient of " + e.name, g, shard_of(ws.grad(*by_name[e.name]), e.split, e.shape), 1e-5);
+            if (!e.split.split()) {
+              EXPECT_TRUE(same_on_every_rank(*world.comm, g))
+                  << e.name << ": a replicated gradient differs across ranks";
+            }
           }
         }
-      }
   if (world_rank() == 0)
     for (const auto& [what, w] : worst())
       if (what.starts_with("llama")) std::printf("[ worst   ] %s: max |diff| / max |ref| = %.2e\n", what.c_str(), w);

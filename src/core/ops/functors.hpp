@@ -174,22 +174,34 @@ struct Dropout {
   float p;
   float scale;  // 1 / (1 - p), or 0 when p >= 1
   uint64_t key, stream;
-  uint64_t first;  // first_sample * sample_numel: the global index of element 0
+  uint64_t first;       // first_sample * whole + offset: the global index of element 0
+  int64_t part, whole;  // elements of a sample in x, and in the whole sample (equal: whole samples)
   STRATA_HD void operator()(int64_t i) const {
-    const bool keep = rng::uniform(key, stream, first + static_cast<uint64_t>(i)) >= p;
+    const int64_t global = part == whole ? i : i / part * whole + i % part;
+    const bool keep = rng::uniform(key, stream, first + static_cast<uint64_t>(global)) >= p;
     const float v = to_f32(x[i]) * scale;
     y[i] = from_f32<T>(keep ? v : 0.0f);
   }
 };
 
 // The dropout functor for x viewed as (samples, ...): element j of sample s has global index
-// (first_sample + s) * sample_numel + j, whatever the batch split.
+// (first_sample + s) * sample_numel + j, whatever the batch split; of a sample's part (x holds
+// elements [part_offset, part_offset + numel / samples) of each sample of sample_numel), its
+// element j is the whole sample's part_offset + j.
 template <class T>
 inline Dropout<T> make_dropout(const T* x, T* y, int64_t numel, int64_t samples, float p, uint64_t key, uint64_t stream,
-                               int64_t first_sample) {
-  const int64_t sample_numel = samples > 0 ? numel / samples : numel;
-  return Dropout<T>{
-      x, y, p, p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, key, stream, static_cast<uint64_t>(first_sample * sample_numel)};
+                               int64_t first_sample, int64_t sample_numel = 0, int64_t part_offset = 0) {
+  const int64_t part = samples > 0 ? numel / samples : numel;
+  const int64_t whole = sample_numel > 0 ? sample_numel : part;
+  return Dropout<T>{x,
+                    y,
+                    p,
+                    p < 1.0f ? 1.0f / (1.0f - p) : 0.0f,
+                    key,
+                    stream,
+                    static_cast<uint64_t>(first_sample * whole + part_offset),
+                    part > 0 ? part : 1,
+                    part > 0 ? whole : 1};
 }
 
 // ---- dense, over (rows, cols) ----------------------------------------------------------------

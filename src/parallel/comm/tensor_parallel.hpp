@@ -15,6 +15,9 @@ class TensorParallel final : public layers::TensorParallelGroup {
   int size() const override { return comm_.size(); }
   void all_reduce_sum(const Tensor& t) override { comm_.all_reduce(t, ReduceOp::Sum); }
   void all_gather(const Tensor& in, const Tensor& out) override { comm_.all_gather(in, out); }
+  void reduce_scatter_sum(const Tensor& in, const Tensor& out) override {
+    comm_.reduce_scatter(in, out, ReduceOp::Sum);
+  }
 
  private:
   Communicator& comm_;

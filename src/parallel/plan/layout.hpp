@@ -16,6 +16,9 @@ namespace strata::parallel {
 // GridLayout's.
 struct Layout {
   int pp = 1, dp = 1, tp = 1, zero = 0;
+  // With tp > 1: activations between the tensor-parallel regions cut along the sequence
+  // (layers::TensorParallelGroup::sequence_parallel), so they differ between the tp ranks.
+  bool sequence_parallel = false;
   DType dtype = DType::F32;  // parameters and activations
   layers::OptimizerConfig optimizer;
   int64_t bucket_bytes = 25 << 20;

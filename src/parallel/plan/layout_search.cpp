@@ -86,13 +86,24 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
   if (space.can_recompute) recomputes.insert(recomputes.end(), {layers::Recompute::Block, layers::Recompute::Full});
   for (const int tp : divisors(space.world)) {
     if (tp > space.max_tp) break;
-    for (const layers::Recompute recompute : recomputes) {
+    // With tp, each layout with and without sequence parallelism (more bytes on tp, fewer activations).
+    std::vector<std::pair<layers::Recompute, bool>> variants;
+    for (const layers::Recompute recompute : recomputes)
+      for (const bool sequence_parallel : {false, true})
+        if (!sequence_parallel || tp > 1) variants.emplace_back(recompute, sequence_parallel);
+    for (const auto& [recompute, sequence_parallel] : variants) {
       auto group = std::make_unique<PlannedTensorParallel>(tp);
+      group->set_sequence_parallel(sequence_parallel);
       std::optional<layers::Model> model;
       try {
         model.emplace(model_for(tp, recompute, tp > 1 ? group.get() : nullptr));
       } catch (const Error& e) {
         if (e.kind() != ErrorKind::Input) throw;
+        if (sequence_parallel) {  // the sequence does not cut into tp parts: the layouts without it stand
+          if (recompute == layers::Recompute::None)
+            result.skipped.push_back(detail::cat("tp ", tp, " sequence-parallel: ", e.message()));
+          continue;
+        }
         result.skipped.push_back(detail::cat("tp ", tp, ": ", e.message()));
         break;  // this width does not divide the model
       }
@@ -114,6 +125,7 @@ SearchResult search_layouts(const SearchSpace& space, const Rates& rates, const 
           layout.pp = pp;
           layout.dp = dp;
           layout.tp = tp;
+          layout.sequence_parallel = sequence_parallel;
           layout.micro = micro;
           layout.schedule = ScheduleKind::OneFOneB;
           layout.virtual_stages = 1;

@@ -28,6 +28,7 @@ class PlannedTensorParallel final : public layers::TensorParallelGroup {
   int size() const override { return size_; }
   void all_reduce_sum(const Tensor& t) override { require_meta(t); }
   void all_gather(const Tensor& local, const Tensor&) override { require_meta(local); }
+  void reduce_scatter_sum(const Tensor& in, const Tensor&) override { require_meta(in); }
 
  private:
   static void require_meta(const Tensor& t) {

@@ -77,7 +77,8 @@ StageEngine::StageEngine(ProcessGrid& grid, layers::Model& model, std::vector<St
   pipeline_ = std::make_unique<PipelineExecutor>(grid.pp(), layout.schedule, layout.micro_batches,
                                                  layout.virtual_stages, input_shapes, output_shapes, layout.dtype,
                                                  grid.device(), settings.stand_in_ms);
-  if (grid.has(Axis::Tensor)) pipeline_->set_tensor_parallel(&grid.comm(Axis::Tensor));
+  // Stage boundaries carry the same tensor on every tp rank, except a sequence-parallel one's part.
+  if (grid.has(Axis::Tensor) && !layout.sequence_parallel) pipeline_->set_tensor_parallel(&grid.comm(Axis::Tensor));
 }
 
 StepResult StageEngine::step(const Tensor& x, const Tensor& y, int64_t first_sample, int64_t step, float lr,

@@ -65,7 +65,7 @@ void gelu_tanh_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
 namespace {
 fn::Dropout<float> dropout_functor(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   return fn::make_dropout(x.data<float>(), y.data<float>(), x.numel(), x.dim(0), p, key.key, key.stream,
-                          key.first_sample);
+                          key.first_sample, key.sample_numel, key.part_offset);
 }
 
 template <class In, class Out>

@@ -136,9 +136,9 @@ void dropout(const Tensor& x, const Tensor& y, float p, const DropoutKey& key) {
   const OnDevice on(y);
   with_float_type(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    parallel_for(
-        on, x.numel(),
-        fn::make_dropout(x.data<T>(), y.data<T>(), x.numel(), x.dim(0), p, key.key, key.stream, key.first_sample));
+    parallel_for(on, x.numel(),
+                 fn::make_dropout(x.data<T>(), y.data<T>(), x.numel(), x.dim(0), p, key.key, key.stream,
+                                  key.first_sample, key.sample_numel, key.part_offset));
   });
 }
 }  // namespace
