@@ -4,10 +4,13 @@ ranks of this machine, the time `train --dry-run` models for each (the number --
 by; docs/parallelism.md, "Will it fit?") and the step time `train` then measures (median of the
 progress windows after the first). The model is a bound that ranks layouts, not a prediction of
 seconds, so what matters is the order: the table ends with the rank correlation of the two
-columns and the pairs the model orders the wrong way round.
+columns and the pairs the model orders the wrong way round. Each layout is measured --repeats
+times, the layouts in a rotating order (round r starts r layouts further on), so a slow minute
+of the machine falls on different layouts; the median counts, and the range says which
+measured differences are noise: a pair whose ranges overlap is a measured tie.
 
   python3 bench/plan_check.py --train build/train            # ~10 minutes on 2 idle cores
-  python3 bench/plan_check.py --gbps 10 --steps 8
+  python3 bench/plan_check.py --gbps 10 --steps 8 --repeats 3
 
 The compute rate is measured once (the 512^3 GEMM `train` times when --plan-tflops is 0) and then
 given to every dry run, so all predictions use the same one; --gbps is the bandwidth per rank
@@ -34,6 +37,7 @@ LAYOUTS = [
     ("dp 2, recompute block", ["--recompute", "block"]),
     ("tp 2", ["--tp", "2"]),
     ("tp 2, 2 micro-batches", ["--tp", "2", "--micro-batch", "8"]),
+    ("tp 2, sequence-parallel", ["--tp", "2", "--sequence-parallel"]),
     ("pp 2, m 2", ["--pp", "2", "--micro-batch", "8"]),
     ("pp 2, m 4", ["--pp", "2", "--micro-batch", "4"]),
     ("pp 2, m 8", ["--pp", "2", "--micro-batch", "2"]),
@@ -101,6 +105,7 @@ def main():
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--gbps", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     work = tempfile.mkdtemp()
     common = ["--model", "gpt", "--layers", "4", "--heads", "4", "--embed", "256", "--seq-len", "128", "--vocab",
@@ -108,27 +113,34 @@ def main():
               "--data", token_file(work)]
     tflops, half_rows = modelled(a, common, [], 0, 0)[6:8]  # measured once, then given to every prediction
     print(f"GPT 4 x 256, T 128, vocabulary 8192, 16 sequences per step, 2 ranks of 1 thread; model at {tflops:.3g} "
-          f"TFLOP/s, half that below {half_rows:.3g} rows (measured GEMMs) and {a.gbps:g} GB/s; measured: median step of "
-          f"{a.steps} steps' windows after the first\n")
-    print("| layout | modelled s | compute / bubble / dp / tp / pp | measured s | measured / modelled |")
-    print("|---|---:|---|---:|---:|")
+          f"TFLOP/s, half that below {half_rows:.3g} rows (measured GEMMs) and {a.gbps:g} GB/s; measured: median over "
+          f"{a.repeats} runs (rotating order) of each run's median step of {a.steps} steps' windows after the first\n")
+    models = [modelled(a, common, flags, tflops, half_rows) for _, flags in LAYOUTS]
+    times = [[] for _ in LAYOUTS]
+    for r in range(a.repeats):
+        for k in range(len(LAYOUTS)):
+            i = (k + r) % len(LAYOUTS)
+            times[i].append(measured(a, common, LAYOUTS[i][1], work))
+    print("| layout | modelled s | compute / bubble / dp / tp / pp | measured s (median) | range | measured / modelled |")
+    print("|---|---:|---|---:|---:|---:|")
     rows = []
-    for name, flags in LAYOUTS:
-        m = modelled(a, common, flags, tflops, half_rows)
-        t = measured(a, common, flags, work)
-        rows.append((name, m[0], t))
-        print(f"| {name} | {m[0]:.3g} | {' / '.join(f'{v:.3g}' for v in m[1:6])} | {t:.3f} | {t / m[0]:.2f} |",
-              flush=True)
+    for (name, _), m, ts in zip(LAYOUTS, models, times):
+        t = statistics.median(ts)
+        rows.append((name, m[0], t, min(ts), max(ts)))
+        print(f"| {name} | {m[0]:.3g} | {' / '.join(f'{v:.3g}' for v in m[1:6])} | {t:.3f} | {min(ts):.3f}–{max(ts):.3f} "
+              f"| {t / m[0]:.2f} |")
     model_ranks, real_ranks = ranks_of([r[1] for r in rows]), ranks_of([r[2] for r in rows])
     n = len(rows)
     rho = statistics.correlation(model_ranks, real_ranks)  # Pearson's of the ranks: Spearman's, ties averaged
-    wrong = [(rows[i][0], rows[j][0]) for i in range(n) for j in range(i + 1, n)
-             if (rows[i][1] - rows[j][1]) * (rows[i][2] - rows[j][2]) < 0]
-    ties = sum(1 for i in range(n) for j in range(i + 1, n) if rows[i][1] == rows[j][1])
-    print(f"\nSpearman rank correlation, modelled vs measured: {rho:.2f}; of {n * (n - 1) // 2} pairs, {ties} modelled "
-          f"equal and {len(wrong)} ordered the other way round:")
-    for x, y in wrong:
-        print(f"  {x} / {y}")
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    wrong = [(i, j) for i, j in pairs if (rows[i][1] - rows[j][1]) * (rows[i][2] - rows[j][2]) < 0]
+    ties = sum(1 for i, j in pairs if rows[i][1] == rows[j][1])
+    apart = lambda i, j: rows[i][4] < rows[j][3] or rows[j][4] < rows[i][3]  # measured ranges do not overlap
+    print(f"\nSpearman rank correlation, modelled vs measured: {rho:.2f}; of {len(pairs)} pairs, {ties} modelled "
+          f"equal and {len(wrong)} ordered the other way round ({sum(1 for p in wrong if apart(*p))} of them with "
+          f"measured ranges apart; {sum(1 for p in pairs if apart(*p))} pairs are):")
+    for i, j in wrong:
+        print(f"  {rows[i][0]} / {rows[j][0]}{'' if apart(i, j) else ' (measured ranges overlap)'}")
     best_model = min(rows, key=lambda r: r[1])[0]
     best_real = min(rows, key=lambda r: r[2])[0]
     print(f"fastest by the model: {best_model}; measured: {best_real}")
