@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Configures and builds Strata in ./build (Release). Extra arguments go to cmake, e.g.
-# -DSTRATA_CUDA=OFF. CUDA kernels are built when nvcc is found (on PATH or /usr/local/cuda), except
+# -DSTRATA_CUDA=OFF, or -DSTRATA_MARCH=native for a binary tuned to (and needing) this CPU. CUDA kernels are built when nvcc is found (on PATH or /usr/local/cuda), except
 # for a job's build on a machine without a GPU.
 # STRATA_TARGETS="train strata-data" builds only those (the jobs: not the tests and benchmarks).
 set -euo pipefail

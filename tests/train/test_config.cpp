@@ -440,6 +440,7 @@ TEST(Config, VersionNamesTheBuild) {
   EXPECT_NE(version.find("HDF5 1."), std::string::npos) << version;
   EXPECT_TRUE(version.find(" parallel") != std::string::npos || version.find(" serial") != std::string::npos)
       << version;
+  EXPECT_NE(version.find("C++ compiled for "), std::string::npos) << version;  // the -march, or portable
   EXPECT_EQ(std::count(version.begin(), version.end(), '\n'), 1) << version;
 }
 
