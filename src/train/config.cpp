@@ -293,7 +293,8 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
         std::cout << "strata " << STRATA_VERSION << " (HDF5 " << H5_VERS_MAJOR << "." << H5_VERS_MINOR << "."
                   << H5_VERS_RELEASE << (io::ParallelCheckpointFile::available() ? " parallel" : " serial")
                   << (STRATA_WITH_CUDA ? ", CUDA" : ", CPU only") << ", C++ compiled for "
-                  << (std::string(STRATA_MARCH).empty() ? "the compiler's default target (portable)" : "-march=" STRATA_MARCH)
+                  << (std::string(STRATA_MARCH).empty() ? "the compiler's default target (portable)"
+                                                        : "-march=" STRATA_MARCH)
                   << ")\n";
       return std::nullopt;
     }
