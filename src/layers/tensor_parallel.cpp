@@ -210,10 +210,6 @@ void put_shard(const Tensor& local, const TensorSplit& split, const Tensor& full
   copy_runs(full, split, local, false);
 }
 
-}  // namespace strata::layers
-
-namespace strata::layers {
-
 // The collectives move contiguous blocks, one per rank, while rank r's part of a (B, T, ...)
 // tensor is B runs (its positions in each sample): the parts are laid out as (size, B, T/size,
 // ...) for the wire, which is merge_heads' and split_heads' (B', H, T', Dh) <-> (B', T', H Dh)

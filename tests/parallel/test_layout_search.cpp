@@ -3,6 +3,7 @@
 // fastest first, the smallest named when none fits, widths the model cannot take skipped).
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -94,24 +95,29 @@ TEST(LayoutSearch, StepTimeIsTheDocumentedModel) {
 // Tensor parallelism's traffic: each block all-reduces its input's size twice in forward and twice
 // in backward (6 times recomputed), over 2 (tp - 1) / tp of ring bandwidth; a Llama whose kv heads
 // tp replicates adds backward's sum of their gradients (k and v of every kv head: 2 G Dh per token).
+// Sequence-parallel: 5 and 7 all-reduces' bytes (a gather and a scatter per region forward, two
+// gathers and a scatter backward, each half an all-reduce of the whole sequence).
 TEST(LayoutSearch, TensorParallelTrafficByHand) {
   PlannedTensorParallel group(2);
   layers::ModelSpec llama = tiny_gpt();
   llama.name = "llama";
   llama.kv_heads = 1;
-  for (const layers::ModelSpec& spec : {tiny_gpt(), llama})
-    for (const layers::Recompute recompute : {layers::Recompute::None, layers::Recompute::Block}) {
-      const layers::Model model = gpt_for(spec)(2, recompute, &group);
-      const std::vector<StageRange> stages = partition_layers(model, 1, "balanced");
-      LayoutChoice c;
-      c.layout.tp = 2;
-      c.layout.micro = 4;
-      c.layout.micro_batches = 2;  // 8 samples per step
-      c.recompute = recompute;
-      const double per_token = (recompute == layers::Recompute::None ? 4 : 6) * 32 + (spec.kv_heads == 1 ? 2 * 8 : 0);
-      const double expected = 2.0 * 1 / 2 * spec.layers * per_token * 16 * 4 * 8 / 1e6;
-      EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 8, Rates{1e9, 1e6}).tp_s, expected) << spec.name;
-    }
+  for (const bool sequence_parallel : {false, true})
+    for (const layers::ModelSpec& spec : {tiny_gpt(), llama})
+      for (const layers::Recompute recompute : {layers::Recompute::None, layers::Recompute::Block}) {
+        group.set_sequence_parallel(sequence_parallel);
+        const layers::Model model = gpt_for(spec)(2, recompute, &group);
+        const std::vector<StageRange> stages = partition_layers(model, 1, "balanced");
+        LayoutChoice c;
+        c.layout.tp = 2;
+        c.layout.micro = 4;
+        c.layout.micro_batches = 2;  // 8 samples per step
+        c.recompute = recompute;
+        const double regions = recompute == layers::Recompute::None ? 4 : 6;
+        const double per_token = (regions + (sequence_parallel ? 1 : 0)) * 32 + (spec.kv_heads == 1 ? 2 * 8 : 0);
+        const double expected = 2.0 * 1 / 2 * spec.layers * per_token * 16 * 4 * 8 / 1e6;
+        EXPECT_DOUBLE_EQ(estimate_step_time(model, stages, c, 8, Rates{1e9, 1e6}).tp_s, expected) << spec.name;
+      }
 }
 
 TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
@@ -123,18 +129,39 @@ TEST(LayoutSearch, ListsTheLayoutsThatFitFastestFirst) {
   const SearchResult all = search_layouts(space, rates, gpt_for(tiny_gpt()));
   ASSERT_FALSE(all.fitting.empty());
   EXPECT_EQ(static_cast<int>(all.fitting.size()), all.tried);  // no cap: every layout fits
-  std::set<std::tuple<int, int, int, int, int64_t, int>> seen;
+  using Key = std::tuple<int, bool, int, int, int, int64_t, int>;
+  const auto key = [](const LayoutChoice& c, bool sequence_parallel) {
+    const Layout& l = c.layout;
+    return Key(l.tp, sequence_parallel, l.pp, l.dp, l.zero, l.micro, static_cast<int>(c.recompute));
+  };
+  std::map<Key, const LayoutChoice*> seen;
   for (size_t k = 0; k < all.fitting.size(); ++k) {
     const LayoutChoice& c = all.fitting[k];
     const Layout& l = c.layout;
     EXPECT_EQ(l.tp * l.pp * l.dp, 4);
     EXPECT_EQ(l.micro * l.micro_batches * l.dp, 16);
     EXPECT_TRUE(l.dp > 1 || l.zero == 0);
-    EXPECT_TRUE(seen.emplace(l.tp, l.pp, l.dp, l.zero, l.micro, static_cast<int>(c.recompute)).second);
+    EXPECT_TRUE(l.tp > 1 || !l.sequence_parallel);
+    EXPECT_TRUE(seen.emplace(key(c, l.sequence_parallel), &c).second);
     if (k > 0) {
       EXPECT_LE(all.fitting[k - 1].time.total(), c.time.total());
     }
   }
+  // Every tp layout also with sequence parallelism: fewer bytes (its activations cut by tp), more
+  // time (its tp traffic).
+  int64_t sequence_parallel = 0;
+  for (const auto& [k, c] : seen) {
+    if (!std::get<1>(k)) continue;
+    ++sequence_parallel;
+    Key plain = k;
+    std::get<1>(plain) = false;
+    ASSERT_TRUE(seen.count(plain));
+    EXPECT_LT(c->bytes, seen[plain]->bytes);
+    EXPECT_GT(c->time.tp_s, seen[plain]->time.tp_s);
+  }
+  EXPECT_EQ(sequence_parallel, std::count_if(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) {
+              return c.layout.tp > 1 && !c.layout.sequence_parallel;
+            }));
   // tp 1, 2 and 4 (4 heads), pp up to the cut's limit, ZeRO 0-3, three recomputations.
   EXPECT_TRUE(
       std::any_of(all.fitting.begin(), all.fitting.end(), [](const LayoutChoice& c) { return c.layout.tp == 4; }));
