@@ -45,6 +45,23 @@ def tokenize(args, tokenizer="byte", vocab_size=None):
     return prefix + "-train.h5", prefix + "-val.h5"
 
 
+def assert_bf16_close(a, b, what, ulps):
+    """Every /model tensor of `a` within `ulps` bf16 ulps of `b`'s max abs value (an ulp there:
+    2^(floor(log2 max) - 7)); returns the worst such difference."""
+    assert a and set(a) == set(b), (what, sorted(a), sorted(b))
+    worst, worst_name = 0.0, ""
+    for n in sorted(b):
+        top = float(np.abs(b[n]).max())
+        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
+        diff = float(np.abs(a[n].astype(np.float64) - b[n]).max()) / ulp
+        if diff > worst:
+            worst, worst_name = diff, n
+        assert diff <= ulps, f"{what}: {n} differs by {diff:.2f} bf16 ulps of its max abs value {top:.4g}"
+    print(f"{what}: {len(b)} tensors, worst {worst:.2f} bf16 ulps of the tensor's max abs value ({worst_name}), "
+          f"tolerance {ulps:g}")
+    return worst
+
+
 def assert_close(a, b, what, rtol=1e-5):
     """Every /model tensor of `a` within rtol of `b`'s, relative to the tensor's max abs value
     (max |a - b| / max |b|); returns the worst such difference."""
@@ -121,16 +138,7 @@ def case_gpt_equivalence(args):
     bf16 = ["--precision", "bf16"]
     reference, _ = gpt_run(args, 1, GPT_FLAGS_UNTIED + bf16, data, "bf16-1")
     model, _ = gpt_run(args, 2, GPT_FLAGS_UNTIED + bf16, data, "bf16-dp2")
-    worst, worst_name = 0.0, ""
-    for n in sorted(reference):
-        top = float(np.abs(reference[n]).max())
-        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
-        ulps = float(np.abs(model[n].astype(np.float64) - reference[n]).max()) / ulp
-        if ulps > worst:
-            worst, worst_name = ulps, n
-        assert ulps <= 3.0, f"bf16 dp 2 vs 1 rank: {n} differs by {ulps:.2f} bf16 ulps of its max abs value {top:.4g}"
-    print(f"bf16 dp 2 vs bf16 1 rank: {len(reference)} tensors, worst {worst:.2f} bf16 ulps of the tensor's max abs "
-          f"value ({worst_name}), tolerance 3")
+    assert_bf16_close(model, reference, "bf16 dp 2 vs bf16 1 rank", ulps=3.0)
 
 
 def resume(args, data, name, save, resume_layout, flags, split=20, steps=50, model=GPT):

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from cases_async_save import assert_same_checkpoint
-from cases_gpt import assert_close, gpt_run, resume, tokenize
+from cases_gpt import assert_bf16_close, assert_close, gpt_run, resume, tokenize
 from cases_memory import planned_totals
 from cases_sample import perturbed_copy, sample
 from harness import expect_bad_input, train_ranks
@@ -84,14 +84,7 @@ def case_llama_equivalence(args):
     bf16 = ["--precision", "bf16"]
     reference, _ = run(args, 1, SGD + UNTIED + bf16, data, "bf16-1")
     model, _ = run(args, 2, SGD + UNTIED + bf16 + ["--tp", "2"], data, "bf16-tp2")
-    worst = 0.0
-    for n in sorted(reference):
-        top = float(np.abs(reference[n]).max())
-        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
-        ulps = float(np.abs(model[n].astype(np.float64) - reference[n]).max()) / ulp
-        worst = max(worst, ulps)
-        assert ulps <= 5.0, f"llama bf16 tp 2 vs 1 rank: {n} differs by {ulps:.2f} bf16 ulps of its max abs value"
-    print(f"llama bf16 tp 2 vs bf16 1 rank: worst {worst:.2f} bf16 ulps of a tensor's max abs value, tolerance 5")
+    assert_bf16_close(model, reference, "llama bf16 tp 2 vs bf16 1 rank", ulps=5.0)
 
 
 def losses(args, ranks, flags, name):

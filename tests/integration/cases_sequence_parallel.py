@@ -6,9 +6,7 @@ without it, and its bad input."""
 import re
 import shutil
 
-import numpy as np
-
-from cases_gpt import GPT_FLAGS_TIED, GPT_FLAGS_UNTIED, assert_close, gpt_run, tokenize
+from cases_gpt import GPT_FLAGS_TIED, GPT_FLAGS_UNTIED, assert_bf16_close, assert_close, gpt_run, tokenize
 from cases_llama import LLAMA, MQA, SGD as LLAMA_SGD, UNTIED
 from cases_memory import planned_totals
 from cases_tensor_parallel import GPT4, GPT4_BYTES, LAYERS, final_eval, resume_more
@@ -97,14 +95,7 @@ def case_sp_equivalence(args):
     bf16 = ["--precision", "bf16"]
     reference, _ = gpt_run(args, 1, GPT_FLAGS_UNTIED + bf16, data, "sp-bf16-1", model=GPT4_BYTES)
     model, _ = gpt_run(args, 2, GPT_FLAGS_UNTIED + bf16 + ["--tp", "2"] + SP, data, "sp-bf16-tp2", model=GPT4_BYTES)
-    worst = 0.0
-    for n in sorted(reference):
-        top = float(np.abs(reference[n]).max())
-        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
-        ulps = float(np.abs(model[n].astype(np.float64) - reference[n]).max()) / ulp
-        worst = max(worst, ulps)
-        assert ulps <= 5.0, f"bf16 sequence-parallel tp 2 vs 1 rank: {n} differs by {ulps:.2f} bf16 ulps"
-    print(f"bf16 sequence-parallel tp 2 vs bf16 1 rank: worst {worst:.2f} bf16 ulps, tolerance 5")
+    assert_bf16_close(model, reference, "bf16 sequence-parallel tp 2 vs bf16 1 rank", ulps=5.0)
 
 
 def case_sp_llama(args):

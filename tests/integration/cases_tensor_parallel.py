@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from cases_gpt import GPT, GPT_FLAGS_TIED, GPT_FLAGS_UNTIED, assert_close, gpt_run, resume, tokenize
+from cases_gpt import GPT, GPT_FLAGS_TIED, GPT_FLAGS_UNTIED, assert_bf16_close, assert_close, gpt_run, resume, tokenize
 from harness import expect_bad_input, read_model, train_ranks, write_dataset
 
 # cases_gpt's GPT with 4 heads, and the byte vocabulary (257 tokens) as --vocab 260 (which tp 2
@@ -119,14 +119,7 @@ def case_tp_equivalence(args):
     bf16 = ["--precision", "bf16"]
     reference, _ = gpt_run(args, 1, GPT_FLAGS_UNTIED + bf16, data, "tp-bf16-1", model=model_flags)
     model, _ = gpt_run(args, 2, GPT_FLAGS_UNTIED + bf16 + ["--tp", "2"], data, "tp-bf16-tp2", model=model_flags)
-    worst = 0.0
-    for n in sorted(reference):
-        top = float(np.abs(reference[n]).max())
-        ulp = 2.0 ** (np.floor(np.log2(top)) - 7) if top > 0 else 2.0 ** -133
-        ulps = float(np.abs(model[n].astype(np.float64) - reference[n]).max()) / ulp
-        worst = max(worst, ulps)
-        assert ulps <= 5.0, f"bf16 tp 2 vs 1 rank: {n} differs by {ulps:.2f} bf16 ulps of its max abs value {top:.4g}"
-    print(f"bf16 tp 2 vs bf16 1 rank: worst {worst:.2f} bf16 ulps of a tensor's max abs value, tolerance 5")
+    assert_bf16_close(model, reference, "bf16 tp 2 vs bf16 1 rank", ulps=5.0)
 
 
 def case_tp_resume(args):
