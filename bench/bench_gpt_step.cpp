@@ -5,12 +5,13 @@
 //   --attention-only  one causal attention forward+backward (Strata's flash or plain op) on
 //                     random (B, H, T, Dh) tensors: median time, and with --memory the peak
 //                     memory of one call (the allocator's high-water mark and the resident set's).
-//   --sgemm-peak N    the best GFLOP/s of an N x N x N sgemm through ops::gemm (OpenBLAS): the
-//                     denominator of MFU.
+//   --gemm-peak N     the best GFLOP/s of an N x N x N product through ops::gemm in --precision
+//                     (fp32: OpenBLAS; bf16: the CPU's bf16 units through oneDNN where it has
+//                     them): the denominator of MFU.
 //
 //   bench_gpt_step --layers 4 --heads 4 --embed 256 --seq-len 256 --batch 8 --threads 1
 //   bench_gpt_step --attention-only --attention plain --seq-len 2048 --memory
-//   bench_gpt_step --sgemm-peak 2048 --threads 1
+//   bench_gpt_step --gemm-peak 2048 --threads 1 [--precision bf16]
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -41,6 +42,7 @@ struct Options {
   int64_t ffn_hidden = 0;
   int64_t embed = 256, seq_len = 256, batch = 8, vocab = 8192;
   std::string attention = "flash";
+  std::string precision = "fp32";
   int threads = 1;
   int warmup = 3;   // untimed steps (or attention calls) first
   int steps = 5;    // steps per timed window
@@ -52,7 +54,7 @@ struct Options {
   bool attention_only = false, memory = false;
   int64_t head_dim = 64;
   int reps = 5;  // timed attention calls
-  int64_t sgemm_peak = 0;
+  int64_t gemm_peak = 0;
 };
 
 Options parse(int argc, char** argv) {
@@ -71,6 +73,7 @@ Options parse(int argc, char** argv) {
     ("batch", bench::po::value(&o.batch)->default_value(o.batch), "windows per step B")
     ("vocab", bench::po::value(&o.vocab)->default_value(o.vocab), "vocabulary V (tied embedding and head)")
     ("attention", bench::po::value(&o.attention)->default_value(o.attention), "flash | plain")
+    ("precision", bench::po::value(&o.precision)->default_value(o.precision), "fp32 | bf16 (train's --precision)")
     ("threads", bench::po::value(&o.threads)->default_value(o.threads), "ops threads")
     ("warmup", bench::po::value(&o.warmup)->default_value(o.warmup), "untimed steps (attention calls) first")
     ("steps", bench::po::value(&o.steps)->default_value(o.steps), "steps per timed window")
@@ -87,8 +90,8 @@ Options parse(int argc, char** argv) {
     ("reps", bench::po::value(&o.reps)->default_value(o.reps), "--attention-only: timed calls")
     ("memory", bench::po::bool_switch(&o.memory),
      "--attention-only: measure the peak memory of one call instead of timing")
-    ("sgemm-peak", bench::po::value(&o.sgemm_peak)->default_value(o.sgemm_peak),
-     "print the best GFLOP/s of an N x N x N sgemm (N > 0) instead");
+    ("gemm-peak", bench::po::value(&o.gemm_peak)->default_value(o.gemm_peak),
+     "print the best GFLOP/s of an N x N x N product in --precision (N > 0) instead");
   // clang-format on
   bench::parse_or_exit(argc, argv, desc);
   bench::require(o.layers > 0 && o.heads > 0 && o.embed > 0 && o.seq_len > 0 && o.batch > 0 && o.vocab > 1,
@@ -96,6 +99,7 @@ Options parse(int argc, char** argv) {
   bench::require(o.steps > 0 && o.windows > 0 && o.threads > 0 && o.reps > 0 && o.warmup >= 0,
                  "steps, windows, threads, reps must be > 0", desc);
   bench::require(o.attention == "flash" || o.attention == "plain", "--attention must be flash or plain", desc);
+  bench::require(o.precision == "fp32" || o.precision == "bf16", "--precision must be fp32 or bf16", desc);
   bench::require(o.model == "gpt" || o.model == "llama", "--model must be gpt or llama", desc);
   return o;
 }
@@ -143,7 +147,7 @@ std::unique_ptr<bench::StepBench> make_bench(const Options& o) {
   spec.name = o.model;
   spec.kv_heads = o.kv_heads;
   spec.ffn_hidden = o.ffn_hidden;
-  spec.rope_theta = 10000;  // as torch_models.Llama
+  if (o.model == "llama") spec.rope_theta = 10000;  // as torch_models.Llama
   spec.tie_embeddings = true;
   spec.layers = o.layers;
   spec.heads = o.heads;
@@ -157,6 +161,7 @@ std::unique_ptr<bench::StepBench> make_bench(const Options& o) {
   setup.optimizer.beta2 = 0.95;  // nanoGPT's
   setup.optimizer.eps = 1e-8f;
   setup.batch = o.batch;
+  setup.dtype = parse_precision(o.precision);
   setup.seed = o.seed;
   setup.lr = o.lr;
   auto bench = std::make_unique<bench::StepBench>(
@@ -182,11 +187,13 @@ int run_steps(const Options& o) {
   const int64_t tokens = o.batch * o.seq_len;
   const double fpt = flops_per_token(params, o);
   std::printf(
-      "strata bench_gpt_step: %s L%d H%d D%lld T%lld V%lld, %s attention, batch %lld (%lld tokens/step), AdamW, "
-      "threads %d, %lld parameters; train's step (StageEngine)\n",
+      "strata bench_gpt_step: %s L%d H%d D%lld T%lld V%lld, %s attention, %s (bf16 GEMMs: %s), batch %lld (%lld "
+      "tokens/step), AdamW, threads %d, %lld parameters; train's step (StageEngine)\n",
       o.model.c_str(), o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
-      static_cast<long long>(o.vocab), o.attention.c_str(), static_cast<long long>(o.batch),
-      static_cast<long long>(tokens), ops::num_threads(), static_cast<long long>(params));
+      static_cast<long long>(o.vocab), o.attention.c_str(), o.precision.c_str(),
+      ops::bf16_matrix_units().empty() ? "widened to f32" : ops::bf16_matrix_units().c_str(),
+      static_cast<long long>(o.batch), static_cast<long long>(tokens), ops::num_threads(),
+      static_cast<long long>(params));
   double first_loss = 0;
   for (int s = 0; s < o.warmup; ++s) {
     const double l = b.step();
@@ -211,8 +218,9 @@ int run_steps(const Options& o) {
               1e3 * static_cast<double>(tokens) / med, med * fpt * 1e-9, fpt);
   // One line for scripts.
   std::printf(
-      "RESULT impl=strata mode=step attention=%s threads=%d tokens_per_s=%.2f flops_per_token=%.0f params=%lld\n",
-      o.attention.c_str(), o.threads, med, fpt, static_cast<long long>(params));
+      "RESULT impl=strata mode=step attention=%s precision=%s threads=%d tokens_per_s=%.2f flops_per_token=%.0f "
+      "params=%lld\n",
+      o.attention.c_str(), o.precision.c_str(), o.threads, med, fpt, static_cast<long long>(params));
   if (o.profile) bench::print_profile(b, o.profile_steps);
   return 0;
 }
@@ -293,26 +301,34 @@ int run_attention(const Options& o) {
   return 0;
 }
 
-// ---- SGEMM peak ------------------------------------------------------------------------------
+// ---- GEMM peak -------------------------------------------------------------------------------
 
-int run_sgemm_peak(const Options& o) {
-  const int64_t n = o.sgemm_peak;
-  Tensor a = Tensor::empty({n, n}), b = Tensor::empty({n, n}), c = Tensor::zeros({n, n});
+int run_gemm_peak(const Options& o) {
+  const int64_t n = o.gemm_peak;
+  const DType dtype = parse_precision(o.precision);
+  Tensor a = Tensor::empty({n, n}), b = Tensor::empty({n, n});
   std::mt19937 gen(static_cast<uint32_t>(o.seed));
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (Tensor* t : {&a, &b})
     for (int64_t i = 0; i < t->numel(); ++i) t->data<float>()[i] = u(gen);
-  ops::gemm(a, false, b, false, c);  // warm-up: OpenBLAS buffers, page faults
+  Tensor ad = Tensor::empty({n, n}, dtype), bd = Tensor::empty({n, n}, dtype), c = Tensor::zeros({n, n}, dtype);
+  ops::cast(a, ad);
+  ops::cast(b, bd);
+  ops::gemm(ad, false, bd, false, c);  // warm-up: buffers, page faults, oneDNN's kernel generation
   double best = 0;
   for (int i = 0; i < o.reps; ++i) {
     const auto t0 = clock_type::now();
-    ops::gemm(a, false, b, false, c);
+    ops::gemm(ad, false, bd, false, c);
     best = std::max(best, 2.0 * static_cast<double>(n) * n * n / seconds_since(t0) * 1e-9);
   }
-  std::printf("sgemm %lld x %lld x %lld, threads %d: best of %d %.1f GFLOP/s\n", static_cast<long long>(n),
-              static_cast<long long>(n), static_cast<long long>(n), ops::num_threads(), o.reps, best);
-  std::printf("RESULT impl=strata mode=sgemm n=%lld threads=%d gflops=%.2f\n", static_cast<long long>(n), o.threads,
-              best);
+  const std::string units = dtype != DType::BF16               ? "OpenBLAS"
+                            : ops::bf16_matrix_units().empty() ? "widened to f32 for OpenBLAS"
+                                                               : "oneDNN on " + ops::bf16_matrix_units();
+  std::printf("gemm %lld x %lld x %lld %s (%s), threads %d: best of %d %.1f GFLOP/s\n", static_cast<long long>(n),
+              static_cast<long long>(n), static_cast<long long>(n), o.precision.c_str(), units.c_str(),
+              ops::num_threads(), o.reps, best);
+  std::printf("RESULT impl=strata mode=gemm precision=%s n=%lld threads=%d gflops=%.2f\n", o.precision.c_str(),
+              static_cast<long long>(n), o.threads, best);
   return 0;
 }
 
@@ -325,7 +341,7 @@ int main(int argc, char** argv) {
     ops::set_num_threads(o.threads);
     const std::string warning = ops::blas_kernel_warning();
     if (!warning.empty()) std::fprintf(stderr, "warning: %s\n", warning.c_str());
-    if (o.sgemm_peak > 0) return run_sgemm_peak(o);
+    if (o.gemm_peak > 0) return run_gemm_peak(o);
     if (o.attention_only) return run_attention(o);
     return run_steps(o);
   } catch (const std::exception& e) {

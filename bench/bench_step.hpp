@@ -24,7 +24,8 @@ struct StepSetup {
   layers::OptimizerConfig optimizer;
   int zero = 0;
   int64_t bucket_bytes = 25 << 20;
-  int64_t batch = 1;  // samples per rank and step, one micro-batch
+  int64_t batch = 1;         // samples per rank and step, one micro-batch
+  DType dtype = DType::F32;  // parameters and activations (train's --precision)
   uint64_t seed = 1;
   float lr = 0.01f;
   bool shared_memory = true;  // one-node groups through shared memory (train's default)
@@ -61,6 +62,7 @@ class StepBench {
     e.layout.optimizer = s.optimizer;
     e.layout.bucket_bytes = s.bucket_bytes;
     e.layout.micro = s.batch;
+    e.layout.dtype = s.dtype;
     e.seed = s.seed;
     return e;
   }

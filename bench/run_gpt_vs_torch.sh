@@ -4,13 +4,17 @@
 # (bench/.venv/bin/python, if it exists), each running bench/torch_gpt_step.py or its C++
 # counterpart in a fresh process, with the same environment (bench/lib.sh).
 #
-# 1. The single-core SGEMM peak (OpenBLAS, N = 2048, best of 5): MFU's denominator.
+# 1. The single-core GEMM peaks (fp32: OpenBLAS; bf16: oneDNN on the CPU's bf16 units where it
+#    has them; N = 2048, best of 5): MFU's denominators, one per precision.
 # 2. GPT training steps, tokens/s: 4 layers, width 256, 4 heads, T = 256, batch 8, vocabulary
-#    8192, tied head, AdamW; with 1 thread and with 2 threads. REPS repetitions, the order of
+#    8192, tied head, AdamW; with 1 thread and with 2 threads; in each of PRECISIONS (fp32;
+#    bf16: Strata's --precision bf16 against torch.autocast("cpu", torch.bfloat16), fp32 master
+#    weights on both sides). REPS repetitions, the order of
 #    the sides rotating each repetition so drifting load hits all alike; each run reports the
 #    median of its timed windows, the table the median over repetitions, the ratio of the
 #    medians and the median of the per-repetition (back-to-back) ratios, and MFU = tokens/s x
-#    FLOPs/token / (threads x single-core SGEMM peak), FLOPs/token as llm.c counts them.
+#    FLOPs/token / (threads x the precision's single-core GEMM peak), FLOPs/token as llm.c
+#    counts them.
 # 3. Causal attention forward+backward alone (B = 8, H = 4, Dh = 64, one thread) for
 #    T = 256 ... 2048: Strata's flash and plain ops, the newest torch's
 #    F.scaled_dot_product_attention(is_causal=True) and Debian's torch 1.13, which has no SDPA
@@ -35,6 +39,7 @@ WARMUP="${WARMUP:-2}"
 STEPS="${STEPS:-2}"
 WINDOWS="${WINDOWS:-3}"
 THREADS="${THREADS:-1 2}"
+PRECISIONS="${PRECISIONS:-fp32 bf16}"
 MODEL_KIND="${MODEL_KIND:-gpt}"
 if [[ "$MODEL_KIND" == llama ]]; then ATTN_T="${ATTN_T:-}"; else ATTN_T="${ATTN_T:-256 512 1024 2048}"; fi
 ATTN_REPS="${ATTN_REPS:-2}"      # processes per (side, T), order rotating
@@ -113,27 +118,35 @@ echo "model:  ${MODEL[*]}, tied head, AdamW (betas 0.9/0.95, weight decay 0.1 on
 echo "timing: $REPS rotating repetitions x ($WARMUP warm-up steps, median of $WINDOWS windows of $STEPS steps)"
 echo
 
-# ---- 1. SGEMM peak --------------------------------------------------------------------------
-tenv=("${run_env[@]}")
-peak1=$(field gflops "$(run_out "$bin" --sgemm-peak 2048 --reps 5 --threads 1)")
-read -ra tenv <<<"$(threads_env 2)"
-peak2=$(field gflops "$(run_out "$bin" --sgemm-peak 2048 --reps 5 --threads 2)")
-echo "single-core SGEMM peak (OpenBLAS $(best_blas_core) kernels, 2048^3, best of 5): $(fmt "$peak1" %.1f) GFLOP/s; 2 threads: $(fmt "$peak2" %.1f) GFLOP/s"
+# ---- 1. GEMM peaks --------------------------------------------------------------------------
+declare -A peak1  # single-core GEMM GFLOP/s per precision
+for precision in $PRECISIONS; do
+  for threads in 1 2; do
+    read -ra tenv <<<"$(threads_env "$threads")"
+    out=$(run_out "$bin" --gemm-peak 2048 --reps 5 --threads "$threads" --precision "$precision")
+    ((threads == 1)) && peak1[$precision]=$(field gflops "$out")
+    grep '^gemm ' <<<"$out"
+  done
+done
+echo "(fp32 on OpenBLAS's $(best_blas_core) kernels)"
 echo
 
 # ---- 2. training steps ----------------------------------------------------------------------
 rows=()
 fpt=""
+for precision in $PRECISIONS; do
 for threads in $THREADS; do
   read -ra tenv <<<"$(threads_env "$threads")"
   declare -A runs=()
   declare -a ratio_venv=() ratio_debian=()
   for ((r = 0; r < REPS; ++r)); do
     declare -A this=()
-    line="  threads $threads rep $((r + 1)):"
+    line="  $precision threads $threads rep $((r + 1)):"
     read -ra order <<<"$(rotated "$r")"
     for side in "${order[@]}"; do
-      side_cmd "$side" "${MODEL[@]}" --threads "$threads" --warmup "$WARMUP" --steps "$STEPS" --windows "$WINDOWS"
+      if [[ "$side" == strata ]]; then dtype=(--precision "$precision"); else dtype=(--dtype "$precision"); fi
+      side_cmd "$side" "${MODEL[@]}" "${dtype[@]}" --threads "$threads" --warmup "$WARMUP" --steps "$STEPS" \
+        --windows "$WINDOWS"
       out=$(run_out "${cmd[@]}")
       this[$side]=$(field tokens_per_s "$out")
       [[ "$side" == strata && -z "$fpt" ]] && fpt=$(field flops_per_token "$out")
@@ -144,12 +157,12 @@ for threads in $THREADS; do
     [[ -n "$venv_version" ]] && ratio_venv+=("$(awk -v s="${this[strata]}" -v t="${this[venv]}" 'BEGIN {print s / t}')")
     ratio_debian+=("$(awk -v s="${this[strata]}" -v t="${this[debian]}" 'BEGIN {print s / t}')")
   done
-  peak=$(awk -v p="$peak1" -v t="$threads" 'BEGIN {print p * t}')
+  peak=$(awk -v p="${peak1[$precision]}" -v t="$threads" 'BEGIN {print p * t}')
   for side in "${sides[@]}"; do
     # shellcheck disable=SC2086
     med=$(median ${runs[$side]})
     mfu=$(awk -v m="$med" -v f="$fpt" -v p="$peak" 'BEGIN {printf "%.1f%%", 100 * m * f / (p * 1e9)}')
-    row="| $threads | ${label[$side]} | $(fmt "$med" %.0f) | $(fmt "$(awk -v m="$med" -v n="$TOKENS" 'BEGIN {print n / m * 1000}')" %.0f) | $(awk -v m="$med" -v f="$fpt" 'BEGIN {printf "%.1f", m * f * 1e-9}') | $mfu |"
+    row="| $precision | $threads | ${label[$side]} | $(fmt "$med" %.0f) | $(fmt "$(awk -v m="$med" -v n="$TOKENS" 'BEGIN {print n / m * 1000}')" %.0f) | $(awk -v m="$med" -v f="$fpt" 'BEGIN {printf "%.1f", m * f * 1e-9}') | $mfu |"
     if [[ "$side" == strata ]]; then
       s_med=$med
       row+=" | |"
@@ -161,12 +174,13 @@ for threads in $THREADS; do
   done
   unset runs ratio_venv ratio_debian
 done
+done
 echo
 echo "Training step, tokens/s (median over $REPS repetitions); FLOPs/token $(fmt "$fpt" %.0f) (llm.c: 6 N + 6 L D T);"
-echo "MFU = tokens/s x FLOPs/token / (threads x $(fmt "$peak1" %.1f) GFLOP/s)"
+echo "MFU = tokens/s x FLOPs/token / (threads x the precision's single-core GEMM peak above)"
 echo
-echo "| threads | implementation | tokens/s | ms/step | GFLOP/s | MFU | Strata / this | paired ratio |"
-echo "|---:|---|---:|---:|---:|---:|---:|---:|"
+echo "| precision | threads | implementation | tokens/s | ms/step | GFLOP/s | MFU | Strata / this | paired ratio |"
+echo "|---|---:|---|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${rows[@]}"
 echo
 

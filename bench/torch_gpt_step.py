@@ -67,9 +67,12 @@ def run_steps(a):
     stream = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1))
     x, y = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
+    bf16 = a.dtype == "bf16"
+
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).view(-1, a.vocab), y.view(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x).view(-1, a.vocab), y.view(-1))
         loss.backward()
         opt.step()
         return loss
@@ -78,7 +81,7 @@ def run_steps(a):
     fpt = flops_per_token(params, a)
     tokens = a.batch * a.seq_len
     print(f"torch {torch.__version__} {a.model} step: L{a.layers} H{a.heads} D{a.embed} T{a.seq_len} V{a.vocab}, "
-          f"{a.attention} attention, batch {a.batch} ({tokens} tokens/step), AdamW "
+          f"{a.attention} attention, {a.dtype}, batch {a.batch} ({tokens} tokens/step), AdamW "
           f"(foreach={opt.defaults.get('foreach')}, fused={opt.defaults.get('fused')}), "
           f"threads {torch.get_num_threads()}, {params} parameters")
     first = torch_models.warm_up(step, a.warmup)
@@ -89,7 +92,7 @@ def run_steps(a):
     print(f"loss: first {'-' if first is None else f'{first:.4f}'}, last {last:.4f}")
     print(f"median {med:.0f} tokens/s, {1e3 * tokens / med:.1f} ms/step, {med * fpt * 1e-9:.2f} GFLOP/s "
           f"({fpt:.4g} FLOP/token, llm.c's 6N + 6LDT)")
-    print(f"RESULT impl=torch mode=step attention={a.attention} threads={a.threads} tokens_per_s={med:.2f} "
+    print(f"RESULT impl=torch mode=step attention={a.attention} precision={a.dtype} threads={a.threads} tokens_per_s={med:.2f} "
           f"flops_per_token={fpt} params={params} version={torch.__version__}")
 
     if a.profile:
@@ -182,6 +185,8 @@ def main():
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--attention", choices=sorted(torch_models.ATTENTIONS), default=torch_models.default_attention())
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: torch.autocast (bf16 matrix products), the counterpart of Strata's --precision bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--windows", type=int, default=5)

@@ -9,6 +9,7 @@ packages=(
   libhdf5-dev libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev
   libopenblas-dev
+  libdnnl-dev  # oneDNN: bf16 GEMMs on the CPU's bf16 units (AVX512-BF16, AMX)
   libgtest-dev
   zlib1g-dev
   nlohmann-json3-dev  # ds_config.json, safetensors headers, config.json, tokenizer.json

@@ -8,6 +8,8 @@
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
 // scratch and outputs rounded back (F32Staging), i.e. low-precision storage, f32 arithmetic,
 // which is also what the CUDA kernels do (f32 accumulation). f32 tensors pass through as is.
+// The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
+// (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
 #include "core/ops.hpp"
 
 #include <omp.h>
@@ -36,6 +38,8 @@ int num_threads() { return omp_get_max_threads(); }
 void set_flush_denormals(bool on) { cpu::set_flush_denormals(on); }
 
 std::string blas_kernel_warning() { return cpu::blas_kernel_warning(); }
+
+std::string bf16_matrix_units() { return cpu::bf16_matrix_units(); }
 
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
@@ -224,7 +228,10 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   for (int64_t dim : {m, n, k}) check_blas_size(dim, "gemm dimension");
   STRATA_CHECK(!c.same_storage(a) && !c.same_storage(b), "gemm output must not alias its inputs");
   const Device d = common_device({&a, &b, &c});
-  if (d.is_meta()) return meta_op({&a, &b, &c}, true);
+  // bf16 operands go to the CPU's bf16 units as they are (no f32 staging) where it has them.
+  const bool bf16_units = a.dtype() == DType::BF16 && k > 0 && !cpu::bf16_matrix_units().empty();
+  if (d.is_meta()) return meta_op({&a, &b, &c}, !bf16_units);
+  if (d.is_cpu() && bf16_units) return cpu::gemm_bf16(a, trans_a, b, trans_b, c, alpha, beta);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::gemm(s.in(a), trans_a, s.in(b), trans_b, beta == 0.0f ? s.out(c) : s.inout(c), alpha, beta);

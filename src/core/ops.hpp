@@ -31,6 +31,11 @@ void set_flush_denormals(bool on);
 // falls back to its generic Prescott (SSE3) kernels, 3-4x slower GEMM than its AVX-512 ones.
 // OPENBLAS_CORETYPE, read when the library loads, is the fix; the message names the value.
 std::string blas_kernel_warning();
+// The CPU's bf16 matrix units that bf16 GEMMs run on ("AVX512-BF16" or "AMX-BF16", through oneDNN:
+// bf16 products summed in f32, about 2x the f32 GEMM rate on AVX512-BF16), or empty: then bf16
+// GEMMs widen their operands to f32 for OpenBLAS, as every other CPU op does. oneDNN's
+// DNNL_MAX_CPU_ISA (e.g. AVX512_CORE) turns the units off for a process.
+std::string bf16_matrix_units();
 
 // GPU matrix products in f32 may use TF32 tensor cores (off by default, as in PyTorch's
 // matmul; no effect on the CPU or on bf16/f16).

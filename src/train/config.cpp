@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/ops.hpp"
 #include "io/checkpoint/parallel_file.hpp"
 #include "layers/loss_scaler.hpp"
 #include "layers/zoo.hpp"
@@ -295,6 +296,9 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                   << (STRATA_WITH_CUDA ? ", CUDA" : ", CPU only") << ", C++ compiled for "
                   << (std::string(STRATA_MARCH).empty() ? "the compiler's default target (portable)"
                                                         : "-march=" STRATA_MARCH)
+                  << ", bf16 GEMMs "
+                  << (ops::bf16_matrix_units().empty() ? "widened to f32 (no bf16 units)"
+                                                       : "on " + ops::bf16_matrix_units() + " (oneDNN)")
                   << ")\n";
       return std::nullopt;
     }

@@ -220,10 +220,15 @@ TEST(Attention, FlashMatchesPlain) {
         // difference of O(1) terms (dy . v - D), so they compare against the O(1) scale of
         // the inputs there, relative to the gradients' own scale everywhere else.
         const double floor = t == 1 ? 1.0 : 1e-2;
-        EXPECT_LT(rel_diff(flash.y, values(plain.y)), 1e-6);
-        EXPECT_LT(rel_diff(flash.dq, values(plain.dq), floor), 1e-6);
-        EXPECT_LT(rel_diff(flash.dk, values(plain.dk), floor), 1e-6);
-        EXPECT_LT(rel_diff(flash.dv, values(plain.dv)), 1e-6);
+        // Each element sums up to T terms (and Dh-long dot products) in another order in the two
+        // kernels (tiles against whole rows): their difference is a walk of roundings, ~sqrt(T)
+        // f32 units relative; 8 sqrt(max(T, 16)) units bounds it with room (measured: at most
+        // 0.16 of it, at T = 7; 1.0e-6 = 0.07 of it at T = 1024).
+        const double tol = 8.0 * std::sqrt(static_cast<double>(std::max<int64_t>(t, 16))) * std::ldexp(1.0, -24);
+        EXPECT_LT(rel_diff(flash.y, values(plain.y)), tol);
+        EXPECT_LT(rel_diff(flash.dq, values(plain.dq), floor), tol);
+        EXPECT_LT(rel_diff(flash.dk, values(plain.dk), floor), tol);
+        EXPECT_LT(rel_diff(flash.dv, values(plain.dv)), tol);
         std::printf("T=%4lld Dh=%2lld p=%.1f  flash vs plain: y %.2e dq %.2e dk %.2e dv %.2e\n",
                     static_cast<long long>(t), static_cast<long long>(dh), p, rel_diff(flash.y, values(plain.y)),
                     rel_diff(flash.dq, values(plain.dq), floor), rel_diff(flash.dk, values(plain.dk), floor),

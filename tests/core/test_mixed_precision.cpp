@@ -1,12 +1,16 @@
 // The ops on bf16/f16 tensors (CPU): low-precision storage with f32 arithmetic, so each op on
 // rounded inputs must give exactly the f32 op's result on the same values, rounded once; f32
-// gradient buffers accumulate low-precision contributions unrounded. And the dtype rules.
+// gradient buffers accumulate low-precision contributions unrounded. And the dtype rules. bf16
+// GEMMs on a CPU with bf16 units sum in the units' order instead: within f32's summation bound.
+// CTest runs this file twice, the second time with the units turned off (DNNL_MAX_CPU_ISA).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "core/ops.hpp"
 
@@ -65,19 +69,70 @@ TEST_P(LowPrecision, ElementwiseAndActivationsRoundOnce) {
   expect_same_bits(y, converted(yf, dt), "dropout");
 }
 
+// Each element of the exact product's error bound: |computed - exact| <= slack * sum_k |a||b| in f32
+// (any summation order of k terms) plus `rel` of the exact value (the output's one rounding).
+void expect_within_product_bound(const Tensor& got, const std::vector<double>& exact,
+                                 const std::vector<double>& abs_sum, int64_t k, double rel, const char* what) {
+  const double f32_slack = static_cast<double>(k + 1) * std::ldexp(1.0, -24);
+  const Tensor g = converted(got, DType::F32);
+  for (size_t i = 0; i < exact.size(); ++i)
+    ASSERT_LE(std::fabs(g.data<float>()[i] - exact[i]), rel * std::fabs(exact[i]) + 2 * f32_slack * abs_sum[i])
+        << what << " element " << i;
+}
+
 TEST_P(LowPrecision, GemmWritesLowPrecisionOrAccumulatesF32) {
   const DType dt = GetParam();
-  auto [a, af] = rounded({13, 29}, 3);
-  auto [w, wf] = rounded({17, 29}, 4);
-  Tensor c = Tensor::empty({13, 17}, dt), cf = Tensor::empty({13, 17});
+  const int64_t m = 13, n = 17, k = 29;
+  auto [a, af] = rounded({m, k}, 3);
+  auto [w, wf] = rounded({n, k}, 4);
+  Tensor c = Tensor::empty({m, n}, dt), cf = Tensor::empty({m, n});
   ops::gemm(a, false, w, true, c);
   ops::gemm(af, false, wf, true, cf);
-  expect_same_bits(c, converted(cf, dt), "gemm into a low-precision c");
   // Parameter gradients: f32 buffers accumulate the low-precision operands' product unrounded.
-  Tensor dw = rand_f32({17, 29}, 5), dwf = dw.clone();
+  Tensor dw = rand_f32({n, k}, 5), dwf = dw.clone(), dw0 = dw.clone();
   ops::gemm(c, true, a, false, dw, 1.0f, 1.0f);
   ops::gemm(converted(c, DType::F32), true, af, false, dwf, 1.0f, 1.0f);
-  expect_same_bits(dw, dwf, "gemm accumulated into f32");
+  if (dt == DType::F16 || ops::bf16_matrix_units().empty()) {
+    // f32 arithmetic on the widened operands: exactly the f32 GEMM, rounded once.
+    expect_same_bits(c, converted(cf, dt), "gemm into a low-precision c");
+    expect_same_bits(dw, dwf, "gemm accumulated into f32");
+    return;
+  }
+  // bf16 on the CPU's bf16 units (oneDNN): the same exact products, summed in f32 in the units'
+  // own order, so within f32's summation bound of the exact product rather than bitwise the
+  // f32 GEMM's; c is rounded once to bf16 (relative 2^-8).
+  std::vector<double> exact(static_cast<size_t>(m * n)), abs_sum(exact.size());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t l = 0; l < k; ++l) {
+        const double p = static_cast<double>(af.data<float>()[i * k + l]) * wf.data<float>()[j * k + l];
+        exact[static_cast<size_t>(i * n + j)] += p;
+        abs_sum[static_cast<size_t>(i * n + j)] += std::fabs(p);
+      }
+  expect_within_product_bound(c, exact, abs_sum, k, std::ldexp(1.0, -8), "gemm into a bf16 c");
+  const Tensor cw = converted(c, DType::F32);  // dw += c^T a, over the m rows
+  std::vector<double> exact_dw(static_cast<size_t>(n * k)), abs_dw(exact_dw.size());
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t l = 0; l < k; ++l) {
+      double sum = dw0.data<float>()[j * k + l], abs = std::fabs(sum);
+      for (int64_t i = 0; i < m; ++i) {
+        const double p = static_cast<double>(cw.data<float>()[i * n + j]) * af.data<float>()[i * k + l];
+        sum += p;
+        abs += std::fabs(p);
+      }
+      exact_dw[static_cast<size_t>(j * k + l)] = sum;
+      abs_dw[static_cast<size_t>(j * k + l)] = abs;
+    }
+  expect_within_product_bound(dw, exact_dw, abs_dw, m + 1, 0.0, "gemm accumulated into f32");
+}
+
+// bf16 GEMMs use the CPU's bf16 units wherever it has them, unless DNNL_MAX_CPU_ISA caps oneDNN
+// below them (this file's second CTest entry): a lost fast path fails here, not in a benchmark.
+TEST(Bf16MatrixUnits, UsedWhereTheCpuHasThem) {
+  __builtin_cpu_init();
+  const bool capped = std::getenv("DNNL_MAX_CPU_ISA") != nullptr;
+  const bool expected = __builtin_cpu_supports("avx512bf16") && !capped;
+  EXPECT_EQ(!ops::bf16_matrix_units().empty(), expected) << "units: '" << ops::bf16_matrix_units() << "'";
 }
 
 TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {

@@ -100,7 +100,7 @@ TEST(Ops, GeluTanh) {
   expect_close(dx, want_dx);
 }
 
-// The CPU's GELU computes erf and exp with its own polynomials (ops/cpu/gelu_math.hpp): within
+// The CPU's GELU computes erf and exp with its own polynomials (ops/cpu/vec_math.hpp): within
 // float precision of the exact function everywhere, tails, zeros and non-finite values included.
 TEST(Ops, GeluIsWithinFloatPrecisionOfTheExactFunction) {
   std::vector<float> xs;

@@ -211,6 +211,33 @@ def case_gpt_learning(args):
     assert test_loss < unigram, f"final test loss {test_loss} is not below the unigram model's {unigram:.4f}"
 
 
+def case_gpt_bf16_curve(args):
+    """--precision bf16 follows fp32's loss curve: 200 AdamW steps (lr 3e-3) of the same GPT on the
+    same BPE tokens, the mean training loss of every 10 steps and the final test loss within 2% of
+    fp32's (5 bf16 rounding units, 2^-8 each: bf16 rounds weights and activations, f32 master
+    weights keep the updates), and not bitwise fp32's (the bf16 path ran). On a CPU with bf16
+    units the GEMMs run there (train --version names them)."""
+    train, val = tokenize(args, "bpe", 300)
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        out = train_ranks(args, 1, GPT + ["--optimizer", "adamw", "--lr", "3e-3", "--data", train, "--val-data", val,
+                                          "--steps", "200", "--global-batch", "16", "--seed", "3", "--log-every", "10",
+                                          "--precision", precision])
+        losses = [float(m) for m in re.findall(r"^step \d+/200 .*?loss ([0-9.]+)", out, re.M)]
+        final = re.search(r"^final test: loss ([0-9.]+)", out, re.M)
+        assert len(losses) == 20 and final, out
+        curves[precision] = losses + [float(final.group(1))]
+    fp32, bf16 = np.array(curves["fp32"]), np.array(curves["bf16"])
+    rel = np.abs(bf16 - fp32) / fp32
+    rc, units, _ = run(args, [args.train, "--version"])
+    assert rc == 0, units
+    print(f"{units.strip()}\nfp32 {fp32.round(4).tolist()}\nbf16 {bf16.round(4).tolist()}\n"
+          f"largest relative difference {rel.max():.2e} (allowed 2e-2), final test loss {fp32[-1]} vs {bf16[-1]}")
+    assert rel.max() <= 0.02, rel
+    assert not np.array_equal(fp32, bf16), "bf16 gave fp32's losses bit for bit: did it run in bf16?"
+    assert bf16[-2] < bf16[0], bf16
+
+
 def case_gpt_bad_inputs(args):
     """Inputs a GPT run cannot use: one line each, exit 2 on every rank."""
     w = args.workdir

@@ -441,6 +441,7 @@ TEST(Config, VersionNamesTheBuild) {
   EXPECT_TRUE(version.find(" parallel") != std::string::npos || version.find(" serial") != std::string::npos)
       << version;
   EXPECT_NE(version.find("C++ compiled for "), std::string::npos) << version;  // the -march, or portable
+  EXPECT_NE(version.find(", bf16 GEMMs "), std::string::npos) << version;      // on which units, or widened
   EXPECT_EQ(std::count(version.begin(), version.end(), '\n'), 1) << version;
 }
 

@@ -108,7 +108,7 @@ struct ReluBackward {  // y is relu's output: y > 0 exactly where x > 0
 };
 
 // Exact GELU: x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2. The GPU's kernels; the CPU's
-// loops compute erf and exp with vectorisable polynomials instead (ops/cpu/gelu_math.hpp).
+// loops compute erf and exp with vectorisable polynomials instead (ops/cpu/vec_math.hpp).
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/cpu/vec_math.hpp"
 #include "core/rng.hpp"
 
 namespace strata::ops::cpu {
@@ -246,8 +247,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
       float mx = row[0];
       for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - mx);
+        row[j] = vec_math::exp_nonpositive(row[j] - mx);
         sum += row[j];
       }
       const float inv = 1.0f / sum;
@@ -340,7 +342,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
           if (valid > 0) {
             float mt = sr[0];
             for (int64_t c = 1; c < valid; ++c) mt = std::max(mt, sr[c]);
-            const float mnew = std::max(mrow[r], mt), alpha = std::exp(mrow[r] - mnew);
+            const float mnew = std::max(mrow[r], mt), alpha = vec_math::exp_nonpositive(mrow[r] - mnew);
             if (alpha != 1.0f) {
               lrow[r] *= alpha;
               float* ar = acc.get() + r * dh;
@@ -348,8 +350,9 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
             }
             mrow[r] = mnew;
             float l = 0.0f;
+#pragma omp simd reduction(+ : l)
             for (int64_t c = 0; c < valid; ++c) {
-              sr[c] = std::exp(sr[c] - mnew);
+              sr[c] = vec_math::exp_nonpositive(sr[c] - mnew);
               l += sr[c];
             }
             lrow[r] += l;
@@ -413,7 +416,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
             const float li = lh[i], di = drow[i];
             if (drop.active) drop.row(i, j0, valid, factor.get());
             for (int64_t c = 0; c < valid; ++c) {
-              const float pr = std::exp(sr[c] - li);
+              const float pr = vec_math::exp_nonpositive(sr[c] - li);
               const float f = drop.active ? factor[c] : 1.0f;
               sr[c] = pr * f;
               gr[c] = pr * (gr[c] * f - di);

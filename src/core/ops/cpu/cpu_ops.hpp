@@ -63,6 +63,14 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 void sgemm_one_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                       int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 std::string blas_kernel_warning();
+// "AVX512-BF16" or "AMX-BF16" when oneDNN runs bf16 matrix products on this CPU's bf16 units
+// (DNNL_MAX_CPU_ISA may lower it); empty otherwise (ops.hpp: bf16_matrix_units).
+std::string bf16_matrix_units();
+// c = alpha op(a) op(b) + beta c for bf16 a and b and an f32 or bf16 c, through oneDNN's matmul
+// (bf16 products, f32 accumulation, c rounded once), cut into blocks across the OpenMP threads as
+// sgemm is. Only where bf16_matrix_units() is non-empty: elsewhere oneDNN emulates the bf16
+// instructions at a third of OpenBLAS's f32 rate.
+void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);

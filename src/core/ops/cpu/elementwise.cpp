@@ -1,9 +1,9 @@
 // CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for (GELU: its own
-// vectorisable loops, gelu_math.hpp), plus casts and u8 image normalisation.
+// vectorisable loops, vec_math.hpp), plus casts and u8 image normalisation.
 #include <cstring>
 
 #include "core/ops/cpu/cpu_ops.hpp"
-#include "core/ops/cpu/gelu_math.hpp"
+#include "core/ops/cpu/vec_math.hpp"
 #include "core/ops/functors.hpp"
 
 namespace strata::ops::cpu {
@@ -28,7 +28,7 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
 }
 
-// Exact GELU with gelu_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
+// Exact GELU with vec_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
 // functors, which call erff and expf). "if (parallel: ...)": a plain if clause would also
 // switch off the simd construct on one thread.
 void gelu_forward(const Tensor& x, const Tensor& y) {
@@ -37,7 +37,7 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
   const int64_t n = x.numel();
   const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
 #pragma omp parallel for simd schedule(static) if (parallel : threads)
-  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * gelu_math::gelu_terms(in[i]).cdf;
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * vec_math::gelu_terms(in[i]).cdf;
 }
 
 // d/dx x Phi(x) = Phi(x) + x phi(x)
@@ -49,8 +49,8 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
 #pragma omp parallel for simd schedule(static) if (parallel : threads)
   for (int64_t i = 0; i < n; ++i) {
-    const gelu_math::GeluTerms t = gelu_math::gelu_terms(in[i]);
-    out[i] = g[i] * (t.cdf + in[i] * (gelu_math::kInvSqrt2Pi * t.gauss));
+    const vec_math::GeluTerms t = vec_math::gelu_terms(in[i]);
+    out[i] = g[i] * (t.cdf + in[i] * (vec_math::kInvSqrt2Pi * t.gauss));
   }
 }
 

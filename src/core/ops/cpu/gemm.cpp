@@ -1,11 +1,16 @@
-// CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm, split across the OpenMP threads),
-// bias add and bias gradient.
+// CPU dense ops: GEMM through OpenBLAS (row-major cblas_sgemm) and, for bf16 operands on a CPU
+// with bf16 units, oneDNN's matmul; both split across the OpenMP threads the same way. Bias add
+// and bias gradient.
 #include <cblas.h>
+#include <omp.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -49,31 +54,112 @@ namespace {
 constexpr double kParallelMnk = 262144.0;
 constexpr int64_t kBlockAlign = 16;  // rows or columns per block: a multiple of the kernels' unrolling
 
-}  // namespace
-
-void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+// Calls block(row0, rows, col0, cols) for the parts of the (m, n) product c, one per OpenMP
+// thread (sgemm's comment says how they are cut), or once for all of it on the calling thread.
+template <class Block>
+void split_product(int64_t m, int64_t n, int64_t k, const Block& block) {
   if (m == 0 || n == 0) return;
   const bool by_rows = m >= n;
   const int64_t total = by_rows ? m : n;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t parts = std::min(threads, total / kBlockAlign);
   if (parts < 2 || static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) <= kParallelMnk) {
-    sgemm_one_thread(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    block(0, m, 0, n);
     return;
   }
-  const int64_t block = ((total + parts - 1) / parts + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
+  const int64_t size = ((total + parts - 1) / parts + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
 #pragma omp parallel for schedule(static) num_threads(static_cast <int>(parts))
   for (int64_t p = 0; p < parts; ++p) {
-    const int64_t lo = std::min(total, p * block), hi = std::min(total, lo + block);
+    const int64_t lo = std::min(total, p * size), hi = std::min(total, lo + size);
     if (hi <= lo) continue;
-    if (by_rows)  // rows lo..hi of op(a) and c
-      sgemm_one_thread(trans_a, trans_b, hi - lo, n, k, alpha, trans_a ? a + lo : a + lo * lda, lda, b, ldb, beta,
-                       c + lo * ldc, ldc);
-    else  // columns lo..hi of op(b) and c
-      sgemm_one_thread(trans_a, trans_b, m, hi - lo, k, alpha, a, lda, trans_b ? b + lo * ldb : b + lo, ldb, beta,
-                       c + lo, ldc);
+    if (by_rows)
+      block(lo, hi - lo, 0, n);
+    else
+      block(0, m, lo, hi - lo);
   }
+}
+
+const dnnl::engine& dnnl_cpu() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// One oneDNN matmul on the calling thread: c (m, n) = alpha op(a) op(b) + beta c, bf16 operands
+// with strides, c f32 or bf16. oneDNN keeps the compiled kernels in its primitive cache, so a
+// shape seen before costs a lookup (~10 us) here.
+void bf16_matmul_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
+                            const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc) {
+  using dims = dnnl::memory::dims;
+  using dt = dnnl::memory::data_type;
+  const dnnl::memory::desc ad({m, k}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
+  const dnnl::memory::desc bd({k, n}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1});
+  const dnnl::memory::desc cd({m, n}, c_dtype == DType::F32 ? dt::f32 : dt::bf16, dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops sum;
+    sum.append_sum(beta);
+    attr.set_post_ops(sum);
+  }
+  const dnnl::engine& engine = dnnl_cpu();
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+  // oneDNN threads a primitive over omp_get_max_threads() outside a parallel region: one here.
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  dnnl::stream stream(engine);
+  dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, dnnl::memory(ad, engine, const_cast<bf16*>(a))},
+                                    {DNNL_ARG_WEIGHTS, dnnl::memory(bd, engine, const_cast<bf16*>(b))},
+                                    {DNNL_ARG_DST, dnnl::memory(cd, engine, c)}});
+  omp_set_num_threads(threads);
+}
+
+}  // namespace
+
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  split_product(m, n, k, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+    sgemm_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda,
+                     trans_b ? b + c0 * ldb : b + c0, ldb, beta, c + r0 * ldc + c0, ldc);
+  });
+}
+
+std::string bf16_matrix_units() {
+  static const std::string isa = [] {
+    try {
+      switch (dnnl::get_effective_cpu_isa()) {
+        case dnnl::cpu_isa::avx512_core_bf16:
+          return std::string("AVX512-BF16");
+        case dnnl::cpu_isa::avx512_core_amx:
+          return std::string("AMX-BF16");
+        default:
+          return std::string();
+      }
+    } catch (const dnnl::error&) {
+      return std::string();
+    }
+  }();
+  return isa;
+}
+
+void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {
+  const int64_t m = c.dim(0), n = c.dim(1), k = trans_a ? a.dim(0) : a.dim(1);
+  const int64_t lda = a.dim(1), ldb = b.dim(1), ldc = n;
+  const bf16* pa = a.data<bf16>();
+  const bf16* pb = b.data<bf16>();
+  const size_t c_size = dtype_size(c.dtype());
+  auto* pc = static_cast<char*>(c.raw());
+  std::atomic<bool> failed{false};
+  std::string error;
+  split_product(m, n, k, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+    try {  // an exception must not leave an OpenMP region
+      bf16_matmul_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? pa + r0 : pa + r0 * lda, lda,
+                             trans_b ? pb + c0 * ldb : pb + c0, ldb, beta,
+                             pc + static_cast<size_t>(r0 * ldc + c0) * c_size, c.dtype(), ldc);
+    } catch (const dnnl::error& e) {
+      if (!failed.exchange(true)) error = e.what();
+    }
+  });
+  if (failed) STRATA_THROW("oneDNN bf16 matmul ", m, "x", n, "x", k, " failed: ", error);
 }
 
 std::string blas_kernel_warning() {

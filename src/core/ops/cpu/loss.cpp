@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/cpu/vec_math.hpp"
 
 namespace strata::ops::cpu {
 
@@ -41,8 +42,9 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 1; j < k; ++j) mx = std::max(mx, in[j]);
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < k; ++j) {
-      out[j] = std::exp(in[j] - mx);
+      out[j] = vec_math::exp_nonpositive(in[j] - mx);
       sum += out[j];
     }
     const float inv = 1.0f / sum;

@@ -1,8 +1,9 @@
-// Exact GELU's Phi(x) = (1 + erf(x / sqrt 2)) / 2 and exp(-x^2 / 2) for the CPU loops, written
-// so that GCC vectorises them: glibc's erff and expf are scalar calls, and erff's cost depends
-// on the input (forward + backward of a 2048 x 1024 activation on one core: 29 ms for
-// N(0, 0.32^2) inputs, 48 ms for N(0, 1), 87 ms for N(0, 9); torch's GELU 13 ms; now 17 ms for
-// any input). Polynomials fitted for this in float arithmetic:
+// Softmax's exp (of a non-positive argument), and exact GELU's Phi(x) = (1 + erf(x / sqrt 2)) / 2
+// and exp(-x^2 / 2), for the CPU loops, written so that GCC vectorises them: glibc's erff and
+// expf are scalar calls, and erff's cost depends on the input (GELU forward + backward of a
+// 2048 x 1024 activation on one core: 29 ms for N(0, 0.32^2) inputs, 48 ms for N(0, 1), 87 ms
+// for N(0, 9); torch's GELU 13 ms; now 17 ms for any input). Polynomials fitted for this in
+// float arithmetic:
 // - erf(a) = a P(a^2) for a = |z| < 1 (relative error ~1.5e-7 in float);
 // - erfc(a) = exp(-a^2) R(1 / (1 + a / 2)) for a >= 1, a clamped to 4 (erf(4) is 1 in float);
 //   Phi of a negative x comes from erfc directly, without the cancellation of 1 + erf(z);
@@ -19,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace strata::ops::cpu::gelu_math {
+namespace strata::ops::cpu::vec_math {
 
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
@@ -50,6 +51,13 @@ inline float exp_neg(float s) {
   p = p * r + 1.0f;
   const float e = p * std::bit_cast<float>((static_cast<int32_t>(kf) + 127) << 23);  // p 2^k, k in [-126, 0]
   return select(in_range, e, 0.0f);
+}
+
+// exp(y) for y <= 0 (softmax's exp(x - max)), NaN for NaN: exp_neg, as fast, but a NaN logit
+// still makes its row NaN, as std::exp did (a loss must not hide it).
+inline float exp_nonpositive(float y) {
+  const float e = exp_neg(-y);
+  return select(y == y, e, y);
 }
 
 struct GeluTerms {
@@ -83,4 +91,4 @@ inline GeluTerms gelu_terms(float x) {
   return {select(below(a, 1.0f), cdf_small, cdf_large), e};
 }
 
-}  // namespace strata::ops::cpu::gelu_math
+}  // namespace strata::ops::cpu::vec_math
