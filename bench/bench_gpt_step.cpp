@@ -187,13 +187,13 @@ int run_steps(const Options& o) {
   const int64_t tokens = o.batch * o.seq_len;
   const double fpt = flops_per_token(params, o);
   std::printf(
-      "strata bench_gpt_step: %s L%d H%d D%lld T%lld V%lld, %s attention, %s (bf16 GEMMs: %s), batch %lld (%lld "
-      "tokens/step), AdamW, threads %d, %lld parameters; train's step (StageEngine)\n",
+      "strata bench_gpt_step: %s L%d H%d D%lld T%lld V%lld, %s attention, %s (bf16 GEMMs: %s; kernels %s), "
+      "batch %lld (%lld tokens/step), AdamW, threads %d, %lld parameters; train's step (StageEngine)\n",
       o.model.c_str(), o.layers, o.heads, static_cast<long long>(o.embed), static_cast<long long>(o.seq_len),
       static_cast<long long>(o.vocab), o.attention.c_str(), o.precision.c_str(),
       ops::bf16_matrix_units().empty() ? "widened to f32" : ops::bf16_matrix_units().c_str(),
-      static_cast<long long>(o.batch), static_cast<long long>(tokens), ops::num_threads(),
-      static_cast<long long>(params));
+      ops::cpu_kernel_isa().c_str(), static_cast<long long>(o.batch), static_cast<long long>(tokens),
+      ops::num_threads(), static_cast<long long>(params));
   double first_loss = 0;
   for (int s = 0; s < o.warmup; ++s) {
     const double l = b.step();

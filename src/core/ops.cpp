@@ -41,6 +41,8 @@ std::string blas_kernel_warning() { return cpu::blas_kernel_warning(); }
 
 std::string bf16_matrix_units() { return cpu::bf16_matrix_units(); }
 
+std::string cpu_kernel_isa() { return cpu::kernel_isa(); }
+
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
 

@@ -36,6 +36,10 @@ std::string blas_kernel_warning();
 // GEMMs widen their operands to f32 for OpenBLAS, as every other CPU op does. oneDNN's
 // DNNL_MAX_CPU_ISA (e.g. AVX512_CORE) turns the units off for a process.
 std::string bf16_matrix_units();
+// The vector width the hot element-wise CPU kernels (GELU) run at on this CPU: "AVX-512", "AVX2" or
+// "SSE2", chosen when the program loads from versions compiled for each (same bits on all three);
+// "the build's -march" when built for one CPU (-DSTRATA_MARCH).
+std::string cpu_kernel_isa();
 
 // GPU matrix products in f32 may use TF32 tensor cores (off by default, as in PyTorch's
 // matmul; no effect on the CPU or on bf16/f16).

@@ -296,7 +296,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
                   << (STRATA_WITH_CUDA ? ", CUDA" : ", CPU only") << ", C++ compiled for "
                   << (std::string(STRATA_MARCH).empty() ? "the compiler's default target (portable)"
                                                         : "-march=" STRATA_MARCH)
-                  << ", bf16 GEMMs "
+                  << ", element-wise kernels " << ops::cpu_kernel_isa() << ", bf16 GEMMs "
                   << (ops::bf16_matrix_units().empty() ? "widened to f32 (no bf16 units)"
                                                        : "on " + ops::bf16_matrix_units() + " (oneDNN)")
                   << ")\n";

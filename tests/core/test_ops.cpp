@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "core/ops.hpp"
+#include "core/ops/cpu/vec_math.hpp"
 #include "core/rng.hpp"
 #include "core/tensor_test_util.hpp"
 
@@ -129,6 +131,31 @@ TEST(Ops, GeluIsWithinFloatPrecisionOfTheExactFunction) {
   EXPECT_EQ(out.data<float>()[0], inf);
   EXPECT_TRUE(std::isnan(out.data<float>()[1]));  // -inf * Phi(-inf) = -inf * 0, as with erff
   EXPECT_TRUE(std::isnan(out.data<float>()[2]));
+}
+
+// GELU runs at the widest vector width this CPU has (ops::cpu_kernel_isa), compiled without FMA,
+// so it gives the bits of the same arithmetic done one element at a time in baseline x86-64 code:
+// this file's loop. Any thread count, any span boundary.
+TEST(Ops, GeluGivesTheSameBitsAtEveryVectorWidth) {
+  const int64_t n = 100003;  // not a multiple of any vector width
+  Tensor x = rand_tensor({n}, 17), dy = rand_tensor({n}, 18), y = Tensor::empty({n}), dx = Tensor::empty({n});
+  for (int64_t i = 0; i < n; i += 7) x.data<float>()[i] *= 9.0f;  // both regions of erf, tails
+  for (const int threads : {1, 2, 3}) {
+    ops::set_num_threads(threads);
+    ops::gelu_forward(x, y);
+    ops::gelu_backward(x, dy, dx);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x.data<float>()[i];
+      const ops::cpu::vec_math::GeluTerms t = ops::cpu::vec_math::gelu_terms(v);
+      const float want_y = v * t.cdf;
+      const float want_dx = dy.data<float>()[i] * (t.cdf + v * (ops::cpu::vec_math::kInvSqrt2Pi * t.gauss));
+      ASSERT_EQ(std::bit_cast<uint32_t>(y.data<float>()[i]), std::bit_cast<uint32_t>(want_y))
+          << "gelu(" << v << ") on " << ops::cpu_kernel_isa() << ", " << threads << " threads";
+      ASSERT_EQ(std::bit_cast<uint32_t>(dx.data<float>()[i]), std::bit_cast<uint32_t>(want_dx))
+          << "gelu'(" << v << ") on " << ops::cpu_kernel_isa() << ", " << threads << " threads";
+    }
+  }
+  ops::set_num_threads(1);
 }
 
 TEST(Ops, DropoutMaskIsAFunctionOfTheGlobalSample) {

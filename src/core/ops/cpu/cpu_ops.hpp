@@ -28,6 +28,29 @@ void parallel_for(int64_t n, const F f) {
   }
 }
 
+// Calls f(lo, hi) on one contiguous span of [0, n) per OpenMP thread, or f(0, n) on the calling
+// thread when n is small: for kernels written over a span (see kKernelClones).
+template <class F>
+void parallel_spans(int64_t n, const F& f) {
+  if (n < kParallelGrain || omp_get_max_threads() == 1) return f(int64_t{0}, n);
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    f(n * t / threads, n * (t + 1) / threads);
+  }
+}
+
+// A span kernel compiled once per x86 vector width, AVX-512, AVX2 and baseline SSE2, of which the
+// dynamic loader keeps the widest this CPU runs (GCC's target_clones: an ifunc resolved at load),
+// so one portable binary runs 512-bit code where it can. None of the three may fuse a multiply
+// and an add (their files build with -ffp-contract=off: AVX-512F has FMA), so an element-wise
+// kernel gives the same bits on every CPU; ops::cpu_kernel_isa() names the one chosen.
+#if defined(__x86_64__) && !defined(__AVX512F__)
+#define STRATA_KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define STRATA_KERNEL_CLONES  // built for one CPU (-march) or not x86: one version
+#endif
+
 // Runs f(r) for independent rows r in [0, rows) (planes, channels), each worth `row_work`
 // elements, in parallel when there is enough work in total.
 template <class F>
@@ -66,6 +89,8 @@ std::string blas_kernel_warning();
 // "AVX512-BF16" or "AMX-BF16" when oneDNN runs bf16 matrix products on this CPU's bf16 units
 // (DNNL_MAX_CPU_ISA may lower it); empty otherwise (ops.hpp: bf16_matrix_units).
 std::string bf16_matrix_units();
+// The version of the span kernels (STRATA_KERNEL_CLONES) this CPU runs (ops.hpp: cpu_kernel_isa).
+std::string kernel_isa();
 // c = alpha op(a) op(b) + beta c for bf16 a and b and an f32 or bf16 c, through oneDNN's matmul
 // (bf16 products, f32 accumulation, c rounded once), cut into blocks across the OpenMP threads as
 // sgemm is. Only where bf16_matrix_units() is non-empty: elsewhere oneDNN emulates the bf16

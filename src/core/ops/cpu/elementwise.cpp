@@ -1,6 +1,7 @@
 // CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for (GELU: its own
 // vectorisable loops, vec_math.hpp), plus casts and u8 image normalisation.
 #include <cstring>
+#include <string>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 #include "core/ops/cpu/vec_math.hpp"
@@ -29,29 +30,45 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
 }
 
 // Exact GELU with vec_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
-// functors, which call erff and expf). "if (parallel: ...)": a plain if clause would also
-// switch off the simd construct on one thread.
-void gelu_forward(const Tensor& x, const Tensor& y) {
-  const float* in = x.data<float>();
-  float* out = y.data<float>();
-  const int64_t n = x.numel();
-  const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
-#pragma omp parallel for simd schedule(static) if (parallel : threads)
+// functors, which call erff and expf), compiled per vector width (STRATA_KERNEL_CLONES).
+namespace {
+
+STRATA_KERNEL_CLONES void gelu_forward_span(const float* in, float* out, int64_t n) {
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = in[i] * vec_math::gelu_terms(in[i]).cdf;
 }
 
 // d/dx x Phi(x) = Phi(x) + x phi(x)
-void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
-  const float* in = x.data<float>();
-  const float* g = dy.data<float>();
-  float* out = dx.data<float>();
-  const int64_t n = x.numel();
-  const bool threads = n >= kParallelGrain && omp_get_max_threads() > 1;
-#pragma omp parallel for simd schedule(static) if (parallel : threads)
+STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, float* out, int64_t n) {
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const vec_math::GeluTerms t = vec_math::gelu_terms(in[i]);
     out[i] = g[i] * (t.cdf + in[i] * (vec_math::kInvSqrt2Pi * t.gauss));
   }
+}
+
+}  // namespace
+
+std::string kernel_isa() {
+#if defined(__x86_64__) && !defined(__AVX512F__)
+  __builtin_cpu_init();  // the predicates of target_clones' resolver
+  return __builtin_cpu_supports("avx512f") ? "AVX-512" : __builtin_cpu_supports("avx2") ? "AVX2" : "SSE2";
+#else
+  return "the build's -march";
+#endif
+}
+
+void gelu_forward(const Tensor& x, const Tensor& y) {
+  const float* in = x.data<float>();
+  float* out = y.data<float>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_forward_span(in + lo, out + lo, hi - lo); });
+}
+
+void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  const float* in = x.data<float>();
+  const float* g = dy.data<float>();
+  float* out = dx.data<float>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_backward_span(in + lo, g + lo, out + lo, hi - lo); });
 }
 
 void gelu_tanh_forward(const Tensor& x, const Tensor& y) {

@@ -13,7 +13,8 @@
 // 98.5% of them within 1 ulp of the correctly rounded value (glibc: 98.8% and 98.6%).
 // Selects are bit operations (GCC sinks arithmetic into real branches and then, under
 // -ftrapping-math, does not vectorise them); no FMA, so the vector and scalar iterations round
-// alike and results do not depend on the thread count.
+// alike and results do not depend on the thread count. Always inlined: into each compiled
+// version of a span kernel (cpu_ops.hpp: STRATA_KERNEL_CLONES), so they run at its vector width.
 #pragma once
 
 #include <bit>
@@ -26,18 +27,18 @@ constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
 // For x >= +0 or NaN the int32 patterns order like the values (NaN above every value).
-inline bool below(float nonnegative, float bound) {
+[[gnu::always_inline]] inline bool below(float nonnegative, float bound) {
   return std::bit_cast<int32_t>(nonnegative) < std::bit_cast<int32_t>(bound);
 }
-inline bool sign_bit(float x) { return std::bit_cast<int32_t>(x) < 0; }
+[[gnu::always_inline]] inline bool sign_bit(float x) { return std::bit_cast<int32_t>(x) < 0; }
 // c ? a : b without a branch.
-inline float select(bool c, float a, float b) {
+[[gnu::always_inline]] inline float select(bool c, float a, float b) {
   const int32_t m = -static_cast<int32_t>(c);
   return std::bit_cast<float>((std::bit_cast<int32_t>(a) & m) | (std::bit_cast<int32_t>(b) & ~m));
 }
 
 // exp(-s) for s >= 0; 0 where it would leave float's normal range (s >= 87) and for NaN.
-inline float exp_neg(float s) {
+[[gnu::always_inline]] inline float exp_neg(float s) {
   const bool in_range = below(s, 87.0f);
   const float y = select(in_range, -s, -87.0f);
   const float kf = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(y / ln 2): 1.5 * 2^23
@@ -55,7 +56,7 @@ inline float exp_neg(float s) {
 
 // exp(y) for y <= 0 (softmax's exp(x - max)), NaN for NaN: exp_neg, as fast, but a NaN logit
 // still makes its row NaN, as std::exp did (a loss must not hide it).
-inline float exp_nonpositive(float y) {
+[[gnu::always_inline]] inline float exp_nonpositive(float y) {
   const float e = exp_neg(-y);
   return select(y == y, e, y);
 }
@@ -65,7 +66,7 @@ struct GeluTerms {
   float gauss;  // exp(-x^2 / 2); phi(x) = gauss / sqrt(2 pi)
 };
 
-inline GeluTerms gelu_terms(float x) {
+[[gnu::always_inline]] inline GeluTerms gelu_terms(float x) {
   const float z = x * kInvSqrt2;
   const float a = std::fabs(z);
   const float s = z * z;
