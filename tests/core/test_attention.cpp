@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,8 @@
 #include <vector>
 
 #include "core/ops.hpp"
+#include "core/ops/cpu/cpu_ops.hpp"
+#include "core/ops/cpu/vec_math.hpp"
 #include "core/rng.hpp"
 #include "core/tensor_test_util.hpp"
 
@@ -202,6 +205,43 @@ TEST(Attention, PlainBackwardMatchesFiniteDifferences) {
         const double numeric = (up - down) / (2.0 * h), analytic = grad->data<float>()[i];
         ASSERT_LE(std::fabs(analytic - numeric), 1e-2 * std::max(std::fabs(analytic), std::fabs(numeric)) + 1e-3)
             << name << "[" << i << "] analytic " << analytic << " numeric " << numeric;
+      }
+    }
+  }
+}
+
+// ---- the softmax row kernels give the same bits at every vector width ----------------------------
+
+// ops::cpu::exp_and_sum and softmax_backward_row run at this CPU's widest vector width
+// (ops::cpu_kernel_isa); the same arithmetic one element at a time in baseline x86-64 code (this
+// file) gives the same bits, so every CPU computes attention alike.
+TEST(Attention, SoftmaxRowKernelsGiveTheSameBitsAtEveryVectorWidth) {
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (const int64_t n : {1, 7, 16, 31, 64, 100, 257}) {
+    std::vector<float> s(static_cast<size_t>(n)), g(s.size()), f(s.size());
+    for (size_t c = 0; c < s.size(); ++c) s[c] = normal(gen), g[c] = normal(gen), f[c] = c % 3 ? 1.25f : 0.0f;
+    const float m = *std::max_element(s.begin(), s.end()), lse = m + 1.5f, d = 0.3f;
+    std::vector<float> got = s;
+    const float sum = ops::cpu::exp_and_sum(got.data(), n, m);
+    float lanes[16] = {}, want_sum = 0.0f;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+      for (int64_t l = 0; l < 16; ++l) lanes[l] += ops::cpu::vec_math::exp_nonpositive(s[c + l] - m);
+    for (const float lane : lanes) want_sum += lane;
+    for (; c < n; ++c) want_sum += ops::cpu::vec_math::exp_nonpositive(s[c] - m);
+    EXPECT_EQ(std::bit_cast<uint32_t>(sum), std::bit_cast<uint32_t>(want_sum)) << "n " << n;
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]),
+                std::bit_cast<uint32_t>(ops::cpu::vec_math::exp_nonpositive(s[i] - m)));
+    for (const bool dropout : {false, true}) {
+      std::vector<float> gs = s, gg = g;
+      ops::cpu::softmax_backward_row(gs.data(), gg.data(), dropout ? f.data() : nullptr, n, lse, d);
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = ops::cpu::vec_math::exp_nonpositive(s[i] - lse), fi = dropout ? f[i] : 1.0f;
+        ASSERT_EQ(std::bit_cast<uint32_t>(gs[i]), std::bit_cast<uint32_t>(p * fi)) << "n " << n << " i " << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(gg[i]), std::bit_cast<uint32_t>(p * (g[i] * fi - d)))
+            << "n " << n << " i " << i << " on " << ops::cpu_kernel_isa();
       }
     }
   }

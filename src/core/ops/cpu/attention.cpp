@@ -19,6 +19,53 @@
 
 namespace strata::ops::cpu {
 
+// The softmax loops of a row, as span kernels at the CPU's vector width (STRATA_KERNEL_CLONES;
+// this file builds without FP contraction), written so that their bits do not depend on it.
+
+// s = exp(s - m) in place, for m >= every s; returns the sum, added in 16 fixed lanes and then
+// in order (any vector width holds whole lanes, so the order is the same on every CPU).
+STRATA_KERNEL_CLONES float exp_and_sum(float* s, int64_t n, float m) {
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float e = vec_math::exp_nonpositive(s[c + l] - m);
+      s[c + l] = e;
+      lanes[l] += e;
+    }
+  }
+  float sum = 0.0f;
+  for (const float lane : lanes) sum += lane;
+  for (; c < n; ++c) {
+    s[c] = vec_math::exp_nonpositive(s[c] - m);
+    sum += s[c];
+  }
+  return sum;
+}
+
+// The memory-efficient backward's row of a tile: P = exp(s - lse) from the scores, then with
+// the dropout factors f (nullptr: none) s = P f (what multiplied v) and g = P (g f - d) (dS from
+// d(dropped P)).
+STRATA_KERNEL_CLONES void softmax_backward_row(float* s, float* g, const float* f, int64_t n, float lse, float d) {
+  if (f == nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) {
+      const float p = vec_math::exp_nonpositive(s[c] - lse);
+      s[c] = p;
+      g[c] = p * (g[c] - d);
+    }
+    return;
+  }
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) {
+    const float p = vec_math::exp_nonpositive(s[c] - lse);
+    s[c] = p * f[c];
+    g[c] = p * (g[c] * f[c] - d);
+  }
+}
+
 namespace {
 
 // ---- embedding helpers -----------------------------------------------------------------------
@@ -246,13 +293,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
       float* row = ph + i * t;
       float mx = row[0];
       for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j <= i; ++j) {
-        row[j] = vec_math::exp_nonpositive(row[j] - mx);
-        sum += row[j];
-      }
-      const float inv = 1.0f / sum;
+      const float inv = 1.0f / exp_and_sum(row, i + 1, mx);
       for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
       std::fill(row + i + 1, row + t, 0.0f);
       if (!dropped) continue;
@@ -349,13 +390,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
               for (int64_t c = 0; c < dh; ++c) ar[c] *= alpha;
             }
             mrow[r] = mnew;
-            float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-            for (int64_t c = 0; c < valid; ++c) {
-              sr[c] = vec_math::exp_nonpositive(sr[c] - mnew);
-              l += sr[c];
-            }
-            lrow[r] += l;
+            lrow[r] += exp_and_sum(sr, valid, mnew);
             if (drop.active) {
               drop.row(i, j0, valid, factor.get());
               for (int64_t c = 0; c < valid; ++c) sr[c] *= factor[c];
@@ -413,14 +448,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
             const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
             float* sr = s.get() + r * kTile;  // P, then the dropped P
             float* gr = g.get() + r * kTile;  // d(dropped P), then dS
-            const float li = lh[i], di = drow[i];
             if (drop.active) drop.row(i, j0, valid, factor.get());
-            for (int64_t c = 0; c < valid; ++c) {
-              const float pr = vec_math::exp_nonpositive(sr[c] - li);
-              const float f = drop.active ? factor[c] : 1.0f;
-              sr[c] = pr * f;
-              gr[c] = pr * (gr[c] * f - di);
-            }
+            softmax_backward_row(sr, gr, drop.active ? factor.get() : nullptr, valid, lh[i], drow[i]);
             std::fill(sr + valid, sr + nc, 0.0f);
             std::fill(gr + valid, gr + nc, 0.0f);
           }
