@@ -42,8 +42,8 @@ def case_llama_equivalence(args):
     dp 2, tp 2 (kv heads split), tp 4 (2 kv heads, each on 2 ranks), tp 2 x dp 2 ZeRO 2, tp 2 x
     pp 2, the interleaved schedule with and without tp 2, recompute block and full (with tp 2),
     untied; tied for dp 2, pp 2, tp 2 and ZeRO 3; multi-query (1 kv head) under tp 2 and tp 4
-    (replicated on every rank). bf16 tp 2 against bf16 on 1 rank within 5 bf16 ulps of each
-    tensor's max abs value (as the GPT's, cases_tensor_parallel.py)."""
+    (replicated on every rank). bf16 tp 2 against bf16 on 1 rank within 8 bf16 ulps of each
+    tensor's max abs value (see below)."""
     data = tokenize(args, "byte")
     interleaved = ("--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batch", "4")
     layouts = {
@@ -81,10 +81,15 @@ def case_llama_equivalence(args):
         assert_close(model, reference, f"llama multi-query {name} vs 1 rank")
 
     # bf16: see cases_tensor_parallel.case_tp_equivalence (a row-parallel sum of bf16 partial products).
+    # The worst tensor is the untied embedding's, whose gradient the LM head's bf16 dlogits feed:
+    # the rounding of a row's softmax sum scales every probability of the row alike, so it moves
+    # that row's bf16 gradients together instead of at random. Measured: 3.0 ulps, and 5.5 once
+    # the loss summed each row in 16 fixed lanes instead of the SSE loop's order (7 December);
+    # tolerance 8.
     bf16 = ["--precision", "bf16"]
     reference, _ = run(args, 1, SGD + UNTIED + bf16, data, "bf16-1")
     model, _ = run(args, 2, SGD + UNTIED + bf16 + ["--tp", "2"], data, "bf16-tp2")
-    assert_bf16_close(model, reference, "llama bf16 tp 2 vs bf16 1 rank", ulps=5.0)
+    assert_bf16_close(model, reference, "llama bf16 tp 2 vs bf16 1 rank", ulps=8.0)
 
 
 def losses(args, ranks, flags, name):

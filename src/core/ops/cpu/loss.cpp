@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
-#include "core/ops/cpu/vec_math.hpp"
 
 namespace strata::ops::cpu {
 
@@ -41,12 +40,8 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
     float mx = in[0];
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 1; j < k; ++j) mx = std::max(mx, in[j]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < k; ++j) {
-      out[j] = vec_math::exp_nonpositive(in[j] - mx);
-      sum += out[j];
-    }
+    std::copy(in, in + k, out);
+    const float sum = exp_and_sum(out, k, mx);  // at the CPU's vector width
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < k; ++j) out[j] *= inv;
     // -log softmax[label] = log(sum) - (x[label] - max)
