@@ -139,7 +139,7 @@ PlanningShapes planning_shapes(const Config& config) {
 
 // --dry-run --plan: the search's table, the fastest layouts first, each with its command.
 std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int world_size) {
-  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
   const parallel::SearchResult r = search(config, shapes, world_size, rates);
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size
@@ -205,7 +205,7 @@ std::string step_time_line(const Config& config, const layers::Model& model,
   parallel::LayoutChoice choice;
   choice.layout = layout_of(config, world_size / (config.layout.pp * config.layout.tp));
   choice.recompute = layers::parse_recompute(config.model.recompute);
-  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
   const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.layout.global_batch, rates);
   char line[300];
   std::snprintf(line, sizeof line,
@@ -220,11 +220,12 @@ std::string step_time_line(const Config& config, const layers::Model& model,
 
 namespace {
 
-// FLOP/s of a (rows x 512) x (512 x 512) f32 GEMM on this CPU, best of 5 (enough repeats that
-// each timing is ~2^27 multiply-adds).
-double gemm_rate(int64_t rows) {
+// FLOP/s of a (rows x 512) x (512 x 512) GEMM in `dtype` on this CPU, best of 5 (enough repeats
+// that each timing is ~2^27 multiply-adds): bf16 runs at twice the f32 rate on bf16 units.
+double gemm_rate(int64_t rows, DType dtype) {
   constexpr int64_t n = 512;
-  const Tensor a = Tensor::zeros({rows, n}), b = Tensor::zeros({n, n}), c = Tensor::empty({rows, n});
+  const Tensor a = Tensor::zeros({rows, n}, dtype), b = Tensor::zeros({n, n}, dtype),
+               c = Tensor::empty({rows, n}, dtype);
   const int64_t repeats = std::max<int64_t>(1, n / rows);
   double best = 1e30;
   for (int k = 0; k < 5; ++k) {
@@ -237,15 +238,15 @@ double gemm_rate(int64_t rows) {
 
 }  // namespace
 
-double compute_rate(const PlanSettings& plan, DeviceKind device) {
+double compute_rate(const PlanSettings& plan, DeviceKind device, DType precision) {
   if (plan.tflops > 0) return plan.tflops * 1e12;
   if (device != DeviceKind::CPU) return 300e12;
-  return gemm_rate(512);
+  return gemm_rate(512, precision);
 }
 
-parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device) {
+parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision) {
   parallel::Rates rates;
-  rates.flops_per_s = compute_rate(plan, device);
+  rates.flops_per_s = compute_rate(plan, device, precision);
   rates.bytes_per_s = plan.gbps * 1e9;
   if (plan.rows > 0) {
     rates.half_rate_rows = plan.rows;
@@ -255,7 +256,8 @@ parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device) {
     // rate(rows) = peak * rows / (rows + h): the 8- and 512-row rates give h, and the 512-row
     // rate is what flops_per_s holds, so the planner's peak is it scaled to infinite rows.
     // (From large / small = 64 (8 + h) / (512 + h); a rate falling faster than that: the cap.)
-    const double large = plan.tflops > 0 ? gemm_rate(512) : rates.flops_per_s, small = gemm_rate(8);
+    const double large = plan.tflops > 0 ? gemm_rate(512, precision) : rates.flops_per_s,
+                 small = gemm_rate(8, precision);
     constexpr double kMaxRows = 4096;
     rates.half_rate_rows = small >= large        ? 0
                            : large >= 64 * small ? kMaxRows
@@ -447,7 +449,7 @@ void choose_layout(Config& config, MPI_Comm world) {
   int64_t chosen[6] = {};
   parallel::agree(world, [&] {
     if (rank != 0) return;
-    const parallel::Rates rates = planning_rates(config.plan, config.runtime.device);
+    const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
     const parallel::SearchResult r = search(config, planning_shapes(config), world_size, rates);
     STRATA_REQUIRE(!r.fitting.empty(), "--layout auto: no layout of ", world_size, " ranks fits ",
                    log::format_bytes(config.plan.device_memory), " per rank; the smallest, ", layout_text(r.smallest),

@@ -45,12 +45,12 @@ std::string plan_report(const Config& config, const layers::Model& model,
                         const std::vector<parallel::StageRange>& stages, const std::vector<parallel::RankBytes>& ranks);
 
 // A rank's compute rate in FLOP/s (--plan's step-time model, MFU's denominator): --plan-tflops,
-// or on the CPU a 512^3 f32 GEMM timed here (best of 5); 300 TFLOP/s on a GPU.
-double compute_rate(const PlanSettings& plan, DeviceKind device);
+// or on the CPU a 512^3 GEMM in the run's precision timed here (best of 5); 300 TFLOP/s on a GPU.
+double compute_rate(const PlanSettings& plan, DeviceKind device, DType precision);
 // The planner's rates: compute as compute_rate's on large products, how it falls for products of
 // few rows (--plan-rows, or on the CPU measured from 8- and 512-row GEMMs; 1024 on a GPU: an
 // estimate), and --plan-gbps.
-parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device);
+parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision);
 
 // --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
 // (plan_ranks) needs more, naming the fullest rank, its parts and the largest.

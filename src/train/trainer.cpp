@@ -26,8 +26,9 @@ Trainer::Trainer(const Config& config, MPI_Comm world) : config_(config) {
                                                   device, config_.runtime.shared_memory);
   ops::set_allow_tf32(config_.runtime.tf32);
   const bool rate_known = device.is_cpu() || config_.plan.tflops > 0;  // else no MFU
-  monitor_ = std::make_unique<Monitor>(config_.monitor, *grid_,
-                                       rate_known ? compute_rate(config_.plan, config_.runtime.device) : 0.0);
+  monitor_ = std::make_unique<Monitor>(
+      config_.monitor, *grid_,
+      rate_known ? compute_rate(config_.plan, config_.runtime.device, config_.layout.precision) : 0.0);
   checkpoints_ = std::make_unique<io::CheckpointManager>(config_.checkpoint, *grid_);
   const int rank = grid_->world().rank();
   for (const auto& [flag, spec] : {std::pair{"--data", config_.data.train}, {"--val-data", config_.data.val}})

@@ -29,7 +29,7 @@ void parallel_for(int64_t n, const F f) {
 }
 
 // Calls f(lo, hi) on one contiguous span of [0, n) per OpenMP thread, or f(0, n) on the calling
-// thread when n is small: for kernels written over a span (see kKernelClones).
+// thread when n is small: for kernels written over a span (see STRATA_KERNEL_CLONES).
 template <class F>
 void parallel_spans(int64_t n, const F& f) {
   if (n < kParallelGrain || omp_get_max_threads() == 1) return f(int64_t{0}, n);

@@ -104,13 +104,15 @@ void bf16_matmul_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, f
   const dnnl::engine& engine = dnnl_cpu();
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
   // oneDNN threads a primitive over omp_get_max_threads() outside a parallel region: one here.
-  const int threads = omp_get_max_threads();
-  omp_set_num_threads(1);
+  struct OneThread {
+    const int threads = omp_get_max_threads();
+    OneThread() { omp_set_num_threads(1); }
+    ~OneThread() { omp_set_num_threads(threads); }
+  } one_thread;
   dnnl::stream stream(engine);
   dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, dnnl::memory(ad, engine, const_cast<bf16*>(a))},
                                     {DNNL_ARG_WEIGHTS, dnnl::memory(bd, engine, const_cast<bf16*>(b))},
                                     {DNNL_ARG_DST, dnnl::memory(cd, engine, c)}});
-  omp_set_num_threads(threads);
 }
 
 }  // namespace
