@@ -38,7 +38,7 @@ std::string blas_kernel_warning();
 std::string bf16_matrix_units();
 // The vector width the hot element-wise CPU kernels (GELU) run at on this CPU: "AVX-512", "AVX2" or
 // "SSE2", chosen when the program loads from versions compiled for each (same bits on all three);
-// "the build's -march" when built for one CPU (-DSTRATA_MARCH).
+// "the build's target (one version)" when built for one CPU (-DSTRATA_MARCH) or under TSan.
 std::string cpu_kernel_isa();
 
 // GPU matrix products in f32 may use TF32 tensor cores (off by default, as in PyTorch's

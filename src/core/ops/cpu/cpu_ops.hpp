@@ -44,11 +44,15 @@ void parallel_spans(int64_t n, const F& f) {
 // dynamic loader keeps the widest this CPU runs (GCC's target_clones: an ifunc resolved at load),
 // so one portable binary runs 512-bit code where it can. None of the three may fuse a multiply
 // and an add (their files build with -ffp-contract=off: AVX-512F has FMA), so an element-wise
-// kernel gives the same bits on every CPU; ops::cpu_kernel_isa() names the one chosen.
-#if defined(__x86_64__) && !defined(__AVX512F__)
+// kernel gives the same bits on every CPU; ops::cpu_kernel_isa() names the one chosen. Not under
+// ThreadSanitizer: the resolver runs while the loader relocates, before TSan's runtime is up,
+// and TSan's instrumentation of it crashes the program there.
+#if defined(__x86_64__) && !defined(__AVX512F__) && !defined(__SANITIZE_THREAD__)
 #define STRATA_KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define STRATA_HAS_KERNEL_CLONES 1
 #else
-#define STRATA_KERNEL_CLONES  // built for one CPU (-march) or not x86: one version
+#define STRATA_KERNEL_CLONES  // built for one CPU (-march), not x86, or under TSan: one version
+#define STRATA_HAS_KERNEL_CLONES 0
 #endif
 
 // Runs f(r) for independent rows r in [0, rows) (planes, channels), each worth `row_work`

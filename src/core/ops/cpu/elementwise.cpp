@@ -50,11 +50,11 @@ STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, fl
 }  // namespace
 
 std::string kernel_isa() {
-#if defined(__x86_64__) && !defined(__AVX512F__)
+#if STRATA_HAS_KERNEL_CLONES
   __builtin_cpu_init();  // the predicates of target_clones' resolver
   return __builtin_cpu_supports("avx512f") ? "AVX-512" : __builtin_cpu_supports("avx2") ? "AVX2" : "SSE2";
 #else
-  return "the build's -march";
+  return "the build's target (one version)";
 #endif
 }
 
