@@ -222,8 +222,8 @@ TEST(Attention, SoftmaxRowKernelsGiveTheSameBitsAtEveryVectorWidth) {
     std::vector<float> s(static_cast<size_t>(n)), g(s.size()), f(s.size());
     for (size_t c = 0; c < s.size(); ++c) s[c] = normal(gen), g[c] = normal(gen), f[c] = c % 3 ? 1.25f : 0.0f;
     const float m = *std::max_element(s.begin(), s.end()), lse = m + 1.5f, d = 0.3f;
-    std::vector<float> got = s;
-    const float sum = ops::cpu::exp_and_sum(got.data(), n, m);
+    std::vector<float> got(s.size());
+    const float sum = ops::cpu::exp_and_sum(s.data(), got.data(), n, m);
     float lanes[16] = {}, want_sum = 0.0f;
     int64_t c = 0;
     for (; c + 16 <= n; c += 16)

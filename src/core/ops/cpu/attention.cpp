@@ -22,25 +22,25 @@ namespace strata::ops::cpu {
 // The softmax loops of a row, as span kernels at the CPU's vector width (STRATA_KERNEL_CLONES;
 // this file builds without FP contraction), written so that their bits do not depend on it.
 
-// s = exp(s - m) in place, for m >= every s; returns the sum, added in 16 fixed lanes and then
-// in order (any vector width holds whole lanes, so the order is the same on every CPU).
-STRATA_KERNEL_CLONES float exp_and_sum(float* s, int64_t n, float m) {
+// out = exp(x - m), for m >= every x (out may be x); returns the sum, added in 16 fixed lanes and
+// then in order (any vector width holds whole lanes, so the order is the same on every CPU).
+STRATA_KERNEL_CLONES float exp_and_sum(const float* x, float* out, int64_t n, float m) {
   constexpr int64_t kLanes = 16;
   float lanes[kLanes] = {};
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
 #pragma omp simd
     for (int64_t l = 0; l < kLanes; ++l) {
-      const float e = vec_math::exp_nonpositive(s[c + l] - m);
-      s[c + l] = e;
+      const float e = vec_math::exp_nonpositive(x[c + l] - m);
+      out[c + l] = e;
       lanes[l] += e;
     }
   }
   float sum = 0.0f;
   for (const float lane : lanes) sum += lane;
   for (; c < n; ++c) {
-    s[c] = vec_math::exp_nonpositive(s[c] - m);
-    sum += s[c];
+    out[c] = vec_math::exp_nonpositive(x[c] - m);
+    sum += out[c];
   }
   return sum;
 }
@@ -293,7 +293,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
       float* row = ph + i * t;
       float mx = row[0];
       for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      const float inv = 1.0f / exp_and_sum(row, i + 1, mx);
+      const float inv = 1.0f / exp_and_sum(row, row, i + 1, mx);
       for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
       std::fill(row + i + 1, row + t, 0.0f);
       if (!dropped) continue;
@@ -390,7 +390,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
               for (int64_t c = 0; c < dh; ++c) ar[c] *= alpha;
             }
             mrow[r] = mnew;
-            lrow[r] += exp_and_sum(sr, valid, mnew);
+            lrow[r] += exp_and_sum(sr, sr, valid, mnew);
             if (drop.active) {
               drop.row(i, j0, valid, factor.get());
               for (int64_t c = 0; c < valid; ++c) sr[c] *= factor[c];

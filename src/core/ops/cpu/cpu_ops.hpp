@@ -119,7 +119,7 @@ void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const Dropout
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
 // Attention's softmax row loops (attention.cpp), span kernels that give the same bits at every vector width.
-float exp_and_sum(float* s, int64_t n, float m);
+float exp_and_sum(const float* x, float* out, int64_t n, float m);
 void softmax_backward_row(float* s, float* g, const float* f, int64_t n, float lse, float d);
 void add_bias(const Tensor& y, const Tensor& bias);
 void bias_grad(const Tensor& dy, const Tensor& db);

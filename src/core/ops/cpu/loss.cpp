@@ -40,8 +40,7 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
     float mx = in[0];
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 1; j < k; ++j) mx = std::max(mx, in[j]);
-    std::copy(in, in + k, out);
-    const float sum = exp_and_sum(out, k, mx);  // at the CPU's vector width
+    const float sum = exp_and_sum(in, out, k, mx);  // at the CPU's vector width
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < k; ++j) out[j] *= inv;
     // -log softmax[label] = log(sum) - (x[label] - max)
