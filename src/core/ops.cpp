@@ -6,7 +6,8 @@
 // Dtype rules (mixed precision): activations and parameters share one float dtype T (f32,
 // bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
-// scratch and outputs rounded back (F32Staging), i.e. low-precision storage, f32 arithmetic,
+// scratch and outputs rounded back (F32Staging; the loss, over rows as long as a vocabulary, a
+// row at a time: cpu::f32_row), i.e. low-precision storage, f32 arithmetic,
 // which is also what the CUDA kernels do (f32 accumulation). f32 tensors pass through as is.
 // The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
 // (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
@@ -149,7 +150,8 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_like(y, x, "y");
   const Device d = common_device({&x, &y});
-  if (d.is_meta()) return meta_op({&x, &y}, true);
+  if (d.is_meta()) return meta_op({&x, &y}, x.dtype() == DType::F16);
+  if (d.is_cpu() && x.dtype() != DType::F16) return cpu::gelu_forward(x, y);  // f32 or bf16 as they are
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_forward(s.in(x), s.out(y)); });
   STRATA_CUDA_OP(d, gelu_forward, x, y);
 }
@@ -159,7 +161,8 @@ void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   check_like(dy, x, "dy");
   check_like(dx, x, "dx");
   const Device d = common_device({&x, &dy, &dx});
-  if (d.is_meta()) return meta_op({&x, &dy, &dx}, true);
+  if (d.is_meta()) return meta_op({&x, &dy, &dx}, x.dtype() == DType::F16);
+  if (d.is_cpu() && x.dtype() != DType::F16) return cpu::gelu_backward(x, dy, dx);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::gelu_backward(s.in(x), s.in(dy), s.out(dx)); });
   STRATA_CUDA_OP(d, gelu_backward, x, dy, dx);
 }
@@ -255,8 +258,8 @@ void add_bias(const Tensor& y, const Tensor& bias) {
   check_rows_and_vec(y, bias, "y", "bias");
   check_same_dtype(bias, y, "bias");
   const Device d = common_device({&y, &bias});
-  if (d.is_meta()) return meta_op({&y, &bias}, true);
-  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add_bias(s.inout(y), s.in(bias)); });
+  if (d.is_meta()) return meta_op({&y, &bias}, false);
+  if (d.is_cpu()) return cpu::add_bias(y, bias);  // stages a row at a time
   STRATA_CUDA_OP(d, add_bias, y, bias);
 }
 
@@ -264,8 +267,8 @@ void bias_grad(const Tensor& dy, const Tensor& db) {
   check_rows_and_vec(dy, db, "dy", "db");
   check_grad_dtype(db, dy, "db");
   const Device d = common_device({&dy, &db});
-  if (d.is_meta()) return meta_op({&dy, &db}, true);
-  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::bias_grad(s.in(dy), s.inout(db)); });
+  if (d.is_meta()) return meta_op({&dy, &db}, false);
+  if (d.is_cpu()) return cpu::bias_grad(dy, db);  // stages a row at a time
   STRATA_CUDA_OP(d, bias_grad, dy, db);
 }
 
@@ -287,9 +290,8 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   check_float(probs, "probs");
   check_shape(probs, logits.shape(), "probs");
   const Device d = common_device({&logits, &labels, &probs});
-  if (d.is_meta()) return meta_op({&logits, &labels, &probs}, true), 0;
-  if (d.is_cpu())
-    return on_cpu([&](F32Staging& s) { return cpu::softmax_xent_forward(s.in(logits), labels, s.out(probs)); });
+  if (d.is_meta()) return meta_op({&logits, &labels, &probs}, false), 0;
+  if (d.is_cpu()) return cpu::softmax_xent_forward(logits, labels, probs);  // stages a row at a time
   STRATA_CUDA_OP(d, softmax_xent_forward, logits, labels, probs);
 }
 
@@ -298,17 +300,16 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
   check_float(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
   const Device d = common_device({&probs, &labels, &dlogits});
-  if (d.is_meta()) return meta_op({&probs, &labels, &dlogits}, true);
-  if (d.is_cpu())
-    return on_cpu([&](F32Staging& s) { cpu::softmax_xent_backward(s.in(probs), labels, s.out(dlogits), scale); });
+  if (d.is_meta()) return meta_op({&probs, &labels, &dlogits}, false);
+  if (d.is_cpu()) return cpu::softmax_xent_backward(probs, labels, dlogits, scale);
   STRATA_CUDA_OP(d, softmax_xent_backward, probs, labels, dlogits, scale);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   check_logits_labels(logits, labels, "logits");
   const Device d = common_device({&logits, &labels});
-  if (d.is_meta()) return meta_op({&logits, &labels}, true), 0;
-  if (d.is_cpu()) return on_cpu([&](F32Staging& s) { return cpu::count_correct(s.in(logits), labels); });
+  if (d.is_meta()) return meta_op({&logits, &labels}, false), 0;
+  if (d.is_cpu()) return cpu::count_correct(logits, labels);
   STRATA_CUDA_OP(d, count_correct, logits, labels);
 }
 

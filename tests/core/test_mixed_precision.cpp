@@ -58,6 +58,9 @@ TEST_P(LowPrecision, ElementwiseAndActivationsRoundOnce) {
   ops::gelu_forward(x, y);
   ops::gelu_forward(xf, yf);
   expect_same_bits(y, converted(yf, dt), "gelu");
+  ops::gelu_backward(x, b, y);
+  ops::gelu_backward(xf, bf, yf);
+  expect_same_bits(y, converted(yf, dt), "gelu_backward");
   ops::add(x, b, y);
   ops::add(xf, bf, yf);
   expect_same_bits(y, converted(yf, dt), "add");
@@ -67,6 +70,53 @@ TEST_P(LowPrecision, ElementwiseAndActivationsRoundOnce) {
   ops::dropout_forward(x, y, 0.3f, {7, 1, 0});
   ops::dropout_forward(xf, yf, 0.3f, {7, 1, 0});
   expect_same_bits(y, converted(yf, dt), "dropout");
+}
+
+// The bias ops stage a row at a time (bias_grad into an f32 or a low-precision gradient).
+TEST_P(LowPrecision, BiasOpsRoundOnce) {
+  const DType dt = GetParam();
+  auto [y, yf] = rounded({61, 17}, 8);
+  auto [bias, biasf] = rounded({17}, 9);
+  ops::add_bias(y, bias);
+  ops::add_bias(yf, biasf);
+  expect_same_bits(y, converted(yf, dt), "add_bias");
+  yf = converted(y, DType::F32);
+  Tensor db = rand_f32({17}, 10), dbf = db.clone();
+  ops::bias_grad(y, db);
+  ops::bias_grad(yf, dbf);
+  expect_same_bits(db, dbf, "bias_grad into f32");
+  Tensor dbl = converted(rand_f32({17}, 11), dt), dblf = converted(dbl, DType::F32);
+  ops::bias_grad(y, dbl);
+  ops::bias_grad(yf, dblf);
+  expect_same_bits(dbl, converted(dblf, dt), "bias_grad into the low-precision dtype");
+}
+
+// Casts run at the CPU's vector width: the same bits as the scalar conversions (dtype.hpp, tested
+// exhaustively against their definition in test_dtype), for every bf16 and for f32 patterns
+// around each rounding case (ties, NaN payloads, infinities, subnormals, the largest finite).
+TEST(Casts, MatchTheScalarConversions) {
+  Tensor all_bf16 = Tensor::empty({1 << 16}, DType::BF16), widened = Tensor::empty({1 << 16});
+  for (uint32_t b = 0; b < (1u << 16); ++b) all_bf16.data<bf16>()[b].bits = static_cast<uint16_t>(b);
+  ops::cast(all_bf16, widened);
+  for (uint32_t b = 0; b < (1u << 16); ++b) {
+    const float want = all_bf16.data<bf16>()[b].to_float();
+    ASSERT_EQ(std::memcmp(&widened.data<float>()[b], &want, 4), 0) << std::hex << b;
+  }
+  std::vector<uint32_t> patterns;
+  std::mt19937 gen(12);
+  for (uint32_t high = 0; high < (1u << 16); high += 7)  // each low half that rounds differently
+    for (uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu, static_cast<uint32_t>(gen() & 0xffff)})
+      patterns.push_back(high << 16 | low);
+  for (uint32_t special :
+       {0x7f7fffffu, 0x7f7f8000u, 0x7f800000u, 0x7f800001u, 0x7fc00000u, 0xffffffffu, 0x00000001u, 0x807fffffu})
+    patterns.push_back(special);
+  const auto n = static_cast<int64_t>(patterns.size());
+  Tensor f = Tensor::empty({n}), rounded_bf16 = Tensor::empty({n}, DType::BF16);
+  std::memcpy(f.raw(), patterns.data(), f.nbytes());
+  ops::cast(f, rounded_bf16);
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(rounded_bf16.data<bf16>()[i].bits, bf16::from_float(f.data<float>()[i]).bits)
+        << std::hex << patterns[static_cast<size_t>(i)];
 }
 
 // Each element of the exact product's error bound: |computed - exact| <= slack * sum_k |a||b| in f32
@@ -182,13 +232,19 @@ TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {
 
 TEST_P(LowPrecision, LossAndOverflowDetection) {
   const DType dt = GetParam();
-  auto [logits, logitsf] = rounded({5, 7}, 12);
-  Tensor labels = Tensor::empty({5}, DType::I32);
-  for (int i = 0; i < 5; ++i) labels.data<int32_t>()[i] = (3 * i) % 7;
-  Tensor probs = Tensor::empty({5, 7}, dt), probsf = Tensor::empty({5, 7});
-  EXPECT_EQ(ops::softmax_xent_forward(logits, labels, probs), ops::softmax_xent_forward(logitsf, labels, probsf));
-  expect_same_bits(probs, converted(probsf, dt), "softmax probabilities");
-  EXPECT_EQ(ops::count_correct(logits, labels), ops::count_correct(logitsf, labels));
+  for (const int64_t k : {7, 1500}) {  // short rows, and rows as long as a vocabulary
+    auto [logits, logitsf] = rounded({5, k}, 12);
+    Tensor labels = Tensor::empty({5}, DType::I32);
+    for (int i = 0; i < 5; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((3 * i) % k);
+    Tensor probs = Tensor::empty({5, k}, dt), probsf = Tensor::empty({5, k});
+    EXPECT_EQ(ops::softmax_xent_forward(logits, labels, probs), ops::softmax_xent_forward(logitsf, labels, probsf));
+    expect_same_bits(probs, converted(probsf, dt), "softmax probabilities");
+    EXPECT_EQ(ops::count_correct(logits, labels), ops::count_correct(logitsf, labels));
+    Tensor dlogits = Tensor::empty({5, k}, dt), dlogitsf = Tensor::empty({5, k});
+    ops::softmax_xent_backward(probs, labels, dlogits, 0.2f);
+    ops::softmax_xent_backward(converted(probs, DType::F32), labels, dlogitsf, 0.2f);
+    expect_same_bits(dlogits, converted(dlogitsf, dt), "softmax cross-entropy gradient");
+  }
 
   Tensor g = converted(rand_f32({100}, 13), dt);
   EXPECT_TRUE(ops::all_finite(g));

@@ -103,6 +103,19 @@ void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, con
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);
+// n elements of dtype `from` to dtype `to` on the calling thread (f32 <-> bf16 at the CPU's
+// vector width).
+void cast_span(const void* in, DType from, void* out, DType to, int64_t n);
+// Row-at-a-time f32 staging, for kernels over long rows (the loss over a vocabulary) that would
+// otherwise widen and round whole tensors through memory; the same bits as staging the tensor.
+// f32_row: elements [first, first + n) of t in f32, t's own where t is f32, else widened into
+// scratch. f32_out_row: where a kernel writes that row in f32 (t's own, or scratch), which
+// store_row then rounds into t (nothing to do where t is f32); f32_inout_row: the same, holding
+// the row's values.
+const float* f32_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
+float* f32_inout_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
+float* f32_out_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
+void store_row(const float* v, const Tensor& t, int64_t first, int64_t n);
 void axpy(float alpha, const Tensor& x, const Tensor& y);
 void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& x, float alpha);

@@ -1,7 +1,9 @@
 // CPU element-wise ops: the functors of ops/functors.hpp applied by parallel_for (GELU: its own
-// vectorisable loops, vec_math.hpp), plus casts and u8 image normalisation.
+// vectorisable loops, vec_math.hpp, on f32 or bf16), plus casts and u8 image normalisation.
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 #include "core/ops/cpu/vec_math.hpp"
@@ -29,22 +31,83 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
 }
 
-// Exact GELU with vec_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
-// functors, which call erff and expf), compiled per vector width (STRATA_KERNEL_CLONES).
+// The two casts of every bf16 op's f32 staging, at the CPU's vector width: the same bit
+// operations as bf16's own (dtype.hpp), on every lane.
 namespace {
 
-STRATA_KERNEL_CLONES void gelu_forward_span(const float* in, float* out, int64_t n) {
+[[gnu::always_inline]] inline void widen_bf16(const bf16* in, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i].to_float();
+}
+
+[[gnu::always_inline]] inline void round_to_bf16(const float* in, bf16* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16::from_float(in[i]);
+}
+
+STRATA_KERNEL_CLONES void widen_bf16_span(const bf16* in, float* out, int64_t n) { widen_bf16(in, out, n); }
+STRATA_KERNEL_CLONES void round_to_bf16_span(const float* in, bf16* out, int64_t n) { round_to_bf16(in, out, n); }
+
+// Exact GELU with vec_math.hpp's vectorisable erf and exp (the CUDA kernels keep the
+// functors, which call erff and expf), compiled per vector width (STRATA_KERNEL_CLONES).
+[[gnu::always_inline]] inline void gelu_forward_f32(const float* in, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = in[i] * vec_math::gelu_terms(in[i]).cdf;
 }
 
 // d/dx x Phi(x) = Phi(x) + x phi(x)
-STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, float* out, int64_t n) {
+[[gnu::always_inline]] inline void gelu_backward_f32(const float* in, const float* g, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const vec_math::GeluTerms t = vec_math::gelu_terms(in[i]);
     out[i] = g[i] * (t.cdf + in[i] * (vec_math::kInvSqrt2Pi * t.gauss));
   }
+}
+
+// bf16 spans are staged in f32 a block at a time, in buffers that stay in L1: the bits of
+// staging whole tensors, in one pass over memory instead of three.
+constexpr int64_t kStagingBlock = 512;
+
+STRATA_KERNEL_CLONES void gelu_forward_span(const float* in, float* out, int64_t n) { gelu_forward_f32(in, out, n); }
+
+STRATA_KERNEL_CLONES void gelu_forward_span(const bf16* in, bf16* out, int64_t n) {
+  float x[kStagingBlock], y[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(in + lo, x, len);
+    gelu_forward_f32(x, y, len);
+    round_to_bf16(y, out + lo, len);
+  }
+}
+
+STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, float* out, int64_t n) {
+  gelu_backward_f32(in, g, out, n);
+}
+
+STRATA_KERNEL_CLONES void gelu_backward_span(const bf16* in, const bf16* g, bf16* out, int64_t n) {
+  float x[kStagingBlock], dy[kStagingBlock], dx[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(in + lo, x, len);
+    widen_bf16(g + lo, dy, len);
+    gelu_backward_f32(x, dy, dx, len);
+    round_to_bf16(dx, out + lo, len);
+  }
+}
+
+template <class T>
+void gelu_forward_as(const Tensor& x, const Tensor& y) {
+  const T* in = x.data<T>();
+  T* out = y.data<T>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_forward_span(in + lo, out + lo, hi - lo); });
+}
+
+template <class T>
+void gelu_backward_as(const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  const T* in = x.data<T>();
+  const T* g = dy.data<T>();
+  T* out = dx.data<T>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_backward_span(in + lo, g + lo, out + lo, hi - lo); });
 }
 
 }  // namespace
@@ -59,16 +122,13 @@ std::string kernel_isa() {
 }
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
-  const float* in = x.data<float>();
-  float* out = y.data<float>();
-  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_forward_span(in + lo, out + lo, hi - lo); });
+  if (x.dtype() == DType::BF16) return gelu_forward_as<bf16>(x, y);
+  gelu_forward_as<float>(x, y);
 }
 
 void gelu_backward(const Tensor& x, const Tensor& dy, const Tensor& dx) {
-  const float* in = x.data<float>();
-  const float* g = dy.data<float>();
-  float* out = dx.data<float>();
-  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_backward_span(in + lo, g + lo, out + lo, hi - lo); });
+  if (x.dtype() == DType::BF16) return gelu_backward_as<bf16>(x, dy, dx);
+  gelu_backward_as<float>(x, dy, dx);
 }
 
 void gelu_tanh_forward(const Tensor& x, const Tensor& y) {
@@ -86,21 +146,26 @@ fn::Dropout<float> dropout_functor(const Tensor& x, const Tensor& y, float p, co
 }
 
 template <class In, class Out>
-void cast_as(const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::Cast<In, Out>{x.data<In>(), y.data<Out>()});
+void cast_loop(const void* in, void* out, int64_t n) {
+  const fn::Cast<In, Out> f{static_cast<const In*>(in), static_cast<Out*>(out)};
+  for (int64_t i = 0; i < n; ++i) f(i);
 }
 
 template <class In>
-void cast_from(const Tensor& x, const Tensor& y) {
-  switch (y.dtype()) {
+void cast_span_from(const void* in, void* out, DType to, int64_t n) {
+  switch (to) {
     case DType::F32:
-      return cast_as<In, float>(x, y);
+      if constexpr (std::is_same_v<In, bf16>)
+        return widen_bf16_span(static_cast<const bf16*>(in), static_cast<float*>(out), n);
+      return cast_loop<In, float>(in, out, n);
     case DType::BF16:
-      return cast_as<In, bf16>(x, y);
+      if constexpr (std::is_same_v<In, float>)
+        return round_to_bf16_span(static_cast<const float*>(in), static_cast<bf16*>(out), n);
+      return cast_loop<In, bf16>(in, out, n);
     case DType::F16:
-      return cast_as<In, f16>(x, y);
+      return cast_loop<In, f16>(in, out, n);
     default:
-      STRATA_THROW("cast to ", dtype_name(y.dtype()), " is not supported");
+      STRATA_THROW("cast to ", dtype_name(to), " is not supported");
   }
 }
 }  // namespace
@@ -114,21 +179,55 @@ void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const Dropout
   parallel_for(dy.numel(), dropout_functor(dy, dx, p, key));
 }
 
-void cast(const Tensor& x, const Tensor& y) {
-  if (x.dtype() == y.dtype()) {
-    if (x.numel() > 0 && x.raw() != y.raw()) std::memcpy(y.raw(), x.raw(), x.nbytes());
+void cast_span(const void* in, DType from, void* out, DType to, int64_t n) {
+  if (from == to) {
+    if (n > 0 && in != out) std::memcpy(out, in, static_cast<size_t>(n) * dtype_size(from));
     return;
   }
-  switch (x.dtype()) {
+  switch (from) {
     case DType::F32:
-      return cast_from<float>(x, y);
+      return cast_span_from<float>(in, out, to, n);
     case DType::BF16:
-      return cast_from<bf16>(x, y);
+      return cast_span_from<bf16>(in, out, to, n);
     case DType::F16:
-      return cast_from<f16>(x, y);
+      return cast_span_from<f16>(in, out, to, n);
     default:
-      STRATA_THROW("cast from ", dtype_name(x.dtype()), " is not supported");
+      STRATA_THROW("cast from ", dtype_name(from), " is not supported");
   }
+}
+
+void cast(const Tensor& x, const Tensor& y) {
+  const auto* in = static_cast<const char*>(x.raw());
+  auto* out = static_cast<char*>(y.raw());
+  const int64_t in_size = static_cast<int64_t>(dtype_size(x.dtype())),
+                out_size = static_cast<int64_t>(dtype_size(y.dtype()));
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) {
+    cast_span(in + lo * in_size, x.dtype(), out + lo * out_size, y.dtype(), hi - lo);
+  });
+}
+
+const float* f32_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch) {
+  if (t.dtype() == DType::F32) return t.data<float>() + first;
+  scratch.resize(static_cast<size_t>(n));
+  cast_span(static_cast<const char*>(t.raw()) + first * static_cast<int64_t>(dtype_size(t.dtype())), t.dtype(),
+            scratch.data(), DType::F32, n);
+  return scratch.data();
+}
+
+float* f32_inout_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch) {
+  return const_cast<float*>(f32_row(t, first, n, scratch));  // t's own row, or scratch
+}
+
+float* f32_out_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch) {
+  if (t.dtype() == DType::F32) return t.data<float>() + first;
+  scratch.resize(static_cast<size_t>(n));
+  return scratch.data();
+}
+
+void store_row(const float* v, const Tensor& t, int64_t first, int64_t n) {
+  if (t.dtype() != DType::F32)
+    cast_span(v, DType::F32, static_cast<char*>(t.raw()) + first * static_cast<int64_t>(dtype_size(t.dtype())),
+              t.dtype(), n);
 }
 
 void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,

@@ -187,26 +187,31 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         n);
 }
 
+// Both on any float dtypes, staged in f32 a row at a time (f32_row).
 void add_bias(const Tensor& y, const Tensor& bias) {
   // y (N, F) += bias (F)
   const int64_t f = bias.numel(), rows = f > 0 ? y.numel() / f : 0;
-  float* out = y.data<float>();
-  const float* b = bias.data<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = out + r * f;
+  std::vector<float> bias_scratch;
+  const float* b = f32_row(bias, 0, f, bias_scratch);
+  parallel_rows(rows, f, [&](int64_t r) {
+    thread_local std::vector<float> scratch;
+    float* row = f32_inout_row(y, r * f, f, scratch);
     for (int64_t j = 0; j < f; ++j) row[j] += b[j];
-  }
+    store_row(row, y, r * f, f);
+  });
 }
 
 void bias_grad(const Tensor& dy, const Tensor& db) {
-  // db (F) += column sums of dy (N, F); row by row so the inner loop is contiguous.
+  // db (F) += column sums of dy (N, F); row by row so the inner loop is contiguous, on one
+  // thread so that the sums do not depend on the thread count.
   const int64_t f = db.numel(), rows = f > 0 ? dy.numel() / f : 0;
-  const float* g = dy.data<float>();
-  float* out = db.data<float>();
+  std::vector<float> sum_scratch, row_scratch;
+  float* out = f32_inout_row(db, 0, f, sum_scratch);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = g + r * f;
+    const float* row = f32_row(dy, r * f, f, row_scratch);
     for (int64_t j = 0; j < f; ++j) out[j] += row[j];
   }
+  store_row(out, db, 0, f);
 }
 
 }  // namespace strata::ops::cpu

@@ -1,5 +1,5 @@
 // CPU softmax cross-entropy (numerically stable, returns the SUM of per-sample losses) and
-// accuracy counting. Rows are samples, columns classes.
+// accuracy counting. Rows are samples, columns classes; any float dtypes, computed in f32.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -21,19 +21,19 @@ void check_labels(const int32_t* labels, int64_t n, int64_t k) {
 }
 }  // namespace
 
+// logits and probs (N, K) of any float dtypes; labels (N). Rows of bf16/f16 are staged in f32
+// one at a time (f32_row), so a language model's (B * T, V) logits are never widened whole.
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
-  // logits, probs (N, K); labels (N)
   const int64_t n = logits.dim(0), k = logits.dim(1);
-  const float* x = logits.data<float>();
   const int32_t* lab = labels.data<int32_t>();
-  float* pr = probs.data<float>();
   check_labels(lab, n, k);
   // Rows in parallel (a language model has B * T rows of the vocabulary); each row's loss is
   // kept and the total summed in row order afterwards, so it does not depend on the threads.
   std::vector<double> row_loss(static_cast<size_t>(n));
   parallel_rows(n, k, [&](int64_t r) {
-    const float* in = x + r * k;
-    float* out = pr + r * k;
+    thread_local std::vector<float> in_row, out_row;
+    const float* in = f32_row(logits, r * k, k, in_row);
+    float* out = f32_out_row(probs, r * k, k, out_row);
     // The maximum is exact in any order: a vectorised reduction gives the value of the
     // sequential one (std::fmax was a libm call per element). With a NaN logit the row's
     // probabilities and loss are NaN either way.
@@ -43,6 +43,7 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
     const float sum = exp_and_sum(in, out, k, mx);  // at the CPU's vector width
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < k; ++j) out[j] *= inv;
+    store_row(out, probs, r * k, k);
     // -log softmax[label] = log(sum) - (x[label] - max)
     row_loss[static_cast<size_t>(r)] =
         std::log(static_cast<double>(sum)) - (static_cast<double>(in[lab[r]]) - static_cast<double>(mx));
@@ -54,23 +55,25 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
 
 void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
   const int64_t n = probs.dim(0), k = probs.dim(1);
-  const float* pr = probs.data<float>();
   const int32_t* lab = labels.data<int32_t>();
-  float* d = dlogits.data<float>();
   check_labels(lab, n, k);
   parallel_rows(n, k, [&](int64_t r) {
-    for (int64_t j = 0; j < k; ++j) d[r * k + j] = pr[r * k + j] * scale;
-    d[r * k + lab[r]] -= scale;
+    thread_local std::vector<float> in_row, out_row;
+    const float* p = f32_row(probs, r * k, k, in_row);
+    float* d = f32_out_row(dlogits, r * k, k, out_row);
+    for (int64_t j = 0; j < k; ++j) d[j] = p[j] * scale;
+    d[lab[r]] -= scale;
+    store_row(d, dlogits, r * k, k);
   });
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   const int64_t n = logits.dim(0), k = logits.dim(1);
-  const float* x = logits.data<float>();
   const int32_t* lab = labels.data<int32_t>();
+  std::vector<float> row;
   int64_t correct = 0;
   for (int64_t r = 0; r < n; ++r) {
-    const float* in = x + r * k;
+    const float* in = f32_row(logits, r * k, k, row);
     int64_t best = 0;  // first maximum, as torch.argmax
     for (int64_t j = 1; j < k; ++j)
       if (in[j] > in[best]) best = j;
