@@ -240,10 +240,8 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
   check_row_stats(mean, m, "mean", false);
   check_row_stats(rstd, m, "rstd", false);
   const Device d = common_device({&x, &gamma, &beta, &y, &mean, &rstd});
-  if (d.is_meta()) return meta_op({&x, &gamma, &beta, &y, &mean, &rstd}, true);
-  if (d.is_cpu())
-    return on_cpu(
-        [&](F32Staging& s) { cpu::layer_norm_forward(s.in(x), s.in(gamma), s.in(beta), s.out(y), mean, rstd, eps); });
+  if (d.is_meta()) return meta_op({&x, &gamma, &beta, &y, &mean, &rstd}, false);
+  if (d.is_cpu()) return cpu::layer_norm_forward(x, gamma, beta, y, mean, rstd, eps);  // stages a row at a time
   STRATA_CUDA_OP(d, layer_norm_forward, x, gamma, beta, y, mean, rstd, eps);
 }
 
@@ -257,11 +255,8 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   check_optional_grad(dgamma, f, x, "dgamma");
   check_optional_grad(dbeta, f, x, "dbeta");
   const Device d = common_device({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta});
-  if (d.is_meta()) return meta_op({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}, true);
-  if (d.is_cpu())
-    return on_cpu([&](F32Staging& s) {
-      cpu::layer_norm_backward(s.in(x), s.in(dy), s.in(gamma), mean, rstd, s.out(dx), s.inout(dgamma), s.inout(dbeta));
-    });
+  if (d.is_meta()) return meta_op({&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}, false);
+  if (d.is_cpu()) return cpu::layer_norm_backward(x, dy, gamma, mean, rstd, dx, dgamma, dbeta);
   STRATA_CUDA_OP(d, layer_norm_backward, x, dy, gamma, mean, rstd, dx, dgamma, dbeta);
 }
 

@@ -230,6 +230,32 @@ TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {
   expect_same_bits(rv, rvf, "batch_norm running_var (f32)");
 }
 
+// LayerNorm stages a row at a time; statistics f32, gradients of gamma and beta f32 or low.
+TEST_P(LowPrecision, LayerNormRoundsOnce) {
+  const DType dt = GetParam();
+  auto [x, xf] = rounded({13, 37}, 14);
+  auto [gamma, gammaf] = rounded({37}, 15);
+  auto [beta, betaf] = rounded({37}, 16);
+  Tensor y = Tensor::empty(x.shape(), dt), yf = Tensor::empty(x.shape());
+  Tensor mean = Tensor::empty({13}), rstd = Tensor::empty({13}), meanf = Tensor::empty({13}),
+         rstdf = Tensor::empty({13});
+  ops::layer_norm_forward(x, gamma, beta, y, mean, rstd, 1e-5f);
+  ops::layer_norm_forward(xf, gammaf, betaf, yf, meanf, rstdf, 1e-5f);
+  expect_same_bits(y, converted(yf, dt), "layer_norm y");
+  expect_same_bits(mean, meanf, "layer_norm mean (f32)");
+  expect_same_bits(rstd, rstdf, "layer_norm rstd (f32)");
+
+  auto [dy, dyf] = rounded(x.shape(), 17);
+  Tensor dx = Tensor::empty(x.shape(), dt), dxf = Tensor::empty(x.shape());
+  Tensor dgamma = rand_f32({37}, 18), dgammaf = dgamma.clone();
+  Tensor dbeta = converted(rand_f32({37}, 19), dt), dbetaf = converted(dbeta, DType::F32);
+  ops::layer_norm_backward(x, dy, gamma, mean, rstd, dx, dgamma, dbeta);
+  ops::layer_norm_backward(xf, dyf, gammaf, meanf, rstdf, dxf, dgammaf, dbetaf);
+  expect_same_bits(dx, converted(dxf, dt), "layer_norm dx");
+  expect_same_bits(dgamma, dgammaf, "layer_norm dgamma (f32)");
+  expect_same_bits(dbeta, converted(dbetaf, dt), "layer_norm dbeta (low precision)");
+}
+
 TEST_P(LowPrecision, LossAndOverflowDetection) {
   const DType dt = GetParam();
   for (const int64_t k : {7, 1500}) {  // short rows, and rows as long as a vocabulary

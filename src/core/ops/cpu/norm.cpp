@@ -2,6 +2,7 @@
 // normalise, unbiased for the running estimate) and layer norm (per row of (M, F)).
 // Statistics accumulate in double. Undefined gamma/beta mean 1 and 0 (no affine).
 #include <cmath>
+#include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 
@@ -109,17 +110,18 @@ void batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
   });
 }
 
+// LayerNorm on any float dtypes, staged in f32 a row at a time (f32_row); the statistics are f32.
 void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y, const Tensor& mean,
                         const Tensor& rstd, float eps) {
   // x (M, F): statistics per row.
   const int64_t f = x.dim(-1), m = f > 0 ? x.numel() / f : 0;
-  const float* xp = x.data<float>();
-  float* yp = y.data<float>();
-  const float* gam = gamma.defined() ? gamma.data<float>() : nullptr;
-  const float* bet = beta.defined() ? beta.data<float>() : nullptr;
+  std::vector<float> gamma_scratch, beta_scratch;
+  const float* gam = gamma.defined() ? f32_row(gamma, 0, f, gamma_scratch) : nullptr;
+  const float* bet = beta.defined() ? f32_row(beta, 0, f, beta_scratch) : nullptr;
   parallel_rows(m, f, [&](int64_t r) {
-    const float* in = xp + r * f;
-    float* out = yp + r * f;
+    thread_local std::vector<float> in_row, out_row;
+    const float* in = f32_row(x, r * f, f, in_row);
+    float* out = f32_out_row(y, r * f, f, out_row);
     double sum = 0.0, sq = 0.0;
     for (int64_t i = 0; i < f; ++i) sum += in[i];
     const double mu = sum / static_cast<double>(f);
@@ -130,6 +132,7 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
       const float xhat = (in[i] - muf) * rs;
       out[i] = xhat * (gam ? gam[i] : 1.0f) + (bet ? bet[i] : 0.0f);
     }
+    store_row(out, y, r * f, f);
     if (mean.defined()) mean.data<float>()[r] = muf;
     if (rstd.defined()) rstd.data<float>()[r] = rs;
   });
@@ -138,15 +141,14 @@ void layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta
 void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean, const Tensor& rstd,
                          const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
   const int64_t f = x.dim(-1), m = f > 0 ? x.numel() / f : 0;
-  const float* xp = x.data<float>();
-  const float* gp = dy.data<float>();
-  const float* gam = gamma.defined() ? gamma.data<float>() : nullptr;
-  float* dgp = dgamma.defined() ? dgamma.data<float>() : nullptr;
-  float* dbp = dbeta.defined() ? dbeta.data<float>() : nullptr;
+  std::vector<float> gamma_scratch, dgamma_scratch, dbeta_scratch, x_row, dy_row, dx_row;
+  const float* gam = gamma.defined() ? f32_row(gamma, 0, f, gamma_scratch) : nullptr;
+  float* dgp = dgamma.defined() ? f32_inout_row(dgamma, 0, f, dgamma_scratch) : nullptr;
+  float* dbp = dbeta.defined() ? f32_inout_row(dbeta, 0, f, dbeta_scratch) : nullptr;
   // Rows in order: dgamma and dbeta sum over rows, and a fixed order keeps results bitwise stable.
   for (int64_t r = 0; r < m; ++r) {
-    const float* in = xp + r * f;
-    const float* g = gp + r * f;
+    const float* in = f32_row(x, r * f, f, x_row);
+    const float* g = f32_row(dy, r * f, f, dy_row);
     const float mu = mean.data<float>()[r], rs = rstd.data<float>()[r];
     double sum_g = 0.0, sum_g_xhat = 0.0;  // of dxhat = dy * gamma
     for (int64_t i = 0; i < f; ++i) {
@@ -160,12 +162,15 @@ void layer_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
     if (!dx.defined()) continue;
     const float mean_g = static_cast<float>(sum_g / static_cast<double>(f));
     const float mean_gx = static_cast<float>(sum_g_xhat / static_cast<double>(f));
-    float* out = dx.data<float>() + r * f;
+    float* out = f32_out_row(dx, r * f, f, dx_row);
     for (int64_t i = 0; i < f; ++i) {
       const float xhat = (in[i] - mu) * rs;
       out[i] = rs * (g[i] * (gam ? gam[i] : 1.0f) - mean_g - xhat * mean_gx);
     }
+    store_row(out, dx, r * f, f);
   }
+  if (dgp) store_row(dgp, dgamma, 0, f);
+  if (dbp) store_row(dbp, dbeta, 0, f);
 }
 
 }  // namespace strata::ops::cpu
