@@ -10,12 +10,15 @@ of the machine falls on different layouts; the median counts, and the range says
 measured differences are noise: a pair whose ranges overlap is a measured tie.
 
   python3 bench/plan_check.py --train build/train            # ~10 minutes on 2 idle cores
-  python3 bench/plan_check.py --gbps 10 --steps 8 --repeats 3
+  python3 bench/plan_check.py --gbps 1.5 --steps 8 --repeats 3   # a bandwidth of your own
 
-The compute rate is measured once (the 512^3 GEMM `train` times when --plan-tflops is 0) and then
-given to every dry run, so all predictions use the same one; --gbps is the bandwidth per rank
-the model charges communication at (one node's shared memory: ~10-30 GB/s of bus bandwidth by
-bench_collectives). OpenBLAS runs its own kernel choice (OPENBLAS_CORETYPE is unset).
+The rates are measured once, by the first dry run on the 2 ranks, and then given to every dry
+run, so all predictions use the same ones: the compute rate (the GEMMs `train` times when
+--plan-tflops is 0) and, unless --gbps gives it, the bandwidth per rank the model charges
+communication at (what `train` measures when --plan-gbps is 0: all-reduces between the ranks
+while they compute; idle cores' shared memory reaches ~10-30 GB/s of bus bandwidth by
+bench_collectives, several times more). OpenBLAS runs its own kernel choice
+(OPENBLAS_CORETYPE is unset).
 """
 import argparse
 import json
@@ -63,14 +66,14 @@ def run(args, flags, ranks=2):
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout
 
 
-def modelled(args, common, flags, tflops, rows):
-    """The dry run's step-time model of the layout on 2 ranks (planned from one process): total,
-    compute, bubble, dp, tp, pp, the TFLOP/s and the half-rate rows it used (0: `train` measures
-    its GEMMs)."""
-    out = run(args, common + flags + ["--dry-run", "--world", "2", "--plan-tflops", str(tflops), "--plan-rows",
-                                      str(rows), "--plan-gbps", str(args.gbps)], ranks=1)
+def modelled(args, common, flags, tflops, rows, gbps):
+    """The dry run's step-time model of the layout, launched on the 2 ranks: total, compute,
+    bubble, dp, tp, pp, and the TFLOP/s, half-rate rows and GB/s it used (0: `train` measures
+    them: its GEMMs, and all-reduces between the 2 ranks while they compute)."""
+    out = run(args, common + flags + ["--dry-run", "--plan-tflops", str(tflops), "--plan-rows", str(rows),
+                                      "--plan-gbps", str(gbps)])
     m = re.search(r"step-time model: (\S+) s per step \(compute / bubble / dp / tp / pp: (\S+) / (\S+) / (\S+) / "
-                  r"(\S+) / (\S+)\) at (\S+) TFLOP/s \(half that below (\S+) rows\)", out)
+                  r"(\S+) / (\S+)\) at (\S+) TFLOP/s \(half that below (\S+) rows\) and (\S+) GB/s per rank", out)
     assert m, out
     return [float(v) for v in m.groups()]
 
@@ -103,7 +106,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--train", default="build/train")
     p.add_argument("--mpirun", default="mpirun")
-    p.add_argument("--gbps", type=float, default=10.0)
+    p.add_argument("--gbps", type=float, default=0.0, help="0: what train measures (the planner's default)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
@@ -111,11 +114,13 @@ def main():
     common = ["--model", "gpt", "--layers", "4", "--heads", "4", "--embed", "256", "--seq-len", "128", "--vocab",
               "8192", "--optimizer", "adamw", "--lr", "1e-4", "--global-batch", "16", "--threads", "1", "--seed", "1",
               "--data", token_file(work)]
-    tflops, half_rows = modelled(a, common, [], 0, 0)[6:8]  # measured once, then given to every prediction
+    # Measured once (or given), then given to every prediction, so that all use the same rates.
+    tflops, half_rows, gbps = modelled(a, common, [], 0, 0, a.gbps)[6:9]
     print(f"GPT 4 x 256, T 128, vocabulary 8192, 16 sequences per step, 2 ranks of 1 thread; model at {tflops:.3g} "
-          f"TFLOP/s, half that below {half_rows:.3g} rows (measured GEMMs) and {a.gbps:g} GB/s; measured: median over "
+          f"TFLOP/s, half that below {half_rows:.3g} rows (measured GEMMs) and {gbps:.3g} GB/s "
+          f"({'given' if a.gbps else 'measured by train'}); measured: median over "
           f"{a.repeats} runs (rotating order) of each run's median step of {a.steps} steps' windows after the first\n")
-    models = [modelled(a, common, flags, tflops, half_rows) for _, flags in LAYOUTS]
+    models = [modelled(a, common, flags, tflops, half_rows, gbps) for _, flags in LAYOUTS]
     times = [[] for _ in LAYOUTS]
     for r in range(a.repeats):
         for k in range(len(LAYOUTS)):
@@ -143,7 +148,7 @@ def main():
         print(f"  {rows[i][0]} / {rows[j][0]}{'' if apart(i, j) else ' (measured ranges overlap)'}")
     # The same measured medians against the model without its small-micro-batch term (--plan-rows
     # ~0: every product at the full rate), the term's effect on the ranking.
-    flat = [modelled(a, common, flags, tflops, 1e-6)[0] for _, flags in LAYOUTS]
+    flat = [modelled(a, common, flags, tflops, 1e-6, gbps)[0] for _, flags in LAYOUTS]
     rho_flat = statistics.correlation(ranks_of(flat), real_ranks)
     print(f"without the small-micro-batch term (--plan-rows ~0): rank correlation {rho_flat:.2f}")
     best_model = min(rows, key=lambda r: r[1])[0]

@@ -242,7 +242,7 @@ std::optional<Config> parse_config(int argc, const char* const argv[], bool prin
     ("world", po::value(&c.plan.world)->default_value(0), "--dry-run: plan for this many ranks from one process (0: the ranks launched)")
     ("plan", po::value(&c.plan.search)->default_value(false)->implicit_value(true), "--dry-run: search the layouts (tp, pp, dp, ZeRO stage, micro-batch, recomputation) that fit --device-memory on --world ranks and print the fastest by a step-time model (docs/parallelism.md), each with its train command")
     ("plan-tflops", po::value(&c.plan.tflops)->default_value(0), "compute rate per rank in TFLOP/s: --plan's step-time model and the progress lines' MFU (0: a GEMM in --precision measured at start on the CPU device; with cuda 300 for --plan and no MFU)")
-    ("plan-gbps", po::value(&c.plan.gbps)->default_value(25), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s")
+    ("plan-gbps", po::value(&c.plan.gbps)->default_value(0), "--plan: bandwidth per rank for collectives and pipeline messages, GB/s; 0: on the CPU device, launched on several ranks, measured there (all-reduces between the ranks while they compute), else 25")
     ("plan-rows", po::value(&c.plan.rows)->default_value(0), "--plan: the rows (a micro-batch's tokens, or samples) of a matrix product at which a rank computes at half its rate, so that small micro-batches cost what they do (0: measured on the CPU from 8- and 512-row GEMMs; with cuda 1024, an estimate)")
     ("plan-top", po::value(&c.plan.top)->default_value(5), "--plan: how many layouts to list, fastest first")
     ("bucket-mb", po::value(&c.layout.bucket_mb)->default_value(25.0f), "MiB of gradients per all-reduce bucket (data parallelism)")

@@ -97,7 +97,7 @@ struct PlanSettings {
   int world = 0;              // plan for this many ranks (0: the ranks launched)
   bool search = false;        // --plan: search the layouts that fit --device-memory
   double tflops = 0;          // --plan-tflops: compute rate per rank (0: measured on the CPU; cuda: 300)
-  double gbps = 25;           // --plan-gbps: communication bandwidth per rank, GB/s
+  double gbps = 0;            // --plan-gbps: communication bandwidth per rank, GB/s (0: plan_bandwidth's default)
   double rows = 0;            // --plan-rows: GEMM rows at half the rate (0: measured on the CPU; cuda: 1024)
   int top = 5;                // --plan-top: layouts listed
   int64_t device_memory = 0;  // --device-memory: bytes each rank may use (0: no limit)

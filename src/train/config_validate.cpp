@@ -126,8 +126,8 @@ void validate(const Config& c) {
                  " plans a layout without launching it: it needs --dry-run");
   STRATA_REQUIRE(!c.plan.search || c.plan.dry_run,
                  "--plan searches layouts without launching them: it needs --dry-run");
-  require_in("--plan-tflops", c.plan.tflops, 0.0, 1e6);  // 0: measure
-  require_in("--plan-gbps", c.plan.gbps, 1e-3, 1e6);
+  require_in("--plan-tflops", c.plan.tflops, 0.0, 1e6);                     // 0: measure
+  if (c.plan.gbps != 0) require_in("--plan-gbps", c.plan.gbps, 1e-3, 1e6);  // 0: plan_bandwidth's default
   require_in("--plan-rows", c.plan.rows, 0.0, 1e9);
   require_in("--plan-top", int64_t{c.plan.top}, int64_t{1}, int64_t{100000});
   require_in("--vocab", int64_t{c.model.vocab}, int64_t{0}, int64_t{std::numeric_limits<int32_t>::max()});

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "core/allocator.hpp"
 #include "core/log.hpp"
@@ -138,8 +139,9 @@ PlanningShapes planning_shapes(const Config& config) {
 }
 
 // --dry-run --plan: the search's table, the fastest layouts first, each with its command.
-std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int world_size) {
-  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
+std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int world_size,
+                         const Bandwidth& bandwidth) {
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision, bandwidth);
   const parallel::SearchResult r = search(config, shapes, world_size, rates);
   std::ostringstream os;
   os << "--plan: " << r.tried << " layouts of " << world_size
@@ -147,8 +149,9 @@ std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int
      << r.fitting.size() << " fit "
      << (config.plan.device_memory > 0 ? log::format_bytes(config.plan.device_memory) + " per rank"
                                        : std::string("(no --device-memory)"))
-     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and " << config.plan.gbps
-     << " GB/s per rank, communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
+     << "; step time at " << std::setprecision(3) << rates.flops_per_s / 1e12 << " TFLOP/s and "
+     << bandwidth.bytes_per_s / 1e9 << " GB/s per rank (" << bandwidth.source
+     << "), communication not overlapped (docs/parallelism.md, \"Will it fit?\"):";
   for (const std::string& why : r.skipped) os << "\n  skipped " << why;
   if (r.fitting.empty()) {
     const parallel::LayoutChoice& s = r.smallest;
@@ -199,20 +202,22 @@ std::string plan_layouts(const Config& config, const PlanningShapes& shapes, int
 
 // --dry-run: the planner's step-time model for the layout given, the number --plan ranks it by.
 std::string step_time_line(const Config& config, const layers::Model& model,
-                           const std::vector<parallel::StageRange>& stages, int world_size) {
+                           const std::vector<parallel::StageRange>& stages, int world_size,
+                           const Bandwidth& bandwidth) {
   if (config.layout.schedule != parallel::ScheduleKind::OneFOneB || config.layout.virtual_stages > 1)
     return "  step-time model: 1F1B only (the schedule --plan assumes)";
   parallel::LayoutChoice choice;
   choice.layout = layout_of(config, world_size / (config.layout.pp * config.layout.tp));
   choice.recompute = layers::parse_recompute(config.model.recompute);
-  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
+  const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision, bandwidth);
   const parallel::StepTime t = parallel::estimate_step_time(model, stages, choice, config.layout.global_batch, rates);
-  char line[300];
+  char line[400];
   std::snprintf(line, sizeof line,
                 "  step-time model: %.3g s per step (compute / bubble / dp / tp / pp: %.3g / %.3g / %.3g / %.3g / "
-                "%.3g) at %.3g TFLOP/s (half that below %.3g rows) and %g GB/s per rank, communication not overlapped",
+                "%.3g) at %.3g TFLOP/s (half that below %.3g rows) and %.3g GB/s per rank (%s), communication not "
+                "overlapped",
                 t.total(), t.compute_s, t.bubble_s, t.dp_s, t.tp_s, t.pp_s, rates.flops_per_s / 1e12,
-                rates.half_rate_rows, config.plan.gbps);
+                rates.half_rate_rows, bandwidth.bytes_per_s / 1e9, bandwidth.source.c_str());
   return line;
 }
 
@@ -236,6 +241,41 @@ double gemm_rate(int64_t rows, DType dtype) {
   return 2.0 * static_cast<double>(rows * n * n * repeats) / best;
 }
 
+// Bytes per second per rank, as the step-time model charges an all-reduce (2 (n - 1)/n of its
+// bytes), that all-reduces of 2 MiB (tp's per block of a small GPT's micro-batch) reach between
+// the world's ranks when each computes between them, as tp's do: rounds of {a 512^3 GEMM, an
+// all-reduce}, the all-reduces timed. Beyond the copies and sums, that time holds the wait for
+// the slowest rank, which on a CPU costs more than the copies do. A step's excess over its mean
+// compute is the ranks' mean wait plus the reduction, so the mean over the ranks counts, the same
+// on every rank. Through MPI on plain buffers: the training's own communicators would keep
+// shared-memory buffers of this size, which the memory plan does not hold.
+double all_reduce_rate_while_computing(MPI_Comm world, DType precision) {
+  constexpr int64_t kElements = int64_t{1} << 19, kN = 512;
+  std::vector<float> buffer(static_cast<size_t>(kElements));
+  const Tensor a = Tensor::zeros({kN, kN}, precision), b = Tensor::zeros({kN, kN}, precision),
+               c = Tensor::empty({kN, kN}, precision);
+  const auto rounds = [&](int count) {
+    MPI_Barrier(world);
+    double reducing = 0;
+    for (int r = 0; r < count; ++r) {
+      ops::gemm(a, false, b, false, c);
+      const auto start = std::chrono::steady_clock::now();
+      MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(kElements), MPI_FLOAT, MPI_SUM, world);
+      reducing += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    return reducing;
+  };
+  rounds(3);  // warm-up: MPI's shared segments mapped, the GEMM's buffers touched
+  constexpr int kRounds = 30;
+  double seconds = rounds(kRounds) / kRounds;
+  int size = 1;
+  MPI_Comm_size(world, &size);
+  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_SUM, world);
+  seconds /= size;
+  const double n = size;
+  return 2.0 * (n - 1) / n * static_cast<double>(kElements * 4) / seconds;
+}
+
 }  // namespace
 
 double compute_rate(const PlanSettings& plan, DeviceKind device, DType precision) {
@@ -244,10 +284,22 @@ double compute_rate(const PlanSettings& plan, DeviceKind device, DType precision
   return gemm_rate(512, precision);
 }
 
-parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision) {
+Bandwidth plan_bandwidth(const PlanSettings& plan, DeviceKind device, DType precision, MPI_Comm world) {
+  if (plan.gbps > 0) return {plan.gbps * 1e9, "--plan-gbps"};
+  int world_size = 1;
+  MPI_Comm_size(world, &world_size);
+  if (device != DeviceKind::CPU || world_size == 1)
+    return {25e9, device == DeviceKind::CPU ? "assumed: one rank launched, none to measure; --plan-gbps"
+                                            : "assumed: 200 Gb/s InfiniBand per GPU; --plan-gbps"};
+  return {all_reduce_rate_while_computing(world, precision),
+          detail::cat("measured: all-reduces between the ", world_size, " ranks launched, while they compute")};
+}
+
+parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision,
+                               const Bandwidth& bandwidth) {
   parallel::Rates rates;
   rates.flops_per_s = compute_rate(plan, device, precision);
-  rates.bytes_per_s = plan.gbps * 1e9;
+  rates.bytes_per_s = bandwidth.bytes_per_s;
   if (plan.rows > 0) {
     rates.half_rate_rows = plan.rows;
   } else if (device != DeviceKind::CPU) {
@@ -445,11 +497,13 @@ void choose_layout(Config& config, MPI_Comm world) {
   const int world_size = planning_world(config, world);
   int rank = 0;
   MPI_Comm_rank(world, &rank);
+  const Bandwidth bandwidth = plan_bandwidth(config.plan, config.runtime.device, config.layout.precision, world);
   // Rank 0 alone: the GEMM rates it times would differ from another rank's, and so might the choice.
   int64_t chosen[6] = {};
   parallel::agree(world, [&] {
     if (rank != 0) return;
-    const parallel::Rates rates = planning_rates(config.plan, config.runtime.device, config.layout.precision);
+    const parallel::Rates rates =
+        planning_rates(config.plan, config.runtime.device, config.layout.precision, bandwidth);
     const parallel::SearchResult r = search(config, planning_shapes(config), world_size, rates);
     STRATA_REQUIRE(!r.fitting.empty(), "--layout auto: no layout of ", world_size, " ranks fits ",
                    log::format_bytes(config.plan.device_memory), " per rank; the smallest, ", layout_text(r.smallest),
@@ -462,9 +516,11 @@ void choose_layout(Config& config, MPI_Comm world) {
     chosen[3] = l.micro;
     chosen[4] = static_cast<int64_t>(best.recompute);
     chosen[5] = l.sequence_parallel ? 1 : 0;
-    char times[160];
-    std::snprintf(times, sizeof times, "%.3g s a step by the step-time model, %s on its fullest rank",
-                  best.time.total(), log::format_bytes(best.bytes).c_str());
+    char times[300];
+    std::snprintf(times, sizeof times,
+                  "%.3g s a step by the step-time model at %.3g GB/s per rank (%s), %s on its fullest rank",
+                  best.time.total(), bandwidth.bytes_per_s / 1e9, bandwidth.source.c_str(),
+                  log::format_bytes(best.bytes).c_str());
     std::string runner_up = "none (the only layout that fits)";
     if (r.fitting.size() > 1) {
       const parallel::LayoutChoice& next = r.fitting[1];
@@ -491,10 +547,11 @@ void choose_layout(Config& config, MPI_Comm world) {
 
 void dry_run(const Config& config, MPI_Comm world) {
   const int world_size = planning_world(config, world);
+  const Bandwidth bandwidth = plan_bandwidth(config.plan, config.runtime.device, config.layout.precision, world);
   // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
   const PlanningShapes shapes = planning_shapes(config);
   if (config.plan.search) {
-    log::info(plan_layouts(config, shapes, world_size),
+    log::info(plan_layouts(config, shapes, world_size, bandwidth),
               "\n--dry-run: not training (planned from shapes, nothing allocated)");
     return;
   }
@@ -511,7 +568,7 @@ void dry_run(const Config& config, MPI_Comm world) {
   const std::string report = plan_report(config, model, stages, ranks);
   log::info("model ", config.model.name, ", input ", shape_str(shapes.input), ", ", shapes.classes, " classes\n",
             model.summary());
-  log::info(report, "\n", step_time_line(config, model, stages, world_size),
+  log::info(report, "\n", step_time_line(config, model, stages, world_size, bandwidth),
             "\n--dry-run: not training (planned from shapes, nothing allocated)");
   check_fits(config, ranks);
 }

@@ -47,10 +47,21 @@ std::string plan_report(const Config& config, const layers::Model& model,
 // A rank's compute rate in FLOP/s (--plan's step-time model, MFU's denominator): --plan-tflops,
 // or on the CPU a 512^3 GEMM in the run's precision timed here (best of 5); 300 TFLOP/s on a GPU.
 double compute_rate(const PlanSettings& plan, DeviceKind device, DType precision);
+// The planner's bandwidth per rank, and where it came from (printed beside the plan).
+struct Bandwidth {
+  double bytes_per_s = 0;
+  std::string source;
+};
+// --plan-gbps; else, for the CPU device launched on several ranks, what an all-reduce between
+// them costs while they compute, measured here (collective over `world`); else 25 GB/s. On a
+// CPU the reductions run on the cores that compute and wait for the slowest rank: charged at
+// what idle cores reach (bench_collectives), tp's collectives cost several times the model's.
+Bandwidth plan_bandwidth(const PlanSettings& plan, DeviceKind device, DType precision, MPI_Comm world);
 // The planner's rates: compute as compute_rate's on large products, how it falls for products of
 // few rows (--plan-rows, or on the CPU measured from 8- and 512-row GEMMs; 1024 on a GPU: an
-// estimate), and --plan-gbps.
-parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision);
+// estimate), and the bandwidth.
+parallel::Rates planning_rates(const PlanSettings& plan, DeviceKind device, DType precision,
+                               const Bandwidth& bandwidth);
 
 // --device-memory: an Input error (one line, the same on every rank) when the plan of some rank
 // (plan_ranks) needs more, naming the fullest rank, its parts and the largest.

@@ -170,6 +170,18 @@ def case_layout_auto(args):
     capped = int(re.search(r"total (\d+) \([^)]*\)  <- fullest", out)[1])
     assert capped < fastest_bytes and chosen(out, 4), out
     expect_bad_input(args, dry + ["--device-memory", "64KiB"], r"--layout auto: no layout of 4 ranks fits 64\.00 KiB")
+
+    # The bandwidth the model charges: measured where ranks are launched on the CPU (all-reduces
+    # between them while they compute), else assumed, or given; the choice and the dry run say which.
+    measured = r"([0-9.e+]+) GB/s per rank \(measured: all-reduces between the (\d) ranks launched, while they compute\)"
+    m = re.search(measured, train_ranks(args, 2, dry[:-2]))  # planned for the 2 ranks launched
+    assert m and int(m[2]) == 2 and 0 < float(m[1]) < 1e4, m
+    out = train_ranks(args, 4, flags + ["--steps", "1"])
+    m = re.search(r"^--layout auto: .*" + measured, out, re.M)
+    assert m and int(m[2]) == 4 and 0 < float(m[1]) < 1e4, out
+    assert "25 GB/s per rank (assumed: one rank launched, none to measure; --plan-gbps)" in train_ranks(args, 1, dry)
+    assert "3 GB/s per rank (--plan-gbps)" in train_ranks(args, 2, dry + ["--plan-gbps", "3"])
+    print(f"bandwidth: measured {float(m[1]):.3g} GB/s per rank between 4 ranks while they compute")
     expect_bad_input(args, dry + ["--zero", "1"], r"--layout auto chooses .*; leave out --zero")
 
 
