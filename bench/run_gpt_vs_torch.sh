@@ -27,6 +27,7 @@
 #   cmake --build build --target bench_gpt_step
 #   bash bench/run_gpt_vs_torch.sh                  # about 10 minutes on 2 idle cores
 #   REPS=5 THREADS="1" ATTN_T="256 1024" bash bench/run_gpt_vs_torch.sh
+#   ATTN_T= bash bench/run_gpt_vs_torch.sh          # steps only (an empty ATTN_T: no attention sections)
 #   MODEL_KIND=llama bash bench/run_gpt_vs_torch.sh  # the Llama of the same size: steps only
 # MODEL_KIND=llama: section 2 for a Llama (4 layers, width 256, 4 heads over 2 kv heads, SwiGLU
 # of 768, rotary theta 10000, tied head; torch_models.Llama on the torch sides); the attention
@@ -41,7 +42,7 @@ WINDOWS="${WINDOWS:-3}"
 THREADS="${THREADS:-1 2}"
 PRECISIONS="${PRECISIONS:-fp32 bf16}"
 MODEL_KIND="${MODEL_KIND:-gpt}"
-if [[ "$MODEL_KIND" == llama ]]; then ATTN_T="${ATTN_T:-}"; else ATTN_T="${ATTN_T:-256 512 1024 2048}"; fi
+if [[ "$MODEL_KIND" == llama ]]; then ATTN_T="${ATTN_T:-}"; else ATTN_T="${ATTN_T-256 512 1024 2048}"; fi
 ATTN_REPS="${ATTN_REPS:-2}"      # processes per (side, T), order rotating
 ATTN_CALLS="${ATTN_CALLS:-3}"    # timed calls per process (median)
 ATTN_BATCH="${ATTN_BATCH:-8}"
