@@ -6,9 +6,10 @@
 // Dtype rules (mixed precision): activations and parameters share one float dtype T (f32,
 // bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
-// scratch and outputs rounded back (F32Staging; the loss, over rows as long as a vocabulary, a
-// row at a time: cpu::f32_row), i.e. low-precision storage, f32 arithmetic,
-// which is also what the CUDA kernels do (f32 accumulation). f32 tensors pass through as is.
+// scratch and outputs rounded back (F32Staging; the loss, LayerNorm and the bias ops stage a
+// row at a time themselves, cpu::f32_row, and GELU a block at a time), i.e. low-precision
+// storage, f32 arithmetic, which is also what the CUDA kernels do (f32 accumulation). f32
+// tensors pass through as is.
 // The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
 // (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
 #include "core/ops.hpp"
