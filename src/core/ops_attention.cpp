@@ -219,10 +219,8 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   check_attention_dropout(p, key, q);
   check_no_alias({&y, &lse}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &lse});
-  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse}, true);
-  if (d.is_cpu())
-    return on_cpu(
-        [&](F32Staging& s) { cpu::flash_attention_forward(s.in(q), s.in(k), s.in(v), s.out(y), lse, p, key); });
+  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse}, false);
+  if (d.is_cpu()) return cpu::flash_attention_forward(q, k, v, y, lse, p, key);  // stages a head at a time
   check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_forward, q, k, v, y, lse, p, key);
 }
@@ -235,12 +233,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   check_attention_dropout(p, key, q);
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
   const Device d = common_device({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv});
-  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv}, true);
-  if (d.is_cpu())
-    return on_cpu([&](F32Staging& s) {
-      cpu::flash_attention_backward(s.in(q), s.in(k), s.in(v), s.in(y), lse, s.in(dy), s.out(dq), s.out(dk), s.out(dv),
-                                    p, key);
-    });
+  if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv}, false);
+  if (d.is_cpu()) return cpu::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, p, key);  // a head at a time
   check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_backward, q, k, v, y, lse, dy, dq, dk, dv, p, key);
 }

@@ -366,31 +366,39 @@ TEST(Attention, DeterministicAcrossRunsAndThreadCounts) {
   }
 }
 
-// bf16 tensors: computed in f32 from the rounded inputs, outputs rounded once.
-TEST(Attention, Bf16ComputesInF32) {
-  const Problem pr({1, 2, 40, 16}, 17);
-  Problem rounded = pr;
-  std::vector<Tensor> low;
-  for (Tensor* t : {&rounded.q, &rounded.k, &rounded.v, &rounded.dy}) {
-    Tensor b = Tensor::empty(t->shape(), DType::BF16);
-    ops::cast(*t, b);
-    *t = Tensor::empty(t->shape());
-    ops::cast(b, *t);
-    low.push_back(b);
+// bf16 tensors, staged in f32 a head at a time: bitwise the f32 kernel on the widened values,
+// outputs rounded once, with grouped kv heads too.
+TEST(Attention, Bf16IsTheF32KernelOnTheWidenedValuesRoundedOnce) {
+  const auto as = [](const Tensor& t, DType dtype) {
+    Tensor out = Tensor::empty(t.shape(), dtype);
+    ops::cast(t, out);
+    return out;
+  };
+  for (const int64_t kv_heads : {4, 2}) {
+    SCOPED_TRACE(kv_heads);
+    const Shape qs{1, 4, 40, 16}, kvs{1, kv_heads, 40, 16};
+    const Tensor q = as(rand_tensor(qs, 17), DType::BF16), k = as(rand_tensor(kvs, 18), DType::BF16),
+                 v = as(rand_tensor(kvs, 19), DType::BF16), dy = as(rand_tensor(qs, 20), DType::BF16);
+    Tensor y = Tensor::empty(qs, DType::BF16), yf = Tensor::empty(qs), lse = Tensor::empty({1, 4, 40}),
+           lsef = Tensor::empty({1, 4, 40});
+    ops::flash_attention_forward(q, k, v, y, lse, 0.1f, kKey);
+    ops::flash_attention_forward(as(q, DType::F32), as(k, DType::F32), as(v, DType::F32), yf, lsef, 0.1f, kKey);
+    EXPECT_TRUE(bit_equal(y, as(yf, DType::BF16)));
+    EXPECT_TRUE(bit_equal(lse, lsef));
+    Tensor dq = Tensor::empty(qs, DType::BF16), dk = Tensor::empty(kvs, DType::BF16),
+           dv = Tensor::empty(kvs, DType::BF16);
+    Tensor dqf = Tensor::empty(qs), dkf = Tensor::empty(kvs), dvf = Tensor::empty(kvs);
+    ops::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, 0.1f, kKey);
+    ops::flash_attention_backward(as(q, DType::F32), as(k, DType::F32), as(v, DType::F32), as(y, DType::F32), lse,
+                                  as(dy, DType::F32), dqf, dkf, dvf, 0.1f, kKey);
+    EXPECT_TRUE(bit_equal(dq, as(dqf, DType::BF16)));
+    EXPECT_TRUE(bit_equal(dk, as(dkf, DType::BF16)));
+    EXPECT_TRUE(bit_equal(dv, as(dvf, DType::BF16)));
+    if (kv_heads == 4) {
+      Tensor probs = Tensor::empty({1, 4, 40, 40}, DType::BF16);  // plain keeps bf16 probabilities
+      ops::attention_forward(q, k, v, y, probs, 0.0f, kKey);
+    }
   }
-  const Result want = run_flash(rounded, 0.1f, kKey);
-  const Shape sh = pr.s.heads();
-  Tensor y = Tensor::empty(sh, DType::BF16), lse = Tensor::empty({1, 2, 40});
-  Tensor dq = Tensor::empty(sh, DType::BF16), dk = Tensor::empty(sh, DType::BF16), dv = Tensor::empty(sh, DType::BF16);
-  ops::flash_attention_forward(low[0], low[1], low[2], y, lse, 0.1f, kKey);
-  ops::flash_attention_backward(low[0], low[1], low[2], y, lse, low[3], dq, dk, dv, 0.1f, kKey);
-  for (auto [got, ref] : {std::pair{&y, &want.y}, {&dq, &want.dq}, {&dk, &want.dk}, {&dv, &want.dv}}) {
-    Tensor wide = Tensor::empty(sh);
-    ops::cast(*got, wide);
-    EXPECT_LT(rel_diff(wide, values(*ref)), 2e-2);  // bf16 has 8 bits of mantissa (and y rounded before backward)
-  }
-  Tensor probs = Tensor::empty({1, 2, 40, 40}, DType::BF16);  // plain keeps bf16 probabilities
-  ops::attention_forward(low[0], low[1], low[2], y, probs, 0.0f, kKey);
 }
 
 TEST(Attention, RejectsBadArguments) {

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 #include "core/ops/cpu/vec_math.hpp"
@@ -359,11 +360,12 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
-    const int64_t off = bh * t * dh;
-    const float* qh = q.data<float>() + off;
-    const float* kh = k.data<float>() + hd.kv_of(bh) * t * dh;
-    const float* vh = v.data<float>() + hd.kv_of(bh) * t * dh;
-    float* yh = y.data<float>() + off;
+    const int64_t off = bh * t * dh, n = t * dh;
+    thread_local std::vector<float> q_head, k_head, v_head, y_head;  // a bf16 head in f32 (f32_row)
+    const float* qh = f32_row(q, off, n, q_head);
+    const float* kh = f32_row(k, hd.kv_of(bh) * n, n, k_head);
+    const float* vh = f32_row(v, hd.kv_of(bh) * n, n, v_head);
+    float* yh = f32_out_row(y, off, n, y_head);
     float* lh = lse.data<float>() + bh * t;
     const HeadDropout drop = hd.dropout(bh, p, key);
     // Per head: a score tile, the output accumulator of a query tile, its running max and sum.
@@ -408,6 +410,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
         lh[i0 + r] = mrow[r] + std::log(lrow[r]);
       }
     }
+    store_row(yh, y, off, n);
   });
 }
 
@@ -419,21 +422,23 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   if (hd.count() == 0 || t == 0) return;
   // One task per kv head: its query heads in order, dk and dv summed over them (no races).
   parallel_rows(hd.b * hd.hkv, hd.group * t * t * dh, [&](int64_t bkv) {
-    const int64_t kv_off = bkv * t * dh;
-    const float* kh = k.data<float>() + kv_off;
-    const float* vh = v.data<float>() + kv_off;
-    float* dkh = dk.data<float>() + kv_off;
-    float* dvh = dv.data<float>() + kv_off;
+    const int64_t kv_off = bkv * t * dh, n = t * dh;
+    // A bf16 head in f32 (f32_row), as a whole-tensor staging would give it.
+    thread_local std::vector<float> k_head, v_head, dk_head, dv_head, q_head, y_head, dy_head, dq_head;
+    const float* kh = f32_row(k, kv_off, n, k_head);
+    const float* vh = f32_row(v, kv_off, n, v_head);
+    float* dkh = f32_out_row(dk, kv_off, n, dk_head);
+    float* dvh = f32_out_row(dv, kv_off, n, dv_head);
     std::fill(dkh, dkh + t * dh, 0.0f);
     std::fill(dvh, dvh + t * dh, 0.0f);
     auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
     for (int64_t qi = 0; qi < hd.group; ++qi) {
       const int64_t bh = hd.first_query(bkv) + qi, off = bh * t * dh;
-      const float* qh = q.data<float>() + off;
-      const float* yh = y.data<float>() + off;
-      const float* gh = dy.data<float>() + off;
+      const float* qh = f32_row(q, off, n, q_head);
+      const float* yh = f32_row(y, off, n, y_head);
+      const float* gh = f32_row(dy, off, n, dy_head);
       const float* lh = lse.data<float>() + bh * t;
-      float* dqh = dq.data<float>() + off;
+      float* dqh = f32_out_row(dq, off, n, dq_head);
       const HeadDropout drop = hd.dropout(bh, p, key);
       // D_i = rowsum(dy * y) = rowsum(P * dP): the softmax backward's row term, without P.
       for (int64_t i = 0; i < t; ++i) drow[i] = dot(gh + i * dh, yh + i * dh, dh);
@@ -458,7 +463,10 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
           mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
         }
       }
+      store_row(dqh, dq, off, n);
     }
+    store_row(dkh, dk, kv_off, n);
+    store_row(dvh, dv, kv_off, n);
   });
 }
 
