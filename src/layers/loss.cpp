@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "core/ops.hpp"
 
 namespace strata::layers {
@@ -28,6 +29,10 @@ Tensor host_f32(const Tensor& t) {
   ops::copy(t, h);
   return h;
 }
+// Whether the parallel path's host f32 copies of the logits and probabilities (host_f32, and
+// its f32 probabilities and gradient) exist in the run a meta tensor plans: on a CPU device in
+// bf16/f16. (A GPU's host copies are not device memory.)
+bool planned_host_copies(const Tensor& meta) { return meta_allocator().host_staging() && meta.dtype() != DType::F32; }
 Tensor host_labels(const Tensor& t) {
   if (t.device().is_cpu()) return t;
   Tensor h = Tensor::empty(t.shape(), t.dtype());
@@ -81,6 +86,13 @@ double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, 
   ctx.saved = {probs, row_labels};
   ctx.input_shape = logits.shape();
   if (!tp_) return ops::softmax_xent_forward(rows, row_labels, probs);
+  if (rows.device().is_meta()) {  // planned (parallel::plan_activations): the host f32 copies below
+    if (planned_host_copies(rows)) {
+      const Tensor x_host = Tensor::empty(rows.shape(), DType::F32, Device::meta());
+      const Tensor p_host = Tensor::empty(rows.shape(), DType::F32, Device::meta());
+    }
+    return 0;
+  }
 
   const int64_t n = rows.dim(0), cols = rows.dim(1), first = tp_->rank() * cols;
   const Tensor x_host = host_f32(rows), lab_host = host_labels(row_labels);
@@ -123,6 +135,8 @@ Tensor SoftmaxCrossEntropy::backward(Context& ctx, float scale) const {
   Tensor dlogits = Tensor::empty(probs.shape(), probs.dtype(), probs.device());
   if (!tp_) {
     ops::softmax_xent_backward(probs, ctx.saved.at(1), dlogits, scale);
+  } else if (probs.device().is_meta()) {  // planned: the host f32 copy below
+    if (planned_host_copies(probs)) Tensor::empty(probs.shape(), DType::F32, Device::meta());
   } else {
     // softmax - onehot on this slice: the label's column only on the rank that holds it.
     const int64_t n = probs.dim(0), cols = probs.dim(1), first = tp_->rank() * cols;

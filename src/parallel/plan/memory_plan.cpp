@@ -303,7 +303,8 @@ ActivationBytes plan_activations(layers::Model& model, const std::vector<StageRa
   };
   data.labels = [&](int) { return Tensor::empty(labels, DType::I32, Device::meta()); };
   data.size = layout.micro;
-  const layers::SoftmaxCrossEntropy loss;
+  PlannedTensorParallel tp(layout.tp);
+  const layers::SoftmaxCrossEntropy loss(&tp);  // the vocabulary-parallel loss with tp, as the engine's
   double loss_sum = 0;
   const StageCallbacks work = step_callbacks(executor, chunks, loss, data, {}, 1.0f, loss_sum);
   ActivationBytes bytes;
