@@ -7,7 +7,7 @@
 // bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
 // scratch and outputs rounded back (F32Staging; the loss, LayerNorm and the bias ops stage a
-// row at a time themselves, cpu::f32_row, and GELU a block at a time), i.e. low-precision
+// row at a time themselves, cpu::f32_row, flash attention a head, GELU a block), i.e. low-precision
 // storage, f32 arithmetic, which is also what the CUDA kernels do (f32 accumulation). f32
 // tensors pass through as is.
 // The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
