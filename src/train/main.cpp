@@ -134,9 +134,15 @@ int main(int argc, char** argv) {
       log::info("run directory: ", config->run_dir, " (every option's value in its config.ini)");
     if (mpi.rank() == config->debug.faults.fail_rank && config->debug.setup_sleep > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(config->debug.setup_sleep));
-    if (config->layout.auto_layout && !config->plan.search) train::choose_layout(*config, MPI_COMM_WORLD);
+    // The planner's bandwidth, measured once (collective), so --layout auto's choice and the dry
+    // run's model use the same.
+    const bool plans = config->layout.auto_layout || config->plan.dry_run;
+    const train::Bandwidth bandwidth =
+        plans ? train::plan_bandwidth(config->plan, config->runtime.device, config->layout.precision, MPI_COMM_WORLD)
+              : train::Bandwidth{};
+    if (config->layout.auto_layout && !config->plan.search) train::choose_layout(*config, MPI_COMM_WORLD, bandwidth);
     if (config->plan.dry_run)
-      train::dry_run(*config, MPI_COMM_WORLD);  // plans from shapes: nothing is allocated
+      train::dry_run(*config, MPI_COMM_WORLD, bandwidth);  // plans from shapes: nothing is allocated
     else
       trainer = std::make_unique<train::Trainer>(*config, MPI_COMM_WORLD);
   });

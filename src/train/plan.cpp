@@ -493,11 +493,10 @@ int planning_world(const Config& config, MPI_Comm world) {
   return config.plan.dry_run && config.plan.world > 0 ? config.plan.world : world_size;
 }
 
-void choose_layout(Config& config, MPI_Comm world) {
+void choose_layout(Config& config, MPI_Comm world, const Bandwidth& bandwidth) {
   const int world_size = planning_world(config, world);
   int rank = 0;
   MPI_Comm_rank(world, &rank);
-  const Bandwidth bandwidth = plan_bandwidth(config.plan, config.runtime.device, config.layout.precision, world);
   // Rank 0 alone: the GEMM rates it times would differ from another rank's, and so might the choice.
   int64_t chosen[6] = {};
   parallel::agree(world, [&] {
@@ -545,9 +544,8 @@ void choose_layout(Config& config, MPI_Comm world) {
   config.layout.virtual_stages = 1;
 }
 
-void dry_run(const Config& config, MPI_Comm world) {
+void dry_run(const Config& config, MPI_Comm world, const Bandwidth& bandwidth) {
   const int world_size = planning_world(config, world);
-  const Bandwidth bandwidth = plan_bandwidth(config.plan, config.runtime.device, config.layout.precision, world);
   // Only sizes are needed: the data's sample shape and vocabulary, or the flags'.
   const PlanningShapes shapes = planning_shapes(config);
   if (config.plan.search) {

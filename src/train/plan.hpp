@@ -70,12 +70,12 @@ void check_fits(const Config& config, const std::vector<parallel::RankBytes>& ra
 // --layout auto: sets the configuration's tp, pp, ZeRO stage, micro-batch and recomputation to
 // the planner's fastest layout that fits --device-memory on the world's ranks (--world for a dry
 // run), as --plan ranks them; rank 0 searches and prints it with the runner-up, every rank takes
-// it. Input error (one line) when none fits. Collective over `world`.
-void choose_layout(Config& config, MPI_Comm world);
+// it. Input error (one line) when none fits. Collective over `world`. `bandwidth`: plan_bandwidth's.
+void choose_layout(Config& config, MPI_Comm world, const Bandwidth& bandwidth);
 
 // --dry-run: reads the data's shapes (or, for a language model without --data, --vocab and
 // --seq-len), builds the model and prints the plan for --world ranks (default: the job's).
-// Collective over `world`: every rank checks, rank 0 prints.
-void dry_run(const Config& config, MPI_Comm world);
+// Collective over `world`: every rank checks, rank 0 prints. `bandwidth`: plan_bandwidth's.
+void dry_run(const Config& config, MPI_Comm world, const Bandwidth& bandwidth);
 
 }  // namespace strata::train
