@@ -7,9 +7,9 @@
 // bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
 // scratch and outputs rounded back (F32Staging; the loss, LayerNorm and the bias ops stage a
-// row at a time themselves, cpu::f32_row, flash attention a head, GELU a block), i.e. low-precision
-// storage, f32 arithmetic, which is also what the CUDA kernels do (f32 accumulation). f32
-// tensors pass through as is.
+// row at a time themselves, cpu::f32_row, flash attention a head, GELU, add and axpy a block),
+// i.e. low-precision storage, f32 arithmetic, which is also what the CUDA kernels do (f32
+// accumulation). f32 tensors pass through as is.
 // The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
 // (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
 #include "core/ops.hpp"
@@ -87,7 +87,9 @@ void axpy(float alpha, const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_numel(x, y, "x");
   const Device d = common_device({&x, &y});
-  if (d.is_meta()) return meta_op({&x, &y}, true);
+  const bool direct = cpu::axpy_takes(x.dtype(), y.dtype());  // f32, or bf16 x staged a block at a time
+  if (d.is_meta()) return meta_op({&x, &y}, !direct);
+  if (d.is_cpu() && direct) return cpu::axpy(alpha, x, y);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::axpy(alpha, s.in(x), s.inout(y)); });
   STRATA_CUDA_OP(d, axpy, alpha, x, y);
 }
@@ -97,7 +99,8 @@ void add(const Tensor& a, const Tensor& b, const Tensor& y) {
   check_like(a, y, "a");
   check_like(b, y, "b");
   const Device d = common_device({&a, &b, &y});
-  if (d.is_meta()) return meta_op({&a, &b, &y}, true);
+  if (d.is_meta()) return meta_op({&a, &b, &y}, y.dtype() == DType::F16);
+  if (d.is_cpu() && y.dtype() != DType::F16) return cpu::add(a, b, y);  // f32 or bf16 as they are
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::add(s.in(a), s.in(b), s.out(y)); });
   STRATA_CUDA_OP(d, add, a, b, y);
 }
@@ -284,6 +287,21 @@ void check_logits_labels(const Tensor& logits, const Tensor& labels, const char*
   STRATA_CHECK(labels.dtype() == DType::I32 && labels.numel() == logits.dim(0), "labels must be i32 with ",
                logits.dim(0), " elements, got ", labels.str());
 }
+// Classes [first, first + k) inside a vocabulary of `vocab`.
+void check_slice(int64_t first, int64_t k, int64_t vocab) {
+  STRATA_CHECK(first >= 0 && first + k <= vocab, "classes [", first, ", ", first + k,
+               ") are not inside a vocabulary of ", vocab);
+}
+// x (N, K) of a float dtype, mx f32 (N) and stats f32 (N, 2): the vocabulary-parallel pieces.
+void check_row_stats(const Tensor& x, const Tensor& mx, const Tensor* stats) {
+  check_float(x, "x");
+  STRATA_CHECK(x.ndim() == 2 && x.dim(1) > 0, "x must be (N, K) with K > 0, got ", x.str());
+  check_f32(mx, "mx");
+  check_shape(mx, {x.dim(0)}, "mx");
+  if (!stats) return;
+  check_f32(*stats, "stats");
+  check_shape(*stats, {x.dim(0), 2}, "stats");
+}
 }  // namespace
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
@@ -296,14 +314,49 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   STRATA_CUDA_OP(d, softmax_xent_forward, logits, labels, probs);
 }
 
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale, int64_t first,
+                           int64_t vocab) {
   check_logits_labels(probs, labels, "probs");
   check_float(dlogits, "dlogits");
   check_shape(dlogits, probs.shape(), "dlogits");
+  if (vocab == 0) vocab = probs.dim(1);
+  check_slice(first, probs.dim(1), vocab);
   const Device d = common_device({&probs, &labels, &dlogits});
   if (d.is_meta()) return meta_op({&probs, &labels, &dlogits}, false);
-  if (d.is_cpu()) return cpu::softmax_xent_backward(probs, labels, dlogits, scale);
-  STRATA_CUDA_OP(d, softmax_xent_backward, probs, labels, dlogits, scale);
+  if (d.is_cpu()) return cpu::softmax_xent_backward(probs, labels, dlogits, scale, first, vocab);
+  STRATA_CUDA_OP(d, softmax_xent_backward, probs, labels, dlogits, scale, first, vocab);
+}
+
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax) {
+  check_row_stats(x, mx, nullptr);
+  const Device d = common_device({&x, &mx});
+  if (argmax.defined())
+    STRATA_CHECK(argmax.dtype() == DType::I32 && argmax.numel() == x.dim(0) && argmax.device() == d,
+                 "argmax must be i32 with ", x.dim(0), " elements on ", d.str(), ", got ", argmax.str());
+  if (d.is_meta()) return meta_op({&x, &mx}, false);
+  if (d.is_cpu()) return cpu::row_max(x, mx, argmax);
+  STRATA_CUDA_OP(d, row_max, x, mx, argmax);
+}
+
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats) {
+  check_logits_labels(x, labels, "x");
+  check_slice(first, x.dim(1), vocab);
+  check_row_stats(x, mx, &stats);
+  const Device d = common_device({&x, &labels, &mx, &stats});
+  if (d.is_meta()) return meta_op({&x, &labels, &mx, &stats}, false);
+  if (d.is_cpu()) return cpu::softmax_slice_stats(x, labels, first, vocab, mx, stats);
+  STRATA_CUDA_OP(d, softmax_slice_stats, x, labels, first, vocab, mx, stats);
+}
+
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs) {
+  check_row_stats(x, mx, &stats);
+  check_float(probs, "probs");
+  check_shape(probs, x.shape(), "probs");
+  const Device d = common_device({&x, &mx, &stats, &probs});
+  if (d.is_meta()) return meta_op({&x, &mx, &stats, &probs}, false);
+  if (d.is_cpu()) return cpu::softmax_slice(x, mx, stats, probs);
+  STRATA_CUDA_OP(d, softmax_slice, x, mx, stats, probs);
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {

@@ -230,8 +230,22 @@ void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, con
 // logits (N, K), labels i32 (N). Writes softmax probabilities (N, K) and returns the SUM of
 // per-sample losses (the caller divides by the global batch).
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
-// dlogits = (probs - onehot(labels)) * scale
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
+// dlogits = (probs - onehot(labels)) * scale. probs may hold classes [first, first + K) of a
+// vocabulary of `vocab` (0: K) with labels in [0, vocab): the vocabulary-parallel loss's slice.
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale,
+                           int64_t first = 0, int64_t vocab = 0);
+// The vocabulary-parallel cross-entropy's pieces (layers::SoftmaxCrossEntropy with tp: x (N, K)
+// holds classes [first, first + K) of a vocabulary of `vocab`, and the caller combines the
+// ranks' row statistics with collectives between the calls). Rows are staged in f32 one at a
+// time, so bf16 logits are never widened whole.
+// mx f32 (N): each row's maximum; argmax i32 (N), where defined: the column of its first maximum.
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax = {});
+// stats f32 (N, 2): per row, the sum of exp(x - mx) over this slice, and x at the label's column
+// where this slice holds it (0 elsewhere); labels i32 (N) in [0, vocab).
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats);
+// probs = exp(x - mx) / stats[:, 0], stats[:, 0] being the whole row's sum (over every slice).
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs);
 // Number of rows whose argmax equals the label.
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 

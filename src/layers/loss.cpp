@@ -20,55 +20,55 @@ Tensor as_rows(const Tensor& logits) {
 }
 Tensor as_row_labels(const Tensor& labels) { return labels.ndim() == 1 ? labels : labels.reshape({labels.numel()}); }
 
-// A host f32 copy (the tensor itself when it already is one). The parallel cross-entropy's
-// per-row arithmetic runs on the host: its inputs are (rows x V/T) and the two collectives
-// carry 3 floats per row.
-Tensor host_f32(const Tensor& t) {
-  if (t.device().is_cpu() && t.dtype() == DType::F32) return t;
-  Tensor h = Tensor::empty(t.shape());
-  ops::copy(t, h);
-  return h;
-}
-// Whether the parallel path's host f32 copies of the logits and probabilities (host_f32, and
-// its f32 probabilities and gradient) exist in the run a meta tensor plans: on a CPU device in
-// bf16/f16. (A GPU's host copies are not device memory.)
-bool planned_host_copies(const Tensor& meta) { return meta_allocator().host_staging() && meta.dtype() != DType::F32; }
-Tensor host_labels(const Tensor& t) {
-  if (t.device().is_cpu()) return t;
+// t on the host (t itself when it is there, or on meta, where the planner runs), and back on a
+// device. The collectives carry a few floats per row, on the host as the labels' checks.
+Tensor on_host(const Tensor& t) {
+  if (t.device().is_cpu() || t.device().is_meta()) return t;
   Tensor h = Tensor::empty(t.shape(), t.dtype());
   ops::copy(t, h);
   return h;
 }
+Tensor on_device(const Tensor& host, Device device) {
+  if (device.is_cpu() || host.device() == device) return host;
+  Tensor d = Tensor::empty(host.shape(), host.dtype(), device);
+  ops::copy(host, d);
+  return d;
+}
 
 // Labels i32 (N) for N rows of a vocabulary of `vocab`; the message ops' check gives.
-const int32_t* checked_labels(const Tensor& labels, int64_t rows, int64_t vocab) {
+void check_labels(const Tensor& labels, int64_t rows, int64_t vocab) {
   STRATA_REQUIRE(labels.dtype() == DType::I32 && labels.numel() == rows, "labels must be i32 with one per row (", rows,
                  "), found ", labels.str());
   const int32_t* lab = labels.data<int32_t>();
   for (int64_t r = 0; r < rows; ++r)
     STRATA_REQUIRE(lab[r] >= 0 && lab[r] < vocab, "label ", lab[r], " of sample ", r, " is outside [0, ", vocab, ")");
-  return lab;
 }
 
-// Each row's maximum over the whole vocabulary: the ranks' row maxima all-gathered (N floats
-// each; a maximum is exact in any order, so every rank gets the same bits). Also returns, per
-// row, the lowest rank holding that maximum (argmax ties go to the lowest index).
-std::vector<float> global_max(TensorParallelGroup& tp, const float* x, int64_t rows, int64_t cols,
-                              std::vector<int>* owner = nullptr) {
-  Tensor local = Tensor::empty({rows});
-  float* m = local.data<float>();
-  for (int64_t r = 0; r < rows; ++r) m[r] = *std::max_element(x + r * cols, x + (r + 1) * cols);
-  Tensor all = Tensor::empty({tp.size(), rows});
-  tp.all_gather(local, all);
+// Each row's maximum over the whole vocabulary, on the host: the ranks' row maxima
+// (ops::row_max of their slices) all-gathered, N floats each (a maximum is exact in any order,
+// so every rank gets the same bits). owner, where given: per row, the lowest rank holding that
+// maximum (argmax ties go to the lowest index); argmax: this slice's first maximum's column.
+Tensor global_max(TensorParallelGroup& tp, const Tensor& x, std::vector<int>* owner = nullptr,
+                  const Tensor& argmax = {}) {
+  const int64_t rows = x.dim(0);
+  const Tensor local = Tensor::empty({rows}, DType::F32, x.device());
+  ops::row_max(x, local, argmax);
+  const Tensor local_host = on_host(local);
+  const Tensor all = Tensor::empty({tp.size(), rows}, DType::F32, local_host.device());
+  tp.all_gather(local_host, all);
+  if (x.device().is_meta()) return Tensor::empty({rows}, DType::F32, x.device());
   const float* a = all.data<float>();
-  std::vector<float> mx(a, a + rows);
+  Tensor mx = Tensor::empty({rows});
+  float* m = mx.data<float>();
   if (owner) owner->assign(static_cast<size_t>(rows), 0);
-  for (int k = 1; k < tp.size(); ++k)
-    for (int64_t r = 0; r < rows; ++r)
-      if (a[k * rows + r] > mx[r]) {
-        mx[r] = a[k * rows + r];
-        if (owner) (*owner)[r] = k;
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = a[r];
+    for (int k = 1; k < tp.size(); ++k)
+      if (a[k * rows + r] > m[r]) {
+        m[r] = a[k * rows + r];
+        if (owner) (*owner)[static_cast<size_t>(r)] = k;
       }
+  }
   return mx;
 }
 
@@ -76,6 +76,9 @@ std::vector<float> global_max(TensorParallelGroup& tp, const float* x, int64_t r
 
 SoftmaxCrossEntropy::SoftmaxCrossEntropy(TensorParallelGroup* tp)
     : tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr) {}
+
+int64_t SoftmaxCrossEntropy::first_class(int64_t cols) const { return tp_ ? tp_->rank() * cols : 0; }
+int64_t SoftmaxCrossEntropy::vocab(int64_t cols) const { return tp_ ? tp_->size() * cols : cols; }
 
 double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, Context& ctx) const {
   const Tensor rows = as_rows(logits);
@@ -86,72 +89,34 @@ double SoftmaxCrossEntropy::forward(const Tensor& logits, const Tensor& labels, 
   ctx.saved = {probs, row_labels};
   ctx.input_shape = logits.shape();
   if (!tp_) return ops::softmax_xent_forward(rows, row_labels, probs);
-  if (rows.device().is_meta()) {  // planned (parallel::plan_activations): the host f32 copies below
-    if (planned_host_copies(rows)) {
-      const Tensor x_host = Tensor::empty(rows.shape(), DType::F32, Device::meta());
-      const Tensor p_host = Tensor::empty(rows.shape(), DType::F32, Device::meta());
-    }
-    return 0;
-  }
 
-  const int64_t n = rows.dim(0), cols = rows.dim(1), first = tp_->rank() * cols;
-  const Tensor x_host = host_f32(rows), lab_host = host_labels(row_labels);
-  const int32_t* lab = checked_labels(lab_host, n, cols * tp_->size());
-  const float* x = x_host.data<float>();
-  const std::vector<float> mx = global_max(*tp_, x, n, cols);
-  // Per row: this slice's sum of exp(x - max) and the target logit if this slice holds it
-  // (0 elsewhere); one all-reduce gives the row's sum and its target logit on every rank.
-  // On the host in f32, probs itself is written: no second (rows x V/T) buffer.
-  const bool in_place = probs.device().is_cpu() && probs.dtype() == DType::F32;
-  Tensor p_host = in_place ? probs : Tensor::empty({n, cols});
-  Tensor sums = Tensor::empty({n, 2});
-  float* p = p_host.data<float>();
-  float* s = sums.data<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < cols; ++j) {
-      p[r * cols + j] = std::exp(x[r * cols + j] - mx[r]);
-      sum += p[r * cols + j];
-    }
-    const int64_t j = lab[r] - first;
-    s[2 * r] = sum;
-    s[2 * r + 1] = j >= 0 && j < cols ? x[r * cols + j] : 0.0f;
-  }
-  tp_->all_reduce_sum(sums);
+  // Megatron's parallel cross-entropy: the row maxima all-gathered, then per row this slice's
+  // sum of exp(x - max) and the target logit where this slice holds it (0 elsewhere), summed by
+  // one all-reduce; each rank then writes its slice of the probabilities.
+  const int64_t n = rows.dim(0), cols = rows.dim(1);
+  const Device device = rows.device();
+  if (!device.is_meta()) check_labels(on_host(row_labels), n, vocab(cols));
+  const Tensor mx_host = global_max(*tp_, rows);
+  const Tensor mx = on_device(mx_host, device);
+  const Tensor stats = Tensor::empty({n, 2}, DType::F32, device);
+  ops::softmax_slice_stats(rows, row_labels, first_class(cols), vocab(cols), mx, stats);
+  const Tensor stats_host = on_host(stats);
+  tp_->all_reduce_sum(stats_host);
+  ops::softmax_slice(rows, mx, on_device(stats_host, device), probs);
+  if (device.is_meta()) return 0;
+  const float* s = stats_host.data<float>();
+  const float* m = mx_host.data<float>();
   double total = 0.0;
-  for (int64_t r = 0; r < n; ++r) {
-    const float inv = 1.0f / s[2 * r];
-    for (int64_t j = 0; j < cols; ++j) p[r * cols + j] *= inv;
-    // -log softmax[label] = log(sum) - (x[label] - max), as ops::softmax_xent_forward.
-    total += std::log(static_cast<double>(s[2 * r])) - (static_cast<double>(s[2 * r + 1]) - static_cast<double>(mx[r]));
-  }
-  if (!in_place) ops::copy(p_host, probs);
-  ctx.saved[1] = lab_host;
+  for (int64_t r = 0; r < n; ++r)  // -log softmax[label] = log(sum) - (x[label] - max), as without tp
+    total += std::log(static_cast<double>(s[2 * r])) - (static_cast<double>(s[2 * r + 1]) - static_cast<double>(m[r]));
   return total;
 }
 
 Tensor SoftmaxCrossEntropy::backward(Context& ctx, float scale) const {
   const Tensor probs = ctx.saved.at(0);
   Tensor dlogits = Tensor::empty(probs.shape(), probs.dtype(), probs.device());
-  if (!tp_) {
-    ops::softmax_xent_backward(probs, ctx.saved.at(1), dlogits, scale);
-  } else if (probs.device().is_meta()) {  // planned: the host f32 copy below
-    if (planned_host_copies(probs)) Tensor::empty(probs.shape(), DType::F32, Device::meta());
-  } else {
-    // softmax - onehot on this slice: the label's column only on the rank that holds it.
-    const int64_t n = probs.dim(0), cols = probs.dim(1), first = tp_->rank() * cols;
-    const bool in_place = dlogits.device().is_cpu() && dlogits.dtype() == DType::F32;
-    Tensor d = in_place ? dlogits : Tensor::empty(probs.shape());
-    ops::copy(probs, d);
-    float* g = d.data<float>();
-    const int32_t* lab = ctx.saved.at(1).data<int32_t>();
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t j = 0; j < cols; ++j) g[r * cols + j] *= scale;
-      const int64_t j = lab[r] - first;
-      if (j >= 0 && j < cols) g[r * cols + j] -= scale;
-    }
-    if (!in_place) ops::copy(d, dlogits);
-  }
+  const int64_t cols = probs.dim(1);  // softmax - onehot, the label's column on the slice holding it
+  ops::softmax_xent_backward(probs, ctx.saved.at(1), dlogits, scale, first_class(cols), vocab(cols));
   if (ctx.input_shape.size() != 2) dlogits = dlogits.reshape(ctx.input_shape);
   ctx.clear();
   return dlogits;
@@ -161,22 +126,20 @@ int64_t SoftmaxCrossEntropy::count_correct(const Tensor& logits, const Tensor& l
   const Tensor rows = as_rows(logits);
   const Tensor row_labels = as_row_labels(labels);
   if (!tp_) return ops::count_correct(rows, row_labels);
-  const int64_t n = rows.dim(0), cols = rows.dim(1), first = tp_->rank() * cols;
-  const Tensor x_host = host_f32(rows), lab_host = host_labels(row_labels);
-  const int32_t* lab = checked_labels(lab_host, n, cols * tp_->size());
-  const float* x = x_host.data<float>();
+  const int64_t n = rows.dim(0), cols = rows.dim(1), first = first_class(cols);
+  const Tensor lab_host = on_host(row_labels);
+  check_labels(lab_host, n, vocab(cols));
   // The row's argmax is on the lowest rank holding its maximum, at that rank's first maximum;
   // that rank alone counts the row, and the counts are summed.
   std::vector<int> owner;
-  global_max(*tp_, x, n, cols, &owner);
+  const Tensor argmax = Tensor::empty({n}, DType::I32, rows.device());
+  global_max(*tp_, rows, &owner, argmax);
+  const Tensor argmax_host = on_host(argmax);
+  const int32_t* at = argmax_host.data<int32_t>();
+  const int32_t* lab = lab_host.data<int32_t>();
   Tensor count = Tensor::zeros({1}, DType::I32);
   int32_t& mine = count.data<int32_t>()[0];
-  for (int64_t r = 0; r < n; ++r) {
-    if (owner[r] != tp_->rank()) continue;
-    const float* in = x + r * cols;
-    const int64_t best = std::max_element(in, in + cols) - in;  // the first maximum
-    mine += first + best == lab[r];
-  }
+  for (int64_t r = 0; r < n; ++r) mine += owner[static_cast<size_t>(r)] == tp_->rank() && first + at[r] == lab[r];
   tp_->all_reduce_sum(count);
   return count.data<int32_t>()[0];
 }

@@ -3,7 +3,8 @@
 // Vocabulary-parallel (Megatron-LM's parallel cross-entropy): with a tensor-parallel group of
 // T > 1 ranks, rank r holds columns [r V/T, (r+1) V/T) of the logits and the full logits are
 // never formed: the row maxima are all-gathered, then one all-reduce sums each row's
-// sum exp(x - max) and its target logit (held by one rank).
+// sum exp(x - max) and its target logit (held by one rank); the ops (ops::row_max,
+// softmax_slice_stats, softmax_slice) stage bf16 logits a row at a time, as the whole loss's do.
 #pragma once
 
 #include "layers/layer.hpp"
@@ -27,6 +28,10 @@ class SoftmaxCrossEntropy {
   int64_t count_correct(const Tensor& logits, const Tensor& labels) const;
 
  private:
+  // The class of this rank's first column, and the whole vocabulary, for logits of `cols` columns.
+  int64_t first_class(int64_t cols) const;
+  int64_t vocab(int64_t cols) const;
+
   TensorParallelGroup* tp_;
 };
 

@@ -64,6 +64,15 @@ TEST_P(LowPrecision, ElementwiseAndActivationsRoundOnce) {
   ops::add(x, b, y);
   ops::add(xf, bf, yf);
   expect_same_bits(y, converted(yf, dt), "add");
+  // axpy into the low-precision dtype and into f32 (a gradient into f32 accumulation).
+  Tensor acc = y.clone(), accf = converted(y, DType::F32);
+  ops::axpy(-0.37f, x, acc);
+  ops::axpy(-0.37f, xf, accf);
+  expect_same_bits(acc, converted(accf, dt), "axpy");
+  Tensor acc32 = rand_f32({1037}, 3), acc32f = acc32.clone();
+  ops::axpy(1.5f, x, acc32);
+  ops::axpy(1.5f, xf, acc32f);
+  expect_same_bits(acc32, acc32f, "axpy into f32");
   ops::relu_backward(x, b, y);
   ops::relu_backward(xf, bf, yf);
   expect_same_bits(y, converted(yf, dt), "relu_backward");

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "core/ops.hpp"
 #include "expect_error.hpp"
 #include "layers/basic.hpp"
@@ -231,6 +232,43 @@ TEST(TensorParallelLoss, MatchesTheFullCrossEntropy) {
     EXPECT_EQ(e.kind(), ErrorKind::Input);
     EXPECT_NE(e.message().find(detail::cat("outside [0, ", v, ")")), std::string::npos) << e.message();
   }
+}
+
+// bf16 logits: the slice's rows are widened one at a time (ops::row_max, softmax_slice_stats,
+// softmax_slice), never into a whole f32 copy, and the loss matches the whole bf16 loss's.
+TEST(TensorParallelLoss, Bf16LogitsMatchTheFullLossWithoutF32Copies) {
+  World world;
+  const int t = world.tp.size(), r = world.tp.rank();
+  const int64_t n = 29, v = 1000 * t;
+  const Tensor logits32 = random_tensor({n, v}, 5, 8.0f);
+  Tensor labels = Tensor::empty({n}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((i * 331 + 7) % v);
+  const Tensor logits = Tensor::empty({n, v}, DType::BF16), local = Tensor::empty({n, v / t}, DType::BF16);
+  ops::cast(logits32, logits);
+  ops::cast(shard_of(logits32, {t, r, 1, 1}, {n, v / t}), local);
+  const layers::SoftmaxCrossEntropy whole, split(&world.tp);
+  layers::Context cw, cs;
+  const double lw = whole.forward(logits, labels, cw);
+  const float scale = 1.0f / static_cast<float>(n);
+  const Tensor dw = whole.backward(cw, scale);
+  const size_t before = host_allocator().stats().bytes_in_use;
+  host_allocator().reset_peak();
+  const double ls = split.forward(local, labels, cs);
+  const Tensor ds = split.backward(cs, scale);
+  // What the split loss may hold at once: its bf16 probabilities and gradient (in the
+  // allocator's size classes) and per-row statistics; one f32 copy of the slice would add twice
+  // the probabilities' bytes.
+  const size_t grown = host_allocator().stats().peak_in_use - before;
+  EXPECT_LT(grown, 2 * HostCachingAllocator::size_class(local.nbytes()) + 8192)
+      << "the split loss held " << grown << " bytes for a bf16 slice of " << local.nbytes();
+  // The slices' sums are added in another order than the whole row's: rounding-level
+  // differences, which may move a gradient across one bf16 rounding boundary (2^-8 relative).
+  EXPECT_NEAR(ls, lw, 1e-6 * std::abs(lw));
+  EXPECT_TRUE(same_double_on_every_rank(ls)) << "the loss differs across tp ranks";
+  const Tensor ds32 = Tensor::empty(ds.shape()), dw32 = Tensor::empty(dw.shape());
+  ops::cast(ds, ds32);
+  ops::cast(dw, dw32);
+  expect_close("dlogits-bf16", ds32, shard_of(dw32, {t, r, 1, 1}, ds.shape()), 1.0 / 256);
 }
 
 // ---- the GPT -------------------------------------------------------------------------------

@@ -232,11 +232,12 @@ struct SoftmaxXentBackward {
   const int32_t* labels;
   D* dlogits;
   int64_t cols;
+  int64_t first;  // the class of column 0 (a vocabulary-parallel slice's first)
   float scale;
   STRATA_HD void operator()(int64_t r, int64_t j) const {
     const int64_t i = r * cols + j;
     float d = to_f32(probs[i]) * scale;
-    if (j == labels[r]) d -= scale;
+    if (first + j == labels[r]) d -= scale;
     dlogits[i] = from_f32<D>(d);
   }
 };

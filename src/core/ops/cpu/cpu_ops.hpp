@@ -116,6 +116,9 @@ const float* f32_row(const Tensor& t, int64_t first, int64_t n, std::vector<floa
 float* f32_inout_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
 float* f32_out_row(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
 void store_row(const float* v, const Tensor& t, int64_t first, int64_t n);
+// axpy: x f32 into f32 y, or bf16 x into a bf16 or f32 y (axpy_takes says which; bf16 staged
+// a block at a time); add: f32 or bf16 (all one dtype).
+bool axpy_takes(DType x, DType y);
 void axpy(float alpha, const Tensor& x, const Tensor& y);
 void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& x, float alpha);
@@ -188,7 +191,12 @@ void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& y);
 void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dy, const Tensor& dgate, const Tensor& dup);
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale, int64_t first,
+                           int64_t vocab);
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax);
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats);
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 
 double sum_squares(const Tensor& x);

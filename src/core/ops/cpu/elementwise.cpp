@@ -13,14 +13,6 @@ namespace strata::ops::cpu {
 
 void fill(const Tensor& x, float value) { parallel_for(x.numel(), fn::Fill<float>{x.data<float>(), value}); }
 
-void axpy(float alpha, const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::Axpy<float, float>{alpha, x.data<float>(), y.data<float>()});
-}
-
-void add(const Tensor& a, const Tensor& b, const Tensor& y) {
-  parallel_for(y.numel(), fn::Add<float>{a.data<float>(), b.data<float>(), y.data<float>()});
-}
-
 void scale(const Tensor& x, float alpha) { parallel_for(x.numel(), fn::Scale<float>{x.data<float>(), alpha}); }
 
 void relu_forward(const Tensor& x, const Tensor& y) {
@@ -110,6 +102,43 @@ void gelu_backward_as(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_backward_span(in + lo, g + lo, out + lo, hi - lo); });
 }
 
+// The residual adds and gradient accumulations of a bf16 model, staged a block at a time as
+// GELU is: the bits of the f32 functors (fn::Add, fn::Axpy) on the widened values.
+STRATA_KERNEL_CLONES void add_span(const bf16* a, const bf16* b, bf16* y, int64_t n) {
+  float fa[kStagingBlock], fb[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(a + lo, fa, len);
+    widen_bf16(b + lo, fb, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) fa[i] += fb[i];
+    round_to_bf16(fa, y + lo, len);
+  }
+}
+
+// y += alpha * x for bf16 x into a bf16 or an f32 y (a bf16 gradient into f32 accumulation).
+STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, bf16* y, int64_t n) {
+  float fx[kStagingBlock], fy[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(x + lo, fx, len);
+    widen_bf16(y + lo, fy, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) fy[i] += alpha * fx[i];
+    round_to_bf16(fy, y + lo, len);
+  }
+}
+
+STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_t n) {
+  float fx[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(x + lo, fx, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) y[lo + i] += alpha * fx[i];
+  }
+}
+
 }  // namespace
 
 std::string kernel_isa() {
@@ -119,6 +148,29 @@ std::string kernel_isa() {
 #else
   return "the build's target (one version)";
 #endif
+}
+
+bool axpy_takes(DType x, DType y) { return y == DType::F32 ? x != DType::F16 : x == DType::BF16 && y == DType::BF16; }
+
+void axpy(float alpha, const Tensor& x, const Tensor& y) {
+  if (x.dtype() == DType::F32)
+    return parallel_for(x.numel(), fn::Axpy<float, float>{alpha, x.data<float>(), y.data<float>()});
+  const bf16* in = x.data<bf16>();
+  if (y.dtype() == DType::F32) {
+    float* out = y.data<float>();
+    return parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { axpy_span(alpha, in + lo, out + lo, hi - lo); });
+  }
+  bf16* out = y.data<bf16>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { axpy_span(alpha, in + lo, out + lo, hi - lo); });
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& y) {
+  if (y.dtype() == DType::F32)
+    return parallel_for(y.numel(), fn::Add<float>{a.data<float>(), b.data<float>(), y.data<float>()});
+  const bf16* pa = a.data<bf16>();
+  const bf16* pb = b.data<bf16>();
+  bf16* out = y.data<bf16>();
+  parallel_spans(y.numel(), [&](int64_t lo, int64_t hi) { add_span(pa + lo, pb + lo, out + lo, hi - lo); });
 }
 
 void gelu_forward(const Tensor& x, const Tensor& y) {

@@ -53,17 +53,68 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   return total;
 }
 
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale, int64_t first,
+                           int64_t vocab) {
   const int64_t n = probs.dim(0), k = probs.dim(1);
   const int32_t* lab = labels.data<int32_t>();
-  check_labels(lab, n, k);
+  check_labels(lab, n, vocab);
   parallel_rows(n, k, [&](int64_t r) {
     thread_local std::vector<float> in_row, out_row;
     const float* p = f32_row(probs, r * k, k, in_row);
     float* d = f32_out_row(dlogits, r * k, k, out_row);
     for (int64_t j = 0; j < k; ++j) d[j] = p[j] * scale;
-    d[lab[r]] -= scale;
+    const int64_t j = lab[r] - first;
+    if (j >= 0 && j < k) d[j] -= scale;
     store_row(d, dlogits, r * k, k);
+  });
+}
+
+// ---- the vocabulary-parallel pieces: rows staged in f32 one at a time, as above -------------
+
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  float* m = mx.data<float>();
+  int32_t* at = argmax.defined() ? argmax.data<int32_t>() : nullptr;
+  parallel_rows(n, k, [&](int64_t r) {
+    thread_local std::vector<float> row;
+    const float* in = f32_row(x, r * k, k, row);
+    float best = in[0];
+#pragma omp simd reduction(max : best)
+    for (int64_t j = 1; j < k; ++j) best = std::max(best, in[j]);
+    m[r] = best;
+    if (at) at[r] = static_cast<int32_t>(std::find(in, in + k, best) - in);  // the first maximum
+  });
+}
+
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  const int32_t* lab = labels.data<int32_t>();
+  check_labels(lab, n, vocab);
+  const float* m = mx.data<float>();
+  float* s = stats.data<float>();
+  parallel_rows(n, k, [&](int64_t r) {
+    thread_local std::vector<float> in_row, exp_row;
+    const float* in = f32_row(x, r * k, k, in_row);
+    exp_row.resize(static_cast<size_t>(k));
+    const int64_t j = lab[r] - first;
+    s[2 * r] = exp_and_sum(in, exp_row.data(), k, m[r]);
+    s[2 * r + 1] = j >= 0 && j < k ? in[j] : 0.0f;
+  });
+}
+
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  const float* m = mx.data<float>();
+  const float* s = stats.data<float>();
+  parallel_rows(n, k, [&](int64_t r) {
+    thread_local std::vector<float> in_row, out_row;
+    const float* in = f32_row(x, r * k, k, in_row);
+    float* out = f32_out_row(probs, r * k, k, out_row);
+    exp_and_sum(in, out, k, m[r]);  // the exponentials the row's sum was made of
+    const float inv = 1.0f / s[2 * r];
+    for (int64_t j = 0; j < k; ++j) out[j] *= inv;
+    store_row(out, probs, r * k, k);
   });
 }
 

@@ -85,7 +85,12 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const DropoutKey& key);
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs);
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale);
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale, int64_t first,
+                           int64_t vocab);
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax);
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats);
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs);
 int64_t count_correct(const Tensor& logits, const Tensor& labels);
 
 double sum_squares(const Tensor& x);

@@ -68,6 +68,56 @@ __global__ void count_correct_kernel(const T* logits, const int32_t* labels, int
   if (at == labels[r]) atomicAdd(correct, 1ull);
 }
 
+// The vocabulary-parallel pieces, one block per row.
+template <class T>
+__global__ void row_max_kernel(const T* x, int64_t k, float* mx, int32_t* argmax) {
+  __shared__ float shared[32];
+  __shared__ int first;
+  const int64_t r = blockIdx.x;
+  const T* in = x + r * k;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) m = fmaxf(m, fn::to_f32(in[j]));
+  m = block_max(m, shared);
+  if (threadIdx.x == 0) mx[r] = m, first = INT_MAX;
+  if (argmax == nullptr) return;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x)
+    if (fn::to_f32(in[j]) == m) {
+      atomicMin(&first, static_cast<int>(j));  // the first maximum
+      break;
+    }
+  __syncthreads();
+  if (threadIdx.x == 0) argmax[r] = first == INT_MAX ? 0 : first;
+}
+
+template <class T>
+__global__ void softmax_slice_stats_kernel(const T* x, const int32_t* labels, int64_t k, int64_t first, const float* mx,
+                                           float* stats) {
+  __shared__ float shared[32];
+  const int64_t r = blockIdx.x;
+  const T* in = x + r * k;
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) sum += expf(fn::to_f32(in[j]) - mx[r]);
+  sum = block_sum(sum, shared);
+  if (threadIdx.x != 0) return;
+  const int64_t j = labels[r] - first;
+  stats[2 * r] = sum;
+  stats[2 * r + 1] = j >= 0 && j < k ? fn::to_f32(in[j]) : 0.0f;
+}
+
+template <class T, class P>
+struct SoftmaxSlice {
+  const T* x;
+  const float* mx;
+  const float* stats;
+  P* probs;
+  int64_t cols;
+  __device__ void operator()(int64_t r, int64_t j) const {
+    const int64_t i = r * cols + j;
+    probs[i] = fn::from_f32<P>(expf(fn::to_f32(x[i]) - mx[r]) * (1.0f / stats[2 * r]));
+  }
+};
+
 }  // namespace
 
 double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
@@ -105,7 +155,10 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
   return host.sum;
 }
 
-void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale) {
+void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tensor& dlogits, float scale, int64_t first,
+                           int64_t vocab) {
+  // Labels outside [0, vocab) were reported by the forward pass; here they match no column.
+  (void)vocab;
   const int64_t n = probs.dim(0), k = probs.dim(1);
   const OnDevice on(dlogits);
   with_float_type(probs.dtype(), [&](auto p_tag) {
@@ -114,7 +167,48 @@ void softmax_xent_backward(const Tensor& probs, const Tensor& labels, const Tens
       using D = decltype(d_tag);
       parallel_for_rows(
           on, n, k,
-          fn::SoftmaxXentBackward<P, D>{probs.data<P>(), labels.data<int32_t>(), dlogits.data<D>(), k, scale});
+          fn::SoftmaxXentBackward<P, D>{probs.data<P>(), labels.data<int32_t>(), dlogits.data<D>(), k, first, scale});
+    });
+  });
+}
+
+void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  if (n == 0) return;
+  const OnDevice on(x);
+  with_float_type(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    row_max_kernel<<<static_cast<unsigned>(n), row_threads(k), 0, on.stream>>>(
+        x.data<T>(), k, mx.data<float>(), argmax.defined() ? argmax.data<int32_t>() : nullptr);
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void softmax_slice_stats(const Tensor& x, const Tensor& labels, int64_t first, int64_t vocab, const Tensor& mx,
+                         const Tensor& stats) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  if (n == 0) return;
+  // The labels' range is checked on the host by the caller (layers::SoftmaxCrossEntropy), which
+  // holds them there for the collectives.
+  (void)vocab;
+  const OnDevice on(x);
+  with_float_type(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    softmax_slice_stats_kernel<<<static_cast<unsigned>(n), row_threads(k), 0, on.stream>>>(
+        x.data<T>(), labels.data<int32_t>(), k, first, mx.data<float>(), stats.data<float>());
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void softmax_slice(const Tensor& x, const Tensor& mx, const Tensor& stats, const Tensor& probs) {
+  const int64_t n = x.dim(0), k = x.dim(1);
+  const OnDevice on(probs);
+  with_float_type(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    with_float_type(probs.dtype(), [&](auto p_tag) {
+      using P = decltype(p_tag);
+      parallel_for_rows(on, n, k,
+                        SoftmaxSlice<T, P>{x.data<T>(), mx.data<float>(), stats.data<float>(), probs.data<P>(), k});
     });
   });
 }
