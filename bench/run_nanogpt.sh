@@ -20,11 +20,13 @@
 #
 # Each side's final model is scored on the whole validation split, the same windows for both
 # (non-overlapping windows of 64, targets shifted by one): nanoGPT's checkpoint afterwards through
-# its own model.py, Strata's by its final test. REPS repetitions, the order alternating; the
-# table gives the wall time of each training process and the validation loss.
+# its own model.py, Strata's by its final test. REPS repetitions; the
+# table gives the wall time of each training process and the validation loss. PRECISIONS adds a
+# Strata run per --precision to each repetition; the order rotates.
 #
 #   NANOGPT_DIR=~/nanoGPT bash bench/run_nanogpt.sh          # about 10 minutes on 2 cores
 #   NANOGPT_DIR=~/nanoGPT ITERS=300 REPS=1 bash bench/run_nanogpt.sh
+#   NANOGPT_DIR=~/nanoGPT PRECISIONS="fp32 bf16" bash bench/run_nanogpt.sh   # Strata in both too
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,6 +37,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 }
 ITERS="${ITERS:-2000}"
 REPS="${REPS:-2}"
+PRECISIONS="${PRECISIONS:-fp32}"  # Strata's --precision values to run, e.g. "fp32 bf16"
 PYTHON="${PYTHON:-$here/.venv/bin/python}"
 [[ -x "$PYTHON" ]] || { echo "run_nanogpt.sh: no $PYTHON (python3 -m venv bench/.venv && bench/.venv/bin/pip install torch numpy)" >&2; exit 2; }
 source "$here/lib.sh"
@@ -122,7 +125,9 @@ echo "cpu: $(cpu_model), $(nproc) cores; OPENBLAS_CORETYPE=$(best_blas_core); on
 echo "$("$train" --version)"
 declare -a rows
 for ((r = 0; r < REPS; ++r)); do
-  if ((r % 2 == 0)); then order=(nanogpt strata); else order=(strata nanogpt); fi
+  sides=(nanogpt)
+  for p in $PRECISIONS; do sides+=("strata-$p"); done
+  order=("${sides[@]:r % ${#sides[@]}}" "${sides[@]:0:r % ${#sides[@]}}")  # rotated by the repetition
   for side in "${order[@]}"; do
     if [[ "$side" == nanogpt ]]; then
       rm -rf "$work/nanogpt-out"
@@ -130,9 +135,9 @@ for ((r = 0; r < REPS; ++r)); do
       loss=$(nanogpt_val_loss)
       label="nanoGPT (torch $torch_version)"
     else
-      secs=$(seconds_of "${strata_cmd[@]}")
+      secs=$(seconds_of "${strata_cmd[@]}" --precision "${side#strata-}")
       loss=$(sed -n 's/^final test: loss \([0-9.]*\).*/\1/p' "$work/last.log")
-      label="Strata"
+      label="Strata (${side#strata-})"
     fi
     echo "  rep $((r + 1)): $label: $secs s, validation loss $loss"
     rows+=("| $((r + 1)) | $label | $secs | $(awk -v s="$secs" -v n="$ITERS" 'BEGIN {printf "%.1f", 1000 * s / n}') | $loss |")
