@@ -4,7 +4,7 @@
 // same warm-up and timing (median of several timed windows). --profile adds a per-layer
 // forward/backward breakdown to see where the time goes.
 //
-//   bench_train_step --model mlp --batch 128 --warmup 20 --steps 20 --windows 7 --threads 1
+//   bench_train_step --model mlp --batch 128 --warmup 20 --steps 20 --windows 7 --threads 1 [--precision bf16]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -26,6 +26,7 @@ using bench::seconds_since;
 
 struct Options : bench::CommonOptions {
   std::vector<int64_t> hidden{1024, 1024};
+  std::string precision = "fp32";
   bool profile = false;
   int profile_steps = 20;
 };
@@ -50,11 +51,13 @@ Options parse(int argc, char** argv) {
   // clang-format off
   desc.add_options()
     ("hidden", bench::po::value(&hidden)->default_value(hidden), "mlp hidden sizes, comma-separated")
+    ("precision", bench::po::value(&o.precision)->default_value(o.precision), "fp32 | bf16 (train's --precision)")
     ("profile", bench::po::bool_switch(&o.profile), "add a per-layer forward/backward breakdown")
     ("profile-steps", bench::po::value(&o.profile_steps)->default_value(o.profile_steps), "steps of --profile");
   // clang-format on
   bench::parse_or_exit(argc, argv, desc);
   bench::check_common(o, desc);
+  bench::require(o.precision == "fp32" || o.precision == "bf16", "--precision must be fp32 or bf16", desc);
   o.hidden = parse_list(hidden);
   return o;
 }
@@ -72,14 +75,15 @@ int main(int argc, char** argv) {
     setup.batch = o.batch;
     setup.seed = o.seed;
     setup.lr = o.lr;
+    setup.dtype = parse_precision(o.precision);
     bench::StepBench b(MPI_COMM_SELF, setup, [&] { return bench::build_bench_model(o.model, o.hidden); });
     Tensor x, y;
     bench::random_batch(o.batch, o.seed, x, y);
     b.set_batch(x, y);
     std::printf(
-        "strata bench_train_step: model %s, batch %lld, threads %d, %lld trainable parameters; train's step "
+        "strata bench_train_step: model %s, %s, batch %lld, threads %d, %lld trainable parameters; train's step "
         "(StageEngine)\n",
-        o.model.c_str(), static_cast<long long>(o.batch), ops::num_threads(),
+        o.model.c_str(), o.precision.c_str(), static_cast<long long>(o.batch), ops::num_threads(),
         static_cast<long long>(b.engine().trainable_parameters()));
     double first_loss = 0;
     for (int s = 0; s < o.warmup; ++s) {
@@ -109,8 +113,8 @@ int main(int argc, char** argv) {
     std::printf("\nloss: first %.4f, last %.4f\n", first_loss, last_loss);
     std::printf("median %.1f samples/s, %.3f ms/step\n", med, 1e3 * static_cast<double>(o.batch) / med);
     // One line for scripts.
-    std::printf("RESULT impl=strata model=%s batch=%lld threads=%d samples_per_s=%.2f\n", o.model.c_str(),
-                static_cast<long long>(o.batch), o.threads, med);
+    std::printf("RESULT impl=strata model=%s precision=%s batch=%lld threads=%d samples_per_s=%.2f\n", o.model.c_str(),
+                o.precision.c_str(), static_cast<long long>(o.batch), o.threads, med);
     if (o.profile) bench::print_profile(b, o.profile_steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_step: %s\n", e.what());

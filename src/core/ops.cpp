@@ -7,11 +7,11 @@
 // bf16 or f16); parameter gradients are f32 or T; statistics (batch/layer norm) and optimizer
 // state are f32. CPU kernels compute in f32: low-precision tensors are widened into f32
 // scratch and outputs rounded back (F32Staging; the loss, LayerNorm and the bias ops stage a
-// row at a time themselves, cpu::f32_row, flash attention a head, GELU, add and axpy a block),
-// i.e. low-precision storage, f32 arithmetic, which is also what the CUDA kernels do (f32
-// accumulation). f32 tensors pass through as is.
-// The one exception: bf16 GEMMs on a CPU with bf16 units take their operands as they are
-// (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
+// row at a time themselves, cpu::f32_row, flash attention a head, GELU, ReLU, add and axpy a
+// block), i.e. low-precision storage, f32 arithmetic, which is also what the CUDA kernels do
+// (f32 accumulation). f32 tensors pass through as is.
+// The one exception: bf16 GEMMs and convolutions on a CPU with bf16 units take their operands
+// as they are (cpu::gemm_bf16: bf16 products, f32 sums), as cuBLAS does on the GPU.
 #include "core/ops.hpp"
 
 #include <omp.h>
@@ -135,7 +135,8 @@ void relu_forward(const Tensor& x, const Tensor& y) {
   check_float(x, "x");
   check_like(y, x, "y");
   const Device d = common_device({&x, &y});
-  if (d.is_meta()) return meta_op({&x, &y}, true);
+  if (d.is_meta()) return meta_op({&x, &y}, x.dtype() == DType::F16);
+  if (d.is_cpu() && x.dtype() != DType::F16) return cpu::relu_forward(x, y);  // f32 or bf16 as they are
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_forward(s.in(x), s.out(y)); });
   STRATA_CUDA_OP(d, relu_forward, x, y);
 }
@@ -145,7 +146,8 @@ void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
   check_like(dy, y, "dy");
   check_like(dx, y, "dx");
   const Device d = common_device({&y, &dy, &dx});
-  if (d.is_meta()) return meta_op({&y, &dy, &dx}, true);
+  if (d.is_meta()) return meta_op({&y, &dy, &dx}, y.dtype() == DType::F16);
+  if (d.is_cpu() && y.dtype() != DType::F16) return cpu::relu_backward(y, dy, dx);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::relu_backward(s.in(y), s.in(dy), s.out(dx)); });
   STRATA_CUDA_OP(d, relu_backward, y, dy, dx);
 }

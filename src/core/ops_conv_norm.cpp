@@ -26,13 +26,19 @@ void check_conv(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dG
   check_blas_size(g.in_channels * g.kernel_h * g.kernel_w, "conv C*KH*KW");
   check_blas_size(n * g.out_h() * g.out_w(), "conv N*OH*OW");
 }
+// bf16 convolutions on a CPU with bf16 units take their operands as they are (cpu::gemm_bf16, as
+// ops::gemm); elsewhere, and in f16, they are staged in f32.
+bool bf16_on_units(const Tensor& x) { return x.dtype() == DType::BF16 && !cpu::bf16_matrix_units().empty(); }
+
 }  // namespace
 
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g) {
   check_conv(x, w, y, g, "y");
   check_optional_param(bias, g.out_channels, x, "bias");
   const Device d = common_device({&x, &w, &bias, &y});
-  if (d.is_meta()) return meta_op({&x, &w, &bias, &y}, true);
+  const bool units = bf16_on_units(x);
+  if (d.is_meta()) return meta_op({&x, &w, &bias, &y}, !units);
+  if (d.is_cpu() && units) return cpu::conv2d_forward_bf16(x, w, bias, y, g);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::conv2d_forward(s.in(x), s.in(w), s.in(bias), s.out(y), g); });
   STRATA_CUDA_OP(d, conv2d_forward, x, w, bias, y, g);
 }
@@ -50,7 +56,9 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   }
   check_optional_grad(db, g.out_channels, x, "db");
   const Device d = common_device({&x, &w, &dy, &dx, &dw, &db});
-  if (d.is_meta()) return meta_op({&x, &w, &dy, &dx, &dw, &db}, true);
+  const bool units = bf16_on_units(x);
+  if (d.is_meta()) return meta_op({&x, &w, &dy, &dx, &dw, &db}, !units);
+  if (d.is_cpu() && units) return cpu::conv2d_backward_bf16(x, w, dy, dx, dw, db, g);
   if (d.is_cpu())
     return on_cpu([&](F32Staging& s) {
       cpu::conv2d_backward(s.in(x), s.in(w), s.in(dy), s.out(dx), s.inout(dw), s.inout(db), g);

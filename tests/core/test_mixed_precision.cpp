@@ -194,27 +194,87 @@ TEST(Bf16MatrixUnits, UsedWhereTheCpuHasThem) {
   EXPECT_EQ(!ops::bf16_matrix_units().empty(), expected) << "units: '" << ops::bf16_matrix_units() << "'";
 }
 
+// A convolution's outputs and gradients in double from its definition, with the sums of the
+// terms' magnitudes (expect_within_product_bound): y = b + w * x, dx = w^T * dy, dw = dy * x.
+struct ConvSums {
+  std::vector<double> y, y_abs, dx, dx_abs, dw, dw_abs;
+};
+ConvSums conv_sums(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& dy, const ops::Conv2dGeometry& g) {
+  const int64_t n = x.dim(0), c = g.in_channels, o = g.out_channels, kh = g.kernel_h, kw = g.kernel_w;
+  const int64_t h = g.in_h, wd = g.in_w, oh = g.out_h(), ow = g.out_w();
+  ConvSums s;
+  s.y.assign(static_cast<size_t>(n * o * oh * ow), 0.0);
+  s.dx.assign(static_cast<size_t>(x.numel()), 0.0);
+  s.dw.assign(static_cast<size_t>(w.numel()), 0.0);
+  s.y_abs = s.y, s.dx_abs = s.dx, s.dw_abs = s.dw;
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  const float* dyp = dy.data<float>();
+  for (int64_t ni = 0; ni < n; ++ni)
+    for (int64_t oi = 0; oi < o; ++oi)
+      for (int64_t yi = 0; yi < oh; ++yi)
+        for (int64_t xi = 0; xi < ow; ++xi) {
+          const size_t out = static_cast<size_t>(((ni * o + oi) * oh + yi) * ow + xi);
+          s.y[out] = b.data<float>()[oi], s.y_abs[out] = std::fabs(s.y[out]);
+          for (int64_t ci = 0; ci < c; ++ci)
+            for (int64_t ky = 0; ky < kh; ++ky)
+              for (int64_t kx = 0; kx < kw; ++kx) {
+                const int64_t iy = yi * g.stride - g.padding + ky, ix = xi * g.stride - g.padding + kx;
+                if (iy < 0 || iy >= h || ix < 0 || ix >= wd) continue;
+                const size_t in = static_cast<size_t>(((ni * c + ci) * h + iy) * wd + ix);
+                const size_t wi = static_cast<size_t>(((oi * c + ci) * kh + ky) * kw + kx);
+                const double p = static_cast<double>(wp[wi]) * xp[in];
+                const double gx = static_cast<double>(wp[wi]) * dyp[out];
+                const double gw = static_cast<double>(dyp[out]) * xp[in];
+                s.y[out] += p, s.y_abs[out] += std::fabs(p);
+                s.dx[in] += gx, s.dx_abs[in] += std::fabs(gx);
+                s.dw[wi] += gw, s.dw_abs[wi] += std::fabs(gw);
+              }
+        }
+  return s;
+}
+
 TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {
   const DType dt = GetParam();
-  ops::Conv2dGeometry g;
-  g.in_channels = 3, g.out_channels = 4, g.kernel_h = 3, g.kernel_w = 2, g.padding = 1, g.in_h = 7, g.in_w = 6;
   auto [x, xf] = rounded({2, 3, 7, 6}, 6);
-  auto [w, wf] = rounded({4, 3, 3, 2}, 7);
   auto [bias, biasf] = rounded({4}, 8);
-  const Shape ys{2, 4, g.out_h(), g.out_w()};
-  Tensor y = Tensor::empty(ys, dt), yf = Tensor::empty(ys);
-  ops::conv2d_forward(x, w, bias, y, g);
-  ops::conv2d_forward(xf, wf, biasf, yf, g);
-  expect_same_bits(y, converted(yf, dt), "conv2d_forward");
+  // (kernel h, kernel w, stride, padding): the general unfold, the "same"-width one, a pointwise
+  // convolution (the sample as its own columns) and a strided one.
+  const int64_t shapes[][4] = {{3, 2, 1, 1}, {3, 3, 1, 1}, {1, 1, 1, 0}, {3, 3, 2, 1}};
+  for (const auto& [kh, kw, stride, padding] : shapes) {
+    SCOPED_TRACE(::testing::Message() << "kernel " << kh << "x" << kw << ", stride " << stride << ", padding "
+                                      << padding);
+    ops::Conv2dGeometry g;
+    g.in_channels = 3, g.out_channels = 4, g.kernel_h = kh, g.kernel_w = kw, g.stride = stride, g.padding = padding,
+    g.in_h = 7, g.in_w = 6;
+    auto [w, wf] = rounded({4, 3, kh, kw}, 7);
+    const Shape ys{2, 4, g.out_h(), g.out_w()};
+    Tensor y = Tensor::empty(ys, dt), yf = Tensor::empty(ys);
+    ops::conv2d_forward(x, w, bias, y, g);
+    ops::conv2d_forward(xf, wf, biasf, yf, g);
 
-  auto [dy, dyf] = rounded(ys, 9);
-  Tensor dx = Tensor::empty(x.shape(), dt), dxf = Tensor::empty(x.shape());
-  Tensor dw = Tensor::zeros(w.shape()), dwf = Tensor::zeros(w.shape()), db = Tensor::zeros({4}), dbf = db.clone();
-  ops::conv2d_backward(x, w, dy, dx, dw, db, g);
-  ops::conv2d_backward(xf, wf, dyf, dxf, dwf, dbf, g);
-  expect_same_bits(dx, converted(dxf, dt), "conv2d dx");
-  expect_same_bits(dw, dwf, "conv2d dw (f32)");
-  expect_same_bits(db, dbf, "conv2d db (f32)");
+    auto [dy, dyf] = rounded(ys, 9);
+    Tensor dx = Tensor::empty(x.shape(), dt), dxf = Tensor::empty(x.shape());
+    Tensor dw = Tensor::zeros(w.shape()), dwf = Tensor::zeros(w.shape()), db = Tensor::zeros({4}), dbf = db.clone();
+    ops::conv2d_backward(x, w, dy, dx, dw, db, g);
+    ops::conv2d_backward(xf, wf, dyf, dxf, dwf, dbf, g);
+    expect_same_bits(db, dbf, "conv2d db (f32)");  // sums of dy, in the same order either way
+    if (dt == DType::F16 || ops::bf16_matrix_units().empty()) {
+      expect_same_bits(y, converted(yf, dt), "conv2d_forward");
+      expect_same_bits(dx, converted(dxf, dt), "conv2d dx");
+      expect_same_bits(dw, dwf, "conv2d dw (f32)");
+      continue;
+    }
+    // bf16 on the CPU's bf16 units: exact products summed in f32 in the units' order, then
+    // rounded once, as the GEMMs' (above): within f32's summation bound of the exact sums, taken
+    // here in double straight from the convolution's definition.
+    const ConvSums exact = conv_sums(xf, wf, biasf, dyf, g);
+    const double rounding = std::ldexp(1.0, -8);
+    expect_within_product_bound(y, exact.y, exact.y_abs, 3 * kh * kw + 1, rounding, "conv2d_forward (bf16 units)");
+    expect_within_product_bound(dx, exact.dx, exact.dx_abs, 4 * kh * kw, rounding, "conv2d dx (bf16 units)");
+    expect_within_product_bound(dw, exact.dw, exact.dw_abs, ys[0] * g.out_h() * g.out_w(), 0.0,
+                                "conv2d dw (f32, bf16 units)");
+  }
 
   ops::Pool2dGeometry pg;
   pg.in_h = 7, pg.in_w = 6;

@@ -2,10 +2,13 @@
 // benchmark (batch 64, 1 thread), per-sample GEMMs beat batching samples into one wide column
 // matrix by 1.1-2.4x: the wide matrix falls out of cache and needs a (N,O)<->(O,N) reshuffle of
 // y and dy. Backward: dW += dY_n @ col_n^T, dcol = W^T @ dY_n, then col2im. 1x1 convolutions
-// with stride 1 and no padding use the sample itself as the column matrix.
+// with stride 1 and no padding use the sample itself as the column matrix. bf16 on a CPU with
+// bf16 units: the same loops, columns unfolded in bf16, the products through oneDNN
+// (gemm_bf16) into f32.
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 
@@ -27,9 +30,8 @@ inline void valid_range(int64_t in, int64_t out, int64_t stride, int64_t pad, in
 // off = (kh - p) * W + (kw - p), except rows that fall into the vertical padding and columns
 // outside [lo, hi) (horizontal padding, where the shift wraps into the neighbouring row).
 // That turns OH short copies into one long one plus a fix-up of the border columns.
-template <bool kToCol>
-void unfold_same_width(float* plane, float* crow, const Conv2dGeometry& g, int64_t kh, int64_t kw, int64_t lo,
-                       int64_t hi) {
+template <bool kToCol, class T>
+void unfold_same_width(T* plane, T* crow, const Conv2dGeometry& g, int64_t kh, int64_t kw, int64_t lo, int64_t hi) {
   const int64_t h = g.in_h, w = g.in_w, p = g.padding, oh_n = g.out_h(), ohw = oh_n * w;
   const int64_t off = (kh - p) * w + (kw - p);
   const int64_t oh_lo = std::clamp<int64_t>(p - kh, 0, oh_n), oh_hi = std::clamp<int64_t>(h + p - kh, oh_lo, oh_n);
@@ -37,14 +39,14 @@ void unfold_same_width(float* plane, float* crow, const Conv2dGeometry& g, int64
   const int64_t i0 = std::max(oh_lo * w, -off), i1 = std::max(i0, std::min(oh_hi * w, h * w - off));
   auto zero_borders = [&] {
     for (int64_t oh = oh_lo; oh < oh_hi; ++oh) {
-      for (int64_t ow = 0; ow < lo; ++ow) crow[oh * w + ow] = 0.0f;
-      for (int64_t ow = hi; ow < w; ++ow) crow[oh * w + ow] = 0.0f;
+      for (int64_t ow = 0; ow < lo; ++ow) crow[oh * w + ow] = T{};
+      for (int64_t ow = hi; ow < w; ++ow) crow[oh * w + ow] = T{};
     }
   };
   if constexpr (kToCol) {
-    std::fill(crow, crow + i0, 0.0f);
-    std::memcpy(crow + i0, plane + i0 + off, static_cast<size_t>(i1 - i0) * sizeof(float));
-    std::fill(crow + i1, crow + ohw, 0.0f);
+    std::fill(crow, crow + i0, T{});
+    std::memcpy(crow + i0, plane + i0 + off, static_cast<size_t>(i1 - i0) * sizeof(T));
+    std::fill(crow + i1, crow + ohw, T{});
     zero_borders();
   } else {
     zero_borders();  // crow is scratch (dcol): padding positions must not be added
@@ -52,41 +54,42 @@ void unfold_same_width(float* plane, float* crow, const Conv2dGeometry& g, int64
   }
 }
 
-// kToCol: col (C*KH*KW rows of length ld, this sample's columns at offset 0) = unfold(x).
-// Otherwise col2im: x (C, H, W) += fold(col). One routine so the index math exists once.
-template <bool kToCol>
-void unfold(float* x, float* col, int64_t ld, const Conv2dGeometry& g) {
+// kToCol: col (C*KH*KW rows of length ld, this sample's columns at offset 0) = unfold(x), for
+// f32 or bf16 (copies). Otherwise col2im: x (C, H, W) += fold(col), in f32. One routine so the
+// index math exists once.
+template <bool kToCol, class T>
+void unfold(T* x, T* col, int64_t ld, const Conv2dGeometry& g) {
   const int64_t oh_n = g.out_h(), ow_n = g.out_w(), h = g.in_h, w = g.in_w, s = g.stride, p = g.padding;
   const int64_t rows = g.in_channels * g.kernel_h * g.kernel_w;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t kw = r % g.kernel_w, kh = (r / g.kernel_w) % g.kernel_h, c = r / (g.kernel_w * g.kernel_h);
     int64_t lo, hi;
     valid_range(w, ow_n, s, p, kw, lo, hi);
-    float* plane = x + c * h * w;
-    float* crow = col + r * ld;
+    T* plane = x + c * h * w;
+    T* crow = col + r * ld;
     if (s == 1 && ow_n == w) {  // "same" width (3x3 pad 1, ...): one long shifted copy per row
       unfold_same_width<kToCol>(plane, crow, g, kh, kw, lo, hi);
       continue;
     }
     for (int64_t oh = 0; oh < oh_n; ++oh) {
-      float* dst = crow + oh * ow_n;  // (OW) slice of the column row
+      T* dst = crow + oh * ow_n;  // (OW) slice of the column row
       const int64_t ih = oh * s - p + kh;
       if (ih < 0 || ih >= h) {
-        if constexpr (kToCol) std::memset(dst, 0, static_cast<size_t>(ow_n) * sizeof(float));
+        if constexpr (kToCol) std::fill(dst, dst + ow_n, T{});
         continue;
       }
-      float* row = plane + ih * w;
+      T* row = plane + ih * w;
       const int64_t off = kw - p;  // row[ow * s + off] is what output column ow sees
       if constexpr (kToCol) {
         // Rows are short (OW values): inline loops beat memcpy/memset calls here.
-        for (int64_t ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;
+        for (int64_t ow = 0; ow < lo; ++ow) dst[ow] = T{};
         if (s == 1) {
-          const float* src = row + lo + off;
+          const T* src = row + lo + off;
           for (int64_t i = 0; i < hi - lo; ++i) dst[lo + i] = src[i];
         } else {
           for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = row[ow * s + off];
         }
-        for (int64_t ow = hi; ow < ow_n; ++ow) dst[ow] = 0.0f;
+        for (int64_t ow = hi; ow < ow_n; ++ow) dst[ow] = T{};
       } else if (s == 1) {
         float* xr = row + lo + off;
         const float* d = dst + lo;
@@ -115,10 +118,11 @@ ConvPlan plan(const Tensor& x, const Conv2dGeometry& g) {
 }
 
 // Sample n's column matrix (kkc, OH*OW): unfolded into scratch, or the sample itself.
-const float* columns(const ConvPlan& pl, const float* x, int64_t n, float* scratch, const Conv2dGeometry& g) {
-  const float* xn = x + n * pl.x_numel;
+template <class T>
+const T* columns(const ConvPlan& pl, const T* x, int64_t n, T* scratch, const Conv2dGeometry& g) {
+  const T* xn = x + n * pl.x_numel;
   if (pl.pointwise) return xn;
-  unfold<true>(const_cast<float*>(xn), scratch, pl.ohw, g);
+  unfold<true>(const_cast<T*>(xn), scratch, pl.ohw, g);
   return scratch;
 }
 
@@ -182,6 +186,86 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
       }
     }
   }
+}
+
+// ---- bf16 on the CPU's bf16 units ------------------------------------------------------------
+// The same loops with the column matrices in bf16 and the products through gemm_bf16 into f32
+// scratch (per sample, kept across calls: kernel scratch, as f32_row's).
+
+void conv2d_forward_bf16(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                         const Conv2dGeometry& g) {
+  const ConvPlan pl = plan(x, g);
+  const int64_t o = g.out_channels;
+  const bf16* xp = x.data<bf16>();
+  const bf16* wp = w.data<bf16>();
+  bf16* yp = y.data<bf16>();
+  std::vector<float> bias_scratch;
+  const float* bp = bias.defined() ? f32_row(bias, 0, o, bias_scratch) : nullptr;
+  thread_local std::vector<bf16> col;
+  thread_local std::vector<float> out;
+  col.resize(pl.pointwise ? 0 : static_cast<size_t>(pl.kkc * pl.ohw));
+  out.resize(static_cast<size_t>(pl.y_numel));
+  for (int64_t n = 0; n < pl.n; ++n) {
+    const bf16* cols = columns(pl, xp, n, col.data(), g);
+    // (O, OH*OW) = W (O, kkc) @ col (kkc, OH*OW), in f32; the bias added there; rounded once.
+    gemm_bf16(false, false, o, pl.ohw, pl.kkc, 1.0f, wp, pl.kkc, cols, pl.ohw, 0.0f, out.data(), DType::F32, pl.ohw);
+    if (bp)
+      for (int64_t c = 0; c < o; ++c) {
+        float* row = out.data() + c * pl.ohw;
+        const float b = bp[c];
+        for (int64_t i = 0; i < pl.ohw; ++i) row[i] += b;
+      }
+    cast_span(out.data(), DType::F32, yp + n * pl.y_numel, DType::BF16, pl.y_numel);
+  }
+}
+
+void conv2d_backward_bf16(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
+                          const Tensor& db, const Conv2dGeometry& g) {
+  const ConvPlan pl = plan(x, g);
+  const int64_t o = g.out_channels, ohw = pl.ohw, kkc = pl.kkc;
+  if (!dw.defined() && !dx.defined() && !db.defined()) return;
+  const bf16* xp = x.data<bf16>();
+  const bf16* wp = w.data<bf16>();
+  const bf16* dyp = dy.data<bf16>();
+  // dW and db accumulate over the samples in f32: in place where they are f32, else in scratch
+  // rounded once at the end.
+  std::vector<float> dw_scratch, db_scratch, dy_row;
+  float* dwp = dw.defined() ? f32_inout_row(dw, 0, dw.numel(), dw_scratch) : nullptr;
+  float* dbp = db.defined() ? f32_inout_row(db, 0, o, db_scratch) : nullptr;
+  thread_local std::vector<bf16> col;
+  thread_local std::vector<float> dcol, dxf;
+  col.resize(pl.pointwise ? 0 : static_cast<size_t>(kkc * ohw));
+  dcol.resize(static_cast<size_t>(kkc * ohw));
+  dxf.resize(pl.pointwise ? 0 : static_cast<size_t>(pl.x_numel));
+  for (int64_t n = 0; n < pl.n; ++n) {
+    const bf16* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
+    if (dbp) {                               // db (O) += row sums of dY_n, as the f32 loop sums them
+      const float* dyf = f32_row(dy, n * pl.y_numel, pl.y_numel, dy_row);
+      for (int64_t c = 0; c < o; ++c) {
+        const float* r = dyf + c * ohw;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < ohw; ++i) acc += r[i];
+        dbp[c] += acc;
+      }
+    }
+    if (dwp) {  // dW (O, kkc) += dY_n (O, OH*OW) @ col_n^T
+      const bf16* cols = columns(pl, xp, n, col.data(), g);
+      gemm_bf16(false, true, o, kkc, ohw, 1.0f, dyn, ohw, cols, ohw, 1.0f, dwp, DType::F32, kkc);
+    }
+    if (dx.defined()) {  // dcol (kkc, OH*OW) = W^T @ dY_n in f32, folded back, rounded into dx_n
+      gemm_bf16(true, false, kkc, ohw, o, 1.0f, wp, kkc, dyn, ohw, 0.0f, dcol.data(), DType::F32, ohw);
+      const float* dxn = dcol.data();
+      if (!pl.pointwise) {
+        std::fill(dxf.begin(), dxf.end(), 0.0f);
+        unfold<false>(dxf.data(), dcol.data(), ohw, g);
+        dxn = dxf.data();
+      }
+      cast_span(dxn, DType::F32, dx.data<bf16>() + n * pl.x_numel, DType::BF16, pl.x_numel);
+    }
+  }
+  if (dwp) store_row(dwp, dw, 0, dw.numel());
+  if (dbp) store_row(dbp, db, 0, o);
 }
 
 }  // namespace strata::ops::cpu

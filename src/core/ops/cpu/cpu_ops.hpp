@@ -100,6 +100,9 @@ std::string kernel_isa();
 // sgemm is. Only where bf16_matrix_units() is non-empty: elsewhere oneDNN emulates the bf16
 // instructions at a third of OpenBLAS's f32 rate.
 void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
+// The same on row-major pointers with leading dimensions, c f32 or bf16 (c_dtype).
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
+               const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc);
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);
@@ -124,6 +127,7 @@ void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& x, float alpha);
 void normalize_u8(const Tensor& x, const Tensor& y, float in_scale, const std::vector<float>& mean,
                   const std::vector<float>& std);
+// f32, or bf16 staged a block at a time.
 void relu_forward(const Tensor& x, const Tensor& y);
 void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx);
 void gelu_forward(const Tensor& x, const Tensor& y);
@@ -143,6 +147,13 @@ void bias_grad(const Tensor& dy, const Tensor& db);
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g);
 void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                      const Tensor& db, const Conv2dGeometry& g);
+// bf16 x, w, bias, y (dy, dx) on a CPU with bf16 units (bf16_matrix_units()): the columns are
+// unfolded in bf16 and the products run on the units (gemm_bf16) into f32, to which the bias is
+// added and which col2im folds, rounded once; dw and db f32 or bf16.
+void conv2d_forward_bf16(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y,
+                         const Conv2dGeometry& g);
+void conv2d_backward_bf16(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
+                          const Tensor& db, const Conv2dGeometry& g);
 
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g);
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g);

@@ -15,14 +15,6 @@ void fill(const Tensor& x, float value) { parallel_for(x.numel(), fn::Fill<float
 
 void scale(const Tensor& x, float alpha) { parallel_for(x.numel(), fn::Scale<float>{x.data<float>(), alpha}); }
 
-void relu_forward(const Tensor& x, const Tensor& y) {
-  parallel_for(x.numel(), fn::ReluForward<float>{x.data<float>(), y.data<float>()});
-}
-
-void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
-  parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
-}
-
 // The two casts of every bf16 op's f32 staging, at the CPU's vector width: the same bit
 // operations as bf16's own (dtype.hpp), on every lane.
 namespace {
@@ -139,6 +131,31 @@ STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_
   }
 }
 
+// ReLU of a bf16 model, staged a block at a time: the f32 functors' bits (fn::ReluForward,
+// fn::ReluBackward) on the widened values.
+STRATA_KERNEL_CLONES void relu_forward_span(const bf16* x, bf16* y, int64_t n) {
+  float f[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(x + lo, f, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) f[i] = f[i] <= 0.0f ? 0.0f : f[i];  // NaN stays NaN
+    round_to_bf16(f, y + lo, len);
+  }
+}
+
+STRATA_KERNEL_CLONES void relu_backward_span(const bf16* y, const bf16* dy, bf16* dx, int64_t n) {
+  float fy[kStagingBlock], g[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(y + lo, fy, len);
+    widen_bf16(dy + lo, g, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) g[i] = fy[i] > 0.0f ? g[i] : 0.0f;
+    round_to_bf16(g, dx + lo, len);
+  }
+}
+
 }  // namespace
 
 std::string kernel_isa() {
@@ -148,6 +165,22 @@ std::string kernel_isa() {
 #else
   return "the build's target (one version)";
 #endif
+}
+
+void relu_forward(const Tensor& x, const Tensor& y) {
+  if (x.dtype() == DType::F32) return parallel_for(x.numel(), fn::ReluForward<float>{x.data<float>(), y.data<float>()});
+  const bf16* in = x.data<bf16>();
+  bf16* out = y.data<bf16>();
+  parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { relu_forward_span(in + lo, out + lo, hi - lo); });
+}
+
+void relu_backward(const Tensor& y, const Tensor& dy, const Tensor& dx) {
+  if (y.dtype() == DType::F32)
+    return parallel_for(y.numel(), fn::ReluBackward<float>{y.data<float>(), dy.data<float>(), dx.data<float>()});
+  const bf16* py = y.data<bf16>();
+  const bf16* g = dy.data<bf16>();
+  bf16* out = dx.data<bf16>();
+  parallel_spans(y.numel(), [&](int64_t lo, int64_t hi) { relu_backward_span(py + lo, g + lo, out + lo, hi - lo); });
 }
 
 bool axpy_takes(DType x, DType y) { return y == DType::F32 ? x != DType::F16 : x == DType::BF16 && y == DType::BF16; }

@@ -143,25 +143,28 @@ std::string bf16_matrix_units() {
   return isa;
 }
 
-void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {
-  const int64_t m = c.dim(0), n = c.dim(1), k = trans_a ? a.dim(0) : a.dim(1);
-  const int64_t lda = a.dim(1), ldb = b.dim(1), ldc = n;
-  const bf16* pa = a.data<bf16>();
-  const bf16* pb = b.data<bf16>();
-  const size_t c_size = dtype_size(c.dtype());
-  auto* pc = static_cast<char*>(c.raw());
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
+               const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc) {
+  const size_t c_size = dtype_size(c_dtype);
+  auto* pc = static_cast<char*>(c);
   std::atomic<bool> failed{false};
   std::string error;
   split_product(m, n, k, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
     try {  // an exception must not leave an OpenMP region
-      bf16_matmul_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? pa + r0 : pa + r0 * lda, lda,
-                             trans_b ? pb + c0 * ldb : pb + c0, ldb, beta,
-                             pc + static_cast<size_t>(r0 * ldc + c0) * c_size, c.dtype(), ldc);
+      bf16_matmul_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda,
+                             trans_b ? b + c0 * ldb : b + c0, ldb, beta,
+                             pc + static_cast<size_t>(r0 * ldc + c0) * c_size, c_dtype, ldc);
     } catch (const dnnl::error& e) {
       if (!failed.exchange(true)) error = e.what();
     }
   });
   if (failed) STRATA_THROW("oneDNN bf16 matmul ", m, "x", n, "x", k, " failed: ", error);
+}
+
+void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta) {
+  const int64_t m = c.dim(0), n = c.dim(1), k = trans_a ? a.dim(0) : a.dim(1);
+  gemm_bf16(trans_a, trans_b, m, n, k, alpha, a.data<bf16>(), a.dim(1), b.data<bf16>(), b.dim(1), beta, c.raw(),
+            c.dtype(), n);
 }
 
 std::string blas_kernel_warning() {
