@@ -93,7 +93,8 @@ void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, 
   check_pool(x, y, g, "x", "y");
   check_argmax(argmax, y);
   const Device d = common_device({&x, &y, &argmax});
-  if (d.is_meta()) return meta_op({&x, &y, &argmax}, true);
+  if (d.is_meta()) return meta_op({&x, &y, &argmax}, x.dtype() == DType::F16);
+  if (d.is_cpu() && x.dtype() != DType::F16) return cpu::max_pool2d_forward(x, y, argmax, g);  // a plane at a time
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_forward(s.in(x), s.out(y), argmax, g); });
   STRATA_CUDA_OP(d, max_pool2d_forward, x, y, argmax, g);
 }
@@ -102,7 +103,8 @@ void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& d
   check_pool(dx, dy, g, "dx", "dy");
   check_argmax(argmax, dy);
   const Device d = common_device({&dy, &argmax, &dx});
-  if (d.is_meta()) return meta_op({&dy, &argmax, &dx}, true);
+  if (d.is_meta()) return meta_op({&dy, &argmax, &dx}, dy.dtype() == DType::F16);
+  if (d.is_cpu() && dy.dtype() != DType::F16) return cpu::max_pool2d_backward(dy, argmax, dx, g);
   if (d.is_cpu()) return on_cpu([&](F32Staging& s) { cpu::max_pool2d_backward(s.in(dy), argmax, s.out(dx), g); });
   STRATA_CUDA_OP(d, max_pool2d_backward, dy, argmax, dx, g);
 }

@@ -111,7 +111,7 @@ TEST(MetaAllocator, CountsTheCpuKernelsF32StagingOfBf16WhenPlanningForTheCpu) {
   for (const bool cpu : {true, false}) {
     meta.set_host_staging(cpu);
     meta.reset_peak();
-    ops::relu_forward(x, y);  // the CPU widens x and y into f32 scratch for the op
+    ops::gelu_tanh_forward(x, y);  // the CPU widens x and y into f32 scratch for the op
     EXPECT_EQ(meta.peak_in_use() - before, cpu ? 2 * HostCachingAllocator::size_class(256 * 4) : 0) << cpu;
     EXPECT_EQ(meta.in_use(), before);
   }

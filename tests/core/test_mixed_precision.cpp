@@ -285,6 +285,21 @@ TEST_P(LowPrecision, ConvolutionPoolingAndNorms) {
   ops::max_pool2d_forward(xf, pf, amf, pg);
   expect_same_bits(p, converted(pf, dt), "max_pool2d");
   expect_same_bits(am, amf, "max_pool2d argmax");
+  // Backward scatters dy to the argmax, overlapping windows adding in f32 before the one rounding.
+  ops::Pool2dGeometry over;
+  over.kernel = 3, over.stride = 1, over.padding = 1, over.in_h = 7, over.in_w = 6;
+  const Shape os{2, 3, over.out_h(), over.out_w()};
+  Tensor po = Tensor::empty(os, dt), pof = Tensor::empty(os), ao = Tensor::empty(os, DType::I32),
+         aof = Tensor::empty(os, DType::I32);
+  ops::max_pool2d_forward(x, po, ao, over);
+  ops::max_pool2d_forward(xf, pof, aof, over);
+  expect_same_bits(po, converted(pof, dt), "max_pool2d, overlapping windows");
+  expect_same_bits(ao, aof, "max_pool2d argmax, overlapping windows");
+  auto [gp, gpf] = rounded(os, 12);
+  Tensor dpx = Tensor::empty(x.shape(), dt), dpxf = Tensor::empty(x.shape());
+  ops::max_pool2d_backward(gp, ao, dpx, over);
+  ops::max_pool2d_backward(gpf, aof, dpxf, over);
+  expect_same_bits(dpx, converted(dpxf, dt), "max_pool2d_backward, overlapping windows");
 
   // Batch norm: parameters in the compute dtype, statistics in f32.
   auto [gamma, gammaf] = rounded({3}, 10);

@@ -155,6 +155,7 @@ void conv2d_forward_bf16(const Tensor& x, const Tensor& w, const Tensor& bias, c
 void conv2d_backward_bf16(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                           const Tensor& db, const Conv2dGeometry& g);
 
+// f32, or bf16 staged a plane at a time.
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g);
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g);
 void avg_pool2d_forward(const Tensor& x, const Tensor& y, const Pool2dGeometry& g);

@@ -1,8 +1,10 @@
 // CPU pooling: max (with argmax for backward), average (padding counted as zeros) and global
 // average. Each (N, C) plane is independent; windows are clipped to the image. The window
-// math is ops/pool_math.hpp, shared with the CUDA kernels.
+// math is ops/pool_math.hpp, shared with the CUDA kernels. Max pooling takes f32 or bf16, a
+// bf16 plane staged in f32 at a time (f32_row).
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 #include "core/ops/pool_math.hpp"
@@ -12,15 +14,14 @@ namespace strata::ops::cpu {
 void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, const Pool2dGeometry& g) {
   const pool::PoolDims dims(g);
   const int64_t h = dims.h, w = dims.w, oh_n = dims.oh, ow_n = dims.ow;
-  const int64_t planes = x.numel() / (h * w);
-  const float* xp = x.data<float>();
-  float* yp = y.data<float>();
+  const int64_t planes = x.numel() / (h * w), ohw = oh_n * ow_n;
   int32_t* ap = argmax.data<int32_t>();
   const bool pool2x2 = g.kernel == 2 && g.stride == 2 && g.padding == 0;
   parallel_rows(planes, h * w, [&](int64_t q) {
-    const float* in = xp + q * h * w;
-    float* out = yp + q * oh_n * ow_n;
-    int32_t* arg = ap + q * oh_n * ow_n;
+    thread_local std::vector<float> in_plane, out_plane;
+    const float* in = f32_row(x, q * h * w, h * w, in_plane);
+    float* out = f32_out_row(y, q * ohw, ohw, out_plane);
+    int32_t* arg = ap + q * ohw;
     if (pool2x2) {
       // The common 2x2/2 pool: two row pointers, four loads up front, 32-bit indices and
       // non-short-circuit compares (| not ||) so GCC vectorises it (3.3x faster than a loop
@@ -48,7 +49,7 @@ void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, 
           arg[oh * ow_n + ow] = best_i;
         }
       }
-      return;
+      return store_row(out, y, q * ohw, ohw);
     }
     for (int64_t oh = 0; oh < oh_n; ++oh) {
       for (int64_t ow = 0; ow < ow_n; ++ow) {
@@ -59,21 +60,22 @@ void max_pool2d_forward(const Tensor& x, const Tensor& y, const Tensor& argmax, 
         arg[oh * ow_n + ow] = static_cast<int32_t>(best_i);
       }
     }
+    store_row(out, y, q * ohw, ohw);
   });
 }
 
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, const Tensor& dx, const Pool2dGeometry& g) {
   const int64_t hw = g.in_h * g.in_w, ohw = g.out_h() * g.out_w();
   const int64_t planes = dx.numel() / hw;
-  const float* gp = dy.data<float>();
   const int32_t* ap = argmax.data<int32_t>();
-  float* dp = dx.data<float>();
   parallel_rows(planes, hw, [&](int64_t q) {
-    float* d = dp + q * hw;
-    std::memset(d, 0, static_cast<size_t>(hw) * sizeof(float));
-    const float* gq = gp + q * ohw;
+    thread_local std::vector<float> g_plane, d_plane;
+    float* d = f32_out_row(dx, q * hw, hw, d_plane);
+    std::fill(d, d + hw, 0.0f);
+    const float* gq = f32_row(dy, q * ohw, ohw, g_plane);
     const int32_t* aq = ap + q * ohw;
-    for (int64_t i = 0; i < ohw; ++i) d[aq[i]] += gq[i];
+    for (int64_t i = 0; i < ohw; ++i) d[aq[i]] += gq[i];  // overlapping windows add in f32
+    store_row(d, dx, q * hw, hw);
   });
 }
 
