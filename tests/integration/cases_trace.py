@@ -120,8 +120,11 @@ def case_trace(args):
         assert abs(sum(r["split"].values()) - 1) < 1e-3 and r["split"]["pipeline"] > 0, r
         assert r["step_time_s"] > 0 and r["tflops_per_rank"] > 0 and r["mfu"] is not None and r["peak_bytes"] > 0, r
         # The model's FLOP rate per rank: 6 x forward multiply-adds per sample x samples/s over 4 ranks.
+        # --metrics rounds samples/s to 0.1 and the rate to 6 significant digits: the tolerance is
+        # those roundings (a relative bound alone fails on a slow machine's small samples/s).
         expected = flops_per_sample * r["samples_per_s"] / 4
-        assert abs(r["tflops_per_rank"] * 1e12 - expected) < 1e-4 * expected, (r, expected)
+        tolerance = flops_per_sample * 0.05 / 4 + 1e-5 * expected
+        assert abs(r["tflops_per_rank"] * 1e12 - expected) <= tolerance, (r, expected)
 
     # tp 2 x dp 2 on the GPT: the tp collectives, and the closing evaluation after the last step.
     tokens = tokenize(args, "byte")
