@@ -126,6 +126,26 @@ const T* columns(const ConvPlan& pl, const T* x, int64_t n, T* scratch, const Co
   return scratch;
 }
 
+// y (O, OH*OW) of one sample += bias[c] on channel c's row.
+void add_channel_bias(float* y, const float* bias, int64_t o, int64_t ohw) {
+  for (int64_t c = 0; c < o; ++c) {
+    float* row = y + c * ohw;
+    const float b = bias[c];
+    for (int64_t i = 0; i < ohw; ++i) row[i] += b;
+  }
+}
+
+// db (O) += the row sums of one sample's dY (O, OH*OW), each row summed on its own (f32).
+void add_channel_sums(const float* dy, int64_t o, int64_t ohw, float* db) {
+  for (int64_t c = 0; c < o; ++c) {
+    const float* r = dy + c * ohw;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < ohw; ++i) acc += r[i];
+    db[c] += acc;
+  }
+}
+
 }  // namespace
 
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dGeometry& g) {
@@ -140,12 +160,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
     const float* cols = columns(pl, xp, n, col.defined() ? col.data<float>() : nullptr, g);
     float* yn = yp + n * pl.y_numel;  // (O, OH*OW) = W (O, kkc) @ col (kkc, OH*OW)
     sgemm(false, false, o, pl.ohw, pl.kkc, 1.0f, wp, pl.kkc, cols, pl.ohw, 0.0f, yn, pl.ohw);
-    if (!bp) continue;
-    for (int64_t c = 0; c < o; ++c) {
-      float* row = yn + c * pl.ohw;
-      const float b = bp[c];
-      for (int64_t i = 0; i < pl.ohw; ++i) row[i] += b;
-    }
+    if (bp) add_channel_bias(yn, bp, o, pl.ohw);
   }
 }
 
@@ -162,16 +177,8 @@ void conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const T
   const int64_t ohw = pl.ohw, kkc = pl.kkc;
   for (int64_t n = 0; n < pl.n; ++n) {
     const float* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
-    if (db.defined()) {                       // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
-      float* dbp = db.data<float>();
-      for (int64_t c = 0; c < o; ++c) {
-        const float* r = dyn + c * pl.ohw;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < pl.ohw; ++i) acc += r[i];
-        dbp[c] += acc;
-      }
-    }
+    // db (O) += row sums of dY_n; done here so dY_n is in cache for the GEMMs
+    if (db.defined()) add_channel_sums(dyn, o, ohw, db.data<float>());
     if (dw.defined()) {  // dW (O, kkc) += dY_n (O, OH*OW) @ col_n^T
       const float* cols = columns(pl, xp, n, scratch, g);
       sgemm(false, true, o, kkc, ohw, 1.0f, dyn, ohw, cols, ohw, 1.0f, dw.data<float>(), kkc);
@@ -209,12 +216,7 @@ void conv2d_forward_bf16(const Tensor& x, const Tensor& w, const Tensor& bias, c
     const bf16* cols = columns(pl, xp, n, col.data(), g);
     // (O, OH*OW) = W (O, kkc) @ col (kkc, OH*OW), in f32; the bias added there; rounded once.
     gemm_bf16(false, false, o, pl.ohw, pl.kkc, 1.0f, wp, pl.kkc, cols, pl.ohw, 0.0f, out.data(), DType::F32, pl.ohw);
-    if (bp)
-      for (int64_t c = 0; c < o; ++c) {
-        float* row = out.data() + c * pl.ohw;
-        const float b = bp[c];
-        for (int64_t i = 0; i < pl.ohw; ++i) row[i] += b;
-      }
+    if (bp) add_channel_bias(out.data(), bp, o, pl.ohw);
     cast_span(out.data(), DType::F32, yp + n * pl.y_numel, DType::BF16, pl.y_numel);
   }
 }
@@ -239,16 +241,7 @@ void conv2d_backward_bf16(const Tensor& x, const Tensor& w, const Tensor& dy, co
   dxf.resize(pl.pointwise ? 0 : static_cast<size_t>(pl.x_numel));
   for (int64_t n = 0; n < pl.n; ++n) {
     const bf16* dyn = dyp + n * pl.y_numel;  // (O, OH*OW)
-    if (dbp) {                               // db (O) += row sums of dY_n, as the f32 loop sums them
-      const float* dyf = f32_row(dy, n * pl.y_numel, pl.y_numel, dy_row);
-      for (int64_t c = 0; c < o; ++c) {
-        const float* r = dyf + c * ohw;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < ohw; ++i) acc += r[i];
-        dbp[c] += acc;
-      }
-    }
+    if (dbp) add_channel_sums(f32_row(dy, n * pl.y_numel, pl.y_numel, dy_row), o, ohw, dbp);
     if (dwp) {  // dW (O, kkc) += dY_n (O, OH*OW) @ col_n^T
       const bf16* cols = columns(pl, xp, n, col.data(), g);
       gemm_bf16(false, true, o, kkc, ohw, 1.0f, dyn, ohw, cols, ohw, 1.0f, dwp, DType::F32, kkc);
