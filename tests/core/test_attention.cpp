@@ -88,29 +88,38 @@ Result run_flash(const Problem& pr, float p, const ops::DropoutKey& key) {
   return r;
 }
 
-// The naive reference in double: y, lse, and the gradients of sum(y * dy).
+// The naive reference in double: y, lse, and the gradients of sum(y * dy). q and dy have H heads,
+// k and v Hkv (query head h reads kv head h / (H / Hkv)). Where y_stored is given, backward's row
+// term D_i is dy_i . y_stored_i, as the kernels compute it from the y they are given, instead of
+// sum_j P_ij dP_ij. The *_abs fields hold each output's sum of absolute terms (the products'
+// magnitudes, which bound their rounding errors).
 struct Reference {
   std::vector<double> y, lse, probs, dq, dk, dv;
+  std::vector<double> y_abs, dq_abs, dk_abs, dv_abs;
 };
 
-Reference reference(const Problem& pr, float p, const ops::DropoutKey& key) {
-  const auto [B, H, T, Dh] = pr.s;
-  const auto q = values(pr.q), k = values(pr.k), v = values(pr.v), g = values(pr.dy);
+Reference reference(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Tensor& dyt, float p,
+                    const ops::DropoutKey& key, const Tensor* y_stored = nullptr) {
+  const int64_t B = qt.dim(0), H = qt.dim(1), Hkv = kt.dim(1), T = qt.dim(2), Dh = qt.dim(3);
+  const auto q = values(qt), k = values(kt), v = values(vt), g = values(dyt);
+  const std::vector<double> ys = y_stored ? values(*y_stored) : std::vector<double>();
   Reference ref;
-  ref.y.assign(q.size(), 0.0), ref.dq.assign(q.size(), 0.0), ref.dk.assign(q.size(), 0.0);
-  ref.dv.assign(q.size(), 0.0), ref.lse.assign(static_cast<size_t>(B * H * T), 0.0);
+  for (auto* x : {&ref.y, &ref.dq, &ref.y_abs, &ref.dq_abs}) x->assign(q.size(), 0.0);
+  for (auto* x : {&ref.dk, &ref.dv, &ref.dk_abs, &ref.dv_abs}) x->assign(k.size(), 0.0);
+  ref.lse.assign(static_cast<size_t>(B * H * T), 0.0);
   ref.probs.assign(static_cast<size_t>(B * H * T * T), 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(Dh)), keep_scale = p < 1.0f ? 1.0 / (1.0 - p) : 0.0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t bh = b * H + h, off = bh * T * Dh;
+      const int64_t bh = b * H + h, off = bh * T * Dh, kv_off = (b * Hkv + h / (H / Hkv)) * T * Dh;
       auto at = [&](const std::vector<double>& x, int64_t row, int64_t d) { return x[off + row * Dh + d]; };
+      auto kv_at = [&](const std::vector<double>& x, int64_t row, int64_t d) { return x[kv_off + row * Dh + d]; };
       for (int64_t i = 0; i < T; ++i) {
         std::vector<double> s(i + 1), f(i + 1), pr_row(i + 1);
         double mx = -1e300;
         for (int64_t j = 0; j <= i; ++j) {
           s[j] = 0.0;
-          for (int64_t d = 0; d < Dh; ++d) s[j] += at(q, i, d) * at(k, j, d);
+          for (int64_t d = 0; d < Dh; ++d) s[j] += at(q, i, d) * kv_at(k, j, d);
           s[j] *= scale;
           mx = std::max(mx, s[j]);
           const uint64_t index = static_cast<uint64_t>(((key.first_sample + b) * H + h) * T * T + i * T + j);
@@ -129,24 +138,37 @@ Reference reference(const Problem& pr, float p, const ops::DropoutKey& key) {
         for (int64_t j = 0; j <= i; ++j) {
           double gv = 0.0;
           for (int64_t d = 0; d < Dh; ++d) {
-            ref.y[off + i * Dh + d] += pr_row[j] * f[j] * at(v, j, d);
-            ref.dv[off + j * Dh + d] += pr_row[j] * f[j] * at(g, i, d);
-            gv += at(g, i, d) * at(v, j, d);
+            const double pf = pr_row[j] * f[j];
+            ref.y[off + i * Dh + d] += pf * kv_at(v, j, d);
+            ref.y_abs[off + i * Dh + d] += pf * std::fabs(kv_at(v, j, d));
+            ref.dv[kv_off + j * Dh + d] += pf * at(g, i, d);
+            ref.dv_abs[kv_off + j * Dh + d] += pf * std::fabs(at(g, i, d));
+            gv += at(g, i, d) * kv_at(v, j, d);
           }
           dp[j] = f[j] * gv;
           row_term += pr_row[j] * dp[j];
         }
+        if (y_stored) {
+          row_term = 0.0;
+          for (int64_t d = 0; d < Dh; ++d) row_term += at(g, i, d) * ys[off + i * Dh + d];
+        }
         for (int64_t j = 0; j <= i; ++j) {
           const double ds = pr_row[j] * (dp[j] - row_term) * scale;
           for (int64_t d = 0; d < Dh; ++d) {
-            ref.dq[off + i * Dh + d] += ds * at(k, j, d);
-            ref.dk[off + j * Dh + d] += ds * at(q, i, d);
+            ref.dq[off + i * Dh + d] += ds * kv_at(k, j, d);
+            ref.dq_abs[off + i * Dh + d] += std::fabs(ds * kv_at(k, j, d));
+            ref.dk[kv_off + j * Dh + d] += ds * at(q, i, d);
+            ref.dk_abs[kv_off + j * Dh + d] += std::fabs(ds * at(q, i, d));
           }
         }
       }
     }
   }
   return ref;
+}
+
+Reference reference(const Problem& pr, float p, const ops::DropoutKey& key) {
+  return reference(pr.q, pr.k, pr.v, pr.dy, p, key);
 }
 
 const ops::DropoutKey kKey{rng::derive_key(42, rng::kDropout), 7, 3};
@@ -366,9 +388,10 @@ TEST(Attention, DeterministicAcrossRunsAndThreadCounts) {
   }
 }
 
-// bf16 tensors, staged in f32 a head at a time: bitwise the f32 kernel on the widened values,
-// outputs rounded once, with grouped kv heads too.
+// bf16 tensors without bf16 units, staged in f32 a head at a time: bitwise the f32 kernel on the
+// widened values, outputs rounded once, with grouped kv heads too.
 TEST(Attention, Bf16IsTheF32KernelOnTheWidenedValuesRoundedOnce) {
+  if (!ops::bf16_matrix_units().empty()) GTEST_SKIP() << "bf16 units: the test below covers bf16";
   const auto as = [](const Tensor& t, DType dtype) {
     Tensor out = Tensor::empty(t.shape(), dtype);
     ops::cast(t, out);
@@ -397,6 +420,62 @@ TEST(Attention, Bf16IsTheF32KernelOnTheWidenedValuesRoundedOnce) {
     if (kv_heads == 4) {
       Tensor probs = Tensor::empty({1, 4, 40, 40}, DType::BF16);  // plain keeps bf16 probabilities
       ops::attention_forward(q, k, v, y, probs, 0.0f, kKey);
+    }
+  }
+}
+
+// bf16 tensors on a CPU with bf16 units: every tile product runs on them, the probabilities and
+// dS rounded to bf16 before they are multiplied (as FlashAttention does on GPUs), all sums in f32.
+// Each output is then within one bf16 rounding (u = 2^-8) of the absolute sum of its terms, plus
+// its own final rounding (u |exact|), plus f32-level slack (1e-5 of the tensor's largest value);
+// the reference takes the bf16 inputs exactly and, for backward's D_i, the y the kernel is given.
+// CTest also runs this file with the units turned off (DNNL_MAX_CPU_ISA), where the test above
+// covers bf16.
+TEST(Attention, Bf16OnTheUnitsIsWithinOneRoundingOfItsTiles) {
+  if (ops::bf16_matrix_units().empty()) GTEST_SKIP() << "no bf16 units: bf16 attention is staged in f32";
+  const auto as = [](const Tensor& t, DType dtype) {
+    Tensor out = Tensor::empty(t.shape(), dtype);
+    ops::cast(t, out);
+    return out;
+  };
+  const double u = std::ldexp(1.0, -8);
+  const auto expect_within = [&](const Tensor& got, const std::vector<double>& want, const std::vector<double>& abs,
+                                 const char* name) {
+    const Tensor g = as(got, DType::F32);
+    double scale = 0.0;
+    for (const double w : want) scale = std::max(scale, std::fabs(w));
+    int64_t worst = 0;
+    double worst_ratio = 0.0;
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      const double bound = u * abs[i] + u * std::fabs(want[i]) + 1e-5 * scale;
+      const double ratio = std::fabs(g.data<float>()[i] - want[i]) / bound;
+      if (ratio > worst_ratio) worst_ratio = ratio, worst = i;
+    }
+    EXPECT_LE(worst_ratio, 1.0) << name << "[" << worst << "] " << g.data<float>()[worst] << " vs " << want[worst];
+    std::printf("%s: worst error %.2f of its bound\n", name, worst_ratio);
+  };
+  for (const int64_t kv_heads : {4, 2}) {
+    for (const int64_t t : {40, 130}) {
+      for (const float p : {0.0f, 0.1f}) {
+        SCOPED_TRACE("kv heads " + std::to_string(kv_heads) + " T " + std::to_string(t) + " p " + std::to_string(p));
+        const Shape qs{2, 4, t, 16}, kvs{2, kv_heads, t, 16};
+        const Tensor q = as(rand_tensor(qs, 17, -2.0f, 2.0f), DType::BF16),
+                     k = as(rand_tensor(kvs, 18, -2.0f, 2.0f), DType::BF16), v = as(rand_tensor(kvs, 19), DType::BF16),
+                     dy = as(rand_tensor(qs, 20), DType::BF16);
+        Tensor y = Tensor::empty(qs, DType::BF16), lse = Tensor::empty({2, 4, t});
+        ops::flash_attention_forward(q, k, v, y, lse, p, kKey);
+        Tensor dq = Tensor::empty(qs, DType::BF16), dk = Tensor::empty(kvs, DType::BF16),
+               dv = Tensor::empty(kvs, DType::BF16);
+        ops::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, p, kKey);
+        const Tensor y_given = as(y, DType::F32);
+        const Reference ref = reference(as(q, DType::F32), as(k, DType::F32), as(v, DType::F32), as(dy, DType::F32),
+                                        p, kKey, &y_given);
+        EXPECT_LT(rel_diff(lse, ref.lse), 1e-5);  // exact products summed in f32
+        expect_within(y, ref.y, ref.y_abs, "y");
+        expect_within(dq, ref.dq, ref.dq_abs, "dq");
+        expect_within(dk, ref.dk, ref.dk_abs, "dk");
+        expect_within(dv, ref.dv, ref.dv_abs, "dv");
+      }
     }
   }
 }

@@ -4,7 +4,9 @@
 //   p v and the backward products) and kept for backward;
 // - memory-efficient (FlashAttention-2's algorithm): query tiles of kTile rows against key
 //   tiles of kTile columns with an online softmax; only each row's log-sum-exp is saved, and
-//   backward recomputes the probabilities tile by tile with D_i = rowsum(dy * y).
+//   backward recomputes the probabilities tile by tile with D_i = rowsum(dy * y). bf16 heads on
+//   a CPU with bf16 units stay bf16 and every tile product runs on the units; otherwise a head
+//   is staged in f32 at a time and its products run through OpenBLAS.
 // Both draw the same attention-dropout mask from (key, stream, global index); everything is
 // sequential within one head, so results do not depend on the thread count.
 #include <algorithm>
@@ -181,6 +183,62 @@ float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+float dot(const bf16* a, const bf16* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i].to_float() * b[i].to_float();
+  return acc;
+}
+
+// ---- the memory-efficient kernels' heads and tile products -----------------------------------
+// Heads are T: float (f32 tensors, or bf16 and f16 ones staged in f32 a head at a time; products
+// through OpenBLAS) or bf16 (bf16 tensors on a CPU with bf16 units: read in place, products on
+// the units through oneDNN, f32 sums). Scores, probabilities and their gradients are f32 tiles;
+// over bf16 heads a tile is rounded to bf16 before it is multiplied, as FlashAttention does on
+// GPUs, so that every product runs on the units.
+
+// Elements [first, first + n) of a head, as T.
+template <class T>
+const T* head(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch);
+template <>
+const float* head<float>(const Tensor& t, int64_t first, int64_t n, std::vector<float>& scratch) {
+  return f32_row(t, first, n, scratch);
+}
+template <>
+const bf16* head<bf16>(const Tensor& t, int64_t first, int64_t /*n*/, std::vector<float>& /*scratch*/) {
+  return t.data<bf16>() + first;
+}
+
+// s (m, n) = alpha a b^T for the row blocks a (m, k) and b (n, k) of two heads.
+void heads_product(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float* s, int64_t lds) {
+  mm(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, s, lds);
+}
+void heads_product(int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda, const bf16* b,
+                   int64_t ldb, float* s, int64_t lds) {
+  gemm_bf16_one_thread(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, s, DType::F32, lds);
+}
+
+// c (m, n) += alpha op(s) b for an f32 tile s, (m, k) or, with trans_s, (k, m), and a head's row
+// block b (k, n). Over bf16 heads op(s) is rounded into `rounded` first, transposed there where
+// trans_s (so that oneDNN sees two plain row-major operands).
+void tile_product(bool trans_s, int64_t m, int64_t n, int64_t k, float alpha, const float* s, int64_t lds,
+                  const float* b, int64_t ldb, float* c, int64_t ldc, std::vector<bf16>& /*rounded*/) {
+  mm(trans_s, false, m, n, k, alpha, s, lds, b, ldb, 1.0f, c, ldc);
+}
+void tile_product(bool trans_s, int64_t m, int64_t n, int64_t k, float alpha, const float* s, int64_t lds,
+                  const bf16* b, int64_t ldb, float* c, int64_t ldc, std::vector<bf16>& rounded) {
+  rounded.resize(static_cast<size_t>(m * k));
+  bf16* r = rounded.data();
+  if (trans_s) {
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < m; ++j) r[j * k + i] = bf16::from_float(s[i * lds + j]);
+  } else {
+    for (int64_t i = 0; i < m; ++i) cast_span(s + i * lds, DType::F32, r + i * k, DType::BF16, k);
+  }
+  gemm_bf16_one_thread(false, false, m, n, k, alpha, r, k, b, ldb, 1.0f, c, DType::F32, ldc);
+}
+
 }  // namespace
 
 // ---- embedding -------------------------------------------------------------------------------
@@ -354,17 +412,19 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // ---- memory-efficient attention --------------------------------------------------------------
 
-void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
-                             float p, const DropoutKey& key) {
+template <class T>
+void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse, float p,
+                   const DropoutKey& key) {
   const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
     const int64_t off = bh * t * dh, n = t * dh;
-    thread_local std::vector<float> q_head, k_head, v_head, y_head;  // a bf16 head in f32 (f32_row)
-    const float* qh = f32_row(q, off, n, q_head);
-    const float* kh = f32_row(k, hd.kv_of(bh) * n, n, k_head);
-    const float* vh = f32_row(v, hd.kv_of(bh) * n, n, v_head);
+    thread_local std::vector<float> q_head, k_head, v_head, y_head;  // staged heads (head<float>)
+    thread_local std::vector<bf16> rounded;
+    const T* qh = head<T>(q, off, n, q_head);
+    const T* kh = head<T>(k, hd.kv_of(bh) * n, n, k_head);
+    const T* vh = head<T>(v, hd.kv_of(bh) * n, n, v_head);
     float* yh = f32_out_row(y, off, n, y_head);
     float* lh = lse.data<float>() + bh * t;
     const HeadDropout drop = hd.dropout(bh, p, key);
@@ -378,7 +438,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
       std::fill(lrow.get(), lrow.get() + nr, 0.0f);
       for (int64_t j0 = 0; j0 < i0 + nr; j0 += kTile) {  // key tiles up to the last query row
         const int64_t nc = std::min(kTile, t - j0);
-        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+        heads_product(nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, s.get(), kTile);
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);  // causal: j <= i
           float* sr = s.get() + r * kTile;
@@ -400,7 +460,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
           }
           std::fill(sr + valid, sr + nc, 0.0f);
         }
-        mm(false, false, nr, dh, nc, 1.0f, s.get(), kTile, vh + j0 * dh, dh, 1.0f, acc.get(), dh);
+        tile_product(false, nr, dh, nc, 1.0f, s.get(), kTile, vh + j0 * dh, dh, acc.get(), dh, rounded);
       }
       for (int64_t r = 0; r < nr; ++r) {
         const float inv = 1.0f / lrow[r];
@@ -414,19 +474,27 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   });
 }
 
-void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
-                              const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
-                              const DropoutKey& key) {
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                             float p, const DropoutKey& key) {
+  if (q.dtype() == DType::BF16 && !bf16_matrix_units().empty()) return flash_forward<bf16>(q, k, v, y, lse, p, key);
+  flash_forward<float>(q, k, v, y, lse, p, key);
+}
+
+template <class T>
+void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                    const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
+                    const DropoutKey& key) {
   const Heads hd(q, k);
   const int64_t t = hd.t, dh = hd.dh;
   if (hd.count() == 0 || t == 0) return;
   // One task per kv head: its query heads in order, dk and dv summed over them (no races).
   parallel_rows(hd.b * hd.hkv, hd.group * t * t * dh, [&](int64_t bkv) {
     const int64_t kv_off = bkv * t * dh, n = t * dh;
-    // A bf16 head in f32 (f32_row), as a whole-tensor staging would give it.
+    // Staged heads (head<float>) and the gradients' f32 sums.
     thread_local std::vector<float> k_head, v_head, dk_head, dv_head, q_head, y_head, dy_head, dq_head;
-    const float* kh = f32_row(k, kv_off, n, k_head);
-    const float* vh = f32_row(v, kv_off, n, v_head);
+    thread_local std::vector<bf16> rounded;
+    const T* kh = head<T>(k, kv_off, n, k_head);
+    const T* vh = head<T>(v, kv_off, n, v_head);
     float* dkh = f32_out_row(dk, kv_off, n, dk_head);
     float* dvh = f32_out_row(dv, kv_off, n, dv_head);
     std::fill(dkh, dkh + t * dh, 0.0f);
@@ -434,9 +502,9 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
     auto drow = buffer(t), s = buffer(kTile * kTile), g = buffer(kTile * kTile), factor = buffer(kTile);
     for (int64_t qi = 0; qi < hd.group; ++qi) {
       const int64_t bh = hd.first_query(bkv) + qi, off = bh * t * dh;
-      const float* qh = f32_row(q, off, n, q_head);
-      const float* yh = f32_row(y, off, n, y_head);
-      const float* gh = f32_row(dy, off, n, dy_head);
+      const T* qh = head<T>(q, off, n, q_head);
+      const T* yh = head<T>(y, off, n, y_head);
+      const T* gh = head<T>(dy, off, n, dy_head);
       const float* lh = lse.data<float>() + bh * t;
       float* dqh = f32_out_row(dq, off, n, dq_head);
       const HeadDropout drop = hd.dropout(bh, p, key);
@@ -447,8 +515,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
         const int64_t nc = std::min(kTile, t - j0);
         for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
           const int64_t nr = std::min(kTile, t - i0);
-          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
-          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
+          heads_product(nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, s.get(), kTile);
+          heads_product(nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, g.get(), kTile);
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
             float* sr = s.get() + r * kTile;  // P, then the dropped P
@@ -458,9 +526,9 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
             std::fill(sr + valid, sr + nc, 0.0f);
             std::fill(gr + valid, gr + nc, 0.0f);
           }
-          mm(true, false, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
-          mm(false, false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
-          mm(true, false, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
+          tile_product(true, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, dvh + j0 * dh, dh, rounded);
+          tile_product(false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, dqh + i0 * dh, dh, rounded);
+          tile_product(true, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, dkh + j0 * dh, dh, rounded);
         }
       }
       store_row(dqh, dq, off, n);
@@ -468,6 +536,14 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
     store_row(dkh, dk, kv_off, n);
     store_row(dvh, dv, kv_off, n);
   });
+}
+
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
+                              const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
+                              const DropoutKey& key) {
+  if (q.dtype() == DType::BF16 && !bf16_matrix_units().empty())
+    return flash_backward<bf16>(q, k, v, y, lse, dy, dq, dk, dv, p, key);
+  flash_backward<float>(q, k, v, y, lse, dy, dq, dk, dv, p, key);
 }
 
 }  // namespace strata::ops::cpu

@@ -103,6 +103,10 @@ void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, con
 // The same on row-major pointers with leading dimensions, c f32 or bf16 (c_dtype).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
                const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc);
+// The same product on the calling thread, whatever the thread count (attention's tiles: results
+// independent of it). Each thread keeps the oneDNN primitive of each shape it has run.
+void gemm_bf16_one_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a,
+                          int64_t lda, const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc);
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);

@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <string>
+#include <unordered_map>
 
 #include "core/ops/cpu/cpu_ops.hpp"
 
@@ -84,38 +86,82 @@ const dnnl::engine& dnnl_cpu() {
   return engine;
 }
 
-// One oneDNN matmul on the calling thread: c (m, n) = alpha op(a) op(b) + beta c, bf16 operands
-// with strides, c f32 or bf16. oneDNN keeps the compiled kernels in its primitive cache, so a
-// shape seen before costs a lookup (~10 us) here.
-void bf16_matmul_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
-                            const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc) {
+// A oneDNN matmul of one shape, compiled once per thread: building the primitive (descriptors,
+// implementation dispatch, oneDNN's own cache lookup) costs ~10 us, more than a 64^3 attention
+// tile's product on the bf16 units; executing a kept one costs little more than the product.
+struct Bf16Matmul {
+  dnnl::matmul primitive;
+  dnnl::memory a, b, c;
+};
+
+struct Bf16MatmulShape {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  DType c_dtype;
+  bool operator==(const Bf16MatmulShape& o) const {
+    return ta == o.ta && tb == o.tb && m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb &&
+           ldc == o.ldc && alpha == o.alpha && beta == o.beta && c_dtype == o.c_dtype;
+  }
+};
+
+struct Bf16MatmulShapeHash {
+  size_t operator()(const Bf16MatmulShape& s) const {
+    size_t h = std::hash<int64_t>()(s.m);
+    for (const int64_t v : {s.n, s.k, s.lda, s.ldb, s.ldc, int64_t{s.ta} * 2 + s.tb, static_cast<int64_t>(s.c_dtype)})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h * 1000003u ^ std::hash<float>()(s.alpha) ^ std::hash<float>()(s.beta) << 1;
+  }
+};
+
+Bf16Matmul make_bf16_matmul(const Bf16MatmulShape& s) {
   using dims = dnnl::memory::dims;
   using dt = dnnl::memory::data_type;
-  const dnnl::memory::desc ad({m, k}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
-  const dnnl::memory::desc bd({k, n}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1});
-  const dnnl::memory::desc cd({m, n}, c_dtype == DType::F32 ? dt::f32 : dt::bf16, dims{ldc, 1});
+  const dnnl::memory::desc ad({s.m, s.k}, dt::bf16, s.ta ? dims{1, s.lda} : dims{s.lda, 1});
+  const dnnl::memory::desc bd({s.k, s.n}, dt::bf16, s.tb ? dims{1, s.ldb} : dims{s.ldb, 1});
+  const dnnl::memory::desc cd({s.m, s.n}, s.c_dtype == DType::F32 ? dt::f32 : dt::bf16, dims{s.ldc, 1});
   dnnl::primitive_attr attr;
-  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.0f) {
+  if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
+  if (s.beta != 0.0f) {
     dnnl::post_ops sum;
-    sum.append_sum(beta);
+    sum.append_sum(s.beta);
     attr.set_post_ops(sum);
   }
   const dnnl::engine& engine = dnnl_cpu();
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
-  // oneDNN threads a primitive over omp_get_max_threads() outside a parallel region: one here.
+  return {dnnl::matmul(pd), dnnl::memory(ad, engine, DNNL_MEMORY_NONE), dnnl::memory(bd, engine, DNNL_MEMORY_NONE),
+          dnnl::memory(cd, engine, DNNL_MEMORY_NONE)};
+}
+
+}  // namespace
+
+void gemm_bf16_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
+                          const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  // oneDNN threads a primitive over omp_get_max_threads() outside a parallel region, both when
+  // it is built (its blocking) and when it runs: one thread for both.
   struct OneThread {
     const int threads = omp_get_max_threads();
     OneThread() { omp_set_num_threads(1); }
     ~OneThread() { omp_set_num_threads(threads); }
   } one_thread;
-  dnnl::stream stream(engine);
-  dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, dnnl::memory(ad, engine, const_cast<bf16*>(a))},
-                                    {DNNL_ARG_WEIGHTS, dnnl::memory(bd, engine, const_cast<bf16*>(b))},
-                                    {DNNL_ARG_DST, dnnl::memory(cd, engine, c)}});
+  // A run meets a handful of shapes (its layers', attention's tiles); the bound only keeps a
+  // program that varies them without end from growing.
+  constexpr size_t kMaxShapes = 256;
+  thread_local std::unordered_map<Bf16MatmulShape, Bf16Matmul, Bf16MatmulShapeHash> kept;
+  const Bf16MatmulShape shape{ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype};
+  auto it = kept.find(shape);
+  if (it == kept.end()) {
+    if (kept.size() >= kMaxShapes) kept.clear();
+    it = kept.emplace(shape, make_bf16_matmul(shape)).first;
+  }
+  Bf16Matmul& mm = it->second;
+  mm.a.set_data_handle(const_cast<bf16*>(a));
+  mm.b.set_data_handle(const_cast<bf16*>(b));
+  mm.c.set_data_handle(c);
+  thread_local dnnl::stream stream(dnnl_cpu());
+  mm.primitive.execute(stream, {{DNNL_ARG_SRC, mm.a}, {DNNL_ARG_WEIGHTS, mm.b}, {DNNL_ARG_DST, mm.c}});
 }
-
-}  // namespace
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -151,7 +197,7 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
   std::string error;
   split_product(m, n, k, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
     try {  // an exception must not leave an OpenMP region
-      bf16_matmul_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda,
+      gemm_bf16_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda,
                              trans_b ? b + c0 * ldb : b + c0, ldb, beta,
                              pc + static_cast<size_t>(r0 * ldc + c0) * c_size, c_dtype, ldc);
     } catch (const dnnl::error& e) {
