@@ -232,17 +232,18 @@ int run_steps(const Options& o) {
 // the input gradients are fresh tensors of each call. Returns the forward's seconds.
 double attention_call(const Options& o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dy) {
   const auto t0 = clock_type::now();
-  Tensor y = Tensor::empty(q.shape());
+  Tensor y = Tensor::empty(q.shape(), q.dtype());
   Tensor stats;
   if (o.attention == "flash") {
     stats = Tensor::empty({q.dim(0), q.dim(1), q.dim(2)});
     ops::flash_attention_forward(q, k, v, y, stats);
   } else {
-    stats = Tensor::empty({q.dim(0), q.dim(1), q.dim(2), q.dim(2)});
+    stats = Tensor::empty({q.dim(0), q.dim(1), q.dim(2), q.dim(2)}, q.dtype());
     ops::attention_forward(q, k, v, y, stats);
   }
   const double fwd = seconds_since(t0);
-  Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(q.shape()), dv = Tensor::empty(q.shape());
+  Tensor dq = Tensor::empty(q.shape(), q.dtype()), dk = Tensor::empty(q.shape(), q.dtype()),
+         dv = Tensor::empty(q.shape(), q.dtype());
   if (o.attention == "flash")
     ops::flash_attention_backward(q, k, v, y, stats, dy, dq, dk, dv);
   else
@@ -254,17 +255,20 @@ int run_attention(const Options& o) {
   const Shape shape{o.batch, o.heads, o.seq_len, o.head_dim};
   std::mt19937 gen(static_cast<uint32_t>(o.seed));
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  const DType dtype = parse_precision(o.precision);
   auto random = [&] {
-    Tensor t = Tensor::empty(shape);
+    Tensor t = Tensor::empty(shape), cast = Tensor::empty(shape, dtype);
     for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(gen);
-    return t;
+    ops::cast(t, cast);
+    return cast;
   };
   const Tensor q = random(), k = random(), v = random(), dy = random();
   // Model FLOPs of forward+backward: 4 matmuls of 2 Dh FLOPs per (query, key) pair of the causal
   // half in backward, 2 in forward (flash's recomputation of the scores not counted).
   const double pairs = static_cast<double>(o.batch * o.heads) * o.seq_len * (o.seq_len + 1) / 2.0;
   const double flops = 12.0 * static_cast<double>(o.head_dim) * pairs;
-  std::printf("strata attention (%s): B %lld, H %d, T %lld, Dh %lld, threads %d\n", o.attention.c_str(),
+  std::printf("strata attention (%s, %s): B %lld, H %d, T %lld, Dh %lld, threads %d\n", o.attention.c_str(),
+              o.precision.c_str(),
               static_cast<long long>(o.batch), o.heads, static_cast<long long>(o.seq_len),
               static_cast<long long>(o.head_dim), ops::num_threads());
   const size_t inputs_in_use = host_allocator().stats().bytes_in_use;
@@ -296,8 +300,10 @@ int run_attention(const Options& o) {
   std::printf("forward+backward: median %.2f ms (forward %.2f ms), %.1f GFLOP/s (%.4g model FLOPs)\n", ms, fwd_ms,
               flops / ms * 1e-6, flops);
   std::printf(
-      "RESULT impl=strata mode=attention attention=%s seq_len=%lld threads=%d ms=%.3f fwd_ms=%.3f gflops=%.2f\n",
-      o.attention.c_str(), static_cast<long long>(o.seq_len), o.threads, ms, fwd_ms, flops / ms * 1e-6);
+      "RESULT impl=strata mode=attention attention=%s precision=%s seq_len=%lld threads=%d ms=%.3f fwd_ms=%.3f "
+      "gflops=%.2f\n",
+      o.attention.c_str(), o.precision.c_str(), static_cast<long long>(o.seq_len), o.threads, ms, fwd_ms,
+      flops / ms * 1e-6);
   return 0;
 }
 

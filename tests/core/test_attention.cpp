@@ -234,7 +234,7 @@ TEST(Attention, PlainBackwardMatchesFiniteDifferences) {
 
 // ---- the softmax row kernels give the same bits at every vector width ----------------------------
 
-// ops::cpu::exp_and_sum and softmax_backward_row run at this CPU's widest vector width
+// ops::cpu::max_of, exp_and_sum and softmax_backward_row run at this CPU's widest vector width
 // (ops::cpu_kernel_isa); the same arithmetic one element at a time in baseline x86-64 code (this
 // file) gives the same bits, so every CPU computes attention alike.
 TEST(Attention, SoftmaxRowKernelsGiveTheSameBitsAtEveryVectorWidth) {
@@ -244,6 +244,7 @@ TEST(Attention, SoftmaxRowKernelsGiveTheSameBitsAtEveryVectorWidth) {
     std::vector<float> s(static_cast<size_t>(n)), g(s.size()), f(s.size());
     for (size_t c = 0; c < s.size(); ++c) s[c] = normal(gen), g[c] = normal(gen), f[c] = c % 3 ? 1.25f : 0.0f;
     const float m = *std::max_element(s.begin(), s.end()), lse = m + 1.5f, d = 0.3f;
+    EXPECT_EQ(ops::cpu::max_of(s.data(), n), m) << "n " << n;
     std::vector<float> got(s.size());
     const float sum = ops::cpu::exp_and_sum(s.data(), got.data(), n, m);
     float lanes[16] = {}, want_sum = 0.0f;

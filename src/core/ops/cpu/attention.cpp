@@ -48,6 +48,26 @@ STRATA_KERNEL_CLONES float exp_and_sum(const float* x, float* out, int64_t n, fl
   return sum;
 }
 
+// max(x[0..n)), n > 0, in 16 fixed lanes (a vector maximum: GCC does not vectorise a max
+// reduction without -ffinite-math-only). A maximum is exact in any order; with a NaN in x the
+// softmax that subtracts it is NaN whatever it returns.
+STRATA_KERNEL_CLONES float max_of(const float* x, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float m = x[0];
+  int64_t c = 0;
+  if (n >= kLanes) {
+    float lanes[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = x[l];
+    for (c = kLanes; c + kLanes <= n; c += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], x[c + l]);
+    }
+    for (const float lane : lanes) m = std::max(m, lane);
+  }
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
 // The memory-efficient backward's row of a tile: P = exp(s - lse) from the scores, then with
 // the dropout factors f (nullptr: none) s = P f (what multiplied v) and g = P (g f - d) (dS from
 // d(dropped P)).
@@ -190,7 +210,7 @@ float dot(const bf16* a, const bf16* b, int64_t n) {
   return acc;
 }
 
-// ---- the memory-efficient kernels' heads and tile products -----------------------------------
+// ---- the memory-efficient kernels' heads and tile operands ------------------------------------
 // Heads are T: float (f32 tensors, or bf16 and f16 ones staged in f32 a head at a time; products
 // through OpenBLAS) or bf16 (bf16 tensors on a CPU with bf16 units: read in place, products on
 // the units through oneDNN, f32 sums). Scores, probabilities and their gradients are f32 tiles;
@@ -209,34 +229,19 @@ const bf16* head<bf16>(const Tensor& t, int64_t first, int64_t /*n*/, std::vecto
   return t.data<bf16>() + first;
 }
 
-// s (m, n) = alpha a b^T for the row blocks a (m, k) and b (n, k) of two heads.
-void heads_product(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
-                   int64_t ldb, float* s, int64_t lds) {
-  mm(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, s, lds);
-}
-void heads_product(int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda, const bf16* b,
-                   int64_t ldb, float* s, int64_t lds) {
-  gemm_bf16_one_thread(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, s, DType::F32, lds);
+// The same product of bf16 operands on the bf16 units, into an f32 c.
+void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda, const bf16* b,
+        int64_t ldb, float beta, float* c, int64_t ldc) {
+  gemm_bf16_one_thread(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, DType::F32, ldc);
 }
 
-// c (m, n) += alpha op(s) b for an f32 tile s, (m, k) or, with trans_s, (k, m), and a head's row
-// block b (k, n). Over bf16 heads op(s) is rounded into `rounded` first, transposed there where
-// trans_s (so that oneDNN sees two plain row-major operands).
-void tile_product(bool trans_s, int64_t m, int64_t n, int64_t k, float alpha, const float* s, int64_t lds,
-                  const float* b, int64_t ldb, float* c, int64_t ldc, std::vector<bf16>& /*rounded*/) {
-  mm(trans_s, false, m, n, k, alpha, s, lds, b, ldb, 1.0f, c, ldc);
-}
-void tile_product(bool trans_s, int64_t m, int64_t n, int64_t k, float alpha, const float* s, int64_t lds,
-                  const bf16* b, int64_t ldb, float* c, int64_t ldc, std::vector<bf16>& rounded) {
-  rounded.resize(static_cast<size_t>(m * k));
-  bf16* r = rounded.data();
-  if (trans_s) {
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t j = 0; j < m; ++j) r[j * k + i] = bf16::from_float(s[i * lds + j]);
-  } else {
-    for (int64_t i = 0; i < m; ++i) cast_span(s + i * lds, DType::F32, r + i * k, DType::BF16, k);
-  }
-  gemm_bf16_one_thread(false, false, m, n, k, alpha, r, k, b, ldb, 1.0f, c, DType::F32, ldc);
+// An f32 tile s (rows, cols; rows kTile apart) as an operand of a product over T heads: itself, or
+// rounded to bf16 into `rounded`, in the same layout.
+const float* operand(const float* s, int64_t /*rows*/, int64_t /*cols*/, std::vector<float>& /*rounded*/) { return s; }
+const bf16* operand(const float* s, int64_t rows, int64_t cols, std::vector<bf16>& rounded) {
+  rounded.resize(static_cast<size_t>(kTile * kTile));
+  for (int64_t r = 0; r < rows; ++r) cast_span(s + r * kTile, DType::F32, rounded.data() + r * kTile, DType::BF16, cols);
+  return rounded.data();
 }
 
 }  // namespace
@@ -421,7 +426,7 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
     const int64_t off = bh * t * dh, n = t * dh;
     thread_local std::vector<float> q_head, k_head, v_head, y_head;  // staged heads (head<float>)
-    thread_local std::vector<bf16> rounded;
+    thread_local std::vector<T> rounded;  // operand()'s
     const T* qh = head<T>(q, off, n, q_head);
     const T* kh = head<T>(k, hd.kv_of(bh) * n, n, k_head);
     const T* vh = head<T>(v, hd.kv_of(bh) * n, n, v_head);
@@ -438,13 +443,12 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
       std::fill(lrow.get(), lrow.get() + nr, 0.0f);
       for (int64_t j0 = 0; j0 < i0 + nr; j0 += kTile) {  // key tiles up to the last query row
         const int64_t nc = std::min(kTile, t - j0);
-        heads_product(nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, s.get(), kTile);
+        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);  // causal: j <= i
           float* sr = s.get() + r * kTile;
           if (valid > 0) {
-            float mt = sr[0];
-            for (int64_t c = 1; c < valid; ++c) mt = std::max(mt, sr[c]);
+            const float mt = max_of(sr, valid);
             const float mnew = std::max(mrow[r], mt), alpha = vec_math::exp_nonpositive(mrow[r] - mnew);
             if (alpha != 1.0f) {
               lrow[r] *= alpha;
@@ -460,7 +464,8 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
           }
           std::fill(sr + valid, sr + nc, 0.0f);
         }
-        tile_product(false, nr, dh, nc, 1.0f, s.get(), kTile, vh + j0 * dh, dh, acc.get(), dh, rounded);
+        mm(false, false, nr, dh, nc, 1.0f, operand(s.get(), nr, nc, rounded), kTile, vh + j0 * dh, dh, 1.0f, acc.get(),
+           dh);
       }
       for (int64_t r = 0; r < nr; ++r) {
         const float inv = 1.0f / lrow[r];
@@ -492,7 +497,7 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     const int64_t kv_off = bkv * t * dh, n = t * dh;
     // Staged heads (head<float>) and the gradients' f32 sums.
     thread_local std::vector<float> k_head, v_head, dk_head, dv_head, q_head, y_head, dy_head, dq_head;
-    thread_local std::vector<bf16> rounded;
+    thread_local std::vector<T> rounded_p, rounded_g;  // operand()'s
     const T* kh = head<T>(k, kv_off, n, k_head);
     const T* vh = head<T>(v, kv_off, n, v_head);
     float* dkh = f32_out_row(dk, kv_off, n, dk_head);
@@ -515,8 +520,8 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         const int64_t nc = std::min(kTile, t - j0);
         for (int64_t i0 = j0 / kTile * kTile; i0 < t; i0 += kTile) {  // query tiles with rows >= j0
           const int64_t nr = std::min(kTile, t - i0);
-          heads_product(nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, s.get(), kTile);
-          heads_product(nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, g.get(), kTile);
+          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), kTile);
+          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), kTile);
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
             float* sr = s.get() + r * kTile;  // P, then the dropped P
@@ -526,9 +531,11 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
             std::fill(sr + valid, sr + nc, 0.0f);
             std::fill(gr + valid, gr + nc, 0.0f);
           }
-          tile_product(true, nc, dh, nr, 1.0f, s.get(), kTile, gh + i0 * dh, dh, dvh + j0 * dh, dh, rounded);
-          tile_product(false, nr, dh, nc, hd.scale, g.get(), kTile, kh + j0 * dh, dh, dqh + i0 * dh, dh, rounded);
-          tile_product(true, nc, dh, nr, hd.scale, g.get(), kTile, qh + i0 * dh, dh, dkh + j0 * dh, dh, rounded);
+          const T* probs_tile = operand(s.get(), nr, nc, rounded_p);
+          const T* ds_tile = operand(g.get(), nr, nc, rounded_g);
+          mm(true, false, nc, dh, nr, 1.0f, probs_tile, kTile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
+          mm(false, false, nr, dh, nc, hd.scale, ds_tile, kTile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
+          mm(true, false, nc, dh, nr, hd.scale, ds_tile, kTile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
         }
       }
       store_row(dqh, dq, off, n);

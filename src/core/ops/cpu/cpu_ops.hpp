@@ -142,7 +142,9 @@ void dropout_forward(const Tensor& x, const Tensor& y, float p, const DropoutKey
 void dropout_backward(const Tensor& dy, const Tensor& dx, float p, const DropoutKey& key);
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
-// Attention's softmax row loops (attention.cpp), span kernels that give the same bits at every vector width.
+// The softmax row loops of attention and the loss (attention.cpp), span kernels that give the
+// same bits at every vector width. max_of: the maximum of n > 0 values.
+float max_of(const float* x, int64_t n);
 float exp_and_sum(const float* x, float* out, int64_t n, float m);
 void softmax_backward_row(float* s, float* g, const float* f, int64_t n, float lse, float d);
 void add_bias(const Tensor& y, const Tensor& bias);

@@ -34,12 +34,8 @@ double softmax_xent_forward(const Tensor& logits, const Tensor& labels, const Te
     thread_local std::vector<float> in_row, out_row;
     const float* in = f32_row(logits, r * k, k, in_row);
     float* out = f32_out_row(probs, r * k, k, out_row);
-    // The maximum is exact in any order: a vectorised reduction gives the value of the
-    // sequential one (std::fmax was a libm call per element). With a NaN logit the row's
-    // probabilities and loss are NaN either way.
-    float mx = in[0];
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 1; j < k; ++j) mx = std::max(mx, in[j]);
+    // With a NaN logit the row's probabilities and loss are NaN whatever max_of returns.
+    const float mx = max_of(in, k);
     const float sum = exp_and_sum(in, out, k, mx);  // at the CPU's vector width
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < k; ++j) out[j] *= inv;
@@ -78,9 +74,7 @@ void row_max(const Tensor& x, const Tensor& mx, const Tensor& argmax) {
   parallel_rows(n, k, [&](int64_t r) {
     thread_local std::vector<float> row;
     const float* in = f32_row(x, r * k, k, row);
-    float best = in[0];
-#pragma omp simd reduction(max : best)
-    for (int64_t j = 1; j < k; ++j) best = std::max(best, in[j]);
+    const float best = max_of(in, k);
     m[r] = best;
     if (at) at[r] = static_cast<int32_t>(std::find(in, in + k, best) - in);  // the first maximum
   });
