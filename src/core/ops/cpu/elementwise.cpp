@@ -52,16 +52,28 @@ STRATA_KERNEL_CLONES void round_to_bf16_span(const float* in, bf16* out, int64_t
 // staging whole tensors, in one pass over memory instead of three.
 constexpr int64_t kStagingBlock = 512;
 
+// Widens a block of a (and of b, unless null) into f32, runs the f32 computation f(a, b, y, len)
+// on the blocks and rounds its y into out. Always inlined, and each f with it (f is declared
+// always_inline), so that f's loop is compiled in the calling target_clones version, at its
+// vector width: a call to f would run baseline code.
+template <class F>
+[[gnu::always_inline]] inline void staged(const bf16* a, const bf16* b, bf16* out, int64_t n, F f) {
+  float fa[kStagingBlock], fb[kStagingBlock], fy[kStagingBlock];
+  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
+    const int64_t len = std::min(kStagingBlock, n - lo);
+    widen_bf16(a + lo, fa, len);
+    if (b != nullptr) widen_bf16(b + lo, fb, len);
+    f(fa, fb, fy, len);
+    round_to_bf16(fy, out + lo, len);
+  }
+}
+
 STRATA_KERNEL_CLONES void gelu_forward_span(const float* in, float* out, int64_t n) { gelu_forward_f32(in, out, n); }
 
 STRATA_KERNEL_CLONES void gelu_forward_span(const bf16* in, bf16* out, int64_t n) {
-  float x[kStagingBlock], y[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(in + lo, x, len);
+  staged(in, nullptr, out, n, [](const float* x, const float*, float* y, int64_t len) __attribute__((always_inline)) {
     gelu_forward_f32(x, y, len);
-    round_to_bf16(y, out + lo, len);
-  }
+  });
 }
 
 STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, float* out, int64_t n) {
@@ -69,14 +81,9 @@ STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, fl
 }
 
 STRATA_KERNEL_CLONES void gelu_backward_span(const bf16* in, const bf16* g, bf16* out, int64_t n) {
-  float x[kStagingBlock], dy[kStagingBlock], dx[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(in + lo, x, len);
-    widen_bf16(g + lo, dy, len);
+  staged(in, g, out, n, [](const float* x, const float* dy, float* dx, int64_t len) __attribute__((always_inline)) {
     gelu_backward_f32(x, dy, dx, len);
-    round_to_bf16(dx, out + lo, len);
-  }
+  });
 }
 
 template <class T>
@@ -94,31 +101,21 @@ void gelu_backward_as(const Tensor& x, const Tensor& dy, const Tensor& dx) {
   parallel_spans(x.numel(), [&](int64_t lo, int64_t hi) { gelu_backward_span(in + lo, g + lo, out + lo, hi - lo); });
 }
 
-// The residual adds and gradient accumulations of a bf16 model, staged a block at a time as
-// GELU is: the bits of the f32 functors (fn::Add, fn::Axpy) on the widened values.
+// The residual adds and gradient accumulations of a bf16 model, staged: the bits of the f32
+// functors (fn::Add, fn::Axpy) on the widened values.
 STRATA_KERNEL_CLONES void add_span(const bf16* a, const bf16* b, bf16* y, int64_t n) {
-  float fa[kStagingBlock], fb[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(a + lo, fa, len);
-    widen_bf16(b + lo, fb, len);
+  staged(a, b, y, n, [](const float* fa, const float* fb, float* fy, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) fa[i] += fb[i];
-    round_to_bf16(fa, y + lo, len);
-  }
+    for (int64_t i = 0; i < len; ++i) fy[i] = fa[i] + fb[i];
+  });
 }
 
 // y += alpha * x for bf16 x into a bf16 or an f32 y (a bf16 gradient into f32 accumulation).
 STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, bf16* y, int64_t n) {
-  float fx[kStagingBlock], fy[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(x + lo, fx, len);
-    widen_bf16(y + lo, fy, len);
+  staged(x, y, y, n, [alpha](const float* fx, const float* fy, float* sum, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) fy[i] += alpha * fx[i];
-    round_to_bf16(fy, y + lo, len);
-  }
+    for (int64_t i = 0; i < len; ++i) sum[i] = fy[i] + alpha * fx[i];
+  });
 }
 
 STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_t n) {
@@ -131,29 +128,20 @@ STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_
   }
 }
 
-// ReLU of a bf16 model, staged a block at a time: the f32 functors' bits (fn::ReluForward,
-// fn::ReluBackward) on the widened values.
+// ReLU of a bf16 model, staged: the f32 functors' bits (fn::ReluForward, fn::ReluBackward) on
+// the widened values.
 STRATA_KERNEL_CLONES void relu_forward_span(const bf16* x, bf16* y, int64_t n) {
-  float f[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(x + lo, f, len);
+  staged(x, nullptr, y, n, [](const float* f, const float*, float* r, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) f[i] = f[i] <= 0.0f ? 0.0f : f[i];  // NaN stays NaN
-    round_to_bf16(f, y + lo, len);
-  }
+    for (int64_t i = 0; i < len; ++i) r[i] = f[i] <= 0.0f ? 0.0f : f[i];  // NaN stays NaN
+  });
 }
 
 STRATA_KERNEL_CLONES void relu_backward_span(const bf16* y, const bf16* dy, bf16* dx, int64_t n) {
-  float fy[kStagingBlock], g[kStagingBlock];
-  for (int64_t lo = 0; lo < n; lo += kStagingBlock) {
-    const int64_t len = std::min(kStagingBlock, n - lo);
-    widen_bf16(y + lo, fy, len);
-    widen_bf16(dy + lo, g, len);
+  staged(y, dy, dx, n, [](const float* fy, const float* g, float* r, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) g[i] = fy[i] > 0.0f ? g[i] : 0.0f;
-    round_to_bf16(g, dx + lo, len);
-  }
+    for (int64_t i = 0; i < len; ++i) r[i] = fy[i] > 0.0f ? g[i] : 0.0f;
+  });
 }
 
 }  // namespace
