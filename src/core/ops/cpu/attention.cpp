@@ -5,8 +5,9 @@
 // - memory-efficient (FlashAttention-2's algorithm): query tiles of kTile rows against key
 //   tiles of kTile columns with an online softmax; only each row's log-sum-exp is saved, and
 //   backward recomputes the probabilities tile by tile with D_i = rowsum(dy * y). bf16 heads on
-//   a CPU with bf16 units stay bf16 and every tile product runs on the units; otherwise a head
-//   is staged in f32 at a time and its products run through OpenBLAS.
+//   a CPU with bf16 units stay bf16 and every tile product runs on the units where oneDNN has
+//   fast kernels for the tiles (flash_tiles_on_units); otherwise a head is staged in f32 at a
+//   time and its products run through OpenBLAS.
 // Both draw the same attention-dropout mask from (key, stream, global index); everything is
 // sequential within one head, so results do not depend on the thread count.
 #include <algorithm>
@@ -240,15 +241,13 @@ void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf
   gemm_bf16_one_thread(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, DType::F32, ldc);
 }
 
-// An f32 tile s (rows, cols; rows ld apart) as an operand of a product over T heads: itself, or
-// rounded to bf16 into `rounded`, in the same layout.
-const float* operand(const float* s, int64_t /*rows*/, int64_t /*cols*/, int64_t /*ld*/,
-                     std::vector<float>& /*rounded*/) {
-  return s;
-}
-const bf16* operand(const float* s, int64_t rows, int64_t cols, int64_t ld, std::vector<bf16>& rounded) {
-  rounded.resize(static_cast<size_t>(rows * ld));
-  for (int64_t r = 0; r < rows; ++r) cast_span(s + r * ld, DType::F32, rounded.data() + r * ld, DType::BF16, cols);
+// An f32 tile s (rows, cols), dense, as an operand of a product over T heads: itself, or rounded
+// to bf16 into `rounded`. (Tiles are dense, their rows cols apart: oneDNN runs its fast kernels
+// only into a dense result.)
+const float* operand(const float* s, int64_t /*rows*/, int64_t /*cols*/, std::vector<float>& /*rounded*/) { return s; }
+const bf16* operand(const float* s, int64_t rows, int64_t cols, std::vector<bf16>& rounded) {
+  rounded.resize(static_cast<size_t>(rows * cols));
+  cast_span(s, DType::F32, rounded.data(), DType::BF16, rows * cols);
   return rounded.data();
 }
 
@@ -452,10 +451,10 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
       std::fill(lrow.get(), lrow.get() + nr, 0.0f);
       for (int64_t j0 = 0; j0 < i0 + nr; j0 += tile) {  // key tiles up to the last query row
         const int64_t nc = std::min(tile, t - j0);
-        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), tile);
+        mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), nc);
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);  // causal: j <= i
-          float* sr = s.get() + r * tile;
+          float* sr = s.get() + r * nc;
           if (valid > 0) {
             const float mt = max_of(sr, valid);
             const float mnew = std::max(mrow[r], mt), alpha = vec_math::exp_nonpositive(mrow[r] - mnew);
@@ -473,7 +472,7 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
           }
           std::fill(sr + valid, sr + nc, 0.0f);
         }
-        mm(false, false, nr, dh, nc, 1.0f, operand(s.get(), nr, nc, tile, rounded), tile, vh + j0 * dh, dh, 1.0f, acc.get(),
+        mm(false, false, nr, dh, nc, 1.0f, operand(s.get(), nr, nc, rounded), nc, vh + j0 * dh, dh, 1.0f, acc.get(),
            dh);
       }
       for (int64_t r = 0; r < nr; ++r) {
@@ -488,9 +487,25 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   });
 }
 
+bool flash_tiles_on_units(const Tensor& q) {
+  if (q.dtype() != DType::BF16 || bf16_matrix_units().empty()) return false;
+  const int64_t dh = q.dim(3), n = std::min(kTile<bf16>, q.dim(2));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));  // Heads::scale
+  const auto brgemm = [&](bool ta, bool tb, int64_t rows, int64_t cols, int64_t depth, float alpha, int64_t lda,
+                          int64_t ldb, float beta, int64_t ldc) {
+    return bf16_product_is_brgemm(ta, tb, rows, cols, depth, alpha, lda, ldb, beta, DType::F32, ldc);
+  };
+  return brgemm(false, true, n, n, dh, scale, dh, dh, 0.0f, n) &&  // s = scale q k^T
+         brgemm(false, true, n, n, dh, 1.0f, dh, dh, 0.0f, n) &&   // d(P) = dy v^T
+         brgemm(false, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&  // acc += P v
+         brgemm(true, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&   // dv += P^T dy
+         brgemm(false, false, n, dh, n, scale, n, dh, 1.0f, dh) && // dq += scale dS k
+         brgemm(true, false, n, dh, n, scale, n, dh, 1.0f, dh);    // dk += scale dS^T q
+}
+
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                              float p, const DropoutKey& key) {
-  if (q.dtype() == DType::BF16 && !bf16_matrix_units().empty()) return flash_forward<bf16>(q, k, v, y, lse, p, key);
+  if (flash_tiles_on_units(q)) return flash_forward<bf16>(q, k, v, y, lse, p, key);
   flash_forward<float>(q, k, v, y, lse, p, key);
 }
 
@@ -530,22 +545,22 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         const int64_t nc = std::min(tile, t - j0);
         for (int64_t i0 = j0 / tile * tile; i0 < t; i0 += tile) {  // query tiles with rows >= j0
           const int64_t nr = std::min(tile, t - i0);
-          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), tile);
-          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), tile);
+          mm(false, true, nr, nc, dh, hd.scale, qh + i0 * dh, dh, kh + j0 * dh, dh, 0.0f, s.get(), nc);
+          mm(false, true, nr, nc, dh, 1.0f, gh + i0 * dh, dh, vh + j0 * dh, dh, 0.0f, g.get(), nc);
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = i0 + r, valid = std::clamp<int64_t>(i - j0 + 1, 0, nc);
-            float* sr = s.get() + r * tile;  // P, then the dropped P
-            float* gr = g.get() + r * tile;  // d(dropped P), then dS
+            float* sr = s.get() + r * nc;  // P, then the dropped P
+            float* gr = g.get() + r * nc;  // d(dropped P), then dS
             if (drop.active) drop.row(i, j0, valid, factor.get());
             softmax_backward_row(sr, gr, drop.active ? factor.get() : nullptr, valid, lh[i], drow[i]);
             std::fill(sr + valid, sr + nc, 0.0f);
             std::fill(gr + valid, gr + nc, 0.0f);
           }
-          const T* probs_tile = operand(s.get(), nr, nc, tile, rounded_p);
-          const T* ds_tile = operand(g.get(), nr, nc, tile, rounded_g);
-          mm(true, false, nc, dh, nr, 1.0f, probs_tile, tile, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
-          mm(false, false, nr, dh, nc, hd.scale, ds_tile, tile, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
-          mm(true, false, nc, dh, nr, hd.scale, ds_tile, tile, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
+          const T* probs_tile = operand(s.get(), nr, nc, rounded_p);
+          const T* ds_tile = operand(g.get(), nr, nc, rounded_g);
+          mm(true, false, nc, dh, nr, 1.0f, probs_tile, nc, gh + i0 * dh, dh, 1.0f, dvh + j0 * dh, dh);
+          mm(false, false, nr, dh, nc, hd.scale, ds_tile, nc, kh + j0 * dh, dh, 1.0f, dqh + i0 * dh, dh);
+          mm(true, false, nc, dh, nr, hd.scale, ds_tile, nc, qh + i0 * dh, dh, 1.0f, dkh + j0 * dh, dh);
         }
       }
       store_row(dqh, dq, off, n);
@@ -558,8 +573,7 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
                               const DropoutKey& key) {
-  if (q.dtype() == DType::BF16 && !bf16_matrix_units().empty())
-    return flash_backward<bf16>(q, k, v, y, lse, dy, dq, dk, dv, p, key);
+  if (flash_tiles_on_units(q)) return flash_backward<bf16>(q, k, v, y, lse, dy, dq, dk, dv, p, key);
   flash_backward<float>(q, k, v, y, lse, dy, dq, dk, dv, p, key);
 }
 

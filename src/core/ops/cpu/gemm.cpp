@@ -92,6 +92,7 @@ const dnnl::engine& dnnl_cpu() {
 struct Bf16Matmul {
   dnnl::matmul primitive;
   dnnl::memory a, b, c;
+  bool brgemm;  // one of oneDNN's brgemm kernels runs it (impl_info_str "brg:...")
 };
 
 struct Bf16MatmulShape {
@@ -130,7 +131,29 @@ Bf16Matmul make_bf16_matmul(const Bf16MatmulShape& s) {
   const dnnl::engine& engine = dnnl_cpu();
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
   return {dnnl::matmul(pd), dnnl::memory(ad, engine, DNNL_MEMORY_NONE), dnnl::memory(bd, engine, DNNL_MEMORY_NONE),
-          dnnl::memory(cd, engine, DNNL_MEMORY_NONE)};
+          dnnl::memory(cd, engine, DNNL_MEMORY_NONE), std::string(pd.impl_info_str()).rfind("brg", 0) == 0};
+}
+
+// oneDNN threads a primitive over omp_get_max_threads() outside a parallel region, both when it
+// is built (its blocking) and when it runs: one thread for both, while this lives.
+struct OneOmpThread {
+  const int threads = omp_get_max_threads();
+  OneOmpThread() { omp_set_num_threads(1); }
+  ~OneOmpThread() { omp_set_num_threads(threads); }
+};
+
+// This thread's primitive for a shape, built at its first use. A run meets a handful of shapes
+// (its layers', attention's tiles); the bound only keeps a program that varies them without end
+// from growing.
+Bf16Matmul& kept_matmul(const Bf16MatmulShape& shape) {
+  constexpr size_t kMaxShapes = 256;
+  thread_local std::unordered_map<Bf16MatmulShape, Bf16Matmul, Bf16MatmulShapeHash> kept;
+  auto it = kept.find(shape);
+  if (it == kept.end()) {
+    if (kept.size() >= kMaxShapes) kept.clear();
+    it = kept.emplace(shape, make_bf16_matmul(shape)).first;
+  }
+  return it->second;
 }
 
 }  // namespace
@@ -138,29 +161,19 @@ Bf16Matmul make_bf16_matmul(const Bf16MatmulShape& s) {
 void gemm_bf16_one_thread(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,
                           const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc) {
   if (m == 0 || n == 0) return;
-  // oneDNN threads a primitive over omp_get_max_threads() outside a parallel region, both when
-  // it is built (its blocking) and when it runs: one thread for both.
-  struct OneThread {
-    const int threads = omp_get_max_threads();
-    OneThread() { omp_set_num_threads(1); }
-    ~OneThread() { omp_set_num_threads(threads); }
-  } one_thread;
-  // A run meets a handful of shapes (its layers', attention's tiles); the bound only keeps a
-  // program that varies them without end from growing.
-  constexpr size_t kMaxShapes = 256;
-  thread_local std::unordered_map<Bf16MatmulShape, Bf16Matmul, Bf16MatmulShapeHash> kept;
-  const Bf16MatmulShape shape{ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype};
-  auto it = kept.find(shape);
-  if (it == kept.end()) {
-    if (kept.size() >= kMaxShapes) kept.clear();
-    it = kept.emplace(shape, make_bf16_matmul(shape)).first;
-  }
-  Bf16Matmul& mm = it->second;
+  const OneOmpThread one_thread;
+  Bf16Matmul& mm = kept_matmul({ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype});
   mm.a.set_data_handle(const_cast<bf16*>(a));
   mm.b.set_data_handle(const_cast<bf16*>(b));
   mm.c.set_data_handle(c);
   thread_local dnnl::stream stream(dnnl_cpu());
   mm.primitive.execute(stream, {{DNNL_ARG_SRC, mm.a}, {DNNL_ARG_WEIGHTS, mm.b}, {DNNL_ARG_DST, mm.c}});
+}
+
+bool bf16_product_is_brgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, int64_t lda, int64_t ldb,
+                            float beta, DType c_dtype, int64_t ldc) {
+  const OneOmpThread one_thread;
+  return kept_matmul({ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, c_dtype}).brgemm;
 }
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
