@@ -96,9 +96,10 @@ std::string bf16_matrix_units();
 // The version of the span kernels (STRATA_KERNEL_CLONES) this CPU runs (ops.hpp: cpu_kernel_isa).
 std::string kernel_isa();
 // c = alpha op(a) op(b) + beta c for bf16 a and b and an f32 or bf16 c, through oneDNN's matmul
-// (bf16 products, f32 accumulation, c rounded once), cut into blocks across the OpenMP threads as
-// sgemm is. Only where bf16_matrix_units() is non-empty: elsewhere oneDNN emulates the bf16
-// instructions at a third of OpenBLAS's f32 rate.
+// (bf16 products, f32 accumulation, c rounded once), cut into blocks of rows across the OpenMP
+// threads (oneDNN runs its fast brgemm kernels only into a dense result). Only where
+// bf16_matrix_units() is non-empty: elsewhere oneDNN emulates the bf16 instructions at a third of
+// OpenBLAS's f32 rate.
 void gemm_bf16(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c, float alpha, float beta);
 // The same on row-major pointers with leading dimensions, c f32 or bf16 (c_dtype).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a, int64_t lda,

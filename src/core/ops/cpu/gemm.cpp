@@ -57,11 +57,12 @@ constexpr double kParallelMnk = 262144.0;
 constexpr int64_t kBlockAlign = 16;  // rows or columns per block: a multiple of the kernels' unrolling
 
 // Calls block(row0, rows, col0, cols) for the parts of the (m, n) product c, one per OpenMP
-// thread (sgemm's comment says how they are cut), or once for all of it on the calling thread.
+// thread (sgemm's comment says how they are cut; only by rows where rows_only), or once for all
+// of it on the calling thread.
 template <class Block>
-void split_product(int64_t m, int64_t n, int64_t k, const Block& block) {
+void split_product(int64_t m, int64_t n, int64_t k, const Block& block, bool rows_only = false) {
   if (m == 0 || n == 0) return;
-  const bool by_rows = m >= n;
+  const bool by_rows = rows_only || m >= n;
   const int64_t total = by_rows ? m : n;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t parts = std::min(threads, total / kBlockAlign);
@@ -208,15 +209,19 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
   auto* pc = static_cast<char*>(c);
   std::atomic<bool> failed{false};
   std::string error;
-  split_product(m, n, k, [&](int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
-    try {  // an exception must not leave an OpenMP region
-      gemm_bf16_one_thread(trans_a, trans_b, rows, cols, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda,
-                             trans_b ? b + c0 * ldb : b + c0, ldb, beta,
-                             pc + static_cast<size_t>(r0 * ldc + c0) * c_size, c_dtype, ldc);
-    } catch (const dnnl::error& e) {
-      if (!failed.exchange(true)) error = e.what();
-    }
-  });
+  // Cut by rows only: oneDNN 2.6 runs its brgemm kernels only into a dense result, and a block of
+  // columns of c is not one (its generic gemm ran the tied head's logits 3x slower on 2 threads).
+  split_product(
+      m, n, k,
+      [&](int64_t r0, int64_t rows, int64_t /*c0*/, int64_t /*cols*/) {
+        try {  // an exception must not leave an OpenMP region
+          gemm_bf16_one_thread(trans_a, trans_b, rows, n, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda, b, ldb,
+                               beta, pc + static_cast<size_t>(r0 * ldc) * c_size, c_dtype, ldc);
+        } catch (const dnnl::error& e) {
+          if (!failed.exchange(true)) error = e.what();
+        }
+      },
+      /*rows_only=*/true);
   if (failed) STRATA_THROW("oneDNN bf16 matmul ", m, "x", n, "x", k, " failed: ", error);
 }
 
