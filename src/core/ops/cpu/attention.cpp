@@ -424,6 +424,8 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // ---- memory-efficient attention --------------------------------------------------------------
 
+namespace {
+
 template <class T>
 void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse, float p,
                    const DropoutKey& key) {
@@ -487,6 +489,8 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   });
 }
 
+}  // namespace
+
 bool flash_tiles_on_units(const Tensor& q) {
   if (q.dtype() != DType::BF16 || bf16_matrix_units().empty()) return false;
   const int64_t dh = q.dim(3), n = std::min(kTile<bf16>, q.dim(2));
@@ -508,6 +512,8 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (flash_tiles_on_units(q)) return flash_forward<bf16>(q, k, v, y, lse, p, key);
   flash_forward<float>(q, k, v, y, lse, p, key);
 }
+
+namespace {
 
 template <class T>
 void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
@@ -569,6 +575,8 @@ void flash_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     store_row(dvh, dv, kv_off, n);
   });
 }
+
+}  // namespace
 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,
                               const Tensor& dy, const Tensor& dq, const Tensor& dk, const Tensor& dv, float p,
