@@ -268,8 +268,7 @@ int run_attention(const Options& o) {
   const double pairs = static_cast<double>(o.batch * o.heads) * o.seq_len * (o.seq_len + 1) / 2.0;
   const double flops = 12.0 * static_cast<double>(o.head_dim) * pairs;
   std::printf("strata attention (%s, %s): B %lld, H %d, T %lld, Dh %lld, threads %d\n", o.attention.c_str(),
-              o.precision.c_str(),
-              static_cast<long long>(o.batch), o.heads, static_cast<long long>(o.seq_len),
+              o.precision.c_str(), static_cast<long long>(o.batch), o.heads, static_cast<long long>(o.seq_len),
               static_cast<long long>(o.head_dim), ops::num_threads());
   const size_t inputs_in_use = host_allocator().stats().bytes_in_use;
   for (int i = 0; i < o.warmup; ++i) attention_call(o, q, k, v, dy);

@@ -472,8 +472,8 @@ TEST(Attention, Bf16OnTheUnitsIsWithinOneRoundingOfItsTiles) {
                dv = Tensor::empty(kvs, DType::BF16);
         ops::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, p, kKey);
         const Tensor y_given = as(y, DType::F32);
-        const Reference ref = reference(as(q, DType::F32), as(k, DType::F32), as(v, DType::F32), as(dy, DType::F32),
-                                        p, kKey, &y_given);
+        const Reference ref =
+            reference(as(q, DType::F32), as(k, DType::F32), as(v, DType::F32), as(dy, DType::F32), p, kKey, &y_given);
         EXPECT_LT(rel_diff(lse, ref.lse), 1e-5);  // exact products summed in f32
         expect_within(y, ref.y, ref.y_abs, "y");
         expect_within(dq, ref.dq, ref.dq_abs, "dq");

@@ -436,7 +436,7 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   parallel_rows(hd.count(), t * t * dh, [&](int64_t bh) {
     const int64_t off = bh * t * dh, n = t * dh;
     thread_local std::vector<float> q_head, k_head, v_head, y_head;  // staged heads (head<float>)
-    thread_local std::vector<T> rounded;  // operand()'s
+    thread_local std::vector<T> rounded;                             // operand()'s
     const T* qh = head<T>(q, off, n, q_head);
     const T* kh = head<T>(k, hd.kv_of(bh) * n, n, k_head);
     const T* vh = head<T>(v, hd.kv_of(bh) * n, n, v_head);
@@ -499,12 +499,12 @@ bool flash_tiles_on_units(const Tensor& q) {
                           int64_t ldb, float beta, int64_t ldc) {
     return bf16_product_is_brgemm(ta, tb, rows, cols, depth, alpha, lda, ldb, beta, DType::F32, ldc);
   };
-  return brgemm(false, true, n, n, dh, scale, dh, dh, 0.0f, n) &&  // s = scale q k^T
-         brgemm(false, true, n, n, dh, 1.0f, dh, dh, 0.0f, n) &&   // d(P) = dy v^T
-         brgemm(false, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&  // acc += P v
-         brgemm(true, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&   // dv += P^T dy
-         brgemm(false, false, n, dh, n, scale, n, dh, 1.0f, dh) && // dq += scale dS k
-         brgemm(true, false, n, dh, n, scale, n, dh, 1.0f, dh);    // dk += scale dS^T q
+  return brgemm(false, true, n, n, dh, scale, dh, dh, 0.0f, n) &&   // s = scale q k^T
+         brgemm(false, true, n, n, dh, 1.0f, dh, dh, 0.0f, n) &&    // d(P) = dy v^T
+         brgemm(false, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&   // acc += P v
+         brgemm(true, false, n, dh, n, 1.0f, n, dh, 1.0f, dh) &&    // dv += P^T dy
+         brgemm(false, false, n, dh, n, scale, n, dh, 1.0f, dh) &&  // dq += scale dS k
+         brgemm(true, false, n, dh, n, scale, n, dh, 1.0f, dh);     // dk += scale dS^T q
 }
 
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& y, const Tensor& lse,

@@ -71,9 +71,10 @@ template <class F>
 STRATA_KERNEL_CLONES void gelu_forward_span(const float* in, float* out, int64_t n) { gelu_forward_f32(in, out, n); }
 
 STRATA_KERNEL_CLONES void gelu_forward_span(const bf16* in, bf16* out, int64_t n) {
-  staged(in, nullptr, out, n, [](const float* x, const float*, float* y, int64_t len) __attribute__((always_inline)) {
-    gelu_forward_f32(x, y, len);
-  });
+  staged(
+      in, nullptr, out, n, [](const float* x, const float*, float* y, int64_t len) __attribute__((always_inline)) {
+        gelu_forward_f32(x, y, len);
+      });
 }
 
 STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, float* out, int64_t n) {
@@ -81,9 +82,10 @@ STRATA_KERNEL_CLONES void gelu_backward_span(const float* in, const float* g, fl
 }
 
 STRATA_KERNEL_CLONES void gelu_backward_span(const bf16* in, const bf16* g, bf16* out, int64_t n) {
-  staged(in, g, out, n, [](const float* x, const float* dy, float* dx, int64_t len) __attribute__((always_inline)) {
-    gelu_backward_f32(x, dy, dx, len);
-  });
+  staged(
+      in, g, out, n, [](const float* x, const float* dy, float* dx, int64_t len) __attribute__((always_inline)) {
+        gelu_backward_f32(x, dy, dx, len);
+      });
 }
 
 template <class T>
@@ -104,18 +106,20 @@ void gelu_backward_as(const Tensor& x, const Tensor& dy, const Tensor& dx) {
 // The residual adds and gradient accumulations of a bf16 model, staged: the bits of the f32
 // functors (fn::Add, fn::Axpy) on the widened values.
 STRATA_KERNEL_CLONES void add_span(const bf16* a, const bf16* b, bf16* y, int64_t n) {
-  staged(a, b, y, n, [](const float* fa, const float* fb, float* fy, int64_t len) __attribute__((always_inline)) {
+  staged(
+      a, b, y, n, [](const float* fa, const float* fb, float* fy, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) fy[i] = fa[i] + fb[i];
-  });
+        for (int64_t i = 0; i < len; ++i) fy[i] = fa[i] + fb[i];
+      });
 }
 
 // y += alpha * x for bf16 x into a bf16 or an f32 y (a bf16 gradient into f32 accumulation).
 STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, bf16* y, int64_t n) {
-  staged(x, y, y, n, [alpha](const float* fx, const float* fy, float* sum, int64_t len) __attribute__((always_inline)) {
+  staged(
+      x, y, y, n, [alpha](const float* fx, const float* fy, float* sum, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) sum[i] = fy[i] + alpha * fx[i];
-  });
+        for (int64_t i = 0; i < len; ++i) sum[i] = fy[i] + alpha * fx[i];
+      });
 }
 
 STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_t n) {
@@ -131,17 +135,19 @@ STRATA_KERNEL_CLONES void axpy_span(float alpha, const bf16* x, float* y, int64_
 // ReLU of a bf16 model, staged: the f32 functors' bits (fn::ReluForward, fn::ReluBackward) on
 // the widened values.
 STRATA_KERNEL_CLONES void relu_forward_span(const bf16* x, bf16* y, int64_t n) {
-  staged(x, nullptr, y, n, [](const float* f, const float*, float* r, int64_t len) __attribute__((always_inline)) {
+  staged(
+      x, nullptr, y, n, [](const float* f, const float*, float* r, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) r[i] = f[i] <= 0.0f ? 0.0f : f[i];  // NaN stays NaN
-  });
+        for (int64_t i = 0; i < len; ++i) r[i] = f[i] <= 0.0f ? 0.0f : f[i];  // NaN stays NaN
+      });
 }
 
 STRATA_KERNEL_CLONES void relu_backward_span(const bf16* y, const bf16* dy, bf16* dx, int64_t n) {
-  staged(y, dy, dx, n, [](const float* fy, const float* g, float* r, int64_t len) __attribute__((always_inline)) {
+  staged(
+      y, dy, dx, n, [](const float* fy, const float* g, float* r, int64_t len) __attribute__((always_inline)) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) r[i] = fy[i] > 0.0f ? g[i] : 0.0f;
-  });
+        for (int64_t i = 0; i < len; ++i) r[i] = fy[i] > 0.0f ? g[i] : 0.0f;
+      });
 }
 
 }  // namespace

@@ -215,8 +215,8 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
       m, n, k,
       [&](int64_t r0, int64_t rows, int64_t /*c0*/, int64_t /*cols*/) {
         try {  // an exception must not leave an OpenMP region
-          gemm_bf16_one_thread(trans_a, trans_b, rows, n, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda, b, ldb,
-                               beta, pc + static_cast<size_t>(r0 * ldc) * c_size, c_dtype, ldc);
+          gemm_bf16_one_thread(trans_a, trans_b, rows, n, k, alpha, trans_a ? a + r0 : a + r0 * lda, lda, b, ldb, beta,
+                               pc + static_cast<size_t>(r0 * ldc) * c_size, c_dtype, ldc);
         } catch (const dnnl::error& e) {
           if (!failed.exchange(true)) error = e.what();
         }
