@@ -220,7 +220,9 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   check_no_alias({&y, &lse}, {&q, &k, &v});
   const Device d = common_device({&q, &k, &v, &y, &lse});
   if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse}, false);
-  if (d.is_cpu()) return cpu::flash_attention_forward(q, k, v, y, lse, p, key);  // stages a head at a time
+  // On the CPU: bf16 on the bf16 units where oneDNN has fast kernels for the tiles, else staged a
+  // head at a time (cpu::flash_tiles_on_units).
+  if (d.is_cpu()) return cpu::flash_attention_forward(q, k, v, y, lse, p, key);
   check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_forward, q, k, v, y, lse, p, key);
 }
@@ -234,7 +236,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   check_no_alias({&dq, &dk, &dv}, {&q, &k, &v, &y, &lse, &dy});
   const Device d = common_device({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv});
   if (d.is_meta()) return meta_op({&q, &k, &v, &y, &lse, &dy, &dq, &dk, &dv}, false);
-  if (d.is_cpu()) return cpu::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, p, key);  // a head at a time
+  if (d.is_cpu()) return cpu::flash_attention_backward(q, k, v, y, lse, dy, dq, dk, dv, p, key);  // as forward
   check_cuda_heads(d, q, k);
   STRATA_CUDA_OP(d, flash_attention_backward, q, k, v, y, lse, dy, dq, dk, dv, p, key);
 }

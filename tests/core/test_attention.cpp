@@ -43,6 +43,13 @@ double rel_diff(const Tensor& got, const std::vector<double>& want, double floor
   return diff / scale;
 }
 
+// t's values in another dtype (ops::cast).
+Tensor as(const Tensor& t, DType dtype) {
+  Tensor out = Tensor::empty(t.shape(), dtype);
+  ops::cast(t, out);
+  return out;
+}
+
 bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
@@ -394,11 +401,6 @@ TEST(Attention, DeterministicAcrossRunsAndThreadCounts) {
 TEST(Attention, Bf16IsTheF32KernelOnTheWidenedValuesRoundedOnce) {
   if (ops::cpu::flash_tiles_on_units(Tensor::empty({1, 4, 40, 16}, DType::BF16)))
     GTEST_SKIP() << "these tiles run on the bf16 units: the test below covers them";
-  const auto as = [](const Tensor& t, DType dtype) {
-    Tensor out = Tensor::empty(t.shape(), dtype);
-    ops::cast(t, out);
-    return out;
-  };
   for (const int64_t kv_heads : {4, 2}) {
     SCOPED_TRACE(kv_heads);
     const Shape qs{1, 4, 40, 16}, kvs{1, kv_heads, 40, 16};
@@ -437,11 +439,6 @@ TEST(Attention, Bf16OnTheUnitsIsWithinOneRoundingOfItsTiles) {
   for (const int64_t t : {40, 130})
     if (!ops::cpu::flash_tiles_on_units(Tensor::empty({2, 4, t, 64}, DType::BF16)))
       GTEST_SKIP() << "no bf16 units, or oneDNN has no fast kernels for these tiles: bf16 attention is staged in f32";
-  const auto as = [](const Tensor& t, DType dtype) {
-    Tensor out = Tensor::empty(t.shape(), dtype);
-    ops::cast(t, out);
-    return out;
-  };
   const double u = std::ldexp(1.0, -8);
   const auto expect_within = [&](const Tensor& got, const std::vector<double>& want, const std::vector<double>& abs,
                                  const char* name) {

@@ -494,7 +494,7 @@ void flash_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 bool flash_tiles_on_units(const Tensor& q) {
   if (q.dtype() != DType::BF16 || bf16_matrix_units().empty()) return false;
   const int64_t dh = q.dim(3), n = std::min(kTile<bf16>, q.dim(2));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));  // Heads::scale
+  const float scale = Heads(q, q).scale;
   const auto brgemm = [&](bool ta, bool tb, int64_t rows, int64_t cols, int64_t depth, float alpha, int64_t lda,
                           int64_t ldb, float beta, int64_t ldc) {
     return bf16_product_is_brgemm(ta, tb, rows, cols, depth, alpha, lda, ldb, beta, DType::F32, ldc);

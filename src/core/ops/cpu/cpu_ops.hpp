@@ -109,10 +109,14 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 void gemm_bf16_one_thread(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bf16* a,
                           int64_t lda, const bf16* b, int64_t ldb, float beta, void* c, DType c_dtype, int64_t ldc);
 // Whether oneDNN runs that product (same arguments, less the pointers) with one of its brgemm
-// kernels, the units at full rate. For some small shapes it picks its generic gemm kernel, slower
-// than OpenBLAS in f32: attention's tiles at head size 32 (a 64 x 64 x 32 tile in 5-15 us).
+// kernels, the units at full rate. Where it does not (a result that is not dense, for one) it
+// picks its generic gemm, 3-5x slower: attention's 64 x 64 x 32 tiles took 5-15 us there.
 bool bf16_product_is_brgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, int64_t lda,
                             int64_t ldb, float beta, DType c_dtype, int64_t ldc);
+// Whether the memory-efficient attention kernels run q's (B, H, T, Dh) heads in bf16 on the bf16
+// units: q is bf16, the CPU has units, and oneDNN has brgemm kernels for every tile product
+// (bf16_product_is_brgemm); else the heads are staged in f32 for OpenBLAS.
+bool flash_tiles_on_units(const Tensor& q);
 
 void fill(const Tensor& x, float value);
 void cast(const Tensor& x, const Tensor& y);
@@ -151,10 +155,6 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
 // The softmax row loops of attention and the loss (attention.cpp), span kernels that give the
 // same bits at every vector width. max_of: the maximum of n > 0 values.
 float max_of(const float* x, int64_t n);
-// Whether the memory-efficient kernels run q's (B, H, T, Dh) heads in bf16 on the bf16 units: q is
-// bf16, the CPU has units, and oneDNN has brgemm kernels for every tile product
-// (bf16_product_is_brgemm); else the heads are staged in f32 for OpenBLAS.
-bool flash_tiles_on_units(const Tensor& q);
 float exp_and_sum(const float* x, float* out, int64_t n, float m);
 void softmax_backward_row(float* s, float* g, const float* f, int64_t n, float lse, float d);
 void add_bias(const Tensor& y, const Tensor& bias);
